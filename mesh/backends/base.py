@@ -1,0 +1,56 @@
+"""The one interface every inference engine implements; edge and cloud code see only this."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from protocol.messages import InferRequest, Usage
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a generation: text, or (last) the finish reason with usage."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Capacity:
+    total: int
+    """Requests the engine can generate at once."""
+    free: int
+    """Of those, how many it can take now (may reflect engine load, e.g. KV-cache use)."""
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    detail: str = ""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """An inference engine.
+
+    ``generate`` is an async generator of :class:`Chunk`; the last chunk has ``finish_reason``.
+    Closing or cancelling the generator aborts the generation in the engine. Engine failures
+    raise :class:`protocol.errors.BackendError` (or a more specific ``MeshError``).
+    """
+
+    model: str
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def generate(self, request: InferRequest) -> AsyncIterator[Chunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def capacity(self) -> Capacity: ...
+
+    async def health(self) -> Health: ...

@@ -1,0 +1,179 @@
+"""In-process llama.cpp backend: the edge model, and the cloud worker's CPU default.
+
+llama.cpp calls block, so each generation runs on a dedicated thread pool (one thread per slot)
+and hands chunks to the event loop through a queue. A slot is one loaded model instance, so
+``slots`` requests generate truly at once; a request beyond that waits for a free instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from mesh.backends.base import Capacity, Chunk, Health
+from mesh.config import ModelSettings
+from mesh.logs import get_logger
+from mesh.models import resolve_model_path
+from protocol.errors import BackendError, ContextTooLongError, MeshError
+from protocol.messages import InferRequest, Usage
+
+log = get_logger(__name__)
+_DONE = object()
+# llama-cpp-python silences loading by pointing fds 1 and 2 at /dev/null and back, process-wide;
+# two loads at once can restore each other's /dev/null and leave stdout dead. One at a time.
+_LOAD_LOCK = threading.Lock()
+
+
+class LlamaCppBackend:
+    """``slots`` instances of one GGUF model, generating off the event loop."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        self.settings = settings
+        self.model = settings.name
+        self.model_path: Path = resolve_model_path(settings.path)
+        self._instances: asyncio.Queue[Any] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stops: dict[str, threading.Event] = {}
+        self._busy = 0
+
+    async def start(self) -> None:
+        if self._instances is not None:
+            return
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.settings.slots, thread_name_prefix=f"llama-{self.model}"
+        )
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        instances = await asyncio.gather(
+            *(loop.run_in_executor(self._executor, self._load) for _ in range(self.settings.slots))
+        )
+        self._instances = asyncio.Queue()
+        for llama in instances:
+            self._instances.put_nowait(llama)
+        log.info("model loaded", model=self.model, path=str(self.model_path),
+                 slots=self.settings.slots, load_s=round(time.perf_counter() - started, 2))
+
+    def _load(self) -> Any:
+        from llama_cpp import Llama  # heavy import, only where the engine is used
+
+        threads = self.settings.n_threads or os.cpu_count() or 1
+        with _LOAD_LOCK:
+            return Llama(
+                model_path=str(self.model_path),
+                n_ctx=self.settings.n_ctx,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
+
+    async def close(self) -> None:
+        for stop in self._stops.values():
+            stop.set()
+        if self._executor is not None:
+            executor, self._executor = self._executor, None
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        self._instances = None
+
+    def capacity(self) -> Capacity:
+        return Capacity(total=self.settings.slots, free=max(0, self.settings.slots - self._busy))
+
+    async def health(self) -> Health:
+        if self._instances is None:
+            return Health(ok=False, detail="not started")
+        return Health(ok=True, detail=f"{self.model}: {self._busy}/{self.settings.slots} busy")
+
+    async def abort(self, request_id: str) -> None:
+        stop = self._stops.get(request_id)
+        if stop is not None:
+            stop.set()
+
+    async def generate(self, request: InferRequest) -> AsyncIterator[Chunk]:
+        if self._instances is None or self._executor is None:
+            raise BackendError("llama.cpp backend is not started", retryable=True)
+        instances = self._instances
+        llama = await instances.get()
+        self._busy += 1
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        stop = threading.Event()
+        self._stops[request.id] = stop
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                stop.set()
+
+        future = loop.run_in_executor(self._executor, _run, llama, request, emit, stop)
+
+        def release(_: object) -> None:
+            # The instance goes back only once its thread is done with it, however we exit.
+            self._busy -= 1
+            self._stops.pop(request.id, None)
+            instances.put_nowait(llama)
+
+        future.add_done_callback(release)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()  # cancelled or closed early: the thread stops at its next token
+
+
+def _run(
+    llama: Any, request: InferRequest, emit: Callable[[Any], None], stop: threading.Event
+) -> None:
+    """Runs on a worker thread: stream one chat completion into ``emit``."""
+    completion_tokens = 0
+    finish_reason: str | None = None
+    try:
+        stream = llama.create_chat_completion(
+            messages=request.chat(),
+            stream=True,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop=request.stop or [],
+            seed=request.seed,
+        )
+        try:
+            for part in stream:
+                if stop.is_set():
+                    finish_reason = "cancelled"
+                    break
+                choice = part["choices"][0]
+                text = choice.get("delta", {}).get("content")
+                if text:
+                    completion_tokens += 1
+                    emit(Chunk(text=text))
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+        finally:
+            stream.close()
+        prompt_tokens = max(0, int(llama.n_tokens) - completion_tokens)
+        emit(Chunk(finish_reason=finish_reason or "stop",
+                   usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)))
+    except MeshError as exc:
+        emit(exc)
+    except ValueError as exc:
+        message = str(exc)
+        if "context window" in message or "exceed" in message:
+            emit(ContextTooLongError(message, request_id=request.id))
+        else:
+            emit(BackendError(f"llama.cpp rejected the request: {message}", request_id=request.id,
+                              retryable=False))
+    except Exception as exc:  # engine failure: typed, never a traceback on the wire
+        emit(BackendError(f"llama.cpp failed: {type(exc).__name__}: {exc}", request_id=request.id))
+    finally:
+        emit(_DONE)

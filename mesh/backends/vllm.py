@@ -1,0 +1,132 @@
+"""In-process vLLM backend (V1 ``AsyncLLM``): the GPU cloud worker, with continuous batching.
+
+vLLM is an optional extra (``pip install 'nats-llm-mesh[vllm]'``, CUDA hosts only); it is
+imported on ``start()`` so the rest of the project never needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mesh.backends.base import Capacity, Chunk, Health
+from mesh.config import ModelSettings
+from mesh.logs import get_logger
+from protocol.errors import BackendError, ContextTooLongError, MeshError
+from protocol.messages import InferRequest, Usage
+
+log = get_logger(__name__)
+
+
+class VLLMBackend:
+    def __init__(self, settings: ModelSettings) -> None:
+        if not settings.path:
+            raise MeshError("the vllm backend needs a model: set MESH_WORKER_MODEL_PATH "
+                            "to a Hugging Face id or a local model directory", retryable=False)
+        self.settings = settings
+        self.model = settings.name
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        self._busy = 0
+
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise MeshError(
+                f"vLLM is not installed ({exc}); install the extra: pip install "
+                "'nats-llm-mesh[vllm]' on a CUDA host, or use MESH_WORKER_MODEL_BACKEND=llama_cpp",
+                retryable=False,
+            ) from None
+        args = AsyncEngineArgs(
+            model=self.settings.path,
+            served_model_name=[self.settings.name],
+            max_model_len=self.settings.n_ctx,
+            max_num_seqs=self.settings.slots,
+            gpu_memory_utilization=self.settings.gpu_memory_utilization,
+        )
+        self._engine = AsyncLLM.from_engine_args(args)
+        self._tokenizer = await self._engine.get_tokenizer()
+        log.info("vllm engine started", model=self.model, path=self.settings.path,
+                 max_num_seqs=self.settings.slots)
+
+    async def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    def capacity(self) -> Capacity:
+        # vLLM batches continuously: every slot up to max_num_seqs is real concurrency.
+        return Capacity(total=self.settings.slots, free=max(0, self.settings.slots - self._busy))
+
+    async def health(self) -> Health:
+        if self._engine is None:
+            return Health(ok=False, detail="not started")
+        try:
+            await self._engine.check_health()
+        except Exception as exc:  # the engine reports death as various exception types
+            return Health(ok=False, detail=f"{type(exc).__name__}: {exc}")
+        return Health(ok=True, detail=f"{self._busy}/{self.settings.slots} busy")
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    def _prompt(self, request: InferRequest) -> str:
+        prompt: str = self._tokenizer.apply_chat_template(
+            request.chat(), tokenize=False, add_generation_prompt=True
+        )
+        return prompt
+
+    async def generate(self, request: InferRequest) -> AsyncIterator[Chunk]:
+        if self._engine is None:
+            raise BackendError("vLLM backend is not started", retryable=True)
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop=request.stop or None,
+            seed=request.seed,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = await asyncio.to_thread(self._prompt, request)  # templating is CPU work
+        self._busy += 1
+        prompt_tokens = 0
+        completion_tokens = 0
+        finish_reason: str | None = None
+        try:
+            async for output in self._engine.generate(
+                request_id=request.id, prompt=prompt, sampling_params=params
+            ):
+                if output.prompt_token_ids is not None:
+                    prompt_tokens = len(output.prompt_token_ids)
+                for completion in output.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    if completion.text:
+                        yield Chunk(text=completion.text)
+                    if completion.finish_reason:
+                        finish_reason = completion.finish_reason
+            yield Chunk(finish_reason=finish_reason or "stop",
+                        usage=Usage(prompt_tokens=prompt_tokens,
+                                    completion_tokens=completion_tokens))
+        except asyncio.CancelledError:
+            await self.abort(request.id)
+            raise
+        except EngineDeadError as exc:
+            raise BackendError(f"vLLM engine died: {exc}", request_id=request.id) from None
+        except EngineGenerateError as exc:
+            raise BackendError(f"vLLM failed: {exc}", request_id=request.id) from None
+        except ValueError as exc:
+            if "longer than" in str(exc) or "context" in str(exc).lower():
+                raise ContextTooLongError(str(exc), request_id=request.id) from None
+            raise BackendError(f"vLLM rejected the request: {exc}", request_id=request.id,
+                               retryable=False) from None
+        finally:
+            self._busy -= 1

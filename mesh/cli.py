@@ -1,0 +1,281 @@
+"""The ``mesh`` command.
+
+    mesh demo                      start a local mesh, stream two sample answers, stop
+    mesh up                        run the local mesh (nats-server + worker + edge) until Ctrl-C
+    mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
+    mesh worker | mesh edge        run one role against MESH_NATS_URL
+    mesh provision                 create/update the stream and consumers
+    mesh config                    list every setting with its env var and default
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from mesh import __version__
+from mesh.config import MeshSettings, describe_settings, load_settings
+from mesh.logs import configure_logging
+from protocol.errors import MeshError
+from protocol.messages import EndEvent, RestartEvent, TokenEvent
+
+DEMO_PROMPTS = (
+    "Say hello to a new user in one short sentence.",
+    "A train leaves at 3:15 pm and travels 240 km at 80 km/h. Explain step by step when it "
+    "arrives, then compute 17 * 23 as a check.",
+)
+
+# CLI flag -> config path. Flags left unset fall through to env vars, then defaults.
+_FLAGS: dict[str, tuple[str, ...]] = {
+    "nats_url": ("nats", "url"),
+    "port": ("nats", "local_port"),
+    "log_level": ("log", "level"),
+    "log_format": ("log", "format"),
+    "edge_id": ("edge", "edge_id"),
+    "cloud_model": ("edge", "cloud_model"),
+    "threshold": ("edge", "router", "threshold"),
+    "router": ("edge", "router", "kind"),
+    "start_timeout": ("edge", "cloud_start_timeout"),
+}
+_MODEL_FLAGS = {"model": "path", "model_name": "name", "backend": "backend",
+                "base_url": "base_url", "slots": "slots"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mesh", description="NATS JetStream edge/cloud LLM mesh")
+    parser.add_argument("--version", action="version", version=f"mesh {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--nats-url", help="NATS server URL (env MESH_NATS_URL)")
+    common.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    common.add_argument("--log-format", choices=["auto", "json", "console"])
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", help="GGUF path (llama_cpp) or model id (vllm); default: bundled SmolLM2-135M")
+    model.add_argument("--model-name", help="model name on the queue subject (default smollm2)")
+    model.add_argument("--backend", choices=["llama_cpp", "openai", "vllm"])
+    model.add_argument("--base-url", help="OpenAI-compatible server base URL (openai backend)")
+    model.add_argument("--slots", type=int, help="concurrent generations")
+    edge = argparse.ArgumentParser(add_help=False)
+    edge.add_argument("--edge-id", help="edge id (subject mesh.v1.edge.<id>.infer)")
+    edge.add_argument("--cloud-model", help="cloud model escalations go to")
+    edge.add_argument("--threshold", type=float, help="router threshold (escalate at score >= it)")
+    edge.add_argument("--router", choices=["heuristic", "learned"])
+    edge.add_argument("--start-timeout", type=float, help="seconds to wait for the cloud to start")
+    ask_opts = argparse.ArgumentParser(add_help=False)
+    ask_opts.add_argument("--route", choices=["auto", "local", "cloud"], default="auto")
+    ask_opts.add_argument("--via", choices=["edge", "cloud"], default="edge",
+                          help="ask an edge (routes) or the cloud queue directly")
+    ask_opts.add_argument("--max-tokens", type=int, default=256)
+    ask_opts.add_argument("--temperature", type=float, default=0.7)
+    ask_opts.add_argument("--seed", type=int)
+
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", parents=[common, model, edge],
+                        help="run a local mesh (nats-server + worker + edge) until Ctrl-C")
+    up.add_argument("--port", type=int, help="local nats-server port (default 4222; -1: any free)")
+    demo = sub.add_parser("demo", parents=[common, model, edge, ask_opts],
+                          help="start a local mesh, stream sample answers, stop")
+    demo.add_argument("prompts", nargs="*", help="prompts to ask (default: two samples)")
+    ask = sub.add_parser("ask", parents=[common, ask_opts], help="stream an answer from a running mesh")
+    ask.add_argument("prompt")
+    ask.add_argument("--edge-id", help="edge to ask (default: local)")
+    ask.add_argument("--model", dest="ask_model", help="cloud model to use")
+    ask.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+    sub.add_parser("worker", parents=[common, model], help="run a cloud worker")
+    sub.add_parser("edge", parents=[common, model, edge], help="run an edge node")
+    prov = sub.add_parser("provision", parents=[common], help="create/update stream and consumers")
+    prov.add_argument("--model-name", action="append", dest="models",
+                      help="model to provision a consumer for (repeatable)")
+    sub.add_parser("config", help="list settings, env vars and defaults")
+    return parser
+
+
+def _settings(args: argparse.Namespace, *, quiet: bool = False) -> MeshSettings:
+    overrides: dict[tuple[str, ...], Any] = {}
+    for flag, path in _FLAGS.items():
+        if getattr(args, flag, None) is not None:
+            overrides[path] = getattr(args, flag)
+    for flag, key in _MODEL_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[("worker", "model", key)] = value
+            overrides[("edge", "model", key)] = value
+    if quiet and getattr(args, "log_level", None) is None:
+        overrides.setdefault(("log", "level"), "warning")
+    settings = load_settings(overrides)
+    configure_logging(settings.log)
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "config":
+        for env, default, doc in describe_settings():
+            print(f"{env:<38} {default!s:<28} {doc}")
+        return 0
+    try:
+        if args.command == "ask":
+            return _run(lambda: _ask(_settings(args, quiet=True), args))
+        if args.command == "demo":
+            settings = _settings(args, quiet=True)
+            settings.nats.local_port = -1  # never collide with a running `mesh up`
+            return _run(lambda: _demo(settings, args))
+        if args.command == "up":
+            return _run(lambda: _up(_settings(args)))
+        if args.command == "worker":
+            return _run(lambda: _serve_role(_settings(args), "worker"))
+        if args.command == "edge":
+            return _run(lambda: _serve_role(_settings(args), "edge"))
+        if args.command == "provision":
+            return _run(lambda: _provision(_settings(args), args.models))
+    except MeshError as err:
+        print(f"mesh: error: {err}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _run(factory: Callable[[], Awaitable[int]]) -> int:
+    async def runner() -> int:
+        return await factory()
+
+    try:
+        return asyncio.run(runner())
+    except MeshError as err:
+        print(f"mesh: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _until_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _up(settings: MeshSettings) -> int:
+    from mesh.local import LocalMesh
+
+    async with LocalMesh(settings) as mesh:
+        assert mesh.edge is not None
+        print(f"mesh is up: NATS {mesh.nats_url}, edge subject {mesh.edge.subject}", flush=True)
+        print(f"  try: mesh ask --nats-url {mesh.nats_url} \"What is 2+2?\"", flush=True)
+        print("  Ctrl-C stops everything", flush=True)
+        await _until_signal()
+        print("stopping...", flush=True)
+    print("stopped", flush=True)
+    return 0
+
+
+async def _demo(settings: MeshSettings, args: argparse.Namespace) -> int:
+    from mesh.client import MeshClient
+    from mesh.local import LocalMesh
+
+    prompts = args.prompts or list(DEMO_PROMPTS)
+    print("starting a local mesh: nats-server, one cloud worker, one edge node ...", flush=True)
+    async with LocalMesh(settings) as mesh:
+        print(f"up at {mesh.nats_url}\n", flush=True)
+        async with MeshClient(settings=mesh.settings) as client:
+            for prompt in prompts:
+                print(f">>> {prompt}", flush=True)
+                await _print_stream(client, prompt, args)
+                print(flush=True)
+    return 0
+
+
+async def _ask(settings: MeshSettings, args: argparse.Namespace) -> int:
+    from mesh.client import MeshClient
+
+    async with MeshClient(settings=settings) as client:
+        if args.json:
+            answer = await client.complete(
+                args.prompt, via=args.via, route=args.route, model=args.ask_model,
+                max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+            out = answer.end.model_dump(mode="json", exclude_none=True)
+            out.update(text=answer.text, restarts=answer.restarts)
+            print(json.dumps(out, indent=2))
+            return 0
+        await _print_stream(client, args.prompt, args)
+    return 0
+
+
+async def _print_stream(client: Any, prompt: str, args: argparse.Namespace) -> None:
+    async for event in client.stream(
+        prompt, via=args.via, route=args.route, model=getattr(args, "ask_model", None),
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+    ):
+        if isinstance(event, TokenEvent):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, RestartEvent):
+            sys.stdout.write(f"\n[restarted: {event.reason}]\n")
+        elif isinstance(event, EndEvent):
+            print("\n" + _summary(event), flush=True)
+
+
+def _summary(end: EndEvent) -> str:
+    where = "edge (local model)" if end.path == "local" else "cloud (worker pool)"
+    t = end.timings
+    parts = [f"served by {where}: {end.served_by}"]
+    if t.ttft_ms is not None:
+        parts.append(f"TTFT {t.ttft_ms:.0f} ms")
+    parts.append(f"{end.usage.completion_tokens} tokens")
+    if t.tokens_per_s:
+        parts.append(f"{t.tokens_per_s:.0f} tok/s")
+    parts.append(f"finish={end.finish_reason}")
+    line = "-- " + " | ".join(parts)
+    if end.routing is not None:
+        line += f"\n-- route: {end.routing.decision} ({end.routing.reason})"
+    if end.fallback:
+        line += f"\n-- fell back to local: {end.fallback}"
+    return line
+
+
+async def _serve_role(settings: MeshSettings, role: str) -> int:
+    from mesh.backends import create_backend
+    from mesh.connection import Connection
+
+    model_settings = settings.worker.model if role == "worker" else settings.edge.model
+    backend = create_backend(model_settings)
+    await backend.start()
+    try:
+        async with Connection(settings.nats, f"mesh-{role}") as conn:
+            if role == "worker":
+                from cloud_node.worker import Worker
+
+                async with Worker(settings, conn, backend):
+                    await _until_signal()
+            else:
+                from edge_node.node import EdgeNode
+                from edge_node.routing import create_router
+
+                async with EdgeNode(settings, conn, backend, create_router(settings.edge.router)):
+                    await _until_signal()
+    finally:
+        await backend.close()
+    return 0
+
+
+async def _provision(settings: MeshSettings, models: list[str] | None) -> int:
+    from mesh.connection import Connection
+    from mesh.provision import provision
+
+    names = models or [settings.worker.model.name]
+    async with Connection(settings.nats, "mesh-provision") as conn:
+        await provision(conn.jsm(), settings.stream, names)
+    print(f"stream {settings.stream.name} ready; consumers for: {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

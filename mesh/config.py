@@ -1,0 +1,251 @@
+"""Typed configuration: one model per process, from defaults, then env vars, then CLI flags.
+
+Every field has a default and a docstring. The env var of a field is its path joined with ``_``
+under the ``MESH_`` prefix: ``nats.url`` -> ``MESH_NATS_URL``, ``worker.model.path`` ->
+``MESH_WORKER_MODEL_PATH``. ``mesh config`` prints them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protocol.codec import RequestLimits
+from protocol.errors import InvalidRequestError
+
+ENV_PREFIX = "MESH_"
+DEFAULT_MODEL_NAME = "smollm2"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class NatsSettings(_Section):
+    url: str | None = None
+    """NATS server URL(s), comma-separated. Unset: `mesh up`/`demo` start a local nats-server,
+    other commands use nats://127.0.0.1:4222."""
+    connect_timeout: float = Field(default=5.0, gt=0)
+    """Seconds to wait for the first connection."""
+    request_timeout: float = Field(default=5.0, gt=0)
+    """Seconds to wait for a JetStream API call or a publish ack."""
+    reconnect_wait: float = Field(default=1.0, gt=0)
+    """Seconds between reconnect attempts."""
+    max_reconnect_attempts: int = -1
+    """Reconnect attempts before giving up; -1 tries forever."""
+    drain_timeout: float = Field(default=5.0, gt=0)
+    """Seconds to drain subscriptions and flush on shutdown."""
+    local_port: int = Field(default=4222, ge=-1, le=65535)
+    """Port of the nats-server that `mesh up` starts (-1 picks a free one)."""
+    store_dir: str | None = None
+    """JetStream store of the local nats-server; a temporary directory when unset."""
+
+    def servers(self) -> list[str]:
+        return [s.strip() for s in (self.url or "nats://127.0.0.1:4222").split(",") if s.strip()]
+
+
+class StreamSettings(_Section):
+    name: str = "MESH_INFER"
+    """Work-queue stream holding escalated requests."""
+    storage: Literal["file", "memory"] = "file"
+    """Where the stream keeps messages."""
+    max_msgs: int = Field(default=10_000, ge=1)
+    """Queued requests (all models) beyond which publishers get 'overloaded'."""
+    max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    """Queued bytes beyond which publishers get 'overloaded'."""
+    max_age: float = Field(default=3600.0, gt=0)
+    """Seconds a queued request is kept at most."""
+    duplicate_window: float = Field(default=120.0, gt=0)
+    """Seconds during which a re-published request id is dropped as a duplicate."""
+    ack_wait: float = Field(default=30.0, gt=0)
+    """Seconds without ack or progress after which a request is redelivered to another worker."""
+    max_deliver: int = Field(default=3, ge=1)
+    """Deliveries of one request before it fails for good."""
+    max_ack_pending: int = Field(default=1024, ge=1)
+    """Fleet-wide ceiling on requests in flight per model."""
+    retry_after: float = Field(default=2.0, gt=0)
+    """Seconds suggested to clients when the queue is full."""
+
+
+class ModelSettings(_Section):
+    backend: Literal["llama_cpp", "openai", "vllm"] = "llama_cpp"
+    """Inference engine: in-process llama.cpp, an OpenAI-compatible HTTP server, or vLLM."""
+    name: str = DEFAULT_MODEL_NAME
+    """Model name clients use; it names the queue subject mesh.v1.infer.<name>."""
+    path: str | None = None
+    """GGUF file for llama_cpp (default: the bundled SmolLM2-135M), or the vLLM model id/path."""
+    n_ctx: int = Field(default=2048, ge=128)
+    """Context window in tokens (llama_cpp, vllm)."""
+    n_threads: int | None = Field(default=None, ge=1)
+    """CPU threads for llama_cpp; all cores when unset."""
+    slots: int = Field(default=1, ge=1, le=1024)
+    """Requests generated at once (llama_cpp: model instances; openai/vllm: concurrency)."""
+    base_url: str = "http://127.0.0.1:8000/v1"
+    """Base URL of the OpenAI-compatible server (openai backend)."""
+    api_key: str | None = None
+    """Bearer token for the OpenAI-compatible server."""
+    remote_model: str | None = None
+    """Model name to send to the OpenAI-compatible server; `name` when unset."""
+    http_timeout: float = Field(default=30.0, gt=0)
+    """Seconds to wait for the HTTP server's headers or for its next streamed chunk."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """vLLM: share of GPU memory the engine may take."""
+
+
+class LimitSettings(_Section):
+    max_payload_bytes: int = Field(default=256 * 1024, ge=1024)
+    """Largest request payload accepted, in bytes."""
+    max_tokens: int = Field(default=4096, ge=1)
+    """Largest max_tokens a request may ask for."""
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(max_payload_bytes=self.max_payload_bytes, max_tokens=self.max_tokens)
+
+
+class WorkerSettings(_Section):
+    node_id: str = Field(default_factory=lambda: f"worker-{socket.gethostname()}-{os.getpid()}")
+    """Identifies this worker in logs and in `served_by`."""
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """Engine this worker generates with."""
+    fetch_batch: int = Field(default=16, ge=1)
+    """Most requests pulled per fetch (never more than free slots)."""
+    fetch_timeout: float = Field(default=2.0, gt=0)
+    """Seconds a pull request waits for work; also bounds how fast intake stops on shutdown."""
+    progress_fraction: float = Field(default=0.3, gt=0, lt=1)
+    """Tell JetStream 'in progress' every ack_wait x this while generating."""
+    coalesce_tokens: int = Field(default=16, ge=1)
+    """Most tokens per token message."""
+    coalesce_ms: float = Field(default=5.0, ge=0)
+    """Wait up to this long to batch tokens into one message (never for the first token)."""
+    drain_grace: float = Field(default=30.0, ge=0)
+    """Seconds in-flight requests get to finish on shutdown before they are cancelled."""
+    publish_timeout: float = Field(default=5.0, gt=0)
+    """Seconds to wait for the end message to be flushed before acking."""
+
+
+class RouterSettings(_Section):
+    kind: Literal["heuristic", "learned"] = "heuristic"
+    """Router implementation deciding local vs cloud."""
+    threshold: float = Field(default=0.5, ge=0, le=1)
+    """Escalate when the router's score is at or above this."""
+
+
+class EdgeSettings(_Section):
+    edge_id: str = "local"
+    """Names the edge's entry subject mesh.v1.edge.<edge_id>.infer."""
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """The on-device model."""
+    cloud_model: str = DEFAULT_MODEL_NAME
+    """Cloud model that escalated requests go to unless they name one."""
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    """The on-device classifier."""
+    cloud_start_timeout: float = Field(default=10.0, gt=0)
+    """Seconds to wait for the cloud's first token before answering locally."""
+    cloud_idle_timeout: float = Field(default=30.0, gt=0)
+    """Seconds without any event from the cloud, once started, before the edge gives up."""
+    max_concurrent: int = Field(default=64, ge=1)
+    """Requests the edge handles at once (local and relayed); more get 'overloaded'."""
+    local_queue: int = Field(default=8, ge=0)
+    """Requests that may wait for the local model beyond its slots; more get 'overloaded'."""
+    reply_timeout: float = Field(default=5.0, gt=0)
+    """Seconds to wait for a reply to be flushed to the client."""
+
+
+class LogSettings(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written."""
+    format: Literal["auto", "json", "console"] = "auto"
+    """auto: console on a terminal, JSON otherwise."""
+
+
+class MeshSettings(_Section):
+    """Configuration of one mesh process (worker, edge, local mesh or client)."""
+
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    """Connection to NATS."""
+    stream: StreamSettings = Field(default_factory=StreamSettings)
+    """The escalation work queue."""
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    """What nodes accept."""
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    """The cloud worker."""
+    edge: EdgeSettings = Field(default_factory=EdgeSettings)
+    """The edge daemon."""
+    log: LogSettings = Field(default_factory=LogSettings)
+    """Logging."""
+    strict_decode: bool = False
+    """Reject unknown fields instead of ignoring them (tests use this)."""
+
+
+def iter_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Yield ``(path, FieldInfo)`` for every leaf setting, depth first."""
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from iter_fields(annotation, (*prefix, name))
+        else:
+            yield (*prefix, name), info
+
+
+def env_name(path: tuple[str, ...]) -> str:
+    return ENV_PREFIX + "_".join(path).upper()
+
+
+def _set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _env_value(raw: str) -> Any:
+    """Env values are strings; JSON lists/objects are parsed, everything else pydantic coerces."""
+    stripped = raw.strip()
+    if stripped[:1] in "[{":
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def load_settings(
+    overrides: Mapping[tuple[str, ...], Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> MeshSettings:
+    """Defaults, then ``MESH_*`` env vars, then ``overrides`` (CLI flags) keyed by field path.
+
+    Raises :class:`InvalidRequestError` naming the env var or flag whose value is invalid.
+    """
+    environ = os.environ if environ is None else environ
+    tree: dict[str, Any] = {}
+    for path, _info in iter_fields(MeshSettings):
+        name = env_name(path)
+        if name in environ and environ[name] != "":
+            _set_path(tree, path, _env_value(environ[name]))
+    for path, value in (overrides or {}).items():
+        if value is not None:
+            _set_path(tree, path, value)
+    try:
+        return MeshSettings.model_validate(tree)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{env_name(tuple(str(p) for p in err['loc']))}: {err['msg']}" for err in exc.errors()
+        )
+        raise InvalidRequestError(f"invalid configuration: {problems}") from None
+
+
+def describe_settings() -> list[tuple[str, str, str]]:
+    """``(env var, default, description)`` for every setting, for ``mesh config``."""
+    defaults = MeshSettings()
+    rows = []
+    for path, info in iter_fields(MeshSettings):
+        value: Any = defaults
+        for key in path:
+            value = getattr(value, key)
+        rows.append((env_name(path), "" if value is None else str(value), info.description or ""))
+    return rows

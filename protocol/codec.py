@@ -1,0 +1,262 @@
+"""Bytes <-> messages: msgpack between nodes, JSON and plain text from people and the ``nats`` CLI.
+
+The wire format of a payload is taken from its ``Content-Type`` header when present, else sniffed:
+a msgpack map starts with a byte no UTF-8 text starts with, a JSON object starts with ``{``, and
+anything else is a plain-text prompt. Replies go back in the format the request came in (JSON for
+plain text), so a person using ``nats req`` reads JSON and the SDK reads msgpack.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import msgpack
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from protocol.errors import (
+    BadPayloadError,
+    ErrorCode,
+    InvalidRequestError,
+    MeshError,
+    PayloadTooLargeError,
+    error_class,
+)
+from protocol.messages import (
+    MAX_TOKENS_CEILING,
+    ErrorEvent,
+    Event,
+    InferRequest,
+)
+from protocol.subjects import is_subject, is_token
+
+CONTENT_TYPE = "Content-Type"
+
+
+class WireFormat(str, Enum):
+    MSGPACK = "msgpack"
+    JSON = "json"
+    TEXT = "text"
+
+    @property
+    def content_type(self) -> str:
+        return _CONTENT_TYPES[self]
+
+    @property
+    def reply_format(self) -> WireFormat:
+        """The format to answer in: plain-text requests get JSON answers."""
+        return WireFormat.JSON if self is WireFormat.TEXT else self
+
+
+_CONTENT_TYPES = {
+    WireFormat.MSGPACK: "application/msgpack",
+    WireFormat.JSON: "application/json",
+    WireFormat.TEXT: "text/plain",
+}
+_MSGPACK_MAP_FIRST_BYTES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+_EVENT_ADAPTER: TypeAdapter[Any] = TypeAdapter(Event)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a node accepts; checked on entry, before any work is done."""
+
+    max_payload_bytes: int = 256 * 1024
+    max_tokens: int = 4096
+
+
+UnknownFieldsHook = Callable[[str, frozenset[str]], None]
+
+
+def sniff(data: bytes, headers: Mapping[str, str] | None = None) -> WireFormat:
+    """The wire format of ``data``: from the Content-Type header if given, else from its bytes."""
+    if headers:
+        declared = (headers.get(CONTENT_TYPE) or "").split(";")[0].strip().lower()
+        for fmt, content_type in _CONTENT_TYPES.items():
+            if declared == content_type:
+                return fmt
+    if data and data[0] in _MSGPACK_MAP_FIRST_BYTES:
+        return WireFormat.MSGPACK
+    if data.lstrip()[:1] == b"{":
+        return WireFormat.JSON
+    return WireFormat.TEXT
+
+
+def load(data: bytes, fmt: WireFormat) -> Any:
+    """Parse bytes in ``fmt`` into Python values; :class:`BadPayloadError` when they do not parse."""
+    if fmt is WireFormat.MSGPACK:
+        try:
+            return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated exception types
+            raise BadPayloadError(f"malformed msgpack: {exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadPayloadError(f"payload is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    if fmt is WireFormat.TEXT:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadPayloadError(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+
+
+def dump(message: BaseModel, fmt: WireFormat) -> bytes:
+    """Encode a message; plain text is answered in JSON."""
+    data = message.model_dump(mode="json", exclude_none=True)
+    if fmt is WireFormat.MSGPACK:
+        return bytes(msgpack.packb(data, use_bin_type=True))
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def dump_token(request_id: str, seq: int, text: str, attempt: int, fmt: WireFormat) -> bytes:
+    """Fast path for the hottest message: same bytes as ``dump(TokenEvent(...))``, no pydantic."""
+    data = {"t": "tok", "id": request_id, "seq": seq, "text": text, "attempt": attempt}
+    if fmt is WireFormat.MSGPACK:
+        return bytes(msgpack.packb(data, use_bin_type=True))
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def decode_request(
+    data: bytes,
+    headers: Mapping[str, str] | None = None,
+    *,
+    limits: RequestLimits = RequestLimits(),  # noqa: B008 - frozen dataclass, safe as default
+    strict: bool = False,
+    on_unknown: UnknownFieldsHook | None = None,
+) -> tuple[InferRequest, WireFormat]:
+    """Decode and validate a request from any accepted format.
+
+    Raises :class:`PayloadTooLargeError`, :class:`BadPayloadError` or
+    :class:`InvalidRequestError`; the error's ``request_id`` is set when the id could be read.
+    """
+    fmt = sniff(data, headers)
+    if len(data) > limits.max_payload_bytes:
+        raise PayloadTooLargeError(
+            f"payload is {len(data)} bytes; this node accepts at most {limits.max_payload_bytes}"
+        )
+    raw = load(data, fmt)
+    if isinstance(raw, str):
+        raw = {"prompt": raw}
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(
+            f"a request must be a map/object or a text prompt, not {type(raw).__name__}"
+        )
+    request_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+    unknown = frozenset(str(k) for k in raw) - _REQUEST_FIELDS
+    if unknown:
+        if strict:
+            raise InvalidRequestError(
+                f"unknown field(s): {', '.join(sorted(unknown))}", request_id=request_id
+            )
+        if on_unknown is not None:
+            on_unknown("InferRequest", unknown)
+    try:
+        request = InferRequest.model_validate(raw)
+    except ValidationError as exc:
+        raise invalid_request_error(exc, request_id) from None
+    if request.max_tokens > limits.max_tokens:
+        raise InvalidRequestError(
+            f"max_tokens {request.max_tokens} is over this node's limit of {limits.max_tokens}",
+            request_id=request.id,
+            details=[{"loc": "max_tokens", "msg": f"must be <= {limits.max_tokens}"}],
+        )
+    return request, fmt
+
+
+def reply_target(data: bytes, headers: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """Best effort ``(request_id, reply_subject)`` from a payload that failed to decode.
+
+    Lets a worker answer a request it cannot validate on the subject its sender listens on.
+    """
+    try:
+        raw = load(data, sniff(data, headers))
+    except MeshError:
+        return None, None
+    if not isinstance(raw, dict):
+        return None, None
+    rid = raw.get("id")
+    reply = raw.get("reply")
+    request_id = rid if isinstance(rid, str) and is_token(rid) else None
+    reply_subject = reply if isinstance(reply, str) and is_subject(reply) else None
+    return request_id, reply_subject
+
+
+def decode_event(data: bytes, headers: Mapping[str, str] | None = None) -> Any:
+    """Decode a token / end / error / restart / answer event; :class:`BadPayloadError` if malformed."""
+    raw = load(data, sniff(data, headers))
+    try:
+        return _EVENT_ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        raise BadPayloadError(f"not a mesh event: {_summary(exc)}") from None
+
+
+def error_event(error: MeshError, request_id: str | None = None) -> ErrorEvent:
+    return ErrorEvent(
+        id=request_id or error.request_id,
+        code=error.code.value,
+        message=error.message,
+        retryable=error.retryable,
+        retry_after=error.retry_after,
+        details=error.details,
+    )
+
+
+def to_exception(event: ErrorEvent) -> MeshError:
+    """Rebuild the typed exception an error event stands for."""
+    cls = error_class(event.code)
+    error = cls(
+        event.message,
+        retryable=event.retryable,
+        retry_after=event.retry_after,
+        details=event.details,
+        request_id=event.id,
+    )
+    if cls is MeshError:
+        try:
+            error.code = ErrorCode(event.code)
+        except ValueError:
+            error.code = ErrorCode.INTERNAL
+    return error
+
+
+_REQUEST_FIELDS = frozenset(InferRequest.model_fields)
+
+
+def _summary(exc: ValidationError, limit: int = 3) -> str:
+    parts = []
+    for err in exc.errors()[:limit]:
+        loc = ".".join(str(p) for p in err["loc"]) or "request"
+        parts.append(f"{loc}: {err['msg']}")
+    more = len(exc.errors()) - limit
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+def invalid_request_error(exc: ValidationError, request_id: str | None) -> InvalidRequestError:
+    """A pydantic validation failure as a typed error, with one detail per bad field."""
+    details = [
+        {"loc": ".".join(str(p) for p in err["loc"]) or "request", "msg": err["msg"]}
+        for err in exc.errors()
+    ]
+    return InvalidRequestError(_summary(exc), details=details, request_id=request_id)
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "MAX_TOKENS_CEILING",
+    "RequestLimits",
+    "WireFormat",
+    "decode_event",
+    "decode_request",
+    "dump",
+    "dump_token",
+    "error_event",
+    "invalid_request_error",
+    "load",
+    "reply_target",
+    "sniff",
+    "to_exception",
+]

@@ -1,0 +1,215 @@
+"""Wire messages of protocol v1, as pydantic models.
+
+Every message is a map with a type tag ``t`` (events) or a version ``v`` (requests). Maps decode
+tolerantly: unknown fields are ignored (the codec reports them), so a newer peer can add fields
+without breaking an older one.
+
+Events on a token subject or an edge reply inbox, in order: zero or more ``tok``, possibly a
+``restart`` (the request was redelivered to another worker: drop the partial text), then exactly
+one ``end`` or ``err``. A non-streaming edge request gets a single ``answer`` or ``err``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from protocol.subjects import TOKEN_PATTERN, is_subject
+
+PROTOCOL_VERSION = 1
+MAX_TOKENS_CEILING = 65_536
+"""No request may ask for more tokens than this, whatever a node allows."""
+MAX_MESSAGES = 512
+MAX_STOP_SEQUENCES = 16
+
+RouteChoice = Literal["auto", "local", "cloud"]
+Path = Literal["local", "cloud"]
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=False, populate_by_name=True)
+
+
+class ChatMessage(_Wire):
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=1_000_000)
+
+
+class RouteDecision(_Wire):
+    """Why a request went where it went; attached by the edge to what it sends and answers."""
+
+    decision: Path
+    score: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Calibrated probability that the local model would fail (higher means escalate)."""
+    reason: str = ""
+    """A short human-readable reason, e.g. ``score 0.81 >= 0.50: math, multi-step``."""
+    forced: bool = False
+    """True when the client's ``route`` override made the decision, not the router."""
+    threshold: float | None = None
+
+
+class InferRequest(_Wire):
+    """An inference request: what a client sends to an edge and what an edge queues for workers."""
+
+    v: int = Field(default=PROTOCOL_VERSION, ge=1)
+    id: str = Field(default_factory=new_request_id, pattern=TOKEN_PATTERN)
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    """Cloud model to escalate to; the edge's configured default when absent."""
+    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
+    prompt: str | None = None
+    """A single user turn; shorthand for ``messages=[{"role": "user", "content": prompt}]``."""
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_CEILING)
+    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: list[str] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    seed: int | None = None
+    deadline: float | None = Field(default=None, gt=0)
+    """Absolute time (Unix seconds) by which the answer must be complete."""
+    start_by: float | None = Field(default=None, gt=0)
+    """Absolute time (Unix seconds) after which a worker must not start this request."""
+    reply: str | None = None
+    """Subject for token events; ``mesh.v1.tok.<id>`` when absent."""
+    origin: str | None = None
+    """The edge id (or client name) that sent the request."""
+    route: RouteChoice = "auto"
+    """Client override: let the edge's router decide, or force local / cloud."""
+    routing: RouteDecision | None = None
+    """The edge's decision, carried to the worker for its logs."""
+    stream: bool = False
+    """Edge entry only: stream events to the reply inbox instead of one complete answer."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("reply")
+    @classmethod
+    def _reply_is_subject(cls, value: str | None) -> str | None:
+        if value is not None and not is_subject(value):
+            raise ValueError("reply must be a literal NATS subject (no wildcards or spaces)")
+        return value
+
+    @model_validator(mode="after")
+    def _has_prompt(self) -> InferRequest:
+        if self.prompt is not None and self.messages is not None:
+            raise ValueError("give either prompt or messages, not both")
+        if self.messages is not None:
+            if not self.messages:
+                raise ValueError("messages is empty")
+            if not any(m.content.strip() for m in self.messages):
+                raise ValueError("every message is empty")
+        elif self.prompt is None or not self.prompt.strip():
+            raise ValueError("missing prompt: give a non-empty prompt or messages")
+        return self
+
+    def chat(self) -> list[dict[str, str]]:
+        """The conversation as OpenAI-style role/content dicts."""
+        if self.messages is not None:
+            return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [{"role": "user", "content": self.prompt or ""}]
+
+    def text(self) -> str:
+        """All user-visible text of the request, for routing and logging."""
+        if self.messages is not None:
+            return "\n".join(m.content for m in self.messages)
+        return self.prompt or ""
+
+    def turns(self) -> int:
+        return len(self.messages) if self.messages is not None else 1
+
+    def is_expired(self, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        return (self.deadline is not None and now >= self.deadline) or (
+            self.start_by is not None and now >= self.start_by
+        )
+
+
+class Usage(_Wire):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(_Wire):
+    """Milliseconds, measured by whoever sends the message."""
+
+    queue_ms: float | None = None
+    """From publish to the start of generation (cloud only)."""
+    ttft_ms: float | None = None
+    """From the start of handling to the first token."""
+    gen_ms: float | None = None
+    """From the first token to the last."""
+    total_ms: float | None = None
+    tokens_per_s: float | None = None
+
+
+class TokenEvent(_Wire):
+    t: Literal["tok"] = "tok"
+    id: str
+    seq: int = Field(ge=0)
+    """Per-request message sequence, from 0; the end message continues it."""
+    text: str
+    """One or several coalesced tokens."""
+    attempt: int = Field(default=1, ge=1)
+    """Delivery attempt that produced this text (JetStream ``num_delivered``)."""
+    logprobs: list[float] | None = None
+
+
+class _Outcome(_Wire):
+    id: str
+    finish_reason: str = "stop"
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    served_by: str = ""
+    """Node id of whoever generated the text (``edge:<id>`` or ``cloud:<id>``)."""
+    path: Path = "cloud"
+    routing: RouteDecision | None = None
+    fallback: str | None = None
+    """Set when the router chose the cloud but the edge answered locally, and why."""
+
+
+class EndEvent(_Outcome):
+    t: Literal["end"] = "end"
+    seq: int = Field(ge=0)
+    attempt: int = Field(default=1, ge=1)
+
+
+class Answer(_Outcome):
+    """The single reply to a non-streaming edge request (what ``nats req`` prints)."""
+
+    t: Literal["answer"] = "answer"
+    text: str
+
+
+class RestartEvent(_Wire):
+    """The request was redelivered: discard text received so far, tokens start over."""
+
+    t: Literal["restart"] = "restart"
+    id: str
+    attempt: int = Field(ge=1)
+    reason: str = "redelivered"
+
+
+class ErrorEvent(_Wire):
+    t: Literal["err"] = "err"
+    id: str | None = None
+    code: str
+    """A stable :class:`protocol.errors.ErrorCode` value (unknown codes are kept as strings)."""
+    message: str
+    retryable: bool = False
+    retry_after: float | None = None
+    details: list[dict[str, Any]] | None = None
+
+
+Event = Annotated[
+    Union[TokenEvent, EndEvent, ErrorEvent, RestartEvent, Answer],
+    Field(discriminator="t"),
+]
+StreamEvent = Union[TokenEvent, EndEvent, RestartEvent]

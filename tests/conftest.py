@@ -1,0 +1,109 @@
+"""Real parts only: a nats-server per session (free port, temporary store, readiness from its
+log), the real SmolLM2-135M GGUF loaded once per session, and per-test workers and edges."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.js.errors import NotFoundError
+
+from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
+from mesh.backends.llama_cpp import LlamaCppBackend
+from mesh.client import MeshClient
+from mesh.config import MeshSettings, load_settings
+from mesh.connection import Connection
+from mesh.logs import configure_logging
+from mesh.nats_server import NatsServer
+
+configure_logging(load_settings(environ={}).log.model_copy(update={"level": "warning"}))
+
+
+@pytest.fixture(scope="session")
+async def nats_server() -> AsyncIterator[NatsServer]:
+    server = NatsServer(port=-1, ready_timeout=15)
+    await server.start()
+    yield server
+    await server.stop()
+
+
+def make_settings(nats_url: str, **overrides: object) -> MeshSettings:
+    """Settings for one test: strict decoding, short timeouts, a unique edge id."""
+    settings = load_settings(
+        {
+            ("nats", "url"): nats_url,
+            ("strict_decode",): True,
+            ("edge", "edge_id"): f"t{uuid.uuid4().hex[:10]}",
+            ("edge", "cloud_start_timeout"): 5.0,
+            ("edge", "cloud_idle_timeout"): 20.0,
+            ("worker", "fetch_timeout"): 0.5,
+            ("worker", "drain_grace"): 5.0,
+            ("stream", "ack_wait"): 10.0,
+        },
+        environ={},
+    )
+    for dotted, value in overrides.items():
+        target = settings
+        *parents, leaf = dotted.split("__")
+        for name in parents:
+            target = getattr(target, name)
+        setattr(target, leaf, value)
+    return settings
+
+
+@pytest.fixture
+async def settings(nats_server: NatsServer) -> MeshSettings:
+    return make_settings(nats_server.url)
+
+
+@pytest.fixture
+async def conn(settings: MeshSettings) -> AsyncIterator[Connection]:
+    async with Connection(settings.nats, "test") as connection:
+        # Every test starts from an empty queue: drop the stream (and its consumers).
+        try:
+            await connection.jsm().delete_stream(settings.stream.name)
+        except NotFoundError:
+            pass
+        yield connection
+
+
+@pytest.fixture(scope="session")
+async def worker_backend() -> AsyncIterator[LlamaCppBackend]:
+    backend = LlamaCppBackend(load_settings(environ={}).worker.model)
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture(scope="session")
+async def edge_backend() -> AsyncIterator[LlamaCppBackend]:
+    backend = LlamaCppBackend(load_settings(environ={}).edge.model)
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture
+async def worker(
+    settings: MeshSettings, conn: Connection, worker_backend: LlamaCppBackend
+) -> AsyncIterator[Worker]:
+    async with Worker(settings, conn, worker_backend) as running:
+        yield running
+
+
+@pytest.fixture
+async def edge(
+    settings: MeshSettings, conn: Connection, edge_backend: LlamaCppBackend
+) -> AsyncIterator[EdgeNode]:
+    router = HeuristicRouter(threshold=settings.edge.router.threshold)
+    async with EdgeNode(settings, conn, edge_backend, router) as node:
+        yield node
+
+
+@pytest.fixture
+async def client(settings: MeshSettings, conn: Connection) -> AsyncIterator[MeshClient]:
+    async with MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as sdk:
+        yield sdk

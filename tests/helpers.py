@@ -1,0 +1,40 @@
+"""Small helpers shared by the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from mesh.config import MeshSettings
+from mesh.connection import Connection
+from protocol.subjects import consumer_name
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0,
+                     what: str = "condition") -> None:
+    """Poll ``check`` until it is true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if await check():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def queue_state(conn: Connection, settings: MeshSettings, model: str = "smollm2") -> dict[str, int]:
+    """Messages left in the stream, and the consumer's pending/unacked counts."""
+    jsm = conn.jsm()
+    stream = await jsm.stream_info(settings.stream.name)
+    consumer = await jsm.consumer_info(settings.stream.name, consumer_name(model))
+    return {
+        "messages": stream.state.messages,
+        "num_pending": consumer.num_pending or 0,
+        "num_ack_pending": consumer.num_ack_pending or 0,
+    }
+
+
+async def queue_drained(conn: Connection, settings: MeshSettings, model: str = "smollm2") -> bool:
+    state = await queue_state(conn, settings, model)
+    return state == {"messages": 0, "num_pending": 0, "num_ack_pending": 0}

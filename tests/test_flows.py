@@ -1,0 +1,209 @@
+"""The mesh's main flows with real parts: nats-server, JetStream, the SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from mesh.client import MeshClient
+from mesh.config import MeshSettings
+from mesh.connection import Connection
+from protocol.errors import CancelledByClientError, UnknownModelError
+from protocol.messages import EndEvent, RestartEvent, TokenEvent
+from protocol.codec import decode_event
+from protocol.subjects import token_subject
+from tests.helpers import eventually, queue_drained, queue_state
+
+SIMPLE = "Say hello in five words."
+COMPLEX = "Explain step by step how to compute 17 * 23, then prove the result is odd."
+
+
+async def test_local_path_streams_tokens_then_end(edge: EdgeNode, client: MeshClient) -> None:
+    events = [e async for e in client.stream(SIMPLE, max_tokens=24, temperature=0)]
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    end = events[-1]
+    assert isinstance(end, EndEvent)
+    assert tokens, "the local model produced no text"
+    assert all(isinstance(e, TokenEvent) for e in events[:-1])
+    assert [t.seq for t in tokens] == list(range(len(tokens)))
+    assert end.seq == len(tokens)
+    assert end.path == "local"
+    assert end.served_by == f"edge:{edge.edge_id}"
+    assert end.routing is not None and end.routing.decision == "local"
+    assert end.routing.reason  # the decision is explained
+    assert end.timings.ttft_ms is not None and end.timings.ttft_ms > 0
+    assert 0 < end.usage.completion_tokens <= 24
+
+
+async def test_escalated_path_relays_in_order_acks_and_empties_queue(
+    worker: Worker, edge: EdgeNode, client: MeshClient, conn: Connection, settings: MeshSettings
+) -> None:
+    # Watch the token subject as `nats sub` would: what the worker published for this request.
+    published: list[TokenEvent] = []
+
+    async def watch(msg: object) -> None:
+        event = decode_event(msg.data)  # type: ignore[attr-defined]
+        if isinstance(event, TokenEvent):
+            published.append(event)
+
+    watcher = await conn.nc.subscribe(token_subject("escalated1"), cb=watch)
+    events = [e async for e in client.stream(COMPLEX, max_tokens=32, temperature=0,
+                                             request_id="escalated1")]
+    await watcher.unsubscribe()
+    end = events[-1]
+    assert isinstance(end, EndEvent)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert tokens
+    assert [t.seq for t in tokens] == list(range(len(tokens)))
+    assert end.path == "cloud"
+    assert end.served_by == f"cloud:{worker.node_id}"
+    assert end.routing is not None and end.routing.decision == "cloud"
+    assert not end.routing.forced
+    assert end.fallback is None
+    assert end.timings.queue_ms is not None
+    assert end.usage.completion_tokens == 32 and end.finish_reason == "length"
+    # The edge relayed exactly what the worker generated, in order.
+    assert published and "".join(t.text for t in tokens) == "".join(t.text for t in published)
+    assert [t.seq for t in published] == list(range(len(published)))
+    assert worker.stats.completed == 1
+    await eventually(lambda: queue_drained(conn, settings), what="acked and empty queue")
+
+
+async def test_route_override_forces_each_path(worker: Worker, edge: EdgeNode, client: MeshClient) -> None:
+    to_cloud = await client.complete(SIMPLE, route="cloud", max_tokens=8, temperature=0)
+    to_local = await client.complete(COMPLEX, route="local", max_tokens=8, temperature=0)
+    assert to_cloud.path == "cloud" and to_cloud.end.routing is not None
+    assert to_cloud.end.routing.forced and to_cloud.end.routing.decision == "cloud"
+    assert to_local.path == "local" and to_local.end.routing is not None
+    assert to_local.end.routing.forced
+
+
+async def test_falls_back_to_local_when_no_worker_runs(
+    settings: MeshSettings, conn: Connection, edge_backend: object, client: MeshClient
+) -> None:
+    # A consumer exists (a pool was deployed) but no worker is running: nobody will start it.
+    from edge_node.router import HeuristicRouter
+    from mesh.provision import provision
+
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    settings.edge.cloud_start_timeout = 1.5
+    async with EdgeNode(settings, conn, edge_backend, HeuristicRouter()):  # type: ignore[arg-type]
+        began = time.monotonic()
+        answer = await client.complete(COMPLEX, max_tokens=16, temperature=0)
+        waited = time.monotonic() - began
+    assert answer.path == "local"
+    assert answer.end.routing is not None and answer.end.routing.decision == "cloud"
+    assert answer.end.fallback is not None and "did not start" in answer.end.fallback
+    assert answer.text
+    assert waited >= 1.5
+    # The edge took its escalation back: no worker will later burn time on it.
+    assert (await queue_state(conn, settings))["messages"] == 0
+
+
+async def test_falls_back_at_once_when_no_pool_serves_the_cloud_model(
+    edge: EdgeNode, client: MeshClient
+) -> None:
+    began = time.monotonic()
+    answer = await client.complete(COMPLEX, max_tokens=8, temperature=0)
+    assert answer.path == "local"
+    assert answer.end.fallback is not None and "no worker pool" in answer.end.fallback
+    assert time.monotonic() - began < 5  # no start timeout was spent
+    assert edge.metrics.get("fallback") == 1
+
+
+async def test_sdk_complete_via_edge_and_via_cloud(worker: Worker, edge: EdgeNode, client: MeshClient) -> None:
+    via_edge = await client.complete(SIMPLE, max_tokens=12, temperature=0)
+    via_cloud = await client.complete(SIMPLE, via="cloud", max_tokens=12, temperature=0)
+    assert via_edge.text.strip() and via_cloud.text.strip()
+    assert via_edge.path == "local"
+    assert via_cloud.path == "cloud" and via_cloud.end.routing is None
+    assert via_cloud.events[-1] is via_cloud.end
+
+
+async def test_sdk_messages_and_unknown_model(worker: Worker, edge: EdgeNode, client: MeshClient) -> None:
+    answer = await client.complete(
+        messages=[{"role": "system", "content": "Answer briefly."},
+                  {"role": "user", "content": "Name a color."}],
+        via="cloud", max_tokens=8, temperature=0,
+    )
+    assert answer.text.strip()
+    with pytest.raises(UnknownModelError) as excinfo:
+        await client.complete(SIMPLE, via="cloud", model="no-such-model")
+    assert excinfo.value.code.value == "unknown_model"
+
+
+async def test_cancel_stops_cloud_generation_and_acks(
+    worker: Worker, client: MeshClient, conn: Connection, settings: MeshSettings
+) -> None:
+    received = 0
+    async for event in client.stream(COMPLEX, via="cloud", max_tokens=2000, temperature=0.7,
+                                     request_id="cancelme1"):
+        if isinstance(event, TokenEvent):
+            received += 1
+        if received >= 3:
+            break  # leaving the stream cancels the request
+    await eventually(lambda: _true(worker.stats.cancelled == 1), what="worker to see the cancel")
+    await eventually(lambda: queue_drained(conn, settings), what="cancelled request acked")
+    assert worker.stats.completed == 0
+
+
+async def test_cancel_before_start_is_honoured(
+    settings: MeshSettings, conn: Connection, worker_backend: object, client: MeshClient
+) -> None:
+    # Queue a request, cancel it, and only then start the worker: it must not generate.
+    from mesh.provision import provision
+    from mesh.queue import CloudCall
+    from protocol.messages import InferRequest
+
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    request = InferRequest(id="early-cancel", model="smollm2", prompt=SIMPLE, max_tokens=8)
+    sub = await conn.nc.subscribe(token_subject(request.id))
+    async with Worker(settings, conn, worker_backend) as running:  # type: ignore[arg-type]
+        # cancel first (the worker remembers it), then queue
+        await conn.nc.publish(f"mesh.v1.cancel.{request.id}", b"")
+        await conn.nc.flush()
+        async with CloudCall(conn, settings.stream, request):
+            msg = await sub.next_msg(timeout=10)
+        await eventually(lambda: queue_drained(conn, settings), what="cancelled request dropped")
+        assert running.stats.completed == 0
+    from protocol.codec import to_exception
+
+    error = to_exception(decode_event(msg.data))
+    assert isinstance(error, CancelledByClientError)
+
+
+async def test_concurrent_requests_all_complete_with_one_slot(
+    worker: Worker, client: MeshClient, conn: Connection, settings: MeshSettings
+) -> None:
+    # Five requests at once against a one-slot worker: it pulls one at a time, none is lost.
+    answers = await asyncio.gather(*(
+        client.complete(f"Count to {n}.", via="cloud", max_tokens=6, temperature=0)
+        for n in range(5)
+    ))
+    assert all(a.path == "cloud" and a.text for a in answers)
+    assert len({a.end.id for a in answers}) == 5
+    assert worker.stats.completed == 5
+    await eventually(lambda: queue_drained(conn, settings), what="empty queue")
+
+
+async def test_restart_event_resets_collected_text(client: MeshClient) -> None:
+    # complete() drops text gathered before a restart (unit-level check of the SDK contract).
+    from protocol.messages import Usage
+
+    async def fake_stream(*_args: object, **_kwargs: object):  # noqa: RUF029
+        yield TokenEvent(id="r", seq=0, text="partial ", attempt=1)
+        yield RestartEvent(id="r", attempt=2)
+        yield TokenEvent(id="r", seq=1, text="whole", attempt=2)
+        yield EndEvent(id="r", seq=2, attempt=2, usage=Usage(completion_tokens=1))
+
+    client.stream = fake_stream  # type: ignore[method-assign]
+    answer = await client.complete("x")
+    assert answer.text == "whole" and answer.restarts == 1
+
+
+async def _true(value: bool) -> bool:
+    return value
