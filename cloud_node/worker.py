@@ -88,9 +88,15 @@ class Worker:
             durable=consumer_name(self.backend.model), stream=self._stream.name
         )
         self._cancel_sub = await self.conn.nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
+        await self.conn.nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self._loop_task = asyncio.get_running_loop().create_task(self._pull_loop(), name="pull")
-        log.info("worker started", node_id=self.node_id, model=self.backend.model,
-                 slots=self.backend.capacity().total, consumer=consumer_name(self.backend.model))
+        log.info(
+            "worker started",
+            node_id=self.node_id,
+            model=self.backend.model,
+            slots=self.backend.capacity().total,
+            consumer=consumer_name(self.backend.model),
+        )
 
     async def stop(self) -> None:
         """Ordered: stop pulling, let in-flight requests finish (grace), requeue the rest."""
@@ -107,8 +113,11 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._loop_task
         if self._inflight:
-            log.info("draining in-flight requests", count=len(self._inflight),
-                     grace_s=self._ws.drain_grace)
+            log.info(
+                "draining in-flight requests",
+                count=len(self._inflight),
+                grace_s=self._ws.drain_grace,
+            )
         await self._tasks.close(grace=self._ws.drain_grace)
         for sub in (self._cancel_sub, self._psub):
             if sub is not None:
@@ -180,8 +189,11 @@ class Worker:
         attempt = msg.metadata.num_delivered
         try:
             request, fmt = decode_request(
-                msg.data, msg.headers, limits=self.settings.limits.request_limits(),
-                strict=self.settings.strict_decode, on_unknown=log_unknown_fields,
+                msg.data,
+                msg.headers,
+                limits=self.settings.limits.request_limits(),
+                strict=self.settings.strict_decode,
+                on_unknown=log_unknown_fields,
             )
             self._check(request)
         except MeshError as err:
@@ -190,8 +202,12 @@ class Worker:
         task = asyncio.current_task()
         assert task is not None
         self._inflight[request.id] = task
-        sink = EventSink(self._publisher(request.reply or token_subject(request.id)),
-                         request.id, fmt.reply_format, collect=False)
+        sink = EventSink(
+            self._publisher(request.reply or token_subject(request.id)),
+            request.id,
+            fmt.reply_format,
+            collect=False,
+        )
         with structlog.contextvars.bound_contextvars(
             request_id=request.id, node_id=self.node_id, subject=msg.subject, attempt=attempt
         ):
@@ -201,14 +217,17 @@ class Worker:
                 self._inflight.pop(request.id, None)
 
     def _check(self, request: InferRequest) -> None:
-        if request.model is not None and model_token(request.model) != model_token(self.backend.model):
+        if request.model is not None and model_token(request.model) != model_token(
+            self.backend.model
+        ):
             raise UnknownModelError(
                 f"this worker serves {self.backend.model!r}, not {request.model!r}",
                 request_id=request.id,
             )
         if request.is_expired():
-            raise DeadlineExceededError("the request's deadline passed before it could start",
-                                        request_id=request.id)
+            raise DeadlineExceededError(
+                "the request's deadline passed before it could start", request_id=request.id
+            )
         if request.id in self._cancelled:
             raise CancelledByClientError("cancelled before it started", request_id=request.id)
 
@@ -218,8 +237,14 @@ class Worker:
         request_id = err.request_id or request_id
         subject = reply or (token_subject(request_id) if request_id else None)
         self.stats.rejected += 1
-        log.warning("request rejected", code=err.code.value, error=err.message,
-                    request_id=request_id, subject=msg.subject, answered=subject is not None)
+        log.warning(
+            "request rejected",
+            code=err.code.value,
+            error=err.message,
+            request_id=request_id,
+            subject=msg.subject,
+            answered=subject is not None,
+        )
         if subject is not None:
             fmt = sniff(msg.data, msg.headers).reply_format
             sink = EventSink(self._publisher(subject), request_id or "", fmt, collect=False)
@@ -231,7 +256,9 @@ class Worker:
             else:
                 await msg.term()
 
-    async def _generate(self, msg: Msg, request: InferRequest, sink: EventSink, attempt: int) -> None:
+    async def _generate(
+        self, msg: Msg, request: InferRequest, sink: EventSink, attempt: int
+    ) -> None:
         started = time.time()
         queued_ms = max(0.0, (started - msg.metadata.timestamp.timestamp()) * 1000)
         keepalive = self._tasks.spawn(self._keep_alive(msg), name="in-progress")
@@ -240,8 +267,11 @@ class Worker:
             if attempt > 1:
                 await sink.restart(attempt)
             final = None
-            chunks = coalesce(self.backend.generate(request), max_parts=self._ws.coalesce_tokens,
-                              linger=self._ws.coalesce_ms / 1000)
+            chunks = coalesce(
+                self.backend.generate(request),
+                max_parts=self._ws.coalesce_tokens,
+                linger=self._ws.coalesce_ms / 1000,
+            )
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if chunk.finish_reason is not None:
@@ -251,19 +281,33 @@ class Worker:
                         first = time.time()
                     await sink.token(chunk.text, attempt)
             end_time = time.time()
-            await sink.end(EndEvent(
-                id=request.id, seq=0, attempt=attempt, path="cloud",
-                finish_reason=final.finish_reason if final and final.finish_reason else "stop",
-                usage=final.usage if final and final.usage else Usage(completion_tokens=sink.tokens_sent),
-                timings=_timings(started, first, end_time, queued_ms, final.usage if final else None),
-                served_by=f"cloud:{self.node_id}", routing=request.routing,
-            ))
+            await sink.end(
+                EndEvent(
+                    id=request.id,
+                    seq=0,
+                    attempt=attempt,
+                    path="cloud",
+                    finish_reason=final.finish_reason if final and final.finish_reason else "stop",
+                    usage=final.usage
+                    if final and final.usage
+                    else Usage(completion_tokens=sink.tokens_sent),
+                    timings=_timings(
+                        started, first, end_time, queued_ms, final.usage if final else None
+                    ),
+                    served_by=f"cloud:{self.node_id}",
+                    routing=request.routing,
+                )
+            )
             await self.conn.nc.flush(timeout=max(1, round(self._ws.publish_timeout)))
             await msg.ack_sync(timeout=self._ws.publish_timeout)
             self.stats.completed += 1
-            log.info("request done", tokens=sink.tokens_sent, queue_ms=round(queued_ms, 1),
-                     ttft_ms=round((first - started) * 1000, 1) if first else None,
-                     total_ms=round((end_time - started) * 1000, 1))
+            log.info(
+                "request done",
+                tokens=sink.tokens_sent,
+                queue_ms=round(queued_ms, 1),
+                ttft_ms=round((first - started) * 1000, 1) if first else None,
+                total_ms=round((end_time - started) * 1000, 1),
+            )
         except asyncio.CancelledError:
             if request.id in self._cancelled:
                 self.stats.cancelled += 1
@@ -281,8 +325,12 @@ class Worker:
             await self._failed(msg, sink, err, attempt)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
-            await self._failed(msg, sink, MeshError(f"worker failure: {type(exc).__name__}",
-                                                    retryable=True), attempt)
+            await self._failed(
+                msg,
+                sink,
+                MeshError(f"worker failure: {type(exc).__name__}", retryable=True),
+                attempt,
+            )
         finally:
             keepalive.cancel()
 
@@ -296,7 +344,8 @@ class Worker:
         if err.retryable:
             err = MaxDeliveriesError(
                 f"failed on {attempt} deliveries; last error: {err.message}",
-                request_id=sink.request_id, retryable=False,
+                request_id=sink.request_id,
+                retryable=False,
             )
         log.warning("generation failed", code=err.code.value, error=err.message)
         with contextlib.suppress(MeshError, nats.errors.Error):
@@ -320,14 +369,16 @@ class Worker:
             try:
                 await nc.publish(subject, data, headers=headers)
             except nats.errors.Error as exc:
-                raise MeshError(f"cannot publish events: {type(exc).__name__}",
-                                code=ErrorCode.UNAVAILABLE) from None
+                raise MeshError(
+                    f"cannot publish events: {type(exc).__name__}", code=ErrorCode.UNAVAILABLE
+                ) from None
 
         return publish
 
 
-def _timings(started: float, first: float | None, end: float, queued_ms: float,
-             usage: Usage | None) -> Timings:
+def _timings(
+    started: float, first: float | None, end: float, queued_ms: float, usage: Usage | None
+) -> Timings:
     gen_s = end - first if first is not None else 0.0
     tokens = usage.completion_tokens if usage else 0
     return Timings(
@@ -337,4 +388,3 @@ def _timings(started: float, first: float | None, end: float, queued_ms: float,
         total_ms=round((end - started) * 1000, 2),
         tokens_per_s=round(tokens / gen_s, 2) if gen_s > 0 and tokens > 1 else None,
     )
-

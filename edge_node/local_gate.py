@@ -27,7 +27,8 @@ class LocalGate:
         if self._slots.locked() and self._waiting >= self._queue:
             raise OverloadedError(
                 f"the local model is busy and {self._waiting} requests already wait for it",
-                retry_after=1.0, request_id=request_id,
+                retry_after=1.0,
+                request_id=request_id,
             )
         self._waiting += 1
         try:

@@ -56,8 +56,12 @@ log = get_logger(__name__)
 
 # Cloud errors after which the edge answers locally instead of passing the error on.
 _FALLBACK_CODES = {
-    ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.DEADLINE_EXCEEDED,
-    ErrorCode.BACKEND_ERROR, ErrorCode.MAX_DELIVERIES,
+    ErrorCode.OVERLOADED,
+    ErrorCode.UNAVAILABLE,
+    ErrorCode.TIMEOUT,
+    ErrorCode.DEADLINE_EXCEEDED,
+    ErrorCode.BACKEND_ERROR,
+    ErrorCode.MAX_DELIVERIES,
 }
 _SERVED_TTL_S = {True: 30.0, False: 3.0}
 
@@ -99,19 +103,33 @@ class EdgeNode:
         nc = self.conn.nc
         self._cancel_sub = await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
         self._service = await micro.add_service(
-            nc, name="mesh-edge", version=__version__,
+            nc,
+            name="mesh-edge",
+            version=__version__,
             description="mesh edge node: local inference with cloud escalation",
-            metadata={"edge_id": self.edge_id, "local_model": self.backend.model,
-                      "cloud_model": self._es.cloud_model},
+            metadata={
+                "edge_id": self.edge_id,
+                "local_model": self.backend.model,
+                "cloud_model": self._es.cloud_model,
+            },
             stats_handler=lambda _endpoint: self.metrics.snapshot(),
         )
         await self._service.add_endpoint(
-            name="infer", subject=self.subject, handler=self._on_request,
+            name="infer",
+            subject=self.subject,
+            handler=self._on_request,
             queue_group=f"mesh-edge-{self.edge_id}",
         )
+        # Once start() returns, the server knows our subscriptions: clients can reach us.
+        await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self._accepting = True
-        log.info("edge started", edge_id=self.edge_id, subject=self.subject,
-                 local_model=self.backend.model, cloud_model=self._es.cloud_model)
+        log.info(
+            "edge started",
+            edge_id=self.edge_id,
+            subject=self.subject,
+            local_model=self.backend.model,
+            cloud_model=self._es.cloud_model,
+        )
 
     async def stop(self, grace: float = 10.0) -> None:
         """Ordered: stop intake, let in-flight requests finish (grace), cancel the rest."""
@@ -143,16 +161,26 @@ class EdgeNode:
     async def _on_request(self, request: Request) -> None:
         # nats-py runs one subscription's callbacks one at a time: hand off, return at once.
         if not request._msg.reply:
-            log.warning("request without reply subject dropped; use `nats req`",
-                        subject=request.subject)
+            log.warning(
+                "request without reply subject dropped; use `nats req`", subject=request.subject
+            )
             return
         if not self._accepting or len(self._tasks) >= self._es.max_concurrent:
             self.metrics.inc("error.overloaded")
-            sink = EventSink(_responder(request), "", sniff(request.data, request.headers).reply_format,
-                             collect=True)
-            await sink.error(OverloadedError(
-                "edge is at its concurrency limit" if self._accepting else "edge is shutting down",
-                retry_after=1.0))
+            sink = EventSink(
+                _responder(request),
+                "",
+                sniff(request.data, request.headers).reply_format,
+                collect=True,
+            )
+            await sink.error(
+                OverloadedError(
+                    "edge is at its concurrency limit"
+                    if self._accepting
+                    else "edge is shutting down",
+                    retry_after=1.0,
+                )
+            )
             return
         self._tasks.spawn(self._serve(request), name="edge-request")
 
@@ -168,8 +196,11 @@ class EdgeNode:
         received = time.perf_counter()
         try:
             req, fmt = decode_request(
-                request.data, request.headers, limits=self.settings.limits.request_limits(),
-                strict=self.settings.strict_decode, on_unknown=log_unknown_fields,
+                request.data,
+                request.headers,
+                limits=self.settings.limits.request_limits(),
+                strict=self.settings.strict_decode,
+                on_unknown=log_unknown_fields,
             )
         except MeshError as err:
             self.metrics.inc(f"error.{err.code.value}")
@@ -202,10 +233,16 @@ class EdgeNode:
 
     # -- routing ---------------------------------------------------------------------------
     async def _answer(self, req: InferRequest, sink: EventSink, received: float) -> None:
-        if req.model is not None and req.model != self.backend.model and not await self._is_served(req.model):
+        if (
+            req.model is not None
+            and req.model != self.backend.model
+            and not await self._is_served(req.model)
+        ):
             raise UnknownModelError(
                 f"no worker pool serves model {req.model!r} and it is not this edge's "
-                f"local model ({self.backend.model!r})", request_id=req.id)
+                f"local model ({self.backend.model!r})",
+                request_id=req.id,
+            )
         decision = decide(self.router, req)
         self.metrics.inc(f"route.{decision.decision}" + (".forced" if decision.forced else ""))
         log.info("routed", decision=decision.decision, score=decision.score, reason=decision.reason)
@@ -245,8 +282,14 @@ class EdgeNode:
         start_by = time.time() + start_timeout
         if req.deadline is not None:
             start_by = min(start_by, req.deadline)
-        queued = req.model_copy(update={"model": model, "origin": self.edge_id,
-                                        "routing": decision, "start_by": start_by})
+        queued = req.model_copy(
+            update={
+                "model": model,
+                "origin": self.edge_id,
+                "routing": decision,
+                "start_by": start_by,
+            }
+        )
         call = CloudCall(self.conn, self.settings.stream, queued, canceller=self.node_name)
         try:
             await call.open()
@@ -254,7 +297,9 @@ class EdgeNode:
             raise _Fallback(f"cloud queue unavailable: {err}") from None
         first_token: float | None = None
         try:
-            events = call.events(first_timeout=start_timeout, idle_timeout=self._es.cloud_idle_timeout)
+            events = call.events(
+                first_timeout=start_timeout, idle_timeout=self._es.cloud_idle_timeout
+            )
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, TokenEvent):
@@ -278,7 +323,11 @@ class EdgeNode:
             await call.close()
 
     async def _run_local(
-        self, req: InferRequest, decision: RouteDecision, sink: EventSink, received: float,
+        self,
+        req: InferRequest,
+        decision: RouteDecision,
+        sink: EventSink,
+        received: float,
         fallback: str | None,
     ) -> None:
         ws = self.settings.worker
@@ -286,8 +335,11 @@ class EdgeNode:
             started = time.perf_counter()
             first: float | None = None
             final = None
-            chunks = coalesce(self.backend.generate(req), max_parts=ws.coalesce_tokens,
-                              linger=ws.coalesce_ms / 1000)
+            chunks = coalesce(
+                self.backend.generate(req),
+                max_parts=ws.coalesce_tokens,
+                linger=ws.coalesce_ms / 1000,
+            )
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if chunk.finish_reason is not None:
@@ -299,29 +351,38 @@ class EdgeNode:
         usage = final.usage if final and final.usage else None
         gen_s = done - first if first else 0.0
         tokens = usage.completion_tokens if usage else sink.tokens_sent
-        await sink.end(EndEvent(
-            id=req.id, seq=0, path="local", served_by=self.node_name, routing=decision,
-            fallback=fallback,
-            finish_reason=final.finish_reason if final and final.finish_reason else "stop",
-            usage=usage or Usage(completion_tokens=tokens),
-            timings=Timings(
-                queue_ms=round((started - received) * 1000, 2),
-                ttft_ms=round((first - received) * 1000, 2) if first else None,
-                gen_ms=round(gen_s * 1000, 2),
-                total_ms=round((done - received) * 1000, 2),
-                tokens_per_s=round(tokens / gen_s, 2) if gen_s > 0 and tokens > 1 else None,
-            ),
-        ))
+        await sink.end(
+            EndEvent(
+                id=req.id,
+                seq=0,
+                path="local",
+                served_by=self.node_name,
+                routing=decision,
+                fallback=fallback,
+                finish_reason=final.finish_reason if final and final.finish_reason else "stop",
+                usage=usage or Usage(completion_tokens=tokens),
+                timings=Timings(
+                    queue_ms=round((started - received) * 1000, 2),
+                    ttft_ms=round((first - received) * 1000, 2) if first else None,
+                    gen_ms=round(gen_s * 1000, 2),
+                    total_ms=round((done - received) * 1000, 2),
+                    tokens_per_s=round(tokens / gen_s, 2) if gen_s > 0 and tokens > 1 else None,
+                ),
+            )
+        )
 
 
-def _edge_end(end: EndEvent, decision: RouteDecision, received: float,
-              first_token: float | None) -> EndEvent:
+def _edge_end(
+    end: EndEvent, decision: RouteDecision, received: float, first_token: float | None
+) -> EndEvent:
     """The worker's end, with timings as the edge's client sees them."""
     now = time.perf_counter()
-    timings = end.timings.model_copy(update={
-        "ttft_ms": round((first_token - received) * 1000, 2) if first_token else None,
-        "total_ms": round((now - received) * 1000, 2),
-    })
+    timings = end.timings.model_copy(
+        update={
+            "ttft_ms": round((first_token - received) * 1000, 2) if first_token else None,
+            "total_ms": round((now - received) * 1000, 2),
+        }
+    )
     return end.model_copy(update={"timings": timings, "routing": decision, "path": "cloud"})
 
 
@@ -330,7 +391,8 @@ def _responder(request: Request) -> Any:
         try:
             await request.respond(data, headers=headers)
         except (nats.errors.Error, ValueError) as exc:
-            raise MeshError(f"cannot reply to the client: {type(exc).__name__}",
-                            code=ErrorCode.UNAVAILABLE) from None
+            raise MeshError(
+                f"cannot reply to the client: {type(exc).__name__}", code=ErrorCode.UNAVAILABLE
+            ) from None
 
     return respond

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from protocol.messages import InferRequest, RouteDecision
 
@@ -25,14 +25,19 @@ class Router(Protocol):
 def decide(router: Router, request: InferRequest) -> RouteDecision:
     """Apply the client's override, else the router's score against its threshold."""
     if request.route != "auto":
-        return RouteDecision(decision=request.route, forced=True,
-                             reason=f"client asked for route={request.route}")
+        return RouteDecision(
+            decision=request.route, forced=True, reason=f"client asked for route={request.route}"
+        )
     score, reasons = router.score(request)
-    decision = "cloud" if score >= router.threshold else "local"
+    decision: Literal["local", "cloud"] = "cloud" if score >= router.threshold else "local"
     op = ">=" if decision == "cloud" else "<"
     why = ", ".join(reasons[:3]) if reasons else "no complexity signal"
-    return RouteDecision(decision=decision, score=round(score, 4), threshold=router.threshold,
-                         reason=f"score {score:.2f} {op} {router.threshold:.2f}: {why}")
+    return RouteDecision(
+        decision=decision,
+        score=round(score, 4),
+        threshold=router.threshold,
+        reason=f"score {score:.2f} {op} {router.threshold:.2f}: {why}",
+    )
 
 
 _MULTI_STEP = re.compile(

@@ -1,11 +1,11 @@
 """The ``mesh`` command.
 
-    mesh demo                      start a local mesh, stream two sample answers, stop
-    mesh up                        run the local mesh (nats-server + worker + edge) until Ctrl-C
-    mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
-    mesh worker | mesh edge        run one role against MESH_NATS_URL
-    mesh provision                 create/update the stream and consumers
-    mesh config                    list every setting with its env var and default
+mesh demo                      start a local mesh, stream two sample answers, stop
+mesh up                        run the local mesh (nats-server + worker + edge) until Ctrl-C
+mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
+mesh worker | mesh edge        run one role against MESH_NATS_URL
+mesh provision                 create/update the stream and consumers
+mesh config                    list every setting with its env var and default
 """
 
 from __future__ import annotations
@@ -42,8 +42,13 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "router": ("edge", "router", "kind"),
     "start_timeout": ("edge", "cloud_start_timeout"),
 }
-_MODEL_FLAGS = {"model": "path", "model_name": "name", "backend": "backend",
-                "base_url": "base_url", "slots": "slots"}
+_MODEL_FLAGS = {
+    "model": "path",
+    "model_name": "name",
+    "backend": "backend",
+    "base_url": "base_url",
+    "slots": "slots",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     common.add_argument("--log-format", choices=["auto", "json", "console"])
     model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--model", help="GGUF path (llama_cpp) or model id (vllm); default: bundled SmolLM2-135M")
+    model.add_argument(
+        "--model", help="GGUF path (llama_cpp) or model id (vllm); default: bundled SmolLM2-135M"
+    )
     model.add_argument("--model-name", help="model name on the queue subject (default smollm2)")
     model.add_argument("--backend", choices=["llama_cpp", "openai", "vllm"])
     model.add_argument("--base-url", help="OpenAI-compatible server base URL (openai backend)")
@@ -67,20 +74,32 @@ def _parser() -> argparse.ArgumentParser:
     edge.add_argument("--start-timeout", type=float, help="seconds to wait for the cloud to start")
     ask_opts = argparse.ArgumentParser(add_help=False)
     ask_opts.add_argument("--route", choices=["auto", "local", "cloud"], default="auto")
-    ask_opts.add_argument("--via", choices=["edge", "cloud"], default="edge",
-                          help="ask an edge (routes) or the cloud queue directly")
+    ask_opts.add_argument(
+        "--via",
+        choices=["edge", "cloud"],
+        default="edge",
+        help="ask an edge (routes) or the cloud queue directly",
+    )
     ask_opts.add_argument("--max-tokens", type=int, default=256)
     ask_opts.add_argument("--temperature", type=float, default=0.7)
     ask_opts.add_argument("--seed", type=int)
 
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", parents=[common, model, edge],
-                        help="run a local mesh (nats-server + worker + edge) until Ctrl-C")
+    up = sub.add_parser(
+        "up",
+        parents=[common, model, edge],
+        help="run a local mesh (nats-server + worker + edge) until Ctrl-C",
+    )
     up.add_argument("--port", type=int, help="local nats-server port (default 4222; -1: any free)")
-    demo = sub.add_parser("demo", parents=[common, model, edge, ask_opts],
-                          help="start a local mesh, stream sample answers, stop")
+    demo = sub.add_parser(
+        "demo",
+        parents=[common, model, edge, ask_opts],
+        help="start a local mesh, stream sample answers, stop",
+    )
     demo.add_argument("prompts", nargs="*", help="prompts to ask (default: two samples)")
-    ask = sub.add_parser("ask", parents=[common, ask_opts], help="stream an answer from a running mesh")
+    ask = sub.add_parser(
+        "ask", parents=[common, ask_opts], help="stream an answer from a running mesh"
+    )
     ask.add_argument("prompt")
     ask.add_argument("--edge-id", help="edge to ask (default: local)")
     ask.add_argument("--model", dest="ask_model", help="cloud model to use")
@@ -88,8 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("worker", parents=[common, model], help="run a cloud worker")
     sub.add_parser("edge", parents=[common, model, edge], help="run an edge node")
     prov = sub.add_parser("provision", parents=[common], help="create/update stream and consumers")
-    prov.add_argument("--model-name", action="append", dest="models",
-                      help="model to provision a consumer for (repeatable)")
+    prov.add_argument(
+        "--model-name",
+        action="append",
+        dest="models",
+        help="model to provision a consumer for (repeatable)",
+    )
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
 
@@ -169,7 +192,7 @@ async def _up(settings: MeshSettings) -> int:
     async with LocalMesh(settings) as mesh:
         assert mesh.edge is not None
         print(f"mesh is up: NATS {mesh.nats_url}, edge subject {mesh.edge.subject}", flush=True)
-        print(f"  try: mesh ask --nats-url {mesh.nats_url} \"What is 2+2?\"", flush=True)
+        print(f'  try: mesh ask --nats-url {mesh.nats_url} "What is 2+2?"', flush=True)
         print("  Ctrl-C stops everything", flush=True)
         await _until_signal()
         print("stopping...", flush=True)
@@ -199,8 +222,14 @@ async def _ask(settings: MeshSettings, args: argparse.Namespace) -> int:
     async with MeshClient(settings=settings) as client:
         if args.json:
             answer = await client.complete(
-                args.prompt, via=args.via, route=args.route, model=args.ask_model,
-                max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+                args.prompt,
+                via=args.via,
+                route=args.route,
+                model=args.ask_model,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+            )
             out = answer.end.model_dump(mode="json", exclude_none=True)
             out.update(text=answer.text, restarts=answer.restarts)
             print(json.dumps(out, indent=2))
@@ -211,8 +240,13 @@ async def _ask(settings: MeshSettings, args: argparse.Namespace) -> int:
 
 async def _print_stream(client: Any, prompt: str, args: argparse.Namespace) -> None:
     async for event in client.stream(
-        prompt, via=args.via, route=args.route, model=getattr(args, "ask_model", None),
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+        prompt,
+        via=args.via,
+        route=args.route,
+        model=getattr(args, "ask_model", None),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
     ):
         if isinstance(event, TokenEvent):
             sys.stdout.write(event.text)

@@ -14,7 +14,7 @@ Leaving a stream early (break, cancel) cancels the request.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -68,7 +68,10 @@ class MeshClient:
         first_event_timeout: float = 60.0,
         idle_timeout: float = 60.0,
     ) -> None:
-        overrides = {("nats", "url"): nats_url, ("edge", "edge_id"): edge_id}
+        overrides: dict[tuple[str, ...], Any] = {
+            ("nats", "url"): nats_url,
+            ("edge", "edge_id"): edge_id,
+        }
         self.settings = settings or load_settings(overrides)
         if settings is not None and nats_url is not None:
             self.settings.nats.url = nats_url
@@ -126,12 +129,21 @@ class MeshClient:
         stop: list[str] | str | None = None,
         seed: int | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[StreamItem]:
+    ) -> AsyncGenerator[StreamItem, None]:
         """Token events (and a restart event if a worker died mid-answer), then the end."""
         request = self.build_request(
-            prompt, messages=messages, route=route, model=model, max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, stop=stop, seed=seed, id=request_id,
-            stream=True, origin="sdk",
+            prompt,
+            messages=messages,
+            route=route,
+            model=model,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            id=request_id,
+            stream=True,
+            origin="sdk",
         )
         source = self._via_cloud(request) if via == "cloud" else self._via_edge(request)
         async with contextlib.aclosing(source):
@@ -154,23 +166,29 @@ class MeshClient:
                 return Completion(text="".join(parts), end=event, restarts=restarts, events=events)
         raise RuntimeError("stream ended without an end event")  # read_events guarantees one
 
-    async def _via_edge(self, request: InferRequest) -> AsyncIterator[StreamItem]:
+    async def _via_edge(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         nc = self.conn.nc
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         finished = False
         try:
             await nc.publish(
-                edge_infer_subject(self.edge_id), dump(request, WireFormat.MSGPACK), reply=inbox,
+                edge_infer_subject(self.edge_id),
+                dump(request, WireFormat.MSGPACK),
+                reply=inbox,
                 headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
             )
-            events = read_events(sub, first_timeout=self.first_event_timeout,
-                                 idle_timeout=self.idle_timeout, what=f"edge {self.edge_id!r}")
+            events = read_events(
+                sub,
+                first_timeout=self.first_event_timeout,
+                idle_timeout=self.idle_timeout,
+                what=f"edge {self.edge_id!r}",
+            )
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, EndEvent):
                         finished = True
-                    yield event  # type: ignore[misc]
+                    yield event
             finished = True
         except MeshError:
             finished = True  # the edge answered with an error: nothing left to cancel
@@ -178,22 +196,23 @@ class MeshClient:
         finally:
             if not finished:
                 with contextlib.suppress(nats.errors.Error):
-                    await nc.publish(cancel_subject(request.id), b"",
-                                     headers={CANCELLER_HEADER: "sdk"})
+                    await nc.publish(
+                        cancel_subject(request.id), b"", headers={CANCELLER_HEADER: "sdk"}
+                    )
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-    async def _via_cloud(self, request: InferRequest) -> AsyncIterator[StreamItem]:
+    async def _via_cloud(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         model = request.model or self.settings.edge.cloud_model
         if not await model_is_served(self.conn.jsm(), self.settings.stream, model):
-            raise UnknownModelError(f"no worker pool serves model {model!r}",
-                                    request_id=request.id)
+            raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=request.id)
         request = request.model_copy(update={"model": model})
         finished = False
         async with CloudCall(self.conn, self.settings.stream, request, canceller="sdk") as call:
             try:
-                events = call.events(first_timeout=self.first_event_timeout,
-                                     idle_timeout=self.idle_timeout)
+                events = call.events(
+                    first_timeout=self.first_event_timeout, idle_timeout=self.idle_timeout
+                )
                 async with contextlib.aclosing(events):
                     async for event in events:
                         if isinstance(event, EndEvent):

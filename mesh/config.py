@@ -82,7 +82,7 @@ class ModelSettings(_Section):
     n_ctx: int = Field(default=2048, ge=128)
     """Context window in tokens (llama_cpp, vllm)."""
     n_threads: int | None = Field(default=None, ge=1)
-    """CPU threads for llama_cpp; all cores when unset."""
+    """CPU threads for llama_cpp; half the cores when unset (more stalls under contention)."""
     slots: int = Field(default=1, ge=1, le=1024)
     """Requests generated at once (llama_cpp: model instances; openai/vllm: concurrency)."""
     base_url: str = "http://127.0.0.1:8000/v1"
@@ -182,7 +182,9 @@ class MeshSettings(_Section):
     """Reject unknown fields instead of ignoring them (tests use this)."""
 
 
-def iter_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+def iter_fields(
+    model: type[BaseModel], prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], Any]]:
     """Yield ``(path, FieldInfo)`` for every leaf setting, depth first."""
     for name, info in model.model_fields.items():
         annotation = info.annotation

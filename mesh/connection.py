@@ -4,6 +4,7 @@ forever (logged), drain on close."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import TracebackType
 
 import nats
@@ -61,7 +62,7 @@ class Connection:
                     servers=servers,
                     name=self.name,
                     connect_timeout=max(1, round(self.settings.connect_timeout)),
-                    reconnect_time_wait=self.settings.reconnect_wait,
+                    reconnect_time_wait=self.settings.reconnect_wait,  # type: ignore[arg-type]
                     max_reconnect_attempts=self.settings.max_reconnect_attempts,
                     drain_timeout=max(1, round(self.settings.drain_timeout)),
                     error_cb=on_error,
@@ -109,7 +110,5 @@ class Connection:
 async def _close_quietly(client: Client) -> None:
     if client.is_closed:
         return
-    try:
+    with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error, OSError):
         await asyncio.wait_for(client.close(), timeout=2)
-    except (asyncio.TimeoutError, nats.errors.Error, OSError):
-        pass

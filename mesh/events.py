@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import nats.errors
@@ -19,13 +19,15 @@ from mesh.backends.base import Chunk
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, decode_event, dump, dump_token, error_event
 from protocol.codec import to_exception as error_from_event
-from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
+from protocol.errors import MeshError, MeshTimeoutError, UnavailableError, status_of
 from protocol.messages import Answer, EndEvent, ErrorEvent, RestartEvent, TokenEvent
 
 log = get_logger(__name__)
 
 Publish = Callable[[bytes, dict[str, str]], Awaitable[None]]
 NO_RESPONDERS = "503"
+SERVICE_ERROR = "Nats-Service-Error"
+SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 
 
 class EventSink:
@@ -35,7 +37,9 @@ class EventSink:
     single :class:`Answer`; a restart drops what was gathered so far.
     """
 
-    def __init__(self, publish: Publish, request_id: str, fmt: WireFormat, *, collect: bool) -> None:
+    def __init__(
+        self, publish: Publish, request_id: str, fmt: WireFormat, *, collect: bool
+    ) -> None:
         self._publish = publish
         self.request_id = request_id
         self.fmt = fmt
@@ -51,7 +55,9 @@ class EventSink:
         if self.collect:
             self._parts.append(text)
             return
-        await self._publish(dump_token(self.request_id, self._seq, text, attempt, self.fmt), self._headers)
+        await self._publish(
+            dump_token(self.request_id, self._seq, text, attempt, self.fmt), self._headers
+        )
         self._seq += 1
 
     async def restart(self, attempt: int, reason: str = "redelivered") -> None:
@@ -67,11 +73,21 @@ class EventSink:
             answer = Answer(**fields, text="".join(self._parts))
             await self._publish(dump(answer, self.fmt), self._headers)
             return
-        await self._publish(dump(end.model_copy(update={"seq": self._seq}), self.fmt), self._headers)
+        await self._publish(
+            dump(end.model_copy(update={"seq": self._seq}), self.fmt), self._headers
+        )
 
     async def error(self, error: MeshError) -> None:
+        """The error event, with the NATS micro error headers that `nats req` shows."""
         self.finished = True
-        await self._publish(dump(error_event(error, self.request_id), self.fmt), self._headers)
+        headers = {
+            **self._headers,
+            SERVICE_ERROR: f"{error.code.value}: {error.message}"[:512]
+            .replace("\r", " ")
+            .replace("\n", " "),
+            SERVICE_ERROR_CODE: str(status_of(error.code)),
+        }
+        await self._publish(dump(error_event(error, self.request_id), self.fmt), headers)
 
     @property
     def seq(self) -> int:
@@ -80,7 +96,7 @@ class EventSink:
 
 async def read_events(
     sub: Subscription, *, first_timeout: float, idle_timeout: float, what: str
-) -> AsyncIterator[TokenEvent | RestartEvent | EndEvent]:
+) -> AsyncGenerator[TokenEvent | RestartEvent | EndEvent, None]:
     """Events from ``sub`` until the end; an error event is raised as its typed ``MeshError``.
 
     Raises :class:`MeshTimeoutError` when nothing arrives within ``first_timeout`` (first event)
@@ -113,7 +129,7 @@ async def read_events(
 
 async def coalesce(
     chunks: AsyncIterator[Chunk], *, max_parts: int, linger: float
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     """Re-chunk a backend stream: the first token goes out at once; later ones are batched,
     waiting at most ``linger`` seconds for up to ``max_parts`` tokens per chunk. The final chunk
     (with ``finish_reason``) is passed through as it is. Closing this generator closes ``chunks``.

@@ -46,10 +46,12 @@ class LocalMesh:
     async def _start(self) -> None:
         settings = self.settings
         if settings.nats.url is None:
-            self.server = await NatsServer(port=settings.nats.local_port,
-                                           store_dir=settings.nats.store_dir).start()
+            self.server = await NatsServer(
+                port=settings.nats.local_port, store_dir=settings.nats.store_dir
+            ).start()
             settings = settings.model_copy(
-                update={"nats": settings.nats.model_copy(update={"url": self.server.url})})
+                update={"nats": settings.nats.model_copy(update={"url": self.server.url})}
+            )
             self.settings = settings
         worker_backend = create_backend(settings.worker.model)
         edge_backend = create_backend(settings.edge.model)

@@ -14,7 +14,12 @@ import structlog
 
 from mesh.config import LogSettings
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 
 def configure_logging(settings: LogSettings, stream: TextIO | None = None) -> None:
@@ -54,5 +59,6 @@ def log_unknown_fields(kind: str, fields: frozenset[str]) -> None:
     """Tolerant decoding hook: note unknown fields once per message kind and field set."""
     if (kind, fields) not in _seen_unknown:
         _seen_unknown.add((kind, fields))
-        structlog.get_logger(__name__).info("ignoring unknown fields", message=kind,
-                                            fields=sorted(fields))
+        structlog.get_logger(__name__).info(
+            "ignoring unknown fields", message=kind, fields=sorted(fields)
+        )

@@ -1,4 +1,7 @@
-"""In-process counters, exposed through each node's NATS micro-service STATS (``nats micro stats``)."""
+"""In-process counters, exposed through each node's NATS micro-service STATS.
+
+``nats micro stats mesh-edge`` shows them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from threading import Lock
 
 
 class Metrics:
-    """Named counters with labels flattened into the name (``route.cloud``, ``error.overloaded``)."""
+    """Named counters, labels flattened into the name (``route.cloud``, ``error.overloaded``)."""
 
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()

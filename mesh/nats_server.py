@@ -68,11 +68,14 @@ class NatsServer:
         store_dir: str | None = None,
         binary: str | None = None,
         ready_timeout: float = 15.0,
+        config: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.binary = binary
         self.ready_timeout = ready_timeout
+        self.config = config
+        """A nats-server config file; its own port/JetStream settings then apply."""
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._store_dir = store_dir
         self._proc: asyncio.subprocess.Process | None = None
@@ -91,14 +94,20 @@ class NatsServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="mesh-nats-")
         store = self._store_dir or str(Path(self._tmp.name) / "store")
         self.log_path = Path(self._tmp.name) / "nats-server.log"
+        if self.config:
+            args = ["-c", self.config]
+        else:
+            args = ["-a", self.host, "-p", str(self.port), "-js", "-sd", store]
         self._proc = await asyncio.create_subprocess_exec(
-            binary, "-a", self.host, "-p", str(self.port), "-js", "-sd", store,
-            "-l", str(self.log_path),
+            binary,
+            *args,
+            "-l",
+            str(self.log_path),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads touch this fork path
+            preexec_fn=_die_with_parent,
         )
         try:
             await self._wait_ready()
@@ -109,7 +118,8 @@ class NatsServer:
         return self
 
     async def _wait_ready(self) -> None:
-        assert self._proc is not None and self.log_path is not None
+        assert self._proc is not None
+        assert self.log_path is not None
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -118,11 +128,14 @@ class NatsServer:
                 self.port = int(match.group(2))
                 return
             if self._proc.returncode is not None:
-                raise NatsServerError(f"nats-server exited with {self._proc.returncode}: "
-                                      f"{_tail(text)}")
+                raise NatsServerError(
+                    f"nats-server exited with {self._proc.returncode}: {_tail(text)}"
+                )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._proc.wait(), 0.02)
-        raise NatsServerError(f"nats-server not ready within {self.ready_timeout:g}s: {_tail(text)}")
+        raise NatsServerError(
+            f"nats-server not ready within {self.ready_timeout:g}s: {_tail(text)}"
+        )
 
     async def stop(self, timeout: float = 10.0) -> None:
         proc, self._proc = self._proc, None

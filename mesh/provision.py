@@ -86,7 +86,9 @@ async def ensure_consumer(
     except asyncio.TimeoutError:
         raise MeshTimeoutError("JetStream did not answer while provisioning the consumer") from None
     except APIError as exc:
-        raise UnavailableError(f"JetStream refused consumer for {model}: {exc.description}") from None
+        raise UnavailableError(
+            f"JetStream refused consumer for {model}: {exc.description}"
+        ) from None
 
 
 async def provision(jsm: JetStreamManager, settings: StreamSettings, models: list[str]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from types import TracebackType
 
 import nats.errors
@@ -58,22 +58,28 @@ async def publish_request(
                 retry_after=stream.retry_after,
                 request_id=request.id,
             ) from None
-        raise UnavailableError(f"JetStream refused the request: {exc.description}",
-                               request_id=request.id) from None
+        raise UnavailableError(
+            f"JetStream refused the request: {exc.description}", request_id=request.id
+        ) from None
     except NoStreamResponseError:
         raise UnavailableError(
             f"no JetStream stream answers {infer_subject(model)}: is JetStream enabled and "
-            "provisioned (`mesh provision`)?", request_id=request.id,
+            "provisioned (`mesh provision`)?",
+            request_id=request.id,
         ) from None
     except (asyncio.TimeoutError, nats.errors.TimeoutError):
         raise MeshTimeoutError(
             f"JetStream did not ack the request within {conn.settings.request_timeout:g}s",
             request_id=request.id,
         ) from None
-    except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError,
-            nats.errors.ConnectionReconnectingError) as exc:
-        raise UnavailableError(f"NATS is not connected ({type(exc).__name__})",
-                               request_id=request.id) from None
+    except (
+        nats.errors.ConnectionClosedError,
+        nats.errors.OutboundBufferLimitError,
+        nats.errors.ConnectionReconnectingError,
+    ) as exc:
+        raise UnavailableError(
+            f"NATS is not connected ({type(exc).__name__})", request_id=request.id
+        ) from None
 
 
 class CloudCall:
@@ -83,8 +89,14 @@ class CloudCall:
     one :class:`RestartEvent`, so a reader never mixes two generations' text.
     """
 
-    def __init__(self, conn: Connection, stream: StreamSettings, request: InferRequest,
-                 *, canceller: str = "client") -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        stream: StreamSettings,
+        request: InferRequest,
+        *,
+        canceller: str = "client",
+    ) -> None:
         self.conn = conn
         self.canceller = canceller
         self.stream = stream
@@ -110,12 +122,13 @@ class CloudCall:
 
     async def events(
         self, *, first_timeout: float, idle_timeout: float
-    ) -> AsyncIterator[TokenEvent | RestartEvent | EndEvent]:
+    ) -> AsyncGenerator[TokenEvent | RestartEvent | EndEvent, None]:
         if self._sub is None:
             raise RuntimeError("CloudCall.open() first")
         attempt = 1
-        async for event in read_events(self._sub, first_timeout=first_timeout,
-                                       idle_timeout=idle_timeout, what="the cloud"):
+        async for event in read_events(
+            self._sub, first_timeout=first_timeout, idle_timeout=idle_timeout, what="the cloud"
+        ):
             if isinstance(event, RestartEvent):
                 if event.attempt > attempt:
                     attempt = event.attempt
@@ -127,18 +140,18 @@ class CloudCall:
                 if event.attempt > attempt:
                     attempt = event.attempt
                     yield RestartEvent(id=event.id, attempt=attempt)
-            yield event  # type: ignore[misc]
+            yield event
 
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
         with contextlib.suppress(Exception):
-            await self.conn.nc.publish(cancel_subject(self.request.id), b"",
-                                       headers={CANCELLER_HEADER: self.canceller})
+            await self.conn.nc.publish(
+                cancel_subject(self.request.id), b"", headers={CANCELLER_HEADER: self.canceller}
+            )
         if self.ack is not None:
-            try:
+            # Fails when already delivered (the cancel covers that) or already gone: both fine.
+            with contextlib.suppress(APIError, asyncio.TimeoutError, nats.errors.Error):
                 await self.conn.jsm().delete_msg(self.ack.stream, self.ack.seq)
-            except (APIError, asyncio.TimeoutError, nats.errors.Error):
-                pass  # already delivered (the cancel covers it) or already gone
 
     async def close(self) -> None:
         sub, self._sub = self._sub, None

@@ -18,7 +18,9 @@ class TaskSet:
         self._name = name
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], *, name: str | None = None
+    ) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._done)
@@ -28,8 +30,13 @@ class TaskSet:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            log.error("background task failed", owner=self._name, task=task.get_name(),
-                      error=repr(exc), exc_info=exc)
+            log.error(
+                "background task failed",
+                owner=self._name,
+                task=task.get_name(),
+                error=repr(exc),
+                exc_info=exc,
+            )
 
     def __len__(self) -> int:
         return len(self._tasks)

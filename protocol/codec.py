@@ -86,7 +86,7 @@ def sniff(data: bytes, headers: Mapping[str, str] | None = None) -> WireFormat:
 
 
 def load(data: bytes, fmt: WireFormat) -> Any:
-    """Parse bytes in ``fmt`` into Python values; :class:`BadPayloadError` when they do not parse."""
+    """Parse bytes in ``fmt`` into Python values; :class:`BadPayloadError` if they don't parse."""
     if fmt is WireFormat.MSGPACK:
         try:
             return msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -95,13 +95,17 @@ def load(data: bytes, fmt: WireFormat) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise BadPayloadError(f"payload is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+        raise BadPayloadError(
+            f"payload is not UTF-8 text: {exc.reason} at byte {exc.start}"
+        ) from None
     if fmt is WireFormat.TEXT:
         return text
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BadPayloadError(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise BadPayloadError(
+            f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
 
 
 def dump(message: BaseModel, fmt: WireFormat) -> bytes:
@@ -124,7 +128,7 @@ def decode_request(
     data: bytes,
     headers: Mapping[str, str] | None = None,
     *,
-    limits: RequestLimits = RequestLimits(),  # noqa: B008 - frozen dataclass, safe as default
+    limits: RequestLimits = RequestLimits(),
     strict: bool = False,
     on_unknown: UnknownFieldsHook | None = None,
 ) -> tuple[InferRequest, WireFormat]:
@@ -167,7 +171,9 @@ def decode_request(
     return request, fmt
 
 
-def reply_target(data: bytes, headers: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+def reply_target(
+    data: bytes, headers: Mapping[str, str] | None = None
+) -> tuple[str | None, str | None]:
     """Best effort ``(request_id, reply_subject)`` from a payload that failed to decode.
 
     Lets a worker answer a request it cannot validate on the subject its sender listens on.
@@ -186,7 +192,7 @@ def reply_target(data: bytes, headers: Mapping[str, str] | None = None) -> tuple
 
 
 def decode_event(data: bytes, headers: Mapping[str, str] | None = None) -> Any:
-    """Decode a token / end / error / restart / answer event; :class:`BadPayloadError` if malformed."""
+    """Decode a tok / end / err / restart / answer event; :class:`BadPayloadError` if malformed."""
     raw = load(data, sniff(data, headers))
     try:
         return _EVENT_ADAPTER.validate_python(raw)

@@ -161,3 +161,25 @@ def error_class(code: ErrorCode | str) -> type[MeshError]:
         return _BY_CODE.get(ErrorCode(code), MeshError)
     except ValueError:
         return MeshError
+
+
+_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_PAYLOAD: 400,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.CONTEXT_TOO_LONG: 400,
+    ErrorCode.UNKNOWN_MODEL: 404,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.OVERLOADED: 429,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.BACKEND_ERROR: 502,
+    ErrorCode.MAX_DELIVERIES: 502,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.TIMEOUT: 504,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def status_of(code: ErrorCode) -> int:
+    """An HTTP-like status for a code: the ``Nats-Service-Error-Code`` header of NATS micro."""
+    return _STATUS.get(code, 500)

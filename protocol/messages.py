@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -209,7 +209,7 @@ class ErrorEvent(_Wire):
 
 
 Event = Annotated[
-    Union[TokenEvent, EndEvent, ErrorEvent, RestartEvent, Answer],
+    TokenEvent | EndEvent | ErrorEvent | RestartEvent | Answer,
     Field(discriminator="t"),
 ]
-StreamEvent = Union[TokenEvent, EndEvent, RestartEvent]
+StreamEvent = TokenEvent | EndEvent | RestartEvent

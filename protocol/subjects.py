@@ -1,11 +1,9 @@
 """Subject, stream and consumer names of protocol v1.
 
-| subject                          | carried by                     | what                         |
-|----------------------------------|--------------------------------|------------------------------|
-| ``mesh.v1.infer.<model>``        | stream ``MESH_INFER`` (work q.) | escalated requests           |
-| ``mesh.v1.tok.<request_id>``     | core NATS                      | token / end / error events   |
-| ``mesh.v1.cancel.<request_id>``  | core NATS                      | cancel one request           |
-| ``mesh.v1.edge.<edge_id>.infer`` | core NATS request-reply        | an edge's own entry          |
+- ``mesh.v1.infer.<model>``: stream ``MESH_INFER`` (work queue), escalated requests
+- ``mesh.v1.tok.<request_id>``: core NATS, token / restart / end / error events
+- ``mesh.v1.cancel.<request_id>``: core NATS, cancel one request
+- ``mesh.v1.edge.<edge_id>.infer``: core NATS request-reply (micro service), an edge's entry
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ TOKEN_WILDCARD = f"{PREFIX}.tok.*"
 NODES_BUCKET = "mesh_nodes"
 
 # A request id, edge id or model token is one subject token: no dots, wildcards or spaces.
-TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"  # noqa: S105 - a regex, not a secret
 _TOKEN_RE = re.compile(TOKEN_PATTERN)
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9_-]")
 # A reply subject a worker may publish to: dot-separated tokens, no wildcards or whitespace.

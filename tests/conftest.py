@@ -3,6 +3,7 @@ log), the real SmolLM2-135M GGUF loaded once per session, and per-test workers a
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -63,10 +64,8 @@ async def settings(nats_server: NatsServer) -> MeshSettings:
 async def conn(settings: MeshSettings) -> AsyncIterator[Connection]:
     async with Connection(settings.nats, "test") as connection:
         # Every test starts from an empty queue: drop the stream (and its consumers).
-        try:
+        with contextlib.suppress(NotFoundError):
             await connection.jsm().delete_stream(settings.stream.name)
-        except NotFoundError:
-            pass
         yield connection
 
 

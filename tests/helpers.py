@@ -11,8 +11,9 @@ from mesh.connection import Connection
 from protocol.subjects import consumer_name
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0,
-                     what: str = "condition") -> None:
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout: float = 10.0, what: str = "condition"
+) -> None:
     """Poll ``check`` until it is true; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -23,7 +24,9 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0
         await asyncio.sleep(0.05)
 
 
-async def queue_state(conn: Connection, settings: MeshSettings, model: str = "smollm2") -> dict[str, int]:
+async def queue_state(
+    conn: Connection, settings: MeshSettings, model: str = "smollm2"
+) -> dict[str, int]:
     """Messages left in the stream, and the consumer's pending/unacked counts."""
     jsm = conn.jsm()
     stream = await jsm.stream_info(settings.stream.name)
@@ -38,3 +41,13 @@ async def queue_state(conn: Connection, settings: MeshSettings, model: str = "sm
 async def queue_drained(conn: Connection, settings: MeshSettings, model: str = "smollm2") -> bool:
     state = await queue_state(conn, settings, model)
     return state == {"messages": 0, "num_pending": 0, "num_ack_pending": 0}
+
+
+async def stat_reaches(stats: object, name: str, value: int, timeout: float = 10.0) -> None:
+    """Wait until a worker's counter reaches ``value`` (it counts after the ack, which is after
+    the client already has the end message)."""
+
+    async def check() -> bool:
+        return bool(getattr(stats, name) == value)
+
+    await eventually(check, timeout, what=f"{name} == {value} (now {getattr(stats, name)})")

@@ -12,11 +12,11 @@ from edge_node.node import EdgeNode
 from mesh.client import MeshClient
 from mesh.config import MeshSettings
 from mesh.connection import Connection
+from protocol.codec import decode_event
 from protocol.errors import CancelledByClientError, UnknownModelError
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
-from protocol.codec import decode_event
 from protocol.subjects import token_subject
-from tests.helpers import eventually, queue_drained, queue_state
+from tests.helpers import eventually, queue_drained, queue_state, stat_reaches
 
 SIMPLE = "Say hello in five words."
 COMPLEX = "Explain step by step how to compute 17 * 23, then prove the result is odd."
@@ -51,8 +51,10 @@ async def test_escalated_path_relays_in_order_acks_and_empties_queue(
             published.append(event)
 
     watcher = await conn.nc.subscribe(token_subject("escalated1"), cb=watch)
-    events = [e async for e in client.stream(COMPLEX, max_tokens=32, temperature=0,
-                                             request_id="escalated1")]
+    events = [
+        e
+        async for e in client.stream(COMPLEX, max_tokens=32, temperature=0, request_id="escalated1")
+    ]
     await watcher.unsubscribe()
     end = events[-1]
     assert isinstance(end, EndEvent)
@@ -69,11 +71,13 @@ async def test_escalated_path_relays_in_order_acks_and_empties_queue(
     # The edge relayed exactly what the worker generated, in order.
     assert published and "".join(t.text for t in tokens) == "".join(t.text for t in published)
     assert [t.seq for t in published] == list(range(len(published)))
-    assert worker.stats.completed == 1
+    await stat_reaches(worker.stats, "completed", 1)
     await eventually(lambda: queue_drained(conn, settings), what="acked and empty queue")
 
 
-async def test_route_override_forces_each_path(worker: Worker, edge: EdgeNode, client: MeshClient) -> None:
+async def test_route_override_forces_each_path(
+    worker: Worker, edge: EdgeNode, client: MeshClient
+) -> None:
     to_cloud = await client.complete(SIMPLE, route="cloud", max_tokens=8, temperature=0)
     to_local = await client.complete(COMPLEX, route="local", max_tokens=8, temperature=0)
     assert to_cloud.path == "cloud" and to_cloud.end.routing is not None
@@ -115,7 +119,9 @@ async def test_falls_back_at_once_when_no_pool_serves_the_cloud_model(
     assert edge.metrics.get("fallback") == 1
 
 
-async def test_sdk_complete_via_edge_and_via_cloud(worker: Worker, edge: EdgeNode, client: MeshClient) -> None:
+async def test_sdk_complete_via_edge_and_via_cloud(
+    worker: Worker, edge: EdgeNode, client: MeshClient
+) -> None:
     via_edge = await client.complete(SIMPLE, max_tokens=12, temperature=0)
     via_cloud = await client.complete(SIMPLE, via="cloud", max_tokens=12, temperature=0)
     assert via_edge.text.strip() and via_cloud.text.strip()
@@ -124,11 +130,17 @@ async def test_sdk_complete_via_edge_and_via_cloud(worker: Worker, edge: EdgeNod
     assert via_cloud.events[-1] is via_cloud.end
 
 
-async def test_sdk_messages_and_unknown_model(worker: Worker, edge: EdgeNode, client: MeshClient) -> None:
+async def test_sdk_messages_and_unknown_model(
+    worker: Worker, edge: EdgeNode, client: MeshClient
+) -> None:
     answer = await client.complete(
-        messages=[{"role": "system", "content": "Answer briefly."},
-                  {"role": "user", "content": "Name a color."}],
-        via="cloud", max_tokens=8, temperature=0,
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Name a color."},
+        ],
+        via="cloud",
+        max_tokens=8,
+        temperature=0,
     )
     assert answer.text.strip()
     with pytest.raises(UnknownModelError) as excinfo:
@@ -140,13 +152,14 @@ async def test_cancel_stops_cloud_generation_and_acks(
     worker: Worker, client: MeshClient, conn: Connection, settings: MeshSettings
 ) -> None:
     received = 0
-    async for event in client.stream(COMPLEX, via="cloud", max_tokens=2000, temperature=0.7,
-                                     request_id="cancelme1"):
+    async for event in client.stream(
+        COMPLEX, via="cloud", max_tokens=2000, temperature=0.7, request_id="cancelme1"
+    ):
         if isinstance(event, TokenEvent):
             received += 1
         if received >= 3:
             break  # leaving the stream cancels the request
-    await eventually(lambda: _true(worker.stats.cancelled == 1), what="worker to see the cancel")
+    await stat_reaches(worker.stats, "cancelled", 1)
     await eventually(lambda: queue_drained(conn, settings), what="cancelled request acked")
     assert worker.stats.completed == 0
 
@@ -180,13 +193,15 @@ async def test_concurrent_requests_all_complete_with_one_slot(
     worker: Worker, client: MeshClient, conn: Connection, settings: MeshSettings
 ) -> None:
     # Five requests at once against a one-slot worker: it pulls one at a time, none is lost.
-    answers = await asyncio.gather(*(
-        client.complete(f"Count to {n}.", via="cloud", max_tokens=6, temperature=0)
-        for n in range(5)
-    ))
+    answers = await asyncio.gather(
+        *(
+            client.complete(f"Count to {n}.", via="cloud", max_tokens=6, temperature=0)
+            for n in range(5)
+        )
+    )
     assert all(a.path == "cloud" and a.text for a in answers)
     assert len({a.end.id for a in answers}) == 5
-    assert worker.stats.completed == 5
+    await stat_reaches(worker.stats, "completed", 5)
     await eventually(lambda: queue_drained(conn, settings), what="empty queue")
 
 
@@ -194,7 +209,7 @@ async def test_restart_event_resets_collected_text(client: MeshClient) -> None:
     # complete() drops text gathered before a restart (unit-level check of the SDK contract).
     from protocol.messages import Usage
 
-    async def fake_stream(*_args: object, **_kwargs: object):  # noqa: RUF029
+    async def fake_stream(*_args: object, **_kwargs: object):
         yield TokenEvent(id="r", seq=0, text="partial ", attempt=1)
         yield RestartEvent(id="r", attempt=2)
         yield TokenEvent(id="r", seq=1, text="whole", attempt=2)
@@ -203,7 +218,3 @@ async def test_restart_event_resets_collected_text(client: MeshClient) -> None:
     client.stream = fake_stream  # type: ignore[method-assign]
     answer = await client.complete("x")
     assert answer.text == "whole" and answer.restarts == 1
-
-
-async def _true(value: bool) -> bool:
-    return value

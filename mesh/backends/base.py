@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -47,7 +47,7 @@ class Backend(Protocol):
 
     async def close(self) -> None: ...
 
-    def generate(self, request: InferRequest) -> AsyncIterator[Chunk]: ...
+    def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -56,13 +56,21 @@ class LlamaCppBackend:
         self._instances = asyncio.Queue()
         for llama in instances:
             self._instances.put_nowait(llama)
-        log.info("model loaded", model=self.model, path=str(self.model_path),
-                 slots=self.settings.slots, load_s=round(time.perf_counter() - started, 2))
+        log.info(
+            "model loaded",
+            model=self.model,
+            path=str(self.model_path),
+            slots=self.settings.slots,
+            load_s=round(time.perf_counter() - started, 2),
+        )
 
     def _load(self) -> Any:
         from llama_cpp import Llama  # heavy import, only where the engine is used
 
-        threads = self.settings.n_threads or os.cpu_count() or 1
+        # Half the cores by default: llama.cpp threads spin-wait on each other, so with every
+        # core taken, any neighbour (another model, BLAS, the OS) can stall a token for seconds.
+        # Measured on 2 cores next to a busy process: 2 threads 1.4 s (once 70 s), 1 thread 0.7 s.
+        threads = self.settings.n_threads or max(1, (os.cpu_count() or 2) // 2)
         with _LOAD_LOCK:
             return Llama(
                 model_path=str(self.model_path),
@@ -93,7 +101,7 @@ class LlamaCppBackend:
         if stop is not None:
             stop.set()
 
-    async def generate(self, request: InferRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]:
         if self._instances is None or self._executor is None:
             raise BackendError("llama.cpp backend is not started", retryable=True)
         instances = self._instances
@@ -162,8 +170,12 @@ def _run(
         finally:
             stream.close()
         prompt_tokens = max(0, int(llama.n_tokens) - completion_tokens)
-        emit(Chunk(finish_reason=finish_reason or "stop",
-                   usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)))
+        emit(
+            Chunk(
+                finish_reason=finish_reason or "stop",
+                usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            )
+        )
     except MeshError as exc:
         emit(exc)
     except ValueError as exc:
@@ -171,8 +183,13 @@ def _run(
         if "context window" in message or "exceed" in message:
             emit(ContextTooLongError(message, request_id=request.id))
         else:
-            emit(BackendError(f"llama.cpp rejected the request: {message}", request_id=request.id,
-                              retryable=False))
+            emit(
+                BackendError(
+                    f"llama.cpp rejected the request: {message}",
+                    request_id=request.id,
+                    retryable=False,
+                )
+            )
     except Exception as exc:  # engine failure: typed, never a traceback on the wire
         emit(BackendError(f"llama.cpp failed: {type(exc).__name__}: {exc}", request_id=request.id))
     finally:

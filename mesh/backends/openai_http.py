@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -35,7 +35,9 @@ class OpenAIHTTPBackend:
     async def start(self) -> None:
         if self._session is not None:
             return
-        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        headers = (
+            {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        )
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=self.settings.http_timeout,
@@ -81,7 +83,7 @@ class OpenAIHTTPBackend:
             body["seed"] = request.seed
         return body
 
-    async def generate(self, request: InferRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]:
         if self._session is None:
             raise BackendError("HTTP backend is not started", retryable=True)
         current = asyncio.current_task()
@@ -91,6 +93,7 @@ class OpenAIHTTPBackend:
         completion_tokens = 0
         finish_reason: str | None = None
         usage: Usage | None = None
+        done = False
         try:
             async with self._session.post(
                 f"{self._base}/chat/completions", json=self._body(request)
@@ -99,6 +102,7 @@ class OpenAIHTTPBackend:
                     raise _http_error(resp.status, await resp.text(), request.id)
                 async for data in _sse_data(resp):
                     if data == "[DONE]":
+                        done = True
                         break
                     event = json.loads(data)
                     if event.get("usage"):
@@ -113,6 +117,13 @@ class OpenAIHTTPBackend:
                             yield Chunk(text=text)
                         if choice.get("finish_reason"):
                             finish_reason = choice["finish_reason"]
+            if not done and finish_reason is None:
+                # Cut off mid-answer (server restarted, or it interrupted us for another
+                # request, as llama_cpp.server does): never pass a truncated answer as complete.
+                raise BackendError(
+                    f"{self._base} ended the stream before the answer was complete",
+                    request_id=request.id,
+                )
             yield Chunk(
                 finish_reason=finish_reason or "stop",
                 usage=usage or Usage(completion_tokens=completion_tokens),
@@ -127,8 +138,9 @@ class OpenAIHTTPBackend:
                 f"{self._base} failed: {type(exc).__name__}: {exc}", request_id=request.id
             ) from None
         except json.JSONDecodeError as exc:
-            raise BackendError(f"{self._base} sent a malformed event: {exc}",
-                               request_id=request.id) from None
+            raise BackendError(
+                f"{self._base} sent a malformed event: {exc}", request_id=request.id
+            ) from None
         finally:
             self._busy -= 1
             self._tasks.pop(request.id, None)

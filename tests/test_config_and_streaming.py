@@ -1,0 +1,110 @@
+"""Configuration mapping and token coalescing, no I/O."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from mesh.backends.base import Chunk
+from mesh.config import describe_settings, env_name, load_settings
+from mesh.events import coalesce
+from protocol.errors import InvalidRequestError
+
+
+def test_env_vars_map_onto_nested_fields() -> None:
+    settings = load_settings(
+        environ={
+            "MESH_NATS_URL": "nats://hub:4222",
+            "MESH_WORKER_MODEL_SLOTS": "4",
+            "MESH_EDGE_ROUTER_THRESHOLD": "0.7",
+            "MESH_STREAM_STORAGE": "memory",
+            "MESH_LOG_LEVEL": "debug",
+        }
+    )
+    assert settings.nats.servers() == ["nats://hub:4222"]
+    assert settings.worker.model.slots == 4
+    assert settings.edge.router.threshold == 0.7
+    assert settings.stream.storage == "memory"
+    assert settings.log.level == "debug"
+
+
+def test_flags_override_env_and_defaults_stay() -> None:
+    settings = load_settings(
+        {("nats", "url"): "nats://flag:1"}, environ={"MESH_NATS_URL": "nats://env:2"}
+    )
+    assert settings.nats.url == "nats://flag:1"
+    assert settings.stream.max_deliver == 3
+    assert load_settings(environ={}).nats.servers() == ["nats://127.0.0.1:4222"]
+
+
+def test_bad_config_value_names_the_env_var() -> None:
+    with pytest.raises(InvalidRequestError) as excinfo:
+        load_settings(environ={"MESH_WORKER_MODEL_SLOTS": "many"})
+    assert "MESH_WORKER_MODEL_SLOTS" in str(excinfo.value)
+
+
+def test_every_setting_is_documented() -> None:
+    rows = describe_settings()
+    assert len(rows) > 40
+    undocumented = [env for env, _default, doc in rows if not doc]
+    assert undocumented == []
+    assert env_name(("worker", "model", "path")) == "MESH_WORKER_MODEL_PATH"
+
+
+async def _chunks(texts: list[str], delay: float = 0.0) -> AsyncIterator[Chunk]:
+    for text in texts:
+        if delay:
+            await asyncio.sleep(delay)
+        yield Chunk(text=text)
+    yield Chunk(finish_reason="stop")
+
+
+async def test_coalesce_sends_first_token_alone_then_batches() -> None:
+    out = [c async for c in coalesce(_chunks(list("abcdefgh")), max_parts=3, linger=0.01)]
+    texts = [c.text for c in out if c.finish_reason is None]
+    assert texts[0] == "a"
+    assert "".join(texts) == "abcdefgh"
+    assert all(len(t) <= 3 for t in texts)
+    assert len(texts) < 8  # batching happened
+    assert out[-1].finish_reason == "stop"
+
+
+async def test_coalesce_without_linger_keeps_slow_tokens_separate() -> None:
+    out = [c async for c in coalesce(_chunks(list("abc"), delay=0.02), max_parts=8, linger=0)]
+    assert [c.text for c in out[:-1]] == ["a", "b", "c"]
+
+
+async def test_coalesce_raises_backend_errors_in_order() -> None:
+    async def failing() -> AsyncIterator[Chunk]:
+        yield Chunk(text="x")
+        raise RuntimeError("engine died")
+
+    received: list[str] = []
+
+    async def consume() -> None:
+        async for chunk in coalesce(failing(), max_parts=4, linger=0):
+            received.append(chunk.text)
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        await consume()
+    assert received == ["x"]
+
+
+async def test_closing_coalesce_closes_the_backend_stream() -> None:
+    closed = asyncio.Event()
+
+    async def endless() -> AsyncIterator[Chunk]:
+        try:
+            while True:
+                await asyncio.sleep(0.001)
+                yield Chunk(text="t")
+        finally:
+            closed.set()
+
+    stream = coalesce(endless(), max_parts=4, linger=0)
+    async for _chunk in stream:
+        break
+    await stream.aclose()
+    assert closed.is_set()

@@ -1,0 +1,197 @@
+"""protocol/: codec, validation, subjects and error codes, with no I/O."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from protocol.codec import (
+    RequestLimits,
+    WireFormat,
+    decode_event,
+    decode_request,
+    dump,
+    dump_token,
+    error_event,
+    reply_target,
+    sniff,
+    to_exception,
+)
+from protocol.errors import (
+    BadPayloadError,
+    ErrorCode,
+    InvalidRequestError,
+    MeshError,
+    MeshTimeoutError,
+    OverloadedError,
+    PayloadTooLargeError,
+)
+from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, RestartEvent, TokenEvent
+from protocol.subjects import (
+    consumer_name,
+    edge_infer_subject,
+    infer_subject,
+    is_subject,
+    model_token,
+    token_subject,
+)
+
+
+def test_msgpack_request_round_trip() -> None:
+    request = InferRequest(id="abc", model="smollm2", prompt="hi", max_tokens=7, stop="\n")
+    data = dump(request, WireFormat.MSGPACK)
+    decoded, fmt = decode_request(data)
+    assert fmt is WireFormat.MSGPACK
+    assert decoded == request
+    assert decoded.stop == ["\n"]
+
+
+def test_json_object_as_the_nats_cli_sends_it() -> None:
+    decoded, fmt = decode_request(b'{"prompt": "What is NATS?", "max_tokens": 5}')
+    assert fmt is WireFormat.JSON and fmt.reply_format is WireFormat.JSON
+    assert decoded.prompt == "What is NATS?" and decoded.max_tokens == 5
+    assert len(decoded.id) == 32  # an id is assigned when the sender gives none
+
+
+def test_plain_text_is_a_prompt_and_is_answered_in_json() -> None:
+    decoded, fmt = decode_request(b"Qu'est-ce que NATS ?")
+    assert fmt is WireFormat.TEXT and fmt.reply_format is WireFormat.JSON
+    assert decoded.prompt == "Qu'est-ce que NATS ?"
+    assert decoded.chat() == [{"role": "user", "content": "Qu'est-ce que NATS ?"}]
+
+
+def test_content_type_header_wins_over_sniffing() -> None:
+    assert sniff(b'{"prompt": "x"}', {"Content-Type": "text/plain"}) is WireFormat.TEXT
+    decoded, _ = decode_request(b'{"prompt": "x"}', {"Content-Type": "text/plain"})
+    assert decoded.prompt == '{"prompt": "x"}'
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "fragment"),
+    [
+        (b"\x85\xa2id", ErrorCode.BAD_PAYLOAD, "malformed msgpack"),
+        (b'{"prompt": "unterminated', ErrorCode.BAD_PAYLOAD, "invalid JSON"),
+        (b"\xff\xfe\x00garbage", ErrorCode.BAD_PAYLOAD, "not UTF-8"),
+        (b'{"max_tokens": 5}', ErrorCode.INVALID_REQUEST, "missing prompt"),
+        (b"   ", ErrorCode.INVALID_REQUEST, "missing prompt"),
+        (b'{"prompt": "x", "max_tokens": -3}', ErrorCode.INVALID_REQUEST, "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": 10000000}', ErrorCode.INVALID_REQUEST, "max_tokens"),
+        (b'{"prompt": "x", "temperature": "hot"}', ErrorCode.INVALID_REQUEST, "temperature"),
+        (
+            b'{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}',
+            ErrorCode.INVALID_REQUEST,
+            "not both",
+        ),
+        (b'{"messages": []}', ErrorCode.INVALID_REQUEST, "empty"),
+        (b'{"prompt": "x", "id": "has spaces"}', ErrorCode.INVALID_REQUEST, "id"),
+        (b'{"prompt": "x", "reply": "mesh.v1.tok.*"}', ErrorCode.INVALID_REQUEST, "reply"),
+        (b'{"prompt": "x", "route": "moon"}', ErrorCode.INVALID_REQUEST, "route"),
+    ],
+)
+def test_bad_input_gets_a_typed_error(payload: bytes, code: ErrorCode, fragment: str) -> None:
+    with pytest.raises(MeshError) as excinfo:
+        decode_request(payload)
+    assert excinfo.value.code is code
+    assert fragment in str(excinfo.value)
+    assert excinfo.value.retryable is False
+
+
+def test_non_map_payloads_are_rejected_and_bracketed_text_is_a_prompt() -> None:
+    with pytest.raises(InvalidRequestError, match="map/object"):
+        decode_request(msgpack.packb([1, 2]), {"Content-Type": "application/msgpack"})
+    with pytest.raises(InvalidRequestError, match="map/object"):
+        decode_request(b"[1, 2, 3]", {"Content-Type": "application/json"})
+    decoded, fmt = decode_request(b"[1, 2, 3] sorted?")  # only a leading '{' means JSON
+    assert fmt is WireFormat.TEXT and decoded.prompt == "[1, 2, 3] sorted?"
+
+
+def test_node_limits_apply_after_protocol_validation() -> None:
+    limits = RequestLimits(max_payload_bytes=2048, max_tokens=100)
+    with pytest.raises(InvalidRequestError) as excinfo:
+        decode_request(b'{"id": "r1", "prompt": "x", "max_tokens": 101}', limits=limits)
+    assert "limit of 100" in str(excinfo.value)
+    assert excinfo.value.request_id == "r1"  # the error can be routed to the sender
+    with pytest.raises(PayloadTooLargeError) as too_big:
+        decode_request(json.dumps({"prompt": "x" * 4096}).encode(), limits=limits)
+    assert too_big.value.code is ErrorCode.PAYLOAD_TOO_LARGE
+
+
+def test_validation_details_name_each_field() -> None:
+    with pytest.raises(InvalidRequestError) as excinfo:
+        decode_request(b'{"prompt": "x", "max_tokens": 0, "top_p": 0}')
+    fields = {d["loc"] for d in excinfo.value.details or []}
+    assert fields == {"max_tokens", "top_p"}
+
+
+def test_unknown_fields_are_ignored_and_reported_or_rejected_when_strict() -> None:
+    seen: list[frozenset[str]] = []
+    decoded, _ = decode_request(
+        b'{"prompt": "x", "colour": "blue"}', on_unknown=lambda _kind, fields: seen.append(fields)
+    )
+    assert decoded.prompt == "x"
+    assert seen == [frozenset({"colour"})]
+    with pytest.raises(InvalidRequestError, match="unknown field"):
+        decode_request(b'{"prompt": "x", "colour": "blue"}', strict=True)
+
+
+def test_reply_target_reads_what_it_can_from_an_invalid_request() -> None:
+    assert reply_target(b'{"id": "r9", "reply": "my.inbox", "max_tokens": -1}') == (
+        "r9",
+        "my.inbox",
+    )
+    assert reply_target(b'{"id": "bad id", "reply": "a.*"}') == (None, None)
+    assert reply_target(b"\x85\xa2") == (None, None)
+
+
+def test_events_round_trip_in_both_formats() -> None:
+    events = [
+        TokenEvent(id="r", seq=0, text="Hel", attempt=2),
+        EndEvent(id="r", seq=3, finish_reason="length", served_by="cloud:w1"),
+        ErrorEvent(id="r", code="overloaded", message="full", retryable=True, retry_after=2),
+        RestartEvent(id="r", attempt=2),
+        Answer(id="r", text="Hello", path="local"),
+    ]
+    for fmt in (WireFormat.MSGPACK, WireFormat.JSON):
+        for event in events:
+            assert decode_event(dump(event, fmt)) == event
+
+
+def test_token_fast_path_matches_the_model_encoding() -> None:
+    event = TokenEvent(id="r", seq=4, text="ü!", attempt=1)
+    for fmt in (WireFormat.MSGPACK, WireFormat.JSON):
+        assert decode_event(dump_token("r", 4, "ü!", 1, fmt)) == event
+
+
+def test_errors_cross_the_wire_typed() -> None:
+    sent = OverloadedError("queue full", retry_after=2.5, request_id="r1")
+    received = to_exception(decode_event(dump(error_event(sent), WireFormat.MSGPACK)))
+    assert isinstance(received, OverloadedError)
+    assert received.retryable and received.retry_after == 2.5 and received.request_id == "r1"
+    timeout = to_exception(ErrorEvent(code="timeout", message="slow"))
+    assert isinstance(timeout, MeshTimeoutError) and isinstance(timeout, TimeoutError)
+    unknown = to_exception(ErrorEvent(code="from_the_future", message="?"))
+    assert type(unknown) is MeshError and unknown.code is ErrorCode.INTERNAL
+
+
+def test_garbage_event_is_a_bad_payload() -> None:
+    with pytest.raises(BadPayloadError):
+        decode_event(b'{"t": "nope"}')
+
+
+def test_expiry_uses_deadline_and_start_by() -> None:
+    assert InferRequest(prompt="x", deadline=100.0).is_expired(now=100.0)
+    assert InferRequest(prompt="x", start_by=50.0).is_expired(now=60.0)
+    assert not InferRequest(prompt="x", deadline=100.0, start_by=90.0).is_expired(now=80.0)
+
+
+def test_subject_names() -> None:
+    assert infer_subject("Qwen/Qwen2.5-7B") == "mesh.v1.infer.Qwen_Qwen2_5-7B"
+    assert model_token("a.b*c>d e") == "a_b_c_d_e"
+    assert consumer_name("smollm2") == "workers_smollm2"
+    assert token_subject("abc") == "mesh.v1.tok.abc"
+    assert edge_infer_subject("jetson-1") == "mesh.v1.edge.jetson-1.infer"
+    with pytest.raises(ValueError, match="subject token"):
+        token_subject("a.b")
+    assert is_subject("_INBOX.abc.def") and not is_subject("a.>") and not is_subject("a..b")
