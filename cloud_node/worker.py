@@ -47,6 +47,7 @@ from protocol.subjects import (
 )
 
 log = get_logger(__name__)
+CAPACITY_POLL_S = 0.25
 
 
 @dataclass
@@ -147,8 +148,11 @@ class Worker:
         while not self._stopping:
             free = self.free_slots()
             if free <= 0:
+                # Our own completions set _wake; engine-side capacity (another user of the engine,
+                # KV-cache pressure) changes silently, so look again shortly either way.
                 self._wake.clear()
-                await self._wake.wait()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), CAPACITY_POLL_S)
                 continue
             try:
                 msgs = await self._psub.fetch(

@@ -230,6 +230,7 @@ class EdgeNode:
                 await sink.error(MeshError("edge failure", code=ErrorCode.INTERNAL))
             finally:
                 self._inflight.pop(req.id, None)
+                _canonical_line(sink, received)
 
     # -- routing ---------------------------------------------------------------------------
     async def _answer(self, req: InferRequest, sink: EventSink, received: float) -> None:
@@ -370,6 +371,34 @@ class EdgeNode:
                 ),
             )
         )
+
+
+def _canonical_line(sink: EventSink, received: float) -> None:
+    """One log line per request with everything an operator asks about it."""
+    fields: dict[str, Any] = {
+        "total_ms": round((time.perf_counter() - received) * 1000, 1),
+        "stream": not sink.collect,
+        "tokens": sink.tokens_sent,
+    }
+    end = sink.last_end
+    if end is not None:
+        fields.update(
+            outcome="ok",
+            path=end.path,
+            served_by=end.served_by,
+            finish=end.finish_reason,
+            ttft_ms=end.timings.ttft_ms,
+            fallback=end.fallback,
+        )
+        if end.routing is not None:
+            fields.update(
+                route=end.routing.decision, score=end.routing.score, forced=end.routing.forced
+            )
+    elif sink.last_error is not None:
+        fields.update(outcome="error", code=sink.last_error.code.value)
+    else:
+        fields.update(outcome="cancelled")
+    log.info("request", **fields)
 
 
 def _edge_end(

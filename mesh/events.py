@@ -49,6 +49,8 @@ class EventSink:
         self._parts: list[str] = []
         self.tokens_sent = 0
         self.finished = False
+        self.last_end: EndEvent | None = None
+        self.last_error: MeshError | None = None
 
     async def token(self, text: str, attempt: int = 1) -> None:
         self.tokens_sent += 1
@@ -68,6 +70,7 @@ class EventSink:
 
     async def end(self, end: EndEvent) -> None:
         self.finished = True
+        self.last_end = end
         if self.collect:
             fields = end.model_dump(exclude={"t", "seq", "attempt"})
             answer = Answer(**fields, text="".join(self._parts))
@@ -80,6 +83,7 @@ class EventSink:
     async def error(self, error: MeshError) -> None:
         """The error event, with the NATS micro error headers that `nats req` shows."""
         self.finished = True
+        self.last_error = error
         headers = {
             **self._headers,
             SERVICE_ERROR: f"{error.code.value}: {error.message}"[:512]

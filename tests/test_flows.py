@@ -218,3 +218,24 @@ async def test_restart_event_resets_collected_text(client: MeshClient) -> None:
     client.stream = fake_stream  # type: ignore[method-assign]
     answer = await client.complete("x")
     assert answer.text == "whole" and answer.restarts == 1
+
+
+async def test_one_canonical_log_line_per_request(edge: EdgeNode, client: MeshClient) -> None:
+    import structlog
+
+    from mesh.config import LogSettings
+    from mesh.logs import configure_logging
+
+    configure_logging(LogSettings(level="info"))
+    try:
+        with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs:
+            answer = await client.complete(SIMPLE, max_tokens=6, temperature=0)
+            await asyncio.sleep(0.05)  # the edge logs right after sending the end
+    finally:
+        configure_logging(LogSettings(level="warning"))
+    lines = [entry for entry in logs if entry["event"] == "request"]
+    assert len(lines) == 1
+    line = lines[0]
+    assert line["request_id"] == answer.end.id and line["node_id"] == f"edge:{edge.edge_id}"
+    assert line["outcome"] == "ok" and line["path"] == "local" and line["route"] == "local"
+    assert line["tokens"] == answer.end.usage.completion_tokens and line["ttft_ms"] > 0
