@@ -36,9 +36,11 @@ from mesh.queue import CANCELLER_HEADER, CloudCall
 from mesh.tasks import TaskSet
 from protocol.codec import decode_request, sniff
 from protocol.errors import (
+    DeadlineExceededError,
     ErrorCode,
     MeshError,
     OverloadedError,
+    UnavailableError,
     UnknownModelError,
 )
 from protocol.messages import (
@@ -173,14 +175,9 @@ class EdgeNode:
                 sniff(request.data, request.headers).reply_format,
                 collect=True,
             )
-            await sink.error(
-                OverloadedError(
-                    "edge is at its concurrency limit"
-                    if self._accepting
-                    else "edge is shutting down",
-                    retry_after=1.0,
-                )
-            )
+            reason = "edge is at its concurrency limit" if self._accepting else "edge is stopping"
+            with contextlib.suppress(MeshError):
+                await sink.error(OverloadedError(reason, retry_after=1.0))
             return
         self._tasks.spawn(self._serve(request), name="edge-request")
 
@@ -206,7 +203,10 @@ class EdgeNode:
             self.metrics.inc(f"error.{err.code.value}")
             log.info("request rejected", code=err.code.value, error=err.message)
             fmt = sniff(request.data, request.headers).reply_format
-            await EventSink(_responder(request), err.request_id or "", fmt, collect=True).error(err)
+            with contextlib.suppress(MeshError):
+                await EventSink(_responder(request), err.request_id or "", fmt, collect=True).error(
+                    err
+                )
             return
         sink = EventSink(_responder(request), req.id, fmt.reply_format, collect=not req.stream)
         task = asyncio.current_task()
@@ -219,21 +219,34 @@ class EdgeNode:
                 if self._accepting:  # the client's cancel: nobody to answer
                     log.info("request cancelled by client")
                     return
+                # Shutdown ran past its grace period: tell the client to retry elsewhere.
+                with contextlib.suppress(MeshError):
+                    await sink.error(
+                        UnavailableError(
+                            "edge is shutting down", retry_after=1.0, request_id=req.id
+                        )
+                    )
                 raise
             except MeshError as err:
                 self.metrics.inc(f"error.{err.code.value}")
                 log.info("request failed", code=err.code.value, error=err.message)
-                await sink.error(err)
+                with contextlib.suppress(MeshError):  # the client may be gone: nothing to tell
+                    await sink.error(err)
             except Exception:
                 self.metrics.inc("error.internal")
                 log.exception("request crashed")
-                await sink.error(MeshError("edge failure", code=ErrorCode.INTERNAL))
+                with contextlib.suppress(MeshError):
+                    await sink.error(MeshError("edge failure", code=ErrorCode.INTERNAL))
             finally:
                 self._inflight.pop(req.id, None)
                 _canonical_line(sink, received)
 
     # -- routing ---------------------------------------------------------------------------
     async def _answer(self, req: InferRequest, sink: EventSink, received: float) -> None:
+        if req.is_expired():
+            raise DeadlineExceededError(
+                "the request's deadline passed before it could start", request_id=req.id
+            )
         if (
             req.model is not None
             and req.model != self.backend.model
@@ -280,9 +293,12 @@ class EdgeNode:
         if not await self._is_served(model):
             raise _Fallback(f"no worker pool serves {model!r}")
         start_timeout = self._es.cloud_start_timeout
-        start_by = time.time() + start_timeout
         if req.deadline is not None:
-            start_by = min(start_by, req.deadline)
+            left = req.deadline - time.time()
+            if left < self._es.cloud_min_budget:
+                raise _Fallback(f"deadline too near for the cloud ({left:.1f}s left)")
+            start_timeout = min(start_timeout, left)
+        start_by = time.time() + start_timeout
         queued = req.model_copy(
             update={
                 "model": model,

@@ -128,9 +128,14 @@ class MeshClient:
         top_p: float = 1.0,
         stop: list[str] | str | None = None,
         seed: int | None = None,
+        deadline: float | None = None,
         request_id: str | None = None,
     ) -> AsyncGenerator[StreamItem, None]:
-        """Token events (and a restart event if a worker died mid-answer), then the end."""
+        """Token events (and a restart event if a worker died mid-answer), then the end.
+
+        ``deadline`` is absolute (Unix seconds): a request past it is never started, and an
+        edge answers locally when too little time is left for the cloud.
+        """
         request = self.build_request(
             prompt,
             messages=messages,
@@ -141,6 +146,7 @@ class MeshClient:
             top_p=top_p,
             stop=stop,
             seed=seed,
+            deadline=deadline,
             id=request_id,
             stream=True,
             origin="sdk",

@@ -146,6 +146,8 @@ class EdgeSettings(_Section):
     """The on-device classifier."""
     cloud_start_timeout: float = Field(default=10.0, gt=0)
     """Seconds to wait for the cloud's first token before answering locally."""
+    cloud_min_budget: float = Field(default=2.0, ge=0)
+    """A request whose deadline leaves less than this many seconds is answered locally."""
     cloud_idle_timeout: float = Field(default=30.0, gt=0)
     """Seconds without any event from the cloud, once started, before the edge gives up."""
     max_concurrent: int = Field(default=64, ge=1)

@@ -239,3 +239,40 @@ async def test_one_canonical_log_line_per_request(edge: EdgeNode, client: MeshCl
     assert line["request_id"] == answer.end.id and line["node_id"] == f"edge:{edge.edge_id}"
     assert line["outcome"] == "ok" and line["path"] == "local" and line["route"] == "local"
     assert line["tokens"] == answer.end.usage.completion_tokens and line["ttft_ms"] > 0
+
+
+async def test_deadlines_at_the_edge(worker: Worker, edge: EdgeNode, client: MeshClient) -> None:
+    from protocol.errors import DeadlineExceededError
+
+    # Already past: never started, typed error.
+    with pytest.raises(DeadlineExceededError):
+        await client.complete(SIMPLE, deadline=time.time() - 1, max_tokens=4)
+    # Too near for the cloud: answered locally at once, saying why.
+    near = await client.complete(COMPLEX, deadline=time.time() + 1.0, max_tokens=4, temperature=0)
+    assert near.path == "local"
+    assert near.end.fallback is not None and "deadline too near" in near.end.fallback
+    # Far enough: escalated as routed.
+    far = await client.complete(COMPLEX, deadline=time.time() + 60, max_tokens=4, temperature=0)
+    assert far.path == "cloud"
+
+
+async def test_edge_stopping_mid_answer_tells_the_client_to_retry(
+    settings: MeshSettings, conn: Connection, edge_backend: object, client: MeshClient
+) -> None:
+    from edge_node.router import HeuristicRouter
+    from protocol.errors import UnavailableError
+
+    edge = EdgeNode(settings, conn, edge_backend, HeuristicRouter())  # type: ignore[arg-type]
+    await edge.start()
+    received = 0
+
+    async def consume() -> None:
+        nonlocal received
+        async for _event in client.stream("Count to one hundred.", route="local", max_tokens=400):
+            received += 1
+            if received == 2:
+                await edge.stop(grace=0)  # no grace: the in-flight answer is cut
+
+    with pytest.raises(UnavailableError) as excinfo:
+        await consume()
+    assert excinfo.value.retryable and "shutting down" in str(excinfo.value)
