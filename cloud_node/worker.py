@@ -21,12 +21,14 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from cloud_node.cancels import RecentIds
+from mesh import __version__
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.events import EventSink, coalesce
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.provision import provision
+from mesh.registry import Heartbeat, NodeInfo
 from mesh.tasks import TaskSet
 from protocol.codec import decode_request, reply_target, sniff
 from protocol.errors import (
@@ -81,6 +83,9 @@ class Worker:
         self._psub: JetStreamContext.PullSubscription | None = None
         self._cancel_sub: Subscription | None = None
         self._loop_task: asyncio.Task[Any] | None = None
+        self._heartbeat = Heartbeat(
+            conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -90,6 +95,7 @@ class Worker:
         )
         self._cancel_sub = await self.conn.nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
         await self.conn.nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
+        await self._heartbeat.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._pull_loop(), name="pull")
         log.info(
             "worker started",
@@ -105,6 +111,7 @@ class Worker:
             return
         self._stopping = True
         self._wake.set()
+        await self._heartbeat.stop()  # edges stop counting on us before intake stops
         if self._loop_task is not None:
             # The loop checks the flag between fetches; a fetch lasts at most fetch_timeout.
             try:
@@ -137,6 +144,17 @@ class Worker:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+    def node_info(self) -> NodeInfo:
+        capacity = self.backend.capacity()
+        return NodeInfo(
+            node_id=self.node_id,
+            role="worker",
+            models=[self.backend.model],
+            slots=capacity.total,
+            free=self.free_slots(),
+            version=__version__,
+        )
 
     # -- intake ----------------------------------------------------------------------------
     def free_slots(self) -> int:

@@ -33,6 +33,7 @@ from mesh.logs import get_logger, log_unknown_fields
 from mesh.metrics import Metrics
 from mesh.provision import model_is_served
 from mesh.queue import CANCELLER_HEADER, CloudCall
+from mesh.registry import NodeView
 from mesh.tasks import TaskSet
 from protocol.codec import decode_request, sniff
 from protocol.errors import (
@@ -95,6 +96,7 @@ class EdgeNode:
         self._service: Service | None = None
         self._cancel_sub: Subscription | None = None
         self._accepting = False
+        self.nodes = NodeView(conn, settings.stream.node_ttl)
 
     @property
     def subject(self) -> str:
@@ -103,6 +105,10 @@ class EdgeNode:
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         nc = self.conn.nc
+        try:
+            await self.nodes.start()
+        except MeshError as err:  # degrade: without the registry, the start timeout decides
+            log.warning("node registry unavailable", error=err.message)
         self._cancel_sub = await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
         self._service = await micro.add_service(
             nc,
@@ -145,6 +151,7 @@ class EdgeNode:
         if self._cancel_sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._cancel_sub.unsubscribe()
+        await self.nodes.stop()
         log.info("edge stopped", edge_id=self.edge_id, **self.metrics.snapshot())
 
     async def __aenter__(self) -> EdgeNode:
@@ -292,6 +299,8 @@ class EdgeNode:
         model = req.model or self._es.cloud_model
         if not await self._is_served(model):
             raise _Fallback(f"no worker pool serves {model!r}")
+        if self.nodes.serves(model) is False:
+            raise _Fallback(f"no live worker serves {model!r}")
         start_timeout = self._es.cloud_start_timeout
         if req.deadline is not None:
             left = req.deadline - time.time()

@@ -5,6 +5,7 @@ mesh up                        run the local mesh (nats-server + worker + edge) 
 mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
 mesh worker | mesh edge        run one role against MESH_NATS_URL
 mesh provision                 create/update the stream and consumers
+mesh status                    live workers (node registry) and queue depth per model
 mesh config                    list every setting with its env var and default
 """
 
@@ -113,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="models",
         help="model to provision a consumer for (repeatable)",
     )
+    sub.add_parser("status", parents=[common], help="live workers and queue depth")
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
 
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(lambda: _serve_role(_settings(args), "edge"))
         if args.command == "provision":
             return _run(lambda: _provision(_settings(args), args.models))
+        if args.command == "status":
+            return _run(lambda: _status(_settings(args, quiet=True)))
     except MeshError as err:
         print(f"mesh: error: {err}", file=sys.stderr)
         return 2
@@ -297,6 +301,50 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
                     await _until_signal()
     finally:
         await backend.close()
+    return 0
+
+
+async def status_lines(conn: Any, settings: MeshSettings) -> list[str]:
+    """Live workers from the node registry, and each model queue's depth."""
+    from nats.js.errors import NotFoundError
+
+    from mesh.registry import NodeView
+
+    view = NodeView(conn, settings.stream.node_ttl)
+    await view.start()
+    try:
+        for _ in range(50):  # the initial snapshot arrives within a few ms
+            if view.ready:
+                break
+            await asyncio.sleep(0.02)
+        workers = view.live()
+    finally:
+        await view.stop()
+    lines = [f"workers alive: {len(workers)}"]
+    lines += [
+        f"  {w.node_id:<32} models={','.join(w.models)} slots={w.slots} free={w.free}"
+        for w in workers
+    ]
+    jsm = conn.jsm()
+    try:
+        stream = await jsm.stream_info(settings.stream.name)
+    except NotFoundError:
+        return [*lines, f"queue {settings.stream.name}: not provisioned"]
+    lines.append(f"queue {settings.stream.name}: {stream.state.messages} waiting")
+    for consumer in await jsm.consumers_info(settings.stream.name):
+        lines.append(
+            f"  {consumer.name:<32} pending={consumer.num_pending} "
+            f"in_flight={consumer.num_ack_pending} redelivered={consumer.num_redelivered}"
+        )
+    return lines
+
+
+async def _status(settings: MeshSettings) -> int:
+    from mesh.connection import Connection
+
+    async with Connection(settings.nats, "mesh-status") as conn:
+        for line in await status_lines(conn, settings):
+            print(line)
     return 0
 
 

@@ -70,6 +70,10 @@ class StreamSettings(_Section):
     """Fleet-wide ceiling on requests in flight per model."""
     retry_after: float = Field(default=2.0, gt=0)
     """Seconds suggested to clients when the queue is full."""
+    heartbeat: float = Field(default=5.0, gt=0)
+    """Seconds between a worker's announcements in the node registry (KV mesh_nodes)."""
+    node_ttl: float = Field(default=15.0, gt=0)
+    """Seconds without an announcement after which a worker counts as gone."""
 
 
 class ModelSettings(_Section):

@@ -86,26 +86,45 @@ async def test_route_override_forces_each_path(
     assert to_local.end.routing.forced
 
 
-async def test_falls_back_to_local_when_no_worker_runs(
+async def test_falls_back_at_once_when_no_worker_is_alive(
     settings: MeshSettings, conn: Connection, edge_backend: object, client: MeshClient
 ) -> None:
-    # A consumer exists (a pool was deployed) but no worker is running: nobody will start it.
+    # A pool was deployed (its consumer exists) but no worker runs: the registry knows.
     from edge_node.router import HeuristicRouter
     from mesh.provision import provision
 
     await provision(conn.jsm(), settings.stream, ["smollm2"])
-    settings.edge.cloud_start_timeout = 1.5
     async with EdgeNode(settings, conn, edge_backend, HeuristicRouter()):  # type: ignore[arg-type]
         began = time.monotonic()
         answer = await client.complete(COMPLEX, max_tokens=16, temperature=0)
         waited = time.monotonic() - began
     assert answer.path == "local"
     assert answer.end.routing is not None and answer.end.routing.decision == "cloud"
+    assert answer.end.fallback == "no live worker serves 'smollm2'"
+    assert waited < settings.edge.cloud_start_timeout  # no start timeout was spent
+    assert (await queue_state(conn, settings))["messages"] == 0  # nothing was queued
+
+
+async def test_falls_back_when_a_busy_pool_does_not_start_in_time(
+    worker: Worker, edge: EdgeNode, client: MeshClient, conn: Connection, settings: MeshSettings
+) -> None:
+    # The only worker slot is taken by a long answer; the escalation cannot start in time.
+    edge.settings.edge.cloud_start_timeout = 1.5
+    long_answer = asyncio.create_task(
+        client.complete("Write a long story about a cat.", via="cloud", max_tokens=300)
+    )
+    await stat_reaches(worker.stats, "fetched", 1)
+    began = time.monotonic()
+    answer = await client.complete(COMPLEX, max_tokens=16, temperature=0)
+    waited = time.monotonic() - began
+    assert answer.path == "local"
     assert answer.end.fallback is not None and "did not start" in answer.end.fallback
-    assert answer.text
     assert waited >= 1.5
-    # The edge took its escalation back: no worker will later burn time on it.
-    assert (await queue_state(conn, settings))["messages"] == 0
+    await long_answer
+    # The edge took its escalation back: the worker never runs it after the long answer.
+    await eventually(lambda: queue_drained(conn, settings), what="empty queue")
+    await asyncio.sleep(0.5)
+    assert worker.stats.fetched == 1 and worker.stats.completed == 1
 
 
 async def test_falls_back_at_once_when_no_pool_serves_the_cloud_model(

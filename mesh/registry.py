@@ -1,0 +1,171 @@
+"""The node registry: JetStream KV bucket ``mesh_nodes``.
+
+Workers announce themselves (models, slots, free slots) every ``heartbeat`` seconds under
+``worker.<node_id>``, and delete their key on a clean stop. Entries expire with the bucket's TTL
+when a worker dies. An edge watches the bucket and treats a worker as alive while its updates keep
+arriving, timed with the edge's own clock (no clock skew between machines matters), so it can
+answer locally at once when no worker serves a model instead of waiting for a start timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from typing import Any, Literal
+
+import nats.errors
+from nats.js import api
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel, ValidationError
+
+from mesh.connection import Connection
+from mesh.logs import get_logger
+from protocol.errors import MeshTimeoutError, UnavailableError
+from protocol.subjects import NODES_BUCKET, model_token
+
+log = get_logger(__name__)
+_KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
+
+
+class NodeInfo(BaseModel):
+    """What a node announces about itself."""
+
+    node_id: str
+    role: Literal["worker", "edge"]
+    models: list[str]
+    slots: int
+    free: int
+    version: str = ""
+
+
+def node_key(role: str, node_id: str) -> str:
+    return f"{role}.{_KEY_UNSAFE.sub('_', node_id)}"
+
+
+async def open_bucket(conn: Connection, ttl: float) -> KeyValue:
+    """The registry bucket, created on first use (idempotent)."""
+    js = conn.js
+    try:
+        try:
+            return await js.key_value(NODES_BUCKET)
+        except BucketNotFoundError:
+            return await js.create_key_value(
+                api.KeyValueConfig(
+                    bucket=NODES_BUCKET,
+                    description="mesh node registry (heartbeats)",
+                    history=1,
+                    ttl=ttl,
+                    storage=api.StorageType.MEMORY,
+                )
+            )
+    except asyncio.TimeoutError:
+        raise MeshTimeoutError("JetStream did not answer while opening the node registry") from None
+    except nats.js.errors.APIError as exc:
+        raise UnavailableError(f"node registry unavailable: {exc.description}") from None
+
+
+class Heartbeat:
+    """A worker's announcement loop: put now, then every ``interval``; delete on stop."""
+
+    def __init__(self, conn: Connection, info: Any, interval: float, ttl: float) -> None:
+        self._conn = conn
+        self._info = info  # a callable returning the current NodeInfo
+        self._interval = interval
+        self._ttl = ttl
+        self._kv: KeyValue | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._key = ""
+
+    async def start(self) -> None:
+        self._kv = await open_bucket(self._conn, self._ttl)
+        info: NodeInfo = self._info()
+        self._key = node_key(info.role, info.node_id)
+        await self._put()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="heartbeat")
+
+    async def _put(self) -> None:
+        assert self._kv is not None
+        await asyncio.wait_for(
+            self._kv.put(self._key, self._info().model_dump_json().encode()), self._interval
+        )
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self._put()
+            except (asyncio.TimeoutError, nats.errors.Error) as exc:
+                log.warning("heartbeat failed", error=repr(exc))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._kv is not None:
+            with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error):
+                await asyncio.wait_for(self._kv.delete(self._key), self._interval)
+
+
+class NodeView:
+    """An edge's live view of the registry. ``serves(model)`` is None until the first full
+    snapshot arrives (then callers cannot tell and should not guess), else True/False."""
+
+    def __init__(self, conn: Connection, ttl: float) -> None:
+        self._conn = conn
+        self._ttl = ttl
+        self._nodes: dict[str, tuple[NodeInfo, float]] = {}
+        self._ready = False
+        self._watcher: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        kv = await open_bucket(self._conn, self._ttl)
+        self._watcher = await kv.watchall()
+        self._task = asyncio.get_running_loop().create_task(self._follow(), name="registry-watch")
+
+    async def _follow(self) -> None:
+        async for entry in self._watcher:
+            if entry is None:  # end of the initial snapshot
+                self._ready = True
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self._nodes.pop(entry.key, None)
+                continue
+            try:
+                info = NodeInfo.model_validate_json(entry.value)
+            except ValidationError:
+                log.warning("ignoring malformed registry entry", key=entry.key)
+                continue
+            self._nodes[entry.key] = (info, time.monotonic())
+
+    @property
+    def ready(self) -> bool:
+        """True once the initial snapshot of the bucket has arrived."""
+        return self._ready
+
+    def live(self, role: str = "worker") -> list[NodeInfo]:
+        now = time.monotonic()
+        return [
+            info
+            for info, seen in self._nodes.values()
+            if info.role == role and now - seen < self._ttl
+        ]
+
+    def serves(self, model: str) -> bool | None:
+        if not self.ready:
+            return None
+        token = model_token(model)
+        return any(token in {model_token(m) for m in info.models} for info in self.live())
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._watcher.stop()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,63 @@
+"""The node registry (KV mesh_nodes): workers announce, edges see who is alive."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cloud_node.worker import Worker
+from mesh.backends.llama_cpp import LlamaCppBackend
+from mesh.config import MeshSettings
+from mesh.connection import Connection
+from mesh.registry import NodeView
+from tests.helpers import eventually
+
+
+async def _serves(view: NodeView, model: str, expected: bool | None) -> bool:
+    return view.serves(model) is expected
+
+
+async def test_edge_view_follows_worker_start_stop_and_crash(
+    settings: MeshSettings, conn: Connection, worker_backend: LlamaCppBackend
+) -> None:
+    settings.stream.heartbeat = 0.3
+    settings.stream.node_ttl = 1.0
+    view = NodeView(conn, settings.stream.node_ttl)
+    await view.start()
+    try:
+        await eventually(lambda: _serves(view, "smollm2", False), what="an empty registry")
+
+        async with Worker(settings, conn, worker_backend) as worker:
+            await eventually(lambda: _serves(view, "smollm2", True), what="worker announced")
+            (info,) = view.live()
+            assert info.node_id == worker.node_id and info.models == ["smollm2"]
+            assert info.slots == 1 and info.free == 1
+            assert view.serves("other-model") is False
+        await eventually(lambda: _serves(view, "smollm2", False), what="clean stop withdrawn")
+
+        # A crash: the connection drops, no goodbye. The entry goes stale after node_ttl.
+        crash_conn = await Connection(settings.nats, "crashing").connect()
+        crashing = Worker(settings, crash_conn, worker_backend)
+        await crashing.start()
+        await eventually(lambda: _serves(view, "smollm2", True), what="second worker announced")
+        assert crashing._heartbeat._task is not None
+        crashing._heartbeat._task.cancel()  # the process "dies": no more heartbeats
+        await crash_conn.nc.close()
+        await eventually(
+            lambda: _serves(view, "smollm2", False), timeout=5, what="crashed worker to go stale"
+        )
+        await crashing.stop()
+    finally:
+        await view.stop()
+        await asyncio.sleep(0)
+
+
+async def test_mesh_status_lists_live_workers(
+    settings: MeshSettings, conn: Connection, worker_backend: LlamaCppBackend
+) -> None:
+    from mesh.cli import status_lines
+
+    async with Worker(settings, conn, worker_backend) as worker:
+        lines = await status_lines(conn, settings)
+    text = "\n".join(lines)
+    assert worker.node_id in text and "smollm2" in text
+    assert "queue MESH_INFER" in text and "workers_smollm2" in text
