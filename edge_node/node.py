@@ -22,13 +22,14 @@ from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from edge_node.http_api import EdgeHTTP
 from edge_node.local_gate import LocalGate
 from edge_node.router import Router, decide
 from mesh import __version__
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.events import EventSink, coalesce
+from mesh.events import EventSink, Sink, coalesce
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.metrics import Metrics
 from mesh.provision import model_is_served
@@ -97,6 +98,7 @@ class EdgeNode:
         self._cancel_sub: Subscription | None = None
         self._accepting = False
         self.nodes = NodeView(conn, settings.stream.node_ttl)
+        self.http: EdgeHTTP | None = None
 
     @property
     def subject(self) -> str:
@@ -131,6 +133,9 @@ class EdgeNode:
         # Once start() returns, the server knows our subscriptions: clients can reach us.
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self._accepting = True
+        if self._es.http_port >= 0:
+            self.http = EdgeHTTP(self, self._es.http_host, self._es.http_port)
+            await self.http.start()
         log.info(
             "edge started",
             edge_id=self.edge_id,
@@ -147,6 +152,8 @@ class EdgeNode:
         if self._service is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._service.stop()
+        if self.http is not None:
+            await self.http.stop()  # stops accepting; in-flight HTTP answers finish first
         await self._tasks.close(grace=grace)
         if self._cancel_sub is not None:
             with contextlib.suppress(nats.errors.Error):
@@ -216,6 +223,15 @@ class EdgeNode:
                 )
             return
         sink = EventSink(_responder(request), req.id, fmt.reply_format, collect=not req.stream)
+        await self.handle(req, sink, received)
+
+    async def handle(self, req: InferRequest, sink: Sink, received: float | None = None) -> None:
+        """Answer one validated request into ``sink``: route, generate or relay, and report.
+
+        Every entry (NATS micro service, HTTP API) goes through here; errors end up in the sink
+        as typed errors, and a client's cancel (``mesh.v1.cancel.<id>``) stops it.
+        """
+        received = time.perf_counter() if received is None else received
         task = asyncio.current_task()
         assert task is not None
         self._inflight[req.id] = task
@@ -249,7 +265,7 @@ class EdgeNode:
                 _canonical_line(sink, received)
 
     # -- routing ---------------------------------------------------------------------------
-    async def _answer(self, req: InferRequest, sink: EventSink, received: float) -> None:
+    async def _answer(self, req: InferRequest, sink: Sink, received: float) -> None:
         if req.is_expired():
             raise DeadlineExceededError(
                 "the request's deadline passed before it could start", request_id=req.id
@@ -294,7 +310,7 @@ class EdgeNode:
 
     # -- the two paths ---------------------------------------------------------------------
     async def _relay_cloud(
-        self, req: InferRequest, decision: RouteDecision, sink: EventSink, received: float
+        self, req: InferRequest, decision: RouteDecision, sink: Sink, received: float
     ) -> None:
         model = req.model or self._es.cloud_model
         if not await self._is_served(model):
@@ -352,7 +368,7 @@ class EdgeNode:
         self,
         req: InferRequest,
         decision: RouteDecision,
-        sink: EventSink,
+        sink: Sink,
         received: float,
         fallback: str | None,
     ) -> None:
@@ -398,7 +414,7 @@ class EdgeNode:
         )
 
 
-def _canonical_line(sink: EventSink, received: float) -> None:
+def _canonical_line(sink: Sink, received: float) -> None:
     """One log line per request with everything an operator asks about it."""
     fields: dict[str, Any] = {
         "total_ms": round((time.perf_counter() - received) * 1000, 1),

@@ -42,6 +42,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "threshold": ("edge", "router", "threshold"),
     "router": ("edge", "router", "kind"),
     "start_timeout": ("edge", "cloud_start_timeout"),
+    "http_port": ("edge", "http_port"),
 }
 _MODEL_FLAGS = {
     "model": "path",
@@ -73,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     edge.add_argument("--threshold", type=float, help="router threshold (escalate at score >= it)")
     edge.add_argument("--router", choices=["heuristic", "learned"])
     edge.add_argument("--start-timeout", type=float, help="seconds to wait for the cloud to start")
+    edge.add_argument(
+        "--http-port",
+        type=int,
+        help="OpenAI-compatible HTTP API port (default 8080; -1 off; 0 any free)",
+    )
     ask_opts = argparse.ArgumentParser(add_help=False)
     ask_opts.add_argument("--route", choices=["auto", "local", "cloud"], default="auto")
     ask_opts.add_argument(
@@ -148,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             settings = _settings(args, quiet=True)
             settings.nats.local_port = -1  # never collide with a running `mesh up`
+            settings.edge.http_port = -1
             return _run(lambda: _demo(settings, args))
         if args.command == "up":
             return _run(lambda: _up(_settings(args)))
@@ -196,6 +203,8 @@ async def _up(settings: MeshSettings) -> int:
     async with LocalMesh(settings) as mesh:
         assert mesh.edge is not None
         print(f"mesh is up: NATS {mesh.nats_url}, edge subject {mesh.edge.subject}", flush=True)
+        if mesh.edge.http is not None:
+            print(f"  OpenAI-compatible API: {mesh.edge.http.url}/v1", flush=True)
         print(f'  try: mesh ask --nats-url {mesh.nats_url} "What is 2+2?"', flush=True)
         print("  Ctrl-C stops everything", flush=True)
         await _until_signal()

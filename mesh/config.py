@@ -160,6 +160,10 @@ class EdgeSettings(_Section):
     """Requests that may wait for the local model beyond its slots; more get 'overloaded'."""
     reply_timeout: float = Field(default=5.0, gt=0)
     """Seconds to wait for a reply to be flushed to the client."""
+    http_host: str = "127.0.0.1"
+    """Address of the OpenAI-compatible HTTP API."""
+    http_port: int = Field(default=8080, ge=-1, le=65535)
+    """Port of the OpenAI-compatible HTTP API; -1 turns it off, 0 picks a free port."""
 
 
 class LogSettings(_Section):

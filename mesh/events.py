@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.subscription import Subscription
@@ -28,6 +28,23 @@ Publish = Callable[[bytes, dict[str, str]], Awaitable[None]]
 NO_RESPONDERS = "503"
 SERVICE_ERROR = "Nats-Service-Error"
 SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
+
+
+class Sink(Protocol):
+    """Where one request's events go: a NATS subject or inbox, or an HTTP response."""
+
+    collect: bool
+    tokens_sent: int
+    last_end: EndEvent | None
+    last_error: MeshError | None
+
+    async def token(self, text: str, attempt: int = 1) -> None: ...
+
+    async def restart(self, attempt: int, reason: str = "redelivered") -> None: ...
+
+    async def end(self, end: EndEvent) -> None: ...
+
+    async def error(self, error: MeshError) -> None: ...
 
 
 class EventSink:

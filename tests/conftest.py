@@ -42,6 +42,7 @@ def make_settings(nats_url: str, **overrides: object) -> MeshSettings:
             ("edge", "cloud_idle_timeout"): 20.0,
             ("worker", "fetch_timeout"): 0.5,
             ("worker", "drain_grace"): 5.0,
+            ("edge", "http_port"): -1,
             ("stream", "ack_wait"): 10.0,
         },
         environ={},

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ def test_mesh_demo_streams_both_paths_with_ttft() -> None:
 @pytest.mark.slow
 def test_mesh_up_ask_and_ctrl_c_leaves_no_orphans() -> None:
     up = subprocess.Popen(
-        [*MESH, "up", "--port", "-1", "--log-format", "json"],
+        [*MESH, "up", "--port", "-1", "--http-port", "0", "--log-format", "json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -75,6 +76,9 @@ def test_mesh_up_ask_and_ctrl_c_leaves_no_orphans() -> None:
         match = re.search(r"NATS (nats://[\d.]+:\d+)", line)
         assert match, (line, up.stderr.read() if up.poll() is not None else "")  # type: ignore[union-attr]
         url = match.group(1)
+        api_line = up.stdout.readline()
+        api = re.search(r"OpenAI-compatible API: (http://[\d.]+:\d+/v1)", api_line)
+        assert api, api_line
         children = _children(up.pid)
         assert children, "nats-server should run as a child of `mesh up`"
 
@@ -103,6 +107,21 @@ def test_mesh_up_ask_and_ctrl_c_leaves_no_orphans() -> None:
             and answer["text"]
             and answer["routing"]["decision"] == "local"
         )
+
+        request = urllib.request.Request(
+            f"{api.group(1)}/chat/completions",
+            data=json.dumps(
+                {
+                    "model": "smollm2",
+                    "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "Say hi"}],
+                }
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            completion = json.loads(resp.read())
+        assert completion["choices"][0]["message"]["content"].strip()
 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0

@@ -1,0 +1,325 @@
+"""The edge's OpenAI-compatible HTTP API (aiohttp): point any OpenAI client at an edge.
+
+    POST /v1/chat/completions   stream or not; routes like any other request
+    GET  /v1/models             the local model and the cloud model
+    GET  /health                edge id, models, live workers
+
+Extensions: a ``route`` field (``auto|local|cloud``) or an ``X-Mesh-Route`` header forces a
+path; every answer carries a ``mesh`` object (path, served_by, routing, fallback, timings) and
+``X-Mesh-Path`` / ``X-Mesh-Served-By`` headers. Errors use OpenAI's ``{"error": {...}}`` shape
+with the mesh's stable code and an HTTP status derived from it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from mesh.logs import get_logger
+from protocol.codec import invalid_request_error
+from protocol.errors import (
+    BackendError,
+    BadPayloadError,
+    InvalidRequestError,
+    MeshError,
+    PayloadTooLargeError,
+    status_of,
+)
+from protocol.messages import EndEvent, InferRequest
+from protocol.subjects import is_token
+
+if TYPE_CHECKING:
+    from edge_node.node import EdgeNode
+
+log = get_logger(__name__)
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "logit_bias", "response_format")
+
+
+def error_response(err: MeshError) -> web.Response:
+    body = {
+        "error": {
+            "message": err.message,
+            "type": err.code.value,
+            "code": err.code.value,
+            "param": (err.details or [{}])[0].get("loc"),
+            "retryable": err.retryable,
+        }
+    }
+    headers = {"Retry-After": str(max(1, round(err.retry_after)))} if err.retry_after else None
+    return web.json_response(body, status=status_of(err.code), headers=headers)
+
+
+def _mesh_fields(end: EndEvent) -> dict[str, Any]:
+    return end.model_dump(
+        mode="json",
+        include={"path", "served_by", "routing", "fallback", "timings"},
+        exclude_none=True,
+    )
+
+
+def _usage(end: EndEvent) -> dict[str, int]:
+    usage = end.usage
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+class _CollectSink:
+    """Gathers a whole answer for a non-streaming HTTP request."""
+
+    collect = True
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.tokens_sent = 0
+        self.last_end: EndEvent | None = None
+        self.last_error: MeshError | None = None
+
+    async def token(self, text: str, attempt: int = 1) -> None:
+        self.tokens_sent += 1
+        self.parts.append(text)
+
+    async def restart(self, attempt: int, reason: str = "redelivered") -> None:
+        self.parts.clear()
+
+    async def end(self, end: EndEvent) -> None:
+        self.last_end = end
+
+    async def error(self, error: MeshError) -> None:
+        self.last_error = error
+
+
+class _SSESink:
+    """Streams ``chat.completion.chunk`` events. The HTTP response starts with the first event,
+    so an error before any token is still a proper HTTP status."""
+
+    collect = False
+
+    def __init__(self, request: web.Request, req: InferRequest, model: str, usage: bool) -> None:
+        self._request = request
+        self._req = req
+        self._model = model
+        self._usage = usage
+        self._created = int(time.time())
+        self.response: web.StreamResponse | None = None
+        self.tokens_sent = 0
+        self.last_end: EndEvent | None = None
+        self.last_error: MeshError | None = None
+
+    def _chunk(self, delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{self._req.id}",
+            "object": "chat.completion.chunk",
+            "created": self._created,
+            "model": self._model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+
+    async def _send(self, payload: dict[str, Any] | str) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": self._req.id,
+                }
+            )
+            await self.response.prepare(self._request)
+        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        await self.response.write(f"data: {data}\n\n".encode())
+
+    async def token(self, text: str, attempt: int = 1) -> None:
+        delta = {"content": text}
+        if self.tokens_sent == 0:
+            delta = {"role": "assistant", **delta}
+        self.tokens_sent += 1
+        await self._send(self._chunk(delta))
+
+    async def restart(self, attempt: int, reason: str = "redelivered") -> None:
+        if self.tokens_sent:
+            # SSE cannot take text back: end this stream rather than splice two answers.
+            raise BackendError(
+                f"the answer restarted after streaming began ({reason}); retry",
+                request_id=self._req.id,
+            )
+
+    async def end(self, end: EndEvent) -> None:
+        self.last_end = end
+        final = self._chunk({}, end.finish_reason)
+        final["mesh"] = _mesh_fields(end)
+        await self._send(final)
+        if self._usage:
+            usage_chunk = self._chunk({})
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = _usage(end)
+            await self._send(usage_chunk)
+        await self._send("[DONE]")
+
+    async def error(self, error: MeshError) -> None:
+        self.last_error = error
+        if self.response is None:
+            return  # the handler answers with a plain HTTP error
+        body = {
+            "error": {
+                "message": error.message,
+                "type": error.code.value,
+                "code": error.code.value,
+                "retryable": error.retryable,
+            }
+        }
+        await self._send(body)
+        await self._send("[DONE]")
+
+
+class EdgeHTTP:
+    """The HTTP server of one edge node."""
+
+    def __init__(self, edge: EdgeNode, host: str, port: int) -> None:
+        self.edge = edge
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        limits = self.edge.settings.limits
+        app = web.Application(client_max_size=limits.max_payload_bytes)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        # A client that disconnects cancels its handler, which aborts the generation.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server = site._server
+        if self.port == 0 and server is not None and server.sockets:  # type: ignore[attr-defined]
+            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        log.info("edge HTTP API listening", url=self.url)
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        edge = self.edge
+        models = [(edge.backend.model, "edge"), (edge.settings.edge.cloud_model, "cloud")]
+        data = [
+            {"id": name, "object": "model", "owned_by": owner}
+            for name, owner in dict(models).items()
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        edge = self.edge
+        workers = edge.nodes.live()
+        return web.json_response(
+            {
+                "status": "ok",
+                "edge_id": edge.edge_id,
+                "local_model": edge.backend.model,
+                "cloud_model": edge.settings.edge.cloud_model,
+                "workers_alive": len(workers),
+            }
+        )
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        received = time.perf_counter()
+        try:
+            req, model, include_usage = await self._parse(request)
+        except MeshError as err:
+            self.edge.metrics.inc(f"error.{err.code.value}")
+            return error_response(err)
+        headers = {"X-Request-Id": req.id}
+        if req.stream:
+            sink = _SSESink(request, req, model, include_usage)
+            await self.edge.handle(req, sink, received)
+            if sink.response is None:
+                return error_response(sink.last_error or MeshError("no answer was produced"))
+            return sink.response
+        collected = _CollectSink()
+        await self.edge.handle(req, collected, received)
+        if collected.last_end is None:
+            return error_response(collected.last_error or MeshError("no answer was produced"))
+        end = collected.last_end
+        headers.update({"X-Mesh-Path": end.path, "X-Mesh-Served-By": end.served_by})
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{req.id}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": end.finish_reason,
+                        "message": {"role": "assistant", "content": "".join(collected.parts)},
+                    }
+                ],
+                "usage": _usage(end),
+                "mesh": _mesh_fields(end),
+            },
+            headers=headers,
+        )
+
+    async def _parse(self, request: web.Request) -> tuple[InferRequest, str, bool]:
+        limits = self.edge.settings.limits
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLargeError(
+                f"body over this edge's limit of {limits.max_payload_bytes} bytes"
+            ) from None
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadPayloadError(f"invalid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object")
+        for name in _UNSUPPORTED:
+            if body.get(name):
+                raise InvalidRequestError(f"{name!r} is not supported by this edge")
+        if body.get("n", 1) != 1:
+            raise InvalidRequestError("only n=1 is supported")
+        edge = self.edge
+        model = body.get("model") or edge.backend.model
+        route = request.headers.get("X-Mesh-Route") or body.get("route") or "auto"
+        request_id = request.headers.get("X-Request-Id")
+        fields = {
+            "messages": body.get("messages"),
+            "max_tokens": body.get("max_completion_tokens") or body.get("max_tokens"),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "stop": body.get("stop"),
+            "seed": body.get("seed"),
+            "stream": bool(body.get("stream", False)),
+            "route": route,
+            # Naming the local model (or "auto") lets the router choose; anything else is a
+            # cloud model the request must go to.
+            "model": None if model in (edge.backend.model, "auto") else model,
+            "origin": "http",
+            "id": request_id if request_id and is_token(request_id) else None,
+        }
+        try:
+            req = InferRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        except ValidationError as exc:
+            raise invalid_request_error(exc, None) from None
+        if req.max_tokens > limits.max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens {req.max_tokens} is over this edge's limit of {limits.max_tokens}",
+                details=[{"loc": "max_tokens", "msg": f"must be <= {limits.max_tokens}"}],
+            )
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return req, model, include_usage
