@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import nats.errors
@@ -26,6 +25,7 @@ from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.events import EventSink, coalesce
+from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.provision import provision
 from mesh.registry import Heartbeat, NodeInfo
@@ -62,7 +62,7 @@ class WorkerStats:
     requeued: int = 0
 
 
-class Worker:
+class Worker(Lifecycle):
     """One worker process (or model replica) serving ``backend.model``."""
 
     def __init__(self, settings: MeshSettings, conn: Connection, backend: Backend) -> None:
@@ -132,18 +132,6 @@ class Worker:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
         log.info("worker stopped", node_id=self.node_id, **vars(self.stats))
-
-    async def __aenter__(self) -> Worker:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     def node_info(self) -> NodeInfo:
         capacity = self.backend.capacity()

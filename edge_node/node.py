@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from types import TracebackType
 from typing import Any
 
 import nats.errors
@@ -30,6 +29,7 @@ from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.events import EventSink, Sink, coalesce
+from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.metrics import Metrics
 from mesh.provision import model_is_served
@@ -78,7 +78,7 @@ class _Fallback(Exception):
         self.reason = reason
 
 
-class EdgeNode:
+class EdgeNode(Lifecycle):
     def __init__(
         self, settings: MeshSettings, conn: Connection, backend: Backend, router: Router
     ) -> None:
@@ -160,18 +160,6 @@ class EdgeNode:
                 await self._cancel_sub.unsubscribe()
         await self.nodes.stop()
         log.info("edge stopped", edge_id=self.edge_id, **self.metrics.snapshot())
-
-    async def __aenter__(self) -> EdgeNode:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     # -- intake ----------------------------------------------------------------------------
     async def _on_request(self, request: Request) -> None:

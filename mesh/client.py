@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Literal
 
 import nats.errors
@@ -25,6 +24,7 @@ from pydantic import ValidationError
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.events import read_events
+from mesh.lifecycle import Lifecycle
 from mesh.provision import model_is_served
 from mesh.queue import CANCELLER_HEADER, CloudCall
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, invalid_request_error
@@ -57,7 +57,7 @@ class Completion:
         return self.end.path
 
 
-class MeshClient:
+class MeshClient(Lifecycle):
     def __init__(
         self,
         nats_url: str | None = None,
@@ -89,17 +89,6 @@ class MeshClient:
     async def close(self) -> None:
         if self._own_conn:
             await self.conn.close()
-
-    async def __aenter__(self) -> MeshClient:
-        return await self.connect()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def build_request(
         self,
@@ -227,3 +216,6 @@ class MeshClient:
             finally:
                 if not finished:
                     await call.withdraw()
+
+    start = connect
+    stop = close

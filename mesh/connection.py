@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from types import TracebackType
 
 import nats
 from nats.aio.client import Client
@@ -13,13 +12,14 @@ from nats.js import JetStreamContext
 from nats.js.manager import JetStreamManager
 
 from mesh.config import NatsSettings
+from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from protocol.errors import UnavailableError
 
 log = get_logger(__name__)
 
 
-class Connection:
+class Connection(Lifecycle):
     """An open NATS connection; ``nc``/``js``/``jsm`` raise a clear error before ``connect()``."""
 
     def __init__(self, settings: NatsSettings, name: str) -> None:
@@ -95,16 +95,8 @@ class Connection:
         finally:
             await _close_quietly(client)
 
-    async def __aenter__(self) -> Connection:
-        return await self.connect()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
+    start = connect
+    stop = close
 
 
 async def _close_quietly(client: Client) -> None:

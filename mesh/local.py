@@ -8,7 +8,6 @@ NATS connection, and the nats-server last.
 from __future__ import annotations
 
 import asyncio
-from types import TracebackType
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
@@ -16,13 +15,14 @@ from edge_node.routing import create_router
 from mesh.backends import Backend, create_backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
+from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.nats_server import NatsServer
 
 log = get_logger(__name__)
 
 
-class LocalMesh:
+class LocalMesh(Lifecycle):
     def __init__(self, settings: MeshSettings) -> None:
         self.settings = settings
         self.server: NatsServer | None = None
@@ -77,14 +77,3 @@ class LocalMesh:
             await self.server.stop()
         self.edge = self.worker = self.conn = self.server = None
         self._backends = []
-
-    async def __aenter__(self) -> LocalMesh:
-        return await self.start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()

@@ -18,8 +18,8 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
+from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from protocol.errors import ErrorCode, MeshError
 
@@ -57,7 +57,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class NatsServer:
+class NatsServer(Lifecycle):
     """``async with NatsServer() as server: server.url`` -- a JetStream server for this process."""
 
     def __init__(
@@ -150,17 +150,6 @@ class NatsServer:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-    async def __aenter__(self) -> NatsServer:
-        return await self.start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
 
 def _tail(text: str, lines: int = 5) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
-from types import TracebackType
 
 import nats.errors
 from nats.aio.subscription import Subscription
@@ -20,6 +19,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.events import read_events
+from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.errors import MeshTimeoutError, OverloadedError, UnavailableError
@@ -82,7 +82,7 @@ async def publish_request(
         ) from None
 
 
-class CloudCall:
+class CloudCall(Lifecycle):
     """One escalated request: ``async with CloudCall(...) as call: async for ev in call.events()``.
 
     ``events`` turns a change of delivery attempt (a worker died and JetStream redelivered) into
@@ -159,13 +159,5 @@ class CloudCall:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-    async def __aenter__(self) -> CloudCall:
-        return await self.open()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
+    start = open
+    stop = close
