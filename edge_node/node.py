@@ -268,7 +268,7 @@ class EdgeNode(Lifecycle):
                 f"local model ({self.backend.model!r})",
                 request_id=req.id,
             )
-        decision = decide(self.router, req)
+        decision = self._too_long_for_local(req) or decide(self.router, req)
         self.metrics.inc(f"route.{decision.decision}" + (".forced" if decision.forced else ""))
         log.info("routed", decision=decision.decision, score=decision.score, reason=decision.reason)
         fallback: str | None = None
@@ -283,6 +283,21 @@ class EdgeNode(Lifecycle):
                 if sink.tokens_sent:
                     await sink.restart(1, reason=f"cloud failed mid-stream: {fallback}")
         await self._run_local(req, decision, sink, received, fallback)
+
+    def _too_long_for_local(self, req: InferRequest) -> RouteDecision | None:
+        """A prompt that cannot fit the local model's context goes to the cloud, whatever the
+        router thinks (unless the client insists on local)."""
+        if req.route != "auto":
+            return None
+        estimate = len(req.text()) // 3 + 16 * req.turns()  # ~3+ chars/token for English
+        limit = self._es.model.n_ctx - 64
+        if estimate <= limit:
+            return None
+        return RouteDecision(
+            decision="cloud",
+            reason=f"prompt too long for the local model "
+            f"(~{estimate} tokens, context {self._es.model.n_ctx})",
+        )
 
     async def _is_served(self, model: str) -> bool:
         now = time.monotonic()

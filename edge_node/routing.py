@@ -7,4 +7,8 @@ from mesh.config import RouterSettings
 
 
 def create_router(settings: RouterSettings) -> Router:
-    return HeuristicRouter(threshold=settings.threshold)
+    if settings.kind == "heuristic":
+        return HeuristicRouter(threshold=0.5 if settings.threshold is None else settings.threshold)
+    from edge_node.learned.router import LearnedRouter
+
+    return LearnedRouter.from_settings(settings)

@@ -6,6 +6,7 @@ mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
 mesh worker | mesh edge        run one role against MESH_NATS_URL
 mesh provision                 create/update the stream and consumers
 mesh status                    live workers (node registry) and queue depth per model
+mesh router train | eval       rebuild the shipped router weights / evaluate the router
 mesh config                    list every setting with its env var and default
 """
 
@@ -121,6 +122,25 @@ def _parser() -> argparse.ArgumentParser:
         help="model to provision a consumer for (repeatable)",
     )
     sub.add_parser("status", parents=[common], help="live workers and queue depth")
+    router = sub.add_parser("router", help="train or evaluate the learned router")
+    router_sub = router.add_subparsers(dest="router_command", required=True)
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("--data", help="routing data directory (default ../shared/routing)")
+    train = router_sub.add_parser("train", parents=[data], help="rebuild the router weights")
+    train.add_argument("--out", help="weights file (default: the one the edge ships with)")
+    evaluate = router_sub.add_parser("eval", parents=[data], help="metrics vs baselines")
+    evaluate.add_argument(
+        "--group-seeds",
+        type=int,
+        default=3,
+        help="extra shuffled subject-held-out splits to average (default 3)",
+    )
+    evaluate.add_argument(
+        "--latency-n",
+        type=int,
+        default=1000,
+        help="single decisions timed for p50/p99 (default 1000)",
+    )
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
 
@@ -164,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             return _run(lambda: _serve_role(_settings(args), "edge"))
         if args.command == "provision":
             return _run(lambda: _provision(_settings(args), args.models))
+        if args.command == "router":
+            from mesh.router_cli import router_eval, router_train
+
+            if args.router_command == "train":
+                return router_train(args.data, args.out)
+            return router_eval(args.data, args.group_seeds, args.latency_n)
         if args.command == "status":
             return _run(lambda: _status(_settings(args, quiet=True)))
     except MeshError as err:

@@ -133,10 +133,18 @@ class WorkerSettings(_Section):
 
 
 class RouterSettings(_Section):
-    kind: Literal["heuristic", "learned"] = "heuristic"
-    """Router implementation deciding local vs cloud."""
-    threshold: float = Field(default=0.5, ge=0, le=1)
-    """Escalate when the router's score is at or above this."""
+    kind: Literal["heuristic", "learned"] = "learned"
+    """Router deciding local vs cloud: the trained classifier, or a transparent heuristic."""
+    threshold: float | None = Field(default=None, ge=0, le=1)
+    """Escalate when the router's score (probability the local model fails) is at or above
+    this; when unset, the threshold comes from cloud_share."""
+    cloud_share: float = Field(default=0.3, ge=0, le=1)
+    """Share of typical requests to escalate (the hardest-rated ones), used when no threshold
+    is set; calibrated on the training prompts' scores, as RouteLLM does."""
+    weights: str | None = None
+    """Router weights file; the ones shipped with the project when unset."""
+    data_dir: str | None = None
+    """Labelled routing data for `mesh router train/eval`; ../shared/routing when unset."""
 
 
 class EdgeSettings(_Section):

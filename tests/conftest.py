@@ -12,7 +12,7 @@ from nats.js.errors import NotFoundError
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
-from edge_node.router import HeuristicRouter
+from edge_node.routing import create_router
 from mesh.backends.llama_cpp import LlamaCppBackend
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, load_settings
@@ -98,8 +98,7 @@ async def worker(
 async def edge(
     settings: MeshSettings, conn: Connection, edge_backend: LlamaCppBackend
 ) -> AsyncIterator[EdgeNode]:
-    router = HeuristicRouter(threshold=settings.edge.router.threshold)
-    async with EdgeNode(settings, conn, edge_backend, router) as node:
+    async with EdgeNode(settings, conn, edge_backend, create_router(settings.edge.router)) as node:
         yield node
 
 

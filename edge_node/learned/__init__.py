@@ -1,0 +1,1 @@
+"""The learned stage-0 router: features, model, training and evaluation (numpy only)."""

@@ -1,0 +1,276 @@
+"""The learned router: features, determinism, calibration, threshold policy, bad input, metrics,
+and a real-mesh check that decisions and their reasons reach the client."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_node.learned.data import Dataset, default_data_dir, load_dataset
+from edge_node.learned.evaluate import calibration, evaluate, roc_auc, routing_metrics
+from edge_node.learned.features import MAX_CHARS, SCALAR_NAMES, extract
+from edge_node.learned.model import WEIGHTS_PATH, RouterModel
+from edge_node.learned.router import LearnedRouter, train_on
+from edge_node.learned.train import TrainConfig, stratified_folds
+from edge_node.router import decide
+from edge_node.routing import create_router
+from mesh.config import RouterSettings
+from protocol.errors import MeshError
+from protocol.messages import InferRequest
+
+DATA = default_data_dir()
+needs_data = pytest.mark.skipif(
+    not (DATA / "mmlu").is_dir(),
+    reason=f"routing data not found at {DATA} (it lives in shared/routing beside the checkout)",
+)
+SIMPLE = "What is the capital of France?"
+MATH = (
+    "Janet has 3 boxes with 12 apples each. She gives away 7 apples to each of her 4 friends, "
+    "then buys twice as many as she has left. How many apples does she have now?"
+)
+
+
+@pytest.fixture(scope="module")
+def data() -> Dataset:
+    if not (DATA / "mmlu").is_dir():
+        pytest.skip(f"routing data not found at {DATA}")
+    return load_dataset(DATA)
+
+
+@pytest.fixture(scope="module")
+def shipped() -> RouterModel:
+    return RouterModel.load(WEIGHTS_PATH)
+
+
+# -- features ----------------------------------------------------------------------------
+def test_features_read_prompt_structure() -> None:
+    mc = extract("Which of the following is NOT a prime?\nA. 2\nB. 3\nC. 4\nD. 5")
+    named = dict(zip(SCALAR_NAMES, mc.scalars, strict=True))
+    assert named["multiple choice"] == 1.0
+    assert named["numeric options"] == 1.0
+    assert named["negation (NOT/EXCEPT/LEAST)"] == 1.0
+    plain = dict(zip(SCALAR_NAMES, extract("Say hi").scalars, strict=True))
+    assert plain["multiple choice"] == 0.0 and plain["numbers"] == 0.0
+    chat = dict(zip(SCALAR_NAMES, extract("a b", turns=4).scalars, strict=True))
+    assert chat["conversation turns"] == pytest.approx(math.log(4))
+
+
+def test_feature_hashing_is_the_same_in_every_process() -> None:
+    # Python's str hash is salted per process; the router must not depend on it.
+    code = (
+        "from edge_node.learned.features import extract;"
+        "print(extract('the quick brown fox jumps').buckets.tolist())"
+    )
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            cwd=Path(__file__).resolve().parent.parent,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(runs) == 1
+    assert runs.pop().strip() == str(extract("the quick brown fox jumps").buckets.tolist())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "   ",
+        "\x00\x01\x02",
+        "🙂" * 500,
+        "abc \ud800 lone surrogate",
+        "x" * 1_000_000,
+        "Ω≈ç√∫ 中文 العربية",
+        "\n" * 10_000,
+    ],
+    ids=["empty", "blank", "control", "emoji", "surrogate", "huge", "scripts", "newlines"],
+)
+def test_any_text_gets_a_probability(shipped: RouterModel, text: str) -> None:
+    probability, reasons = shipped.explain(text)
+    assert 0.0 <= probability <= 1.0
+    assert all(isinstance(r, str) for r in reasons)
+
+
+def test_huge_prompts_are_read_up_to_a_bound(shipped: RouterModel) -> None:
+    head = ("word " * (MAX_CHARS // 5 + 1))[:MAX_CHARS]
+    huge = extract(head + " tail" * 200_000)
+    bounded = extract(head)
+    np.testing.assert_array_equal(huge.buckets, bounded.buckets)  # only the first MAX_CHARS
+    assert huge.scalars[0] > bounded.scalars[0]  # but the full length still counts
+
+
+def test_non_text_prompts_are_rejected_before_the_router() -> None:
+    from protocol.codec import decode_request
+
+    for payload in (b'{"prompt": 12345}', b'{"prompt": ["a"]}', b'{"prompt": {"x": 1}}'):
+        with pytest.raises(MeshError) as excinfo:
+            decode_request(payload)
+        assert excinfo.value.code.value == "invalid_request"
+
+
+# -- model, policy, explanations ---------------------------------------------------------
+def test_threshold_policy(shipped: RouterModel) -> None:
+    by_share = LearnedRouter.from_settings(RouterSettings(cloud_share=0.3))
+    assert by_share.threshold == pytest.approx(shipped.threshold_for_share(0.3))
+    assert LearnedRouter.from_settings(RouterSettings(threshold=0.8)).threshold == 0.8
+    assert (
+        LearnedRouter.from_settings(RouterSettings(threshold=0.8, cloud_share=0.1)).threshold == 0.8
+    )
+    thresholds = [shipped.threshold_for_share(s) for s in (0.0, 0.1, 0.3, 0.6, 1.0)]
+    assert thresholds == sorted(thresholds, reverse=True)  # more cloud, lower bar
+
+
+@needs_data
+def test_cloud_share_target_is_met_on_typical_prompts(data: Dataset) -> None:
+    sample = data.prompts[::9]
+    for share in (0.2, 0.5):
+        router = LearnedRouter.from_settings(RouterSettings(cloud_share=share))
+        routed = [decide(router, InferRequest(prompt=p)).decision for p in sample]
+        assert routed.count("cloud") / len(routed) == pytest.approx(share, abs=0.05)
+
+
+def test_decisions_explain_themselves_and_honour_overrides() -> None:
+    router = create_router(RouterSettings())  # the edge's default: learned, 30% cloud share
+    assert isinstance(router, LearnedRouter)
+    simple = decide(router, InferRequest(prompt=SIMPLE))
+    assert simple.decision == "local" and simple.score is not None and simple.score < 0.2
+    assert "no complexity signal" in simple.reason
+    hard = decide(router, InferRequest(prompt=MATH))
+    assert hard.decision == "cloud" and not hard.forced
+    assert "numbers" in hard.reason and f"{router.threshold:.2f}" in hard.reason
+    forced = decide(router, InferRequest(prompt=MATH, route="local"))
+    assert forced.decision == "local" and forced.forced and forced.score is None
+
+
+def test_missing_or_foreign_weights_fail_clearly(tmp_path: Path) -> None:
+    bogus = tmp_path / "w.json"
+    bogus.write_text('{"format": "something-else"}')
+    for path in (bogus, tmp_path / "absent.json"):
+        with pytest.raises(MeshError) as excinfo:
+            create_router(RouterSettings(weights=str(path)))
+        assert "mesh router train" in str(excinfo.value)
+
+
+def test_weights_round_trip(shipped: RouterModel, tmp_path: Path) -> None:
+    shipped.save(tmp_path / "copy.json")
+    again = RouterModel.load(tmp_path / "copy.json")
+    for text in (SIMPLE, MATH, ""):
+        assert again.probability(text) == pytest.approx(shipped.probability(text), abs=1e-9)
+    assert WEIGHTS_PATH.stat().st_size < 256 * 1024  # small enough to ship
+
+
+# -- training: determinism, reproducibility, calibration -----------------------------------
+@needs_data
+def test_training_is_deterministic(data: Dataset) -> None:
+    subset = data.subset(np.arange(0, len(data.prompts), 4))
+    assert train_on(subset).to_json() == train_on(subset).to_json()
+
+
+@needs_data
+def test_shipped_weights_are_reproduced_by_the_train_command(
+    data: Dataset, shipped: RouterModel
+) -> None:
+    rebuilt = train_on(data)
+    np.testing.assert_array_equal(rebuilt.buckets, shipped.buckets)
+    np.testing.assert_allclose(rebuilt.bucket_weights, shipped.bucket_weights, atol=2e-3)
+    np.testing.assert_allclose(rebuilt.scalar_weights, shipped.scalar_weights, atol=1e-4)
+    for text in data.prompts[::1000]:
+        assert rebuilt.probability(text) == pytest.approx(shipped.probability(text), abs=1e-3)
+
+
+@needs_data
+def test_probabilities_are_calibrated_on_unseen_prompts(data: Dataset) -> None:
+    folds = stratified_folds(data.outcome, 5, seed=7)
+    train_idx, test_idx = np.flatnonzero(folds != 0), np.flatnonzero(folds == 0)
+    model = train_on(data.subset(train_idx), TrainConfig())
+    held = data.subset(test_idx)
+    probability = np.array([model.probability(p) for p in held.prompts])
+    report = calibration(probability, held.local_fails)
+    assert report["brier"] < report["brier_base_rate"] - 0.01  # informative, not just the mean
+    assert report["ece"] < 0.05
+    assert abs(probability.mean() - held.local_fails.mean()) < 0.03
+
+
+# -- metrics -------------------------------------------------------------------------------
+def test_auc_matches_pair_counting() -> None:
+    rng = np.random.default_rng(3)
+    scores = rng.integers(0, 5, 60).astype(float)  # many ties
+    labels = rng.integers(0, 2, 60)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+    assert roc_auc(scores, labels) == pytest.approx(pairs)
+
+
+def test_routing_metrics_on_a_worked_example() -> None:
+    # Local right on 3 of 5 (0.6), cloud on 4 of 5 (0.8). Escalating prompts 0 and 2 gains,
+    # prompt 3 loses, 1 and 4 change nothing. By share escalated (0, .2, .4, .6, .8, 1) the
+    # accuracy is .6, .8, 1, 1, 1, .8 and PGR 0, 1, 2, 2, 2, 1.
+    weak = np.array([0, 1, 0, 1, 1])
+    strong = np.array([1, 1, 1, 0, 1])
+    metrics = routing_metrics(np.array([0.9, 0.3, 0.8, 0.0, 0.2]), weak, strong)
+    assert metrics["auc"] == 1.0
+    assert metrics["cpt50"] == pytest.approx(0.2)
+    assert metrics["cpt80"] == pytest.approx(0.2)
+    assert metrics["q95"] == pytest.approx(0.2)
+    assert metrics["apgr"] == pytest.approx(1.5)  # trapezoids: .1 + .3 + .4 + .4 + .3
+    same = routing_metrics(np.array([0.5, 0.1]), np.array([1, 0]), np.array([1, 0]))
+    assert same["apgr"] == 0.0 and same["cpt50"] == 1.0  # no gap to recover: defined, not NaN
+
+
+@needs_data
+def test_evaluation_beats_the_baselines_on_a_sample(data: Dataset) -> None:
+    sample = data.subset(np.arange(0, len(data.prompts), 3))
+    report = evaluate(sample)
+    stratified = report.rows["router, stratified 5-fold"]
+    held_out = report.rows["router, whole subjects held out"]
+    random = report.rows["baseline: random (mean of 20)"]
+    assert stratified["auc_fail"] > random["auc_fail"] + 0.1
+    assert held_out["auc"] > random["auc"] + 0.05
+    assert held_out["q95"] < random["q95"]
+    assert "router, whole subjects held out" in report.table()
+
+
+# -- through the real mesh -------------------------------------------------------------------
+async def test_learned_router_through_the_real_mesh(
+    worker: object, edge: object, client: object
+) -> None:
+    from cloud_node.worker import Worker
+    from edge_node.node import EdgeNode
+    from mesh.client import MeshClient
+
+    assert isinstance(worker, Worker) and isinstance(edge, EdgeNode)
+    assert isinstance(client, MeshClient) and isinstance(edge.router, LearnedRouter)
+    simple = await client.complete(SIMPLE, max_tokens=8, temperature=0)
+    hard = await client.complete(MATH, max_tokens=8, temperature=0)
+    assert simple.path == "local"
+    assert simple.end.routing is not None and simple.end.routing.decision == "local"
+    assert hard.path == "cloud" and hard.end.served_by == f"cloud:{worker.node_id}"
+    routing = hard.end.routing
+    assert routing is not None and routing.decision == "cloud" and not routing.forced
+    assert routing.score is not None and routing.threshold is not None
+    assert routing.score >= routing.threshold
+    assert "numbers" in routing.reason  # the client sees why
+    assert edge.metrics.get("route.local") == 1 and edge.metrics.get("route.cloud") == 1
+
+
+async def test_prompt_too_long_for_the_local_model_goes_to_the_cloud(
+    worker: object, edge: object, client: object
+) -> None:
+    from mesh.client import MeshClient
+
+    assert isinstance(client, MeshClient)
+    long_but_simple = "Please summarise this note. " + "The meeting is on Tuesday. " * 300
+    answer = await client.complete(long_but_simple, max_tokens=4, temperature=0)
+    assert answer.end.routing is not None
+    assert answer.end.routing.reason.startswith("prompt too long for the local model")
+    assert answer.end.routing.decision == "cloud"
