@@ -30,13 +30,17 @@ def decide(router: Router, request: InferRequest) -> RouteDecision:
         )
     score, reasons = router.score(request)
     decision: Literal["local", "cloud"] = "cloud" if score >= router.threshold else "local"
-    op = ">=" if decision == "cloud" else "<"
-    why = ", ".join(reasons[:3]) if reasons else "no complexity signal"
+    signals = ", ".join(reasons[:3])
+    if decision == "cloud":
+        why = f"score {score:.2f} >= {router.threshold:.2f}: {signals or 'overall profile'}"
+    else:
+        detail = f"weak signals: {signals}" if signals else "no complexity signal"
+        why = f"score {score:.2f} < {router.threshold:.2f} ({detail})"
     return RouteDecision(
         decision=decision,
         score=round(score, 4),
         threshold=router.threshold,
-        reason=f"score {score:.2f} {op} {router.threshold:.2f}: {why}",
+        reason=why,
     )
 
 

@@ -105,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         help="start a local mesh, stream sample answers, stop",
     )
     demo.add_argument("prompts", nargs="*", help="prompts to ask (default: two samples)")
+    demo.set_defaults(max_tokens=96)
     ask = sub.add_parser(
         "ask", parents=[common, ask_opts], help="stream an answer from a running mesh"
     )
@@ -308,7 +309,7 @@ def _summary(end: EndEvent) -> str:
     parts.append(f"finish={end.finish_reason}")
     line = "-- " + " | ".join(parts)
     if end.routing is not None:
-        line += f"\n-- route: {end.routing.decision} ({end.routing.reason})"
+        line += f"\n-- route: {end.routing.decision}, {end.routing.reason}"
     if end.fallback:
         line += f"\n-- fell back to local: {end.fallback}"
     return line

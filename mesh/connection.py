@@ -27,6 +27,7 @@ class Connection(Lifecycle):
         self.name = name
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
+        self._closing = False
 
     @property
     def nc(self) -> Client:
@@ -51,7 +52,10 @@ class Connection(Lifecycle):
             log.warning("nats error", connection=self.name, error=repr(exc))
 
         async def on_disconnected() -> None:
-            log.warning("nats disconnected", connection=self.name)
+            if self._closing:
+                log.debug("nats connection closed", connection=self.name)
+            else:
+                log.warning("nats disconnected", connection=self.name)
 
         async def on_reconnected() -> None:
             log.info("nats reconnected", connection=self.name, server=str(client.connected_url))
@@ -88,6 +92,7 @@ class Connection(Lifecycle):
         client, self._nc, self._js = self._nc, None, None
         if client is None or client.is_closed:
             return
+        self._closing = True
         try:
             await asyncio.wait_for(client.drain(), timeout=self.settings.drain_timeout + 1)
         except (asyncio.TimeoutError, nats.errors.Error) as exc:

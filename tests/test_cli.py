@@ -58,7 +58,7 @@ def test_mesh_demo_streams_both_paths_with_ttft() -> None:
     assert "served by edge (local model)" in out
     assert "served by cloud (worker pool)" in out
     assert len(re.findall(r"TTFT \d+ ms", out)) == 2
-    assert "route: local" in out and "route: cloud" in out
+    assert "route: local, score" in out and "route: cloud, score" in out
 
 
 @pytest.mark.slow
