@@ -28,6 +28,7 @@ from mesh.events import EventSink, coalesce
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.provision import provision
+from mesh.queue import trace_headers
 from mesh.registry import Heartbeat, NodeInfo
 from mesh.tasks import TaskSet
 from protocol.codec import decode_request, reply_target, sniff
@@ -219,7 +220,11 @@ class Worker(Lifecycle):
             collect=False,
         )
         with structlog.contextvars.bound_contextvars(
-            request_id=request.id, node_id=self.node_id, subject=msg.subject, attempt=attempt
+            request_id=request.id,
+            node_id=self.node_id,
+            subject=msg.subject,
+            attempt=attempt,
+            **trace_headers(msg.headers),
         ):
             try:
                 await self._generate(msg, request, sink, attempt)

@@ -20,6 +20,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from mesh.logs import get_logger
+from mesh.queue import trace_headers
 from protocol.codec import invalid_request_error
 from protocol.errors import (
     BackendError,
@@ -245,12 +246,12 @@ class EdgeHTTP:
         headers = {"X-Request-Id": req.id}
         if req.stream:
             sink = _SSESink(request, req, model, include_usage)
-            await self.edge.handle(req, sink, received)
+            await self.edge.handle(req, sink, received, trace_headers(request.headers))
             if sink.response is None:
                 return error_response(sink.last_error or MeshError("no answer was produced"))
             return sink.response
         collected = _CollectSink()
-        await self.edge.handle(req, collected, received)
+        await self.edge.handle(req, collected, received, trace_headers(request.headers))
         if collected.last_end is None:
             return error_response(collected.last_error or MeshError("no answer was produced"))
         end = collected.last_end

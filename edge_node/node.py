@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import nats.errors
@@ -33,7 +34,7 @@ from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.metrics import Metrics
 from mesh.provision import model_is_served
-from mesh.queue import CANCELLER_HEADER, CloudCall
+from mesh.queue import CANCELLER_HEADER, CloudCall, trace_headers
 from mesh.registry import NodeView
 from mesh.tasks import TaskSet
 from protocol.codec import decode_request, sniff
@@ -211,13 +212,20 @@ class EdgeNode(Lifecycle):
                 )
             return
         sink = EventSink(_responder(request), req.id, fmt.reply_format, collect=not req.stream)
-        await self.handle(req, sink, received)
+        await self.handle(req, sink, received, trace_headers(request.headers))
 
-    async def handle(self, req: InferRequest, sink: Sink, received: float | None = None) -> None:
+    async def handle(
+        self,
+        req: InferRequest,
+        sink: Sink,
+        received: float | None = None,
+        trace: Mapping[str, str] | None = None,
+    ) -> None:
         """Answer one validated request into ``sink``: route, generate or relay, and report.
 
         Every entry (NATS micro service, HTTP API) goes through here; errors end up in the sink
-        as typed errors, and a client's cancel (``mesh.v1.cancel.<id>``) stops it.
+        as typed errors, and a client's cancel (``mesh.v1.cancel.<id>``) stops it. ``trace``
+        (W3C ``traceparent``/``tracestate``) goes on with an escalation.
         """
         received = time.perf_counter() if received is None else received
         task = asyncio.current_task()
@@ -225,7 +233,7 @@ class EdgeNode(Lifecycle):
         self._inflight[req.id] = task
         with structlog.contextvars.bound_contextvars(request_id=req.id, node_id=self.node_name):
             try:
-                await self._answer(req, sink, received)
+                await self._answer(req, sink, received, trace)
             except asyncio.CancelledError:
                 if self._accepting:  # the client's cancel: nobody to answer
                     log.info("request cancelled by client")
@@ -253,7 +261,9 @@ class EdgeNode(Lifecycle):
                 _canonical_line(sink, received)
 
     # -- routing ---------------------------------------------------------------------------
-    async def _answer(self, req: InferRequest, sink: Sink, received: float) -> None:
+    async def _answer(
+        self, req: InferRequest, sink: Sink, received: float, trace: Mapping[str, str] | None
+    ) -> None:
         if req.is_expired():
             raise DeadlineExceededError(
                 "the request's deadline passed before it could start", request_id=req.id
@@ -274,7 +284,7 @@ class EdgeNode(Lifecycle):
         fallback: str | None = None
         if decision.decision == "cloud":
             try:
-                await self._relay_cloud(req, decision, sink, received)
+                await self._relay_cloud(req, decision, sink, received, trace)
                 return
             except _Fallback as fb:
                 fallback = fb.reason
@@ -313,7 +323,12 @@ class EdgeNode(Lifecycle):
 
     # -- the two paths ---------------------------------------------------------------------
     async def _relay_cloud(
-        self, req: InferRequest, decision: RouteDecision, sink: Sink, received: float
+        self,
+        req: InferRequest,
+        decision: RouteDecision,
+        sink: Sink,
+        received: float,
+        trace: Mapping[str, str] | None,
     ) -> None:
         model = req.model or self._es.cloud_model
         if not await self._is_served(model):
@@ -335,7 +350,9 @@ class EdgeNode(Lifecycle):
                 "start_by": start_by,
             }
         )
-        call = CloudCall(self.conn, self.settings.stream, queued, canceller=self.node_name)
+        call = CloudCall(
+            self.conn, self.settings.stream, queued, canceller=self.node_name, headers=trace
+        )
         try:
             await call.open()
         except MeshError as err:

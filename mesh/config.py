@@ -30,6 +30,20 @@ class NatsSettings(_Section):
     url: str | None = None
     """NATS server URL(s), comma-separated. Unset: `mesh up`/`demo` start a local nats-server,
     other commands use nats://127.0.0.1:4222."""
+    creds_file: str | None = None
+    """NATS credentials file (user JWT + NKey seed), for decentralized auth."""
+    token: str | None = None
+    """Token auth."""
+    user: str | None = None
+    """User for user/password auth."""
+    password: str | None = None
+    """Password for user/password auth."""
+    tls_ca_file: str | None = None
+    """CA bundle to verify the server's TLS certificate (enables TLS)."""
+    tls_cert_file: str | None = None
+    """Client certificate for mutual TLS (with tls_key_file)."""
+    tls_key_file: str | None = None
+    """Client private key for mutual TLS."""
     connect_timeout: float = Field(default=5.0, gt=0)
     """Seconds to wait for the first connection."""
     request_timeout: float = Field(default=5.0, gt=0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -63,6 +65,7 @@ class Connection(Lifecycle):
         try:
             await asyncio.wait_for(
                 client.connect(
+                    **_auth(self.settings),
                     servers=servers,
                     name=self.name,
                     connect_timeout=max(1, round(self.settings.connect_timeout)),
@@ -102,6 +105,24 @@ class Connection(Lifecycle):
 
     start = connect
     stop = close
+
+
+def _auth(settings: NatsSettings) -> dict[str, Any]:
+    """Credentials and TLS options for nats-py, from the settings that are set."""
+    options: dict[str, Any] = {}
+    if settings.creds_file:
+        options["user_credentials"] = settings.creds_file
+    if settings.token:
+        options["token"] = settings.token
+    if settings.user:
+        options["user"] = settings.user
+        options["password"] = settings.password or ""
+    if settings.tls_ca_file or settings.tls_cert_file:
+        context = ssl.create_default_context(cafile=settings.tls_ca_file)
+        if settings.tls_cert_file:
+            context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+        options["tls"] = context
+    return options
 
 
 async def _close_quietly(client: Client) -> None:

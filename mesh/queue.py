@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 
 import nats.errors
 from nats.aio.subscription import Subscription
@@ -35,14 +35,29 @@ CANCELLER_HEADER = "Mesh-Canceller"
 """Who sent a cancel, so a node can ignore the cancels it sent itself."""
 
 
+TRACE_HEADERS = ("traceparent", "tracestate")
+"""W3C trace context: carried from the client's request to the queued one, unchanged."""
+
+
+def trace_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    return {k: v for k, v in (headers or {}).items() if k.lower() in TRACE_HEADERS}
+
+
 async def publish_request(
-    conn: Connection, stream: StreamSettings, request: InferRequest
+    conn: Connection,
+    stream: StreamSettings,
+    request: InferRequest,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> api.PubAck:
     """Publish ``request`` to its model's queue subject; typed errors for every failure."""
     model = request.model
     if model is None:
         raise ValueError("request.model must be set before it is queued")
-    headers = {MSG_ID_HEADER: request.id, CONTENT_TYPE: WireFormat.MSGPACK.content_type}
+    headers = {
+        **(extra_headers or {}),
+        MSG_ID_HEADER: request.id,
+        CONTENT_TYPE: WireFormat.MSGPACK.content_type,
+    }
     try:
         return await conn.js.publish(
             infer_subject(model),
@@ -96,9 +111,11 @@ class CloudCall(Lifecycle):
         request: InferRequest,
         *,
         canceller: str = "client",
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.conn = conn
         self.canceller = canceller
+        self.headers = dict(headers or {})
         self.stream = stream
         self.request = request.model_copy(update={"reply": token_subject(request.id)})
         self.ack: api.PubAck | None = None
@@ -112,7 +129,7 @@ class CloudCall(Lifecycle):
                 await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
             except nats.errors.TimeoutError:
                 raise MeshTimeoutError("NATS did not confirm the token subscription") from None
-            self.ack = await publish_request(self.conn, self.stream, self.request)
+            self.ack = await publish_request(self.conn, self.stream, self.request, self.headers)
         except BaseException:
             await self.close()
             raise
