@@ -24,7 +24,7 @@ from mesh import __version__
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.events import EventSink, coalesce
+from mesh.events import EventSink, generate_into
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.provision import provision
@@ -40,7 +40,7 @@ from protocol.errors import (
     MeshError,
     UnknownModelError,
 )
-from protocol.messages import EndEvent, InferRequest, Timings, Usage
+from protocol.messages import EndEvent, InferRequest
 from protocol.subjects import (
     CANCEL_WILDCARD,
     consumer_name,
@@ -274,41 +274,22 @@ class Worker(Lifecycle):
     async def _generate(
         self, msg: Msg, request: InferRequest, sink: EventSink, attempt: int
     ) -> None:
-        started = time.time()
-        queued_ms = max(0.0, (started - msg.metadata.timestamp.timestamp()) * 1000)
+        queued_ms = max(0.0, (time.time() - msg.metadata.timestamp.timestamp()) * 1000)
         keepalive = self._tasks.spawn(self._keep_alive(msg), name="in-progress")
-        first: float | None = None
         try:
             if attempt > 1:
                 await sink.restart(attempt)
-            final = None
-            chunks = coalesce(
-                self.backend.generate(request),
-                max_parts=self._ws.coalesce_tokens,
-                linger=self._ws.coalesce_ms / 1000,
-            )
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    if chunk.finish_reason is not None:
-                        final = chunk
-                        break
-                    if first is None:
-                        first = time.time()
-                    await sink.token(chunk.text, attempt)
-            end_time = time.time()
+            gen = await generate_into(self.backend, request, sink, self._ws, attempt)
+            timings = gen.timings(since=gen.started, queue_ms=queued_ms)
             await sink.end(
                 EndEvent(
                     id=request.id,
                     seq=0,
                     attempt=attempt,
                     path="cloud",
-                    finish_reason=final.finish_reason if final and final.finish_reason else "stop",
-                    usage=final.usage
-                    if final and final.usage
-                    else Usage(completion_tokens=sink.tokens_sent),
-                    timings=_timings(
-                        started, first, end_time, queued_ms, final.usage if final else None
-                    ),
+                    finish_reason=gen.finish_reason,
+                    usage=gen.usage,
+                    timings=timings,
                     served_by=f"cloud:{self.node_id}",
                     routing=request.routing,
                 )
@@ -318,10 +299,10 @@ class Worker(Lifecycle):
             self.stats.completed += 1
             log.info(
                 "request done",
-                tokens=sink.tokens_sent,
-                queue_ms=round(queued_ms, 1),
-                ttft_ms=round((first - started) * 1000, 1) if first else None,
-                total_ms=round((end_time - started) * 1000, 1),
+                tokens=gen.usage.completion_tokens,
+                queue_ms=timings.queue_ms,
+                ttft_ms=timings.ttft_ms,
+                total_ms=timings.total_ms,
             )
         except asyncio.CancelledError:
             if request.id in self._cancelled:
@@ -389,17 +370,3 @@ class Worker(Lifecycle):
                 ) from None
 
         return publish
-
-
-def _timings(
-    started: float, first: float | None, end: float, queued_ms: float, usage: Usage | None
-) -> Timings:
-    gen_s = end - first if first is not None else 0.0
-    tokens = usage.completion_tokens if usage else 0
-    return Timings(
-        queue_ms=round(queued_ms, 2),
-        ttft_ms=round((first - started) * 1000, 2) if first is not None else None,
-        gen_ms=round(gen_s * 1000, 2),
-        total_ms=round((end - started) * 1000, 2),
-        tokens_per_s=round(tokens / gen_s, 2) if gen_s > 0 and tokens > 1 else None,
-    )

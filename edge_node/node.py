@@ -29,7 +29,7 @@ from mesh import __version__
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.events import EventSink, Sink, coalesce
+from mesh.events import EventSink, Sink, generate_into
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.metrics import Metrics
@@ -51,9 +51,7 @@ from protocol.messages import (
     InferRequest,
     RestartEvent,
     RouteDecision,
-    Timings,
     TokenEvent,
-    Usage,
 )
 from protocol.subjects import CANCEL_WILDCARD, edge_infer_subject, request_id_of
 
@@ -392,27 +390,8 @@ class EdgeNode(Lifecycle):
         received: float,
         fallback: str | None,
     ) -> None:
-        ws = self.settings.worker
         async with self._gate.slot(req.id):
-            started = time.perf_counter()
-            first: float | None = None
-            final = None
-            chunks = coalesce(
-                self.backend.generate(req),
-                max_parts=ws.coalesce_tokens,
-                linger=ws.coalesce_ms / 1000,
-            )
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    if chunk.finish_reason is not None:
-                        final = chunk
-                        break
-                    first = first or time.perf_counter()
-                    await sink.token(chunk.text)
-        done = time.perf_counter()
-        usage = final.usage if final and final.usage else None
-        gen_s = done - first if first else 0.0
-        tokens = usage.completion_tokens if usage else sink.tokens_sent
+            gen = await generate_into(self.backend, req, sink, self.settings.worker)
         await sink.end(
             EndEvent(
                 id=req.id,
@@ -421,15 +400,9 @@ class EdgeNode(Lifecycle):
                 served_by=self.node_name,
                 routing=decision,
                 fallback=fallback,
-                finish_reason=final.finish_reason if final and final.finish_reason else "stop",
-                usage=usage or Usage(completion_tokens=tokens),
-                timings=Timings(
-                    queue_ms=round((started - received) * 1000, 2),
-                    ttft_ms=round((first - received) * 1000, 2) if first else None,
-                    gen_ms=round(gen_s * 1000, 2),
-                    total_ms=round((done - received) * 1000, 2),
-                    tokens_per_s=round(tokens / gen_s, 2) if gen_s > 0 and tokens > 1 else None,
-                ),
+                finish_reason=gen.finish_reason,
+                usage=gen.usage,
+                timings=gen.timings(since=received, queue_ms=(gen.started - received) * 1000),
             )
         )
 
@@ -439,11 +412,12 @@ def _canonical_line(sink: Sink, received: float) -> None:
     fields: dict[str, Any] = {
         "total_ms": round((time.perf_counter() - received) * 1000, 1),
         "stream": not sink.collect,
-        "tokens": sink.tokens_sent,
+        "tokens": sink.tokens_sent,  # token messages; the engine's count replaces it below
     }
     end = sink.last_end
     if end is not None:
         fields.update(
+            tokens=end.usage.completion_tokens,
             outcome="ok",
             path=end.path,
             served_by=end.served_by,

@@ -9,18 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.subscription import Subscription
 
-from mesh.backends.base import Chunk
+from mesh.backends.base import Backend, Chunk
+from mesh.config import WorkerSettings
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, decode_event, dump, dump_token, error_event
 from protocol.codec import to_exception as error_from_event
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError, status_of
-from protocol.messages import Answer, EndEvent, ErrorEvent, RestartEvent, TokenEvent
+from protocol.messages import (
+    Answer,
+    EndEvent,
+    ErrorEvent,
+    InferRequest,
+    RestartEvent,
+    Timings,
+    TokenEvent,
+    Usage,
+)
 
 log = get_logger(__name__)
 
@@ -199,3 +211,54 @@ async def coalesce(
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+@dataclass
+class Generation:
+    """What streaming one generation into a sink produced (``perf_counter`` times)."""
+
+    started: float
+    first: float | None
+    done: float
+    finish_reason: str
+    usage: Usage
+
+    def timings(self, since: float, queue_ms: float) -> Timings:
+        """Timings as seen from ``since`` (when the request arrived where it is measured)."""
+        gen_s = self.done - self.first if self.first is not None else 0.0
+        tokens = self.usage.completion_tokens
+        return Timings(
+            queue_ms=round(queue_ms, 2),
+            ttft_ms=round((self.first - since) * 1000, 2) if self.first is not None else None,
+            gen_ms=round(gen_s * 1000, 2),
+            total_ms=round((self.done - since) * 1000, 2),
+            tokens_per_s=round(tokens / gen_s, 2) if gen_s > 0 and tokens > 1 else None,
+        )
+
+
+async def generate_into(
+    backend: Backend, request: InferRequest, sink: Sink, settings: WorkerSettings, attempt: int = 1
+) -> Generation:
+    """Run ``request`` on ``backend``, sending coalesced tokens to ``sink`` (not the end)."""
+    started = time.perf_counter()
+    first: float | None = None
+    final: Chunk | None = None
+    chunks = coalesce(
+        backend.generate(request),
+        max_parts=settings.coalesce_tokens,
+        linger=settings.coalesce_ms / 1000,
+    )
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            if chunk.finish_reason is not None:
+                final = chunk
+                break
+            first = first or time.perf_counter()
+            await sink.token(chunk.text, attempt)
+    return Generation(
+        started=started,
+        first=first,
+        done=time.perf_counter(),
+        finish_reason=final.finish_reason if final and final.finish_reason else "stop",
+        usage=final.usage if final and final.usage else Usage(completion_tokens=sink.tokens_sent),
+    )
