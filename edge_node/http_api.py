@@ -296,7 +296,12 @@ class EdgeHTTP:
             raise InvalidRequestError("only n=1 is supported")
         edge = self.edge
         model = body.get("model") or edge.backend.model
-        route = request.headers.get("X-Mesh-Route") or body.get("route") or "auto"
+        routed = model in (edge.backend.model, "auto")  # naming the local model lets it route
+        route = (
+            request.headers.get("X-Mesh-Route")
+            or body.get("route")
+            or ("auto" if routed else "cloud")
+        )
         request_id = request.headers.get("X-Request-Id")
         fields = {
             "messages": body.get("messages"),
@@ -307,9 +312,9 @@ class EdgeHTTP:
             "seed": body.get("seed"),
             "stream": bool(body.get("stream", False)),
             "route": route,
-            # Naming the local model (or "auto") lets the router choose; anything else is a
-            # cloud model the request must go to.
-            "model": None if model in (edge.backend.model, "auto") else model,
+            # Naming the local model (or "auto") lets the router choose; any other model is a
+            # cloud model, and the request goes to it.
+            "model": None if routed else model,
             "origin": "http",
             "id": request_id if request_id and is_token(request_id) else None,
         }

@@ -172,3 +172,23 @@ async def test_models_and_health(http: aiohttp.ClientSession, http_edge: EdgeNod
         health = await resp.json()
     assert health["status"] == "ok" and health["edge_id"] == http_edge.edge_id
     await asyncio.sleep(0)
+
+
+async def test_naming_a_cloud_model_sends_the_request_to_it(
+    http: aiohttp.ClientSession, settings: MeshSettings, conn: Connection
+) -> None:
+    from mesh.backends.llama_cpp import LlamaCppBackend as Engine
+
+    cloud = Engine(ModelSettings(name="cloudy"))  # the same GGUF, served as another model
+    await cloud.start()
+    try:
+        async with Worker(settings, conn, cloud) as worker:
+            async with http.post(CHAT, json=body(model="cloudy")) as resp:
+                answer = await resp.json()
+            assert answer["mesh"]["path"] == "cloud", answer
+            assert answer["mesh"]["served_by"] == f"cloud:{worker.node_id}"
+            assert answer["model"] == "cloudy"
+            async with http.post(CHAT, json=body(model="cloudy", route="local")) as resp:
+                assert (await resp.json())["mesh"]["path"] == "local"  # an explicit route wins
+    finally:
+        await cloud.close()
