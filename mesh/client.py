@@ -28,7 +28,7 @@ from mesh.lifecycle import Lifecycle
 from mesh.provision import model_is_served
 from mesh.queue import CANCELLER_HEADER, CloudCall
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, invalid_request_error
-from protocol.errors import MeshError, UnknownModelError
+from protocol.errors import MeshError, MeshTimeoutError, UnknownModelError
 from protocol.messages import (
     ChatMessage,
     EndEvent,
@@ -185,6 +185,8 @@ class MeshClient(Lifecycle):
                         finished = True
                     yield event
             finished = True
+        except MeshTimeoutError:
+            raise  # the edge may still be at it: the finally cancels
         except MeshError:
             finished = True  # the edge answered with an error: nothing left to cancel
             raise

@@ -298,3 +298,22 @@ async def test_edge_stopping_mid_answer_tells_the_client_to_retry(
     with pytest.raises(UnavailableError) as excinfo:
         await consume()
     assert excinfo.value.retryable and "shutting down" in str(excinfo.value)
+
+
+async def test_sdk_timeout_cancels_the_edge_work(
+    edge: EdgeNode, settings: MeshSettings, conn: Connection
+) -> None:
+    from protocol.errors import MeshTimeoutError
+
+    impatient = MeshClient(settings=settings, connection=conn, first_event_timeout=0.01)
+    with pytest.raises(MeshTimeoutError):
+        await impatient.complete(
+            "Count to five hundred.", route="local", max_tokens=800, request_id="impatient1"
+        )
+    # The edge hears the cancel and frees its only local slot quickly.
+    await eventually(lambda: _no_inflight(edge), timeout=5, what="edge to drop the request")
+    assert edge.metrics.get("cancelled") == 1
+
+
+async def _no_inflight(edge: EdgeNode) -> bool:
+    return not edge._inflight
