@@ -108,3 +108,19 @@ async def test_closing_coalesce_closes_the_backend_stream() -> None:
         break
     await stream.aclose()
     assert closed.is_set()
+
+
+def test_package_data_entries_match_real_files() -> None:
+    """A non-editable install ships only declared data (the router weights among them)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11+")
+    root = Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]
+    assert "edge_node.learned" in declared
+    for package, patterns in declared.items():
+        folder = root / package.replace(".", "/")
+        for pattern in patterns:
+            assert list(folder.glob(pattern)), f"{package}: {pattern} matches no file"
