@@ -80,7 +80,6 @@ class Worker(Lifecycle):
         self._tasks = TaskSet("worker")
         self._wake = asyncio.Event()
         self._stopping = False
-        self._pull: Subscription | None = None
         self._psub: JetStreamContext.PullSubscription | None = None
         self._cancel_sub: Subscription | None = None
         self._loop_task: asyncio.Task[Any] | None = None

@@ -44,6 +44,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "router": ("edge", "router", "kind"),
     "start_timeout": ("edge", "cloud_start_timeout"),
     "http_port": ("edge", "http_port"),
+    "data": ("edge", "router", "data_dir"),
 }
 _MODEL_FLAGS = {
     "model": "path",
@@ -188,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "router":
             from mesh.router_cli import router_eval, router_train
 
+            data_dir = _settings(args, quiet=True).edge.router.data_dir
             if args.router_command == "train":
-                return router_train(args.data, args.out)
-            return router_eval(args.data, args.group_seeds, args.latency_n)
+                return router_train(data_dir, args.out)
+            return router_eval(data_dir, args.group_seeds, args.latency_n)
         if args.command == "status":
             return _run(lambda: _status(_settings(args, quiet=True)))
     except MeshError as err:

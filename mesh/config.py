@@ -180,8 +180,6 @@ class EdgeSettings(_Section):
     """Requests the edge handles at once (local and relayed); more get 'overloaded'."""
     local_queue: int = Field(default=8, ge=0)
     """Requests that may wait for the local model beyond its slots; more get 'overloaded'."""
-    reply_timeout: float = Field(default=5.0, gt=0)
-    """Seconds to wait for a reply to be flushed to the client."""
     http_host: str = "127.0.0.1"
     """Address of the OpenAI-compatible HTTP API."""
     http_port: int = Field(default=8080, ge=-1, le=65535)

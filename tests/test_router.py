@@ -274,3 +274,34 @@ async def test_prompt_too_long_for_the_local_model_goes_to_the_cloud(
     assert answer.end.routing is not None
     assert answer.end.routing.reason.startswith("prompt too long for the local model")
     assert answer.end.routing.decision == "cloud"
+
+
+def test_router_commands_read_the_data_dir_setting(tmp_path: Path) -> None:
+    import os
+
+    missing = tmp_path / "no-data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
+    for extra_env, flags in (
+        ({"MESH_EDGE_ROUTER_DATA_DIR": str(missing)}, []),
+        ({}, ["--data", str(missing)]),
+    ):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mesh.cli",
+                "router",
+                "train",
+                *flags,
+                "--out",
+                str(tmp_path / "w.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, **extra_env},
+            check=False,
+        )
+        assert result.returncode == 2
+        assert f"routing data not found under {missing}" in result.stderr
+        assert not (tmp_path / "w.json").exists()
