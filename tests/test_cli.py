@@ -43,16 +43,16 @@ def _alive(pid: int) -> bool:
     )
 
 
+def _mesh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run `mesh ARGS` as a person would, without this shell's MESH_* settings."""
+    return subprocess.run(
+        [*MESH, *args], capture_output=True, text=True, timeout=timeout, env=ENV, check=False
+    )
+
+
 @pytest.mark.slow
 def test_mesh_demo_streams_both_paths_with_ttft() -> None:
-    result = subprocess.run(
-        [*MESH, "demo", "--max-tokens", "24"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-        check=False,
-    )
+    result = _mesh("demo", "--max-tokens", "24", timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "served by edge (local model)" in out
@@ -82,25 +82,12 @@ def test_mesh_up_ask_and_ctrl_c_leaves_no_orphans() -> None:
         children = _children(up.pid)
         assert children, "nats-server should run as a child of `mesh up`"
 
-        ask = subprocess.run(
-            [*MESH, "ask", "--nats-url", url, "--route", "cloud", "--max-tokens", "8", "Say hi"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=ENV,
-            check=False,
-        )
+        ask = _mesh("ask", "--nats-url", url, "--route", "cloud", "--max-tokens", "8", "Say hi")
         assert ask.returncode == 0, ask.stderr
         assert "served by cloud (worker pool)" in ask.stdout
 
-        as_json = subprocess.run(
-            [*MESH, "ask", "--nats-url", url, "--json", "--max-tokens", "8", "Say hi"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=ENV,
-            check=False,
-        )
+        as_json = _mesh("ask", "--nats-url", url, "--json", "--max-tokens", "8", "Say hi")
+        assert as_json.returncode == 0, as_json.stderr
         answer = json.loads(as_json.stdout)
         assert (
             answer["path"] == "local"
@@ -137,27 +124,13 @@ def test_mesh_up_ask_and_ctrl_c_leaves_no_orphans() -> None:
 
 
 def test_mesh_ask_without_a_mesh_says_how_to_start_one() -> None:
-    result = subprocess.run(
-        [*MESH, "ask", "--nats-url", "nats://127.0.0.1:1", "hello"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=ENV,
-        check=False,
-    )
+    result = _mesh("ask", "--nats-url", "nats://127.0.0.1:1", "hello", timeout=60)
     assert result.returncode == 1
     assert "cannot connect to NATS" in result.stderr and "mesh up" in result.stderr
 
 
 def test_mesh_demo_with_a_missing_model_file_names_it() -> None:
-    result = subprocess.run(
-        [*MESH, "demo", "--model", "/nonexistent/model.gguf"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=ENV,
-        check=False,
-    )
+    result = _mesh("demo", "--model", "/nonexistent/model.gguf", timeout=60)
     assert result.returncode == 1
     assert "GGUF model file not found: /nonexistent/model.gguf" in result.stderr
 
@@ -171,7 +144,6 @@ def test_missing_bundled_model_says_how_to_install_it(monkeypatch: pytest.Monkey
 
 
 def test_mesh_config_lists_env_vars() -> None:
-    result = subprocess.run(
-        [*MESH, "config"], capture_output=True, text=True, timeout=30, env=ENV, check=True
-    )
+    result = _mesh("config", timeout=30)
+    assert result.returncode == 0, result.stderr
     assert "MESH_NATS_URL" in result.stdout and "MESH_EDGE_CLOUD_START_TIMEOUT" in result.stdout
