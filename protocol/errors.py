@@ -38,6 +38,11 @@ class ErrorCode(str, Enum):
     """The inference backend failed while generating."""
     MAX_DELIVERIES = "max_deliveries"
     """Workers failed this request as many times as the consumer allows."""
+    DUPLICATE = "duplicate"
+    """The request id is in use by a different request of the same sender, or its answer is no
+    longer kept."""
+    INCOMPLETE = "incomplete"
+    """Part of the answer was lost on the way and could not be recovered; retry."""
     INTERNAL = "internal"
     """A bug: an unexpected failure inside a node."""
 
@@ -49,6 +54,7 @@ RETRYABLE_CODES = frozenset(
         ErrorCode.UNAVAILABLE,
         ErrorCode.TIMEOUT,
         ErrorCode.BACKEND_ERROR,
+        ErrorCode.INCOMPLETE,
     }
 )
 
@@ -136,6 +142,14 @@ class MaxDeliveriesError(MeshError):
     code = ErrorCode.MAX_DELIVERIES
 
 
+class DuplicateRequestError(MeshError):
+    code = ErrorCode.DUPLICATE
+
+
+class IncompleteAnswerError(MeshError):
+    code = ErrorCode.INCOMPLETE
+
+
 _BY_CODE: dict[ErrorCode, type[MeshError]] = {
     cls.code: cls
     for cls in (
@@ -151,6 +165,8 @@ _BY_CODE: dict[ErrorCode, type[MeshError]] = {
         MeshTimeoutError,
         BackendError,
         MaxDeliveriesError,
+        DuplicateRequestError,
+        IncompleteAnswerError,
     )
 }
 
@@ -169,11 +185,13 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.CONTEXT_TOO_LONG: 400,
     ErrorCode.UNKNOWN_MODEL: 404,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.DUPLICATE: 409,
     ErrorCode.OVERLOADED: 429,
     ErrorCode.CANCELLED: 499,
     ErrorCode.INTERNAL: 500,
     ErrorCode.BACKEND_ERROR: 502,
     ErrorCode.MAX_DELIVERIES: 502,
+    ErrorCode.INCOMPLETE: 502,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.TIMEOUT: 504,
     ErrorCode.DEADLINE_EXCEEDED: 504,

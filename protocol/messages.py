@@ -4,9 +4,11 @@ Every message is a map with a type tag ``t`` (events) or a version ``v`` (reques
 tolerantly: unknown fields are ignored (the codec reports them), so a newer peer can add fields
 without breaking an older one.
 
-Events on a token subject or an edge reply inbox, in order: zero or more ``tok``, possibly a
-``restart`` (the request was redelivered to another worker: drop the partial text), then exactly
-one ``end`` or ``err``. A non-streaming edge request gets a single ``answer`` or ``err``.
+Events on a token subject or an edge reply inbox, in order: a ``start`` for each delivery attempt,
+``tok`` events numbered by their position in the answer, then exactly one ``end`` or ``err``. A
+later attempt's ``start`` either continues the answer from a position (``seq``, vouched for by
+the digest of the text before it) or starts it over (``seq`` 0). :mod:`protocol.stream` holds the
+rules every reader applies. A non-streaming edge request gets a single ``answer`` or ``err``.
 """
 
 from __future__ import annotations
@@ -47,12 +49,18 @@ class RouteDecision(_Wire):
 
     decision: Path
     score: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Calibrated probability that the local model would fail (higher means escalate)."""
+    """The router's calibrated probability that the request needs the cloud (higher means
+    escalate); absent for forced routes."""
     reason: str = ""
     """A short human-readable reason, e.g. ``score 0.81 >= 0.50: math, multi-step``."""
     forced: bool = False
     """True when the client's ``route`` override made the decision, not the router."""
     threshold: float | None = None
+    """The score at or above which the router escalated this request."""
+    budget: dict[str, float | int | str | bool | None] | None = None
+    """The edge's cloud budget when it decided: policy, target and realized share of
+    router-decided escalations over its recent window, totals (forced routes counted apart) and
+    the per-minute cap. Optional; older peers ignore it."""
 
 
 class InferRequest(_Wire):
@@ -75,7 +83,8 @@ class InferRequest(_Wire):
     start_by: float | None = Field(default=None, gt=0)
     """Absolute time (Unix seconds) after which a worker must not start this request."""
     reply: str | None = None
-    """Subject for token events; ``mesh.v1.tok.<id>`` when absent."""
+    """Subject for token events. Workers publish only on ``mesh.v1.tok.<id>``: a queued request
+    may leave this out or name exactly that subject, and is refused otherwise."""
     origin: str | None = None
     """The edge id (or client name) that sent the request."""
     route: RouteChoice = "auto"
@@ -84,6 +93,9 @@ class InferRequest(_Wire):
     """The edge's decision, carried to the worker for its logs."""
     stream: bool = False
     """Edge entry only: stream events to the reply inbox instead of one complete answer."""
+    cancel_key: str | None = Field(default=None, min_length=8, max_length=128)
+    """A secret of the sender's. When set, a cancel acts on this request only if it carries the
+    same key, so only the sender can cancel. The SDK and the edge always set one."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -159,7 +171,27 @@ class TokenEvent(_Wire):
     """One or several coalesced tokens."""
     attempt: int = Field(default=1, ge=1)
     """Delivery attempt that produced this text (JetStream ``num_delivered``)."""
+    n: int = Field(default=1, ge=0)
+    """Engine tokens in ``text`` (a continuation subtracts them from ``max_tokens``)."""
     logprobs: list[float] | None = None
+
+
+class StartEvent(_Wire):
+    """A delivery attempt begins. ``seq`` 0 starts the answer (over); ``seq`` k > 0 continues it
+    after its first k positions, whose text has CRC-32 ``digest`` (see :mod:`protocol.stream`)."""
+
+    t: Literal["start"] = "start"
+    id: str
+    attempt: int = Field(default=1, ge=1)
+    seq: int = Field(default=0, ge=0)
+    digest: int = Field(default=0, ge=0)
+    node: str = ""
+    """Who generates this attempt (``cloud:<worker>`` or ``edge:<edge>``)."""
+    req: str | None = None
+    """Fingerprint of the request's content: a reader that sent other content under the same id
+    learns it is not its answer."""
+    reason: str | None = None
+    """Why this attempt began (``redelivered``, ``continued after a worker stopped``...)."""
 
 
 class _Outcome(_Wire):
@@ -178,7 +210,10 @@ class _Outcome(_Wire):
 class EndEvent(_Outcome):
     t: Literal["end"] = "end"
     seq: int = Field(ge=0)
+    """Positions in the answer: the end follows tok events 0 .. seq-1."""
     attempt: int = Field(default=1, ge=1)
+    digest: int | None = Field(default=None, ge=0)
+    """CRC-32 of the whole answer text (UTF-8): what a reader checks before it trusts the end."""
 
 
 class Answer(_Outcome):
@@ -186,10 +221,14 @@ class Answer(_Outcome):
 
     t: Literal["answer"] = "answer"
     text: str
+    digest: int | None = Field(default=None, ge=0)
 
 
 class RestartEvent(_Wire):
-    """The request was redelivered: discard text received so far, tokens start over."""
+    """What the SDK yields when an answer starts over: discard the text received so far.
+
+    Not a wire event: on the wire, a ``start`` with ``seq`` 0 after text was passed on means it.
+    """
 
     t: Literal["restart"] = "restart"
     id: str
@@ -200,6 +239,9 @@ class RestartEvent(_Wire):
 class ErrorEvent(_Wire):
     t: Literal["err"] = "err"
     id: str | None = None
+    attempt: int | None = Field(default=None, ge=1)
+    """The attempt that failed, when a worker failed it: readers ignore errors of attempts they
+    have already seen replaced."""
     code: str
     """A stable :class:`protocol.errors.ErrorCode` value (unknown codes are kept as strings)."""
     message: str
@@ -209,7 +251,8 @@ class ErrorEvent(_Wire):
 
 
 Event = Annotated[
-    TokenEvent | EndEvent | ErrorEvent | RestartEvent | Answer,
+    StartEvent | TokenEvent | EndEvent | ErrorEvent | Answer,
     Field(discriminator="t"),
 ]
-StreamEvent = TokenEvent | EndEvent | RestartEvent
+WireEvent = StartEvent | TokenEvent | EndEvent | ErrorEvent
+"""What travels on a token subject or a streaming reply inbox."""

@@ -1,9 +1,11 @@
 """Subject, stream and consumer names of protocol v1.
 
 - ``mesh.v1.infer.<model>``: stream ``MESH_INFER`` (work queue), escalated requests
-- ``mesh.v1.tok.<request_id>``: core NATS, token / restart / end / error events
-- ``mesh.v1.cancel.<request_id>``: core NATS, cancel one request
-- ``mesh.v1.edge.<edge_id>.infer``: core NATS request-reply (micro service), an edge's entry
+- ``mesh.v1.tok.<request_id>``: start / tok / end / err events, also kept a while in stream
+  ``MESH_TOK`` so a reader can fetch what it missed and a new worker can continue the answer
+- ``mesh.v1.cancel.<request_id>``: core NATS, cancel one queued request (workers listen)
+- ``mesh.v1.edge.<edge_id>.infer``: core NATS request-reply (micro service), an edge's entry;
+  ``.cancel`` and ``.resend`` beside it let the sender cancel or fetch missed events
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 
 PREFIX = "mesh.v1"
 INFER_STREAM = "MESH_INFER"
+TOKEN_STREAM = "MESH_TOK"  # noqa: S105 - a stream name, not a secret
 INFER_WILDCARD = f"{PREFIX}.infer.>"
 CANCEL_WILDCARD = f"{PREFIX}.cancel.*"
 TOKEN_WILDCARD = f"{PREFIX}.tok.*"
@@ -31,8 +34,31 @@ def is_token(value: str) -> bool:
 
 
 def is_subject(value: str) -> bool:
-    """True when ``value`` is a literal subject (no wildcards) a node may publish to."""
+    """True when ``value`` is a literal subject (no wildcards)."""
     return len(value) <= 512 and bool(_SUBJECT_RE.match(value))
+
+
+_RESERVED_PREFIXES = ("$", "mesh.")
+
+
+def is_reply_inbox(value: str) -> bool:
+    """True when a node may send a client's answer to ``value``: a literal subject outside the
+    server's own (``$JS``, ``$SYS``, ``$KV``, any ``$``) and the mesh's own (``mesh.``) spaces.
+
+    A client names its reply subject; a subject in those spaces would make a node publish into
+    the work queue, another request's events, a cancel, or a JetStream API call.
+    """
+    return is_subject(value) and not value.startswith(_RESERVED_PREFIXES)
+
+
+def sender_scope(reply: str) -> str:
+    """The part of a reply inbox that names its connection: all but the last token.
+
+    NATS clients make one inbox prefix per connection (``_INBOX.<nuid>``) and one last token per
+    request, so two requests from one client share a scope and two clients never do. Request ids
+    are only unique within a scope.
+    """
+    return reply.rsplit(".", 1)[0] if "." in reply else reply
 
 
 def model_token(model: str) -> str:
@@ -59,6 +85,18 @@ def cancel_subject(request_id: str) -> str:
 def edge_infer_subject(edge_id: str) -> str:
     _check_token(edge_id, "edge id")
     return f"{PREFIX}.edge.{edge_id}.infer"
+
+
+def edge_cancel_subject(edge_id: str) -> str:
+    """Where a client cancels its own request at an edge (it sends from its reply inbox)."""
+    _check_token(edge_id, "edge id")
+    return f"{PREFIX}.edge.{edge_id}.cancel"
+
+
+def edge_resend_subject(edge_id: str) -> str:
+    """Where a client asks an edge to send again the events of its request that it missed."""
+    _check_token(edge_id, "edge id")
+    return f"{PREFIX}.edge.{edge_id}.resend"
 
 
 def consumer_name(model: str) -> str:
