@@ -1,35 +1,71 @@
-"""Remembering cancelled request ids for a while, so a cancel that arrives before the request is
-fetched still stops it."""
+"""Cancels a worker has heard of: which request ids, with which keys, for a while.
+
+A cancel may arrive before the request is fetched, so it is remembered. It acts on a request only
+if the request set no ``cancel_key`` or the cancel carries the same key: only a request's sender
+knows its key, so nobody else can cancel it by naming its id.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 
+from protocol.codec import load, sniff
+from protocol.errors import MeshError
+from protocol.messages import InferRequest
 
-class RecentIds:
-    """A bounded set of ids that forgets each one ``ttl`` seconds after it was added."""
+NO_KEY = ""
+
+
+def cancel_key_of(payload: bytes, headers: dict[str, str] | None = None) -> str:
+    """The key a cancel message carries (``{"key": ...}`` in msgpack or JSON), or ``NO_KEY``."""
+    if not payload:
+        return NO_KEY
+    with contextlib.suppress(MeshError):
+        raw = load(payload, sniff(payload, headers))
+        if isinstance(raw, dict) and isinstance(raw.get("key"), str):
+            return str(raw["key"])[:128]
+    return NO_KEY
+
+
+def allows(request: InferRequest, key: str) -> bool:
+    """True when a cancel carrying ``key`` may cancel ``request``."""
+    return request.cancel_key is None or key == request.cancel_key
+
+
+class CancelBook:
+    """A bounded map of recently cancelled ids to the keys their cancels carried; each entry is
+    forgotten ``ttl`` seconds after its last cancel."""
 
     def __init__(self, ttl: float, max_size: int = 10_000) -> None:
         self._ttl = ttl
         self._max = max_size
-        self._ids: OrderedDict[str, float] = OrderedDict()
+        self._ids: OrderedDict[str, tuple[float, set[str]]] = OrderedDict()
 
-    def add(self, item: str) -> None:
+    def add(self, request_id: str, key: str = NO_KEY) -> None:
         self._expire()
-        self._ids[item] = time.monotonic() + self._ttl
-        self._ids.move_to_end(item)
+        keys = self._ids.pop(request_id, (0.0, set()))[1]
+        if len(keys) < 8:
+            keys.add(key)
+        self._ids[request_id] = (time.monotonic() + self._ttl, keys)
         while len(self._ids) > self._max:
             self._ids.popitem(last=False)
 
-    def __contains__(self, item: object) -> bool:
+    def cancels(self, request: InferRequest) -> bool:
+        """True when a remembered cancel acts on ``request``."""
         self._expire()
-        return item in self._ids
+        entry = self._ids.get(request.id)
+        return entry is not None and any(allows(request, key) for key in entry[1])
+
+    def __contains__(self, request_id: object) -> bool:
+        self._expire()
+        return request_id in self._ids
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._ids:
-            oldest, expires = next(iter(self._ids.items()))
+            oldest, (expires, _keys) = next(iter(self._ids.items()))
             if expires > now:
                 break
             del self._ids[oldest]

@@ -1,14 +1,21 @@
-"""The cloud worker: pulls escalated requests only as fast as it has free slots, streams tokens to
-each request's token subject, and acks a request only once its end message is flushed.
+"""The cloud worker: pulls escalated requests only as fast as it has free slots, streams each
+answer on its request's token subject, and acks a request only once its outcome is stored.
 
 Back-pressure is the pull itself: a worker never holds more unacked requests than it has slots,
 and ``max_ack_pending`` on the consumer caps the whole fleet.
+
+Failover continues, not restarts: when a worker dies mid-answer, JetStream redelivers the
+request after ``ack_wait`` (workers report progress every second, so that is seconds, not
+half a minute). The next worker reads from the answer store how far the answer got and, when
+its backend can continue a text, continues it from there: the client sees one seamless answer.
+Otherwise it starts the answer over (``start`` with seq 0), which readers handle as a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +26,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from cloud_node.cancels import RecentIds
+from cloud_node.cancels import CancelBook, allows, cancel_key_of
+from cloud_node.publisher import AnswerPublisher
 from mesh import __version__
+from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.events import EventSink, generate_into
+from mesh.generate import generate_into
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.provision import provision
@@ -36,14 +45,17 @@ from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
     ErrorCode,
+    InvalidRequestError,
     MaxDeliveriesError,
     MeshError,
     UnknownModelError,
 )
-from protocol.messages import EndEvent, InferRequest
+from protocol.messages import ErrorEvent, InferRequest
+from protocol.stream import AnswerState, AnswerWriter, Resume, request_fingerprint
 from protocol.subjects import (
     CANCEL_WILDCARD,
     consumer_name,
+    is_token,
     model_token,
     request_id_of,
     token_subject,
@@ -61,6 +73,18 @@ class WorkerStats:
     failed: int = 0
     cancelled: int = 0
     requeued: int = 0
+    continued: int = 0
+    """Redelivered requests continued from the stored prefix."""
+    restarted: int = 0
+    """Redelivered requests started over (nothing kept, or a backend that cannot continue)."""
+    already_done: int = 0
+    """Redelivered requests whose outcome was already stored: acked, not generated again."""
+    republished: int = 0
+    """Events published again after a reconnect lost them."""
+    cancels_refused: int = 0
+    """Cancels whose key did not match the request's."""
+    max_deliveries: int = 0
+    """Requests answered with max_deliveries after the last delivery's worker died."""
 
 
 class Worker(Lifecycle):
@@ -72,51 +96,80 @@ class Worker(Lifecycle):
         self.backend = backend
         self.node_id = settings.worker.node_id
         self.stats = WorkerStats()
+        self.store = AnswerStore(conn, settings.stream)
         self._ws = settings.worker
         self._stream = settings.stream
-        self._inflight: dict[str, asyncio.Task[Any]] = {}
+        self._inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
         self._reserved = 0
-        self._cancelled = RecentIds(ttl=self._stream.ack_wait * self._stream.max_deliver + 60)
+        self._cancels = CancelBook(ttl=self._stream.ack_wait * self._stream.max_deliver + 60)
         self._tasks = TaskSet("worker")
         self._wake = asyncio.Event()
         self._stopping = False
         self._psub: JetStreamContext.PullSubscription | None = None
-        self._cancel_sub: Subscription | None = None
+        self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
+        self._undo_reconnect: Any = None
         self._heartbeat = Heartbeat(
             conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl
         )
 
+    @property
+    def consumer(self) -> str:
+        return consumer_name(self.backend.model)
+
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        await provision(self.conn.jsm(), self._stream, [self.backend.model])
+        await self._provision()
         self._psub = await self.conn.js.pull_subscribe_bind(
-            durable=consumer_name(self.backend.model), stream=self._stream.name
+            durable=self.consumer, stream=self._stream.name
         )
-        self._cancel_sub = await self.conn.nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
-        await self.conn.nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
+        nc = self.conn.nc
+        self._subs = [
+            await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel),
+            # One worker of the pool answers each request whose last delivery died with its
+            # worker: the consumer gives up on it, and JetStream says so in this advisory.
+            await nc.subscribe(
+                f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self._stream.name}.{self.consumer}",
+                queue=f"mesh-advisories-{model_token(self.backend.model)}",
+                cb=self._on_max_deliveries,
+            ),
+        ]
+        await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         await self._heartbeat.start()
-        self._loop_task = asyncio.get_running_loop().create_task(self._pull_loop(), name="pull")
+        self._undo_reconnect = self.conn.on_reconnect(self._after_reconnect)
+        self._loop_task = self._tasks.supervise(self._pull_loop, name="pull")
         log.info(
             "worker started",
             node_id=self.node_id,
             model=self.backend.model,
             slots=self.backend.capacity().total,
-            consumer=consumer_name(self.backend.model),
+            consumer=self.consumer,
+            continues=self.backend.continues,
         )
 
+    async def _provision(self) -> None:
+        jsm = self.conn.jsm()
+        await provision(jsm, self._stream, [self.backend.model])
+        await ensure_answer_stream(jsm, self._stream)
+
+    async def _after_reconnect(self) -> None:
+        """A server restart may have lost memory-stored state: put it back (idempotent)."""
+        await self._provision()
+        await self._heartbeat.beat()
+
     async def stop(self) -> None:
-        """Ordered: stop pulling, let in-flight requests finish (grace), requeue the rest."""
+        """Ordered: stop pulling, let in-flight requests finish (grace), hand the rest on."""
         if self._stopping:
             return
         self._stopping = True
         self._wake.set()
+        if self._undo_reconnect is not None:
+            self._undo_reconnect()
         await self._heartbeat.stop()  # edges stop counting on us before intake stops
         if self._loop_task is not None:
             # The loop checks the flag between fetches; a fetch lasts at most fetch_timeout.
-            try:
-                await asyncio.wait_for(self._loop_task, self._ws.fetch_timeout + 2)
-            except asyncio.TimeoutError:
+            done, _ = await asyncio.wait({self._loop_task}, timeout=self._ws.fetch_timeout + 2)
+            if not done:
                 self._loop_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._loop_task
@@ -127,7 +180,7 @@ class Worker(Lifecycle):
                 grace_s=self._ws.drain_grace,
             )
         await self._tasks.close(grace=self._ws.drain_grace)
-        for sub in (self._cancel_sub, self._psub):
+        for sub in (*self._subs, self._psub):
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
@@ -181,11 +234,18 @@ class Worker(Lifecycle):
 
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = request_id_of(msg.subject)
-        self._cancelled.add(request_id)
-        task = self._inflight.get(request_id)
-        if task is not None:
-            log.info("cancelling request", request_id=request_id)
-            task.cancel()
+        key = cancel_key_of(msg.data, msg.headers)
+        self._cancels.add(request_id, key)
+        entry = self._inflight.get(request_id)
+        if entry is None:
+            return
+        task, request = entry
+        if not allows(request, key):
+            self.stats.cancels_refused += 1
+            log.warning("cancel refused: not the sender's key", request_id=request_id)
+            return
+        log.info("cancelling request", request_id=request_id)
+        task.cancel()
 
     # -- one request -----------------------------------------------------------------------
     async def _handle(self, msg: Msg) -> None:
@@ -207,17 +267,11 @@ class Worker(Lifecycle):
             )
             self._check(request)
         except MeshError as err:
-            await self._reject(msg, err)
+            await self._reject(msg, err, attempt)
             return
         task = asyncio.current_task()
         assert task is not None
-        self._inflight[request.id] = task
-        sink = EventSink(
-            self._publisher(request.reply or token_subject(request.id)),
-            request.id,
-            fmt.reply_format,
-            collect=False,
-        )
+        self._inflight[request.id] = (task, request)
         with structlog.contextvars.bound_contextvars(
             request_id=request.id,
             node_id=self.node_id,
@@ -226,7 +280,7 @@ class Worker(Lifecycle):
             **trace_headers(msg.headers),
         ):
             try:
-                await self._generate(msg, request, sink, attempt)
+                await self._serve(msg, request, fmt.reply_format, attempt)
             finally:
                 self._inflight.pop(request.id, None)
 
@@ -238,115 +292,266 @@ class Worker(Lifecycle):
                 f"this worker serves {self.backend.model!r}, not {request.model!r}",
                 request_id=request.id,
             )
-        if request.is_expired():
+        if request.reply is not None and request.reply != token_subject(request.id):
+            raise InvalidRequestError(
+                f"reply must be absent or {token_subject(request.id)!r}: answers go only to the "
+                "request's own token subject",
+                request_id=request.id,
+                details=[{"loc": "reply", "msg": "not this request's token subject"}],
+            )
+        if request.deadline is not None and time.time() >= request.deadline:
             raise DeadlineExceededError(
                 "the request's deadline passed before it could start", request_id=request.id
             )
-        if request.id in self._cancelled:
+        if self._cancels.cancels(request):
             raise CancelledByClientError("cancelled before it started", request_id=request.id)
 
-    async def _reject(self, msg: Msg, err: MeshError) -> None:
-        """Answer a request that will never run, where its sender can hear, and drop it."""
-        request_id, reply = reply_target(msg.data, msg.headers)
-        request_id = err.request_id or request_id
-        subject = reply or (token_subject(request_id) if request_id else None)
-        self.stats.rejected += 1
-        log.warning(
-            "request rejected",
-            code=err.code.value,
-            error=err.message,
-            request_id=request_id,
-            subject=msg.subject,
-            answered=subject is not None,
-        )
-        if subject is not None:
-            fmt = sniff(msg.data, msg.headers).reply_format
-            sink = EventSink(self._publisher(subject), request_id or "", fmt, collect=False)
-            with contextlib.suppress(MeshError):
-                await sink.error(err)
-        with contextlib.suppress(nats.errors.Error):
-            if err.code is ErrorCode.CANCELLED:
-                await msg.ack()
-            else:
-                await msg.term()
+    async def _history(self, request: InferRequest, attempt: int) -> AnswerState | None:
+        """What earlier attempts left in the answer store (None on a first delivery, or when the
+        store cannot be read: then the answer starts over)."""
+        if attempt == 1 or not self.store.enabled:
+            return None
+        try:
+            events = await self.store.replay(request.id)
+        except MeshError as err:
+            log.warning("cannot read the answer store; starting over", error=err.message)
+            return None
+        state = AnswerState(request.id, fingerprint=request_fingerprint(request))
+        state.feed_all(events)
+        return state
 
-    async def _generate(
-        self, msg: Msg, request: InferRequest, sink: EventSink, attempt: int
-    ) -> None:
+    async def _serve(self, msg: Msg, request: InferRequest, fmt: Any, attempt: int) -> None:
         queued_ms = max(0.0, (time.time() - msg.metadata.timestamp.timestamp()) * 1000)
+        publisher = AnswerPublisher(
+            self.conn, self.store, request.id, fmt, timeout=self._ws.publish_timeout
+        )
+        history = await self._history(request, attempt)
+        writer = AnswerWriter(
+            request.id,
+            attempt=attempt,
+            node=f"cloud:{self.node_id}",
+            fingerprint=request_fingerprint(request),
+        )
+        if history is not None and history.done:
+            await self._already_done(msg, publisher, history)
+            return
+        started_before = history is not None and history.started
+        if not started_before and request.start_by is not None and time.time() >= request.start_by:
+            await self._reject(
+                msg,
+                DeadlineExceededError(
+                    "no worker could start the request before its start_by time",
+                    request_id=request.id,
+                ),
+                attempt,
+            )
+            return
+        if history is not None and history.started:
+            writer = self._continue_or_restart(request, history, attempt)
         keepalive = self._tasks.spawn(self._keep_alive(msg), name="in-progress")
         try:
-            if attempt > 1:
-                await sink.restart(attempt)
-            gen = await generate_into(self.backend, request, sink, self._ws, attempt)
+            await publisher.send(writer.start())
+            gen = await generate_into(self.backend, request, writer, publisher.send, self._ws)
             timings = gen.timings(since=gen.started, queue_ms=queued_ms)
-            await sink.end(
-                EndEvent(
-                    id=request.id,
-                    seq=0,
-                    attempt=attempt,
-                    path="cloud",
-                    finish_reason=gen.finish_reason,
-                    usage=gen.usage,
-                    timings=timings,
-                    served_by=f"cloud:{self.node_id}",
-                    routing=request.routing,
-                )
+            end = writer.end(
+                finish_reason=gen.finish_reason,
+                usage=gen.usage,
+                timings=timings,
+                served_by=f"cloud:{self.node_id}",
+                routing=request.routing,
             )
-            await self.conn.nc.flush(timeout=max(1, round(self._ws.publish_timeout)))
-            await msg.ack_sync(timeout=self._ws.publish_timeout)
+            stored = await publisher.finish(end)
+            await self._ack(msg)
             self.stats.completed += 1
+            self.stats.republished += publisher.republished
             log.info(
                 "request done",
                 tokens=gen.usage.completion_tokens,
+                positions=end.seq,
+                resumed_at=writer.resume.seq,
                 queue_ms=timings.queue_ms,
                 ttft_ms=timings.ttft_ms,
                 total_ms=timings.total_ms,
+                stored=stored,
             )
         except asyncio.CancelledError:
-            if request.id in self._cancelled:
+            if self._cancels.cancels(request):
                 self.stats.cancelled += 1
                 log.info("request cancelled by client")
                 with contextlib.suppress(MeshError, nats.errors.Error):
-                    await sink.error(CancelledByClientError("cancelled", request_id=request.id))
+                    await publisher.finish(
+                        writer.error(CancelledByClientError("cancelled", request_id=request.id))
+                    )
                     await msg.ack()
                 return  # the cancel was ours to act on; the task ends normally
-            # Shutdown: give it back so another worker restarts it promptly.
+            # Shutdown: give it back so another worker continues it promptly.
             self.stats.requeued += 1
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak()
             raise
         except MeshError as err:
-            await self._failed(msg, sink, err, attempt)
+            await self._failed(msg, publisher, writer, err, attempt)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
             await self._failed(
                 msg,
-                sink,
+                publisher,
+                writer,
                 MeshError(f"worker failure: {type(exc).__name__}", retryable=True),
                 attempt,
             )
         finally:
             keepalive.cancel()
 
-    async def _failed(self, msg: Msg, sink: EventSink, err: MeshError, attempt: int) -> None:
+    def _continue_or_restart(
+        self, request: InferRequest, history: AnswerState, attempt: int
+    ) -> AnswerWriter:
+        resume = history.resume() if self.backend.continues else Resume()
+        if resume.seq > 0:
+            self.stats.continued += 1
+            reason = f"continued after {history.node or 'a worker'} stopped"
+        else:
+            self.stats.restarted += 1
+            reason = "redelivered; started over"
+        log.info(
+            "taking over a request",
+            resumed_at=resume.seq,
+            kept_tokens=resume.tokens,
+            previous=history.node,
+            reason=reason,
+        )
+        return AnswerWriter(
+            request.id,
+            attempt=attempt,
+            node=f"cloud:{self.node_id}",
+            fingerprint=request_fingerprint(request),
+            resume=resume,
+            reason=reason,
+        )
+
+    async def _already_done(
+        self, msg: Msg, publisher: AnswerPublisher, history: AnswerState
+    ) -> None:
+        """The answer's outcome is stored: an earlier attempt finished but its ack was lost.
+        Never generate a second answer; just make the outcome final."""
+        self.stats.already_done += 1
+        outcome = history.outcome
+        if isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value:
+            # Our own check: the store holds another request's answer under this id.
+            log.warning("request id reused for other content; refusing it")
+            with contextlib.suppress(MeshError):
+                await publisher.finish(outcome)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.term()
+            return
+        log.info("outcome already stored; acking without generating")
+        await self._ack(msg)
+
+    async def _ack(self, msg: Msg) -> None:
+        try:
+            await msg.ack_sync(timeout=self._ws.publish_timeout)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            # The outcome is stored: a redelivery finds it and acks without generating again.
+            log.warning("ack not confirmed", error=repr(exc))
+
+    async def _reject(self, msg: Msg, err: MeshError, attempt: int) -> None:
+        """Answer a request that will never run, where its sender listens, and drop it for good.
+        Never raises: a message it cannot read is still terminated."""
+        try:
+            request_id, _reply = reply_target(msg.data, msg.headers)
+            if err.request_id is not None and is_token(err.request_id):
+                request_id = err.request_id
+            self.stats.rejected += 1
+            log.warning(
+                "request rejected",
+                code=err.code.value,
+                error=err.message,
+                request_id=request_id,
+                subject=msg.subject,
+                answered=request_id is not None,
+            )
+            if request_id is not None:
+                publisher = AnswerPublisher(
+                    self.conn,
+                    self.store,
+                    request_id,
+                    sniff(msg.data, msg.headers).reply_format,
+                    timeout=self._ws.publish_timeout,
+                )
+                writer = AnswerWriter(request_id, attempt=attempt, node=f"cloud:{self.node_id}")
+                with contextlib.suppress(MeshError):
+                    await publisher.finish(writer.error(err))
+        except Exception:  # answering is best effort; terminating is not
+            log.exception("answering a rejected request failed")
+        with contextlib.suppress(nats.errors.Error):
+            if err.code is ErrorCode.CANCELLED:
+                await msg.ack()
+            else:
+                await msg.term()
+
+    async def _failed(
+        self,
+        msg: Msg,
+        publisher: AnswerPublisher,
+        writer: AnswerWriter,
+        err: MeshError,
+        attempt: int,
+    ) -> None:
         self.stats.failed += 1
         if err.retryable and attempt < self._stream.max_deliver:
-            log.warning("generation failed; requeued", code=err.code.value, error=err.message)
+            # Another attempt continues from what the store kept of ours.
+            log.warning("generation failed; handing it on", code=err.code.value, error=err.message)
+            with contextlib.suppress(MeshError):
+                await publisher.catch_up()
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak(delay=1.0)
             return
         if err.retryable:
             err = MaxDeliveriesError(
                 f"failed on {attempt} deliveries; last error: {err.message}",
-                request_id=sink.request_id,
+                request_id=writer.request_id,
                 retryable=False,
             )
         log.warning("generation failed", code=err.code.value, error=err.message)
-        with contextlib.suppress(MeshError, nats.errors.Error):
-            await sink.error(err)
+        with contextlib.suppress(MeshError):
+            await publisher.finish(writer.error(err))
         with contextlib.suppress(nats.errors.Error):
             await msg.term()
+
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        """The last delivery's worker died: tell the request's sender, typed, and drop it."""
+        try:
+            advisory = json.loads(msg.data)
+            stream_seq = int(advisory["stream_seq"])
+            deliveries = int(advisory.get("deliveries", self._stream.max_deliver))
+            jsm = self.conn.jsm()
+            queued = await jsm.get_msg(self._stream.name, stream_seq)
+            request_id, _ = reply_target(queued.data or b"", queued.headers)
+            if request_id is not None:
+                events = await self.store.replay(request_id)
+                state = AnswerState(request_id)
+                state.feed_all(events)
+                if not state.done:
+                    fmt = sniff(queued.data or b"", queued.headers).reply_format
+                    publisher = AnswerPublisher(
+                        self.conn, self.store, request_id, fmt, self._ws.publish_timeout
+                    )
+                    writer = AnswerWriter(request_id, attempt=max(1, deliveries))
+                    await publisher.finish(
+                        writer.error(
+                            MaxDeliveriesError(
+                                f"{deliveries} deliveries ended without an answer (workers "
+                                "stopped mid-request)",
+                                request_id=request_id,
+                                retryable=False,
+                            )
+                        )
+                    )
+                    self.stats.max_deliveries += 1
+                    log.warning("request exhausted its deliveries", request_id=request_id)
+            await jsm.delete_msg(self._stream.name, stream_seq)
+        except Exception as exc:  # already gone, or the store cannot be read: nothing to do
+            log.info("max-deliveries advisory not handled", error=repr(exc))
 
     async def _keep_alive(self, msg: Msg) -> None:
         interval = self._stream.ack_wait * self._ws.progress_fraction
@@ -356,16 +561,3 @@ class Worker(Lifecycle):
                 await msg.in_progress()
             except nats.errors.Error as exc:
                 log.warning("in_progress failed", error=repr(exc))
-
-    def _publisher(self, subject: str) -> Any:
-        nc = self.conn.nc
-
-        async def publish(data: bytes, headers: dict[str, str]) -> None:
-            try:
-                await nc.publish(subject, data, headers=headers)
-            except nats.errors.Error as exc:
-                raise MeshError(
-                    f"cannot publish events: {type(exc).__name__}", code=ErrorCode.UNAVAILABLE
-                ) from None
-
-        return publish

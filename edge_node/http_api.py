@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -21,16 +22,17 @@ from pydantic import ValidationError
 
 from mesh.logs import get_logger
 from mesh.queue import trace_headers
-from protocol.codec import invalid_request_error
+from protocol.codec import error_event, invalid_request_error, to_exception
 from protocol.errors import (
-    BackendError,
     BadPayloadError,
+    IncompleteAnswerError,
     InvalidRequestError,
     MeshError,
     PayloadTooLargeError,
     status_of,
 )
-from protocol.messages import EndEvent, InferRequest
+from protocol.messages import EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent, WireEvent
+from protocol.stream import AnswerState
 from protocol.subjects import is_token
 
 if TYPE_CHECKING:
@@ -74,33 +76,21 @@ def _usage(end: EndEvent) -> dict[str, int]:
 class _CollectSink:
     """Gathers a whole answer for a non-streaming HTTP request."""
 
-    collect = True
+    streaming = False
 
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.tokens_sent = 0
-        self.last_end: EndEvent | None = None
-        self.last_error: MeshError | None = None
+    def __init__(self, request_id: str) -> None:
+        self.answer = AnswerState(request_id)
 
-    async def token(self, text: str, attempt: int = 1) -> None:
-        self.tokens_sent += 1
-        self.parts.append(text)
-
-    async def restart(self, attempt: int, reason: str = "redelivered") -> None:
-        self.parts.clear()
-
-    async def end(self, end: EndEvent) -> None:
-        self.last_end = end
-
-    async def error(self, error: MeshError) -> None:
-        self.last_error = error
+    async def send(self, event: WireEvent) -> None:
+        self.answer.feed(event)
 
 
 class _SSESink:
     """Streams ``chat.completion.chunk`` events. The HTTP response starts with the first event,
-    so an error before any token is still a proper HTTP status."""
+    so an error before any token is still a proper HTTP status. SSE cannot take text back: an
+    answer that starts over after text went out ends this stream in a typed error."""
 
-    collect = False
+    streaming = True
 
     def __init__(self, request: web.Request, req: InferRequest, model: str, usage: bool) -> None:
         self._request = request
@@ -109,9 +99,9 @@ class _SSESink:
         self._usage = usage
         self._created = int(time.time())
         self.response: web.StreamResponse | None = None
-        self.tokens_sent = 0
-        self.last_end: EndEvent | None = None
-        self.last_error: MeshError | None = None
+        self.sent = 0
+        self.closed = False
+        self.last_error: ErrorEvent | None = None
 
     def _chunk(self, delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
         return {
@@ -133,38 +123,48 @@ class _SSESink:
             )
             await self.response.prepare(self._request)
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        await self.response.write(f"data: {data}\n\n".encode())
+        try:
+            await self.response.write(f"data: {data}\n\n".encode())
+        except (ConnectionError, RuntimeError) as exc:
+            self.closed = True
+            raise MeshError(f"HTTP client gone: {type(exc).__name__}") from None
 
-    async def token(self, text: str, attempt: int = 1) -> None:
-        delta = {"content": text}
-        if self.tokens_sent == 0:
-            delta = {"role": "assistant", **delta}
-        self.tokens_sent += 1
-        await self._send(self._chunk(delta))
+    async def send(self, event: WireEvent) -> None:
+        if self.closed:
+            return
+        if isinstance(event, TokenEvent):
+            delta = {"content": event.text}
+            if self.sent == 0:
+                delta = {"role": "assistant", **delta}
+            self.sent += 1
+            await self._send(self._chunk(delta))
+        elif isinstance(event, StartEvent):
+            if event.seq < self.sent:
+                why = event.reason or "a worker stopped"
+                await self._fail(
+                    IncompleteAnswerError(
+                        f"the answer started over after streaming began ({why}); retry",
+                        request_id=self._req.id,
+                    )
+                )
+        elif isinstance(event, EndEvent):
+            final = self._chunk({}, event.finish_reason)
+            final["mesh"] = _mesh_fields(event)
+            await self._send(final)
+            if self._usage:
+                usage_chunk = self._chunk({})
+                usage_chunk["choices"] = []
+                usage_chunk["usage"] = _usage(event)
+                await self._send(usage_chunk)
+            await self._send("[DONE]")
+            self.closed = True
+        else:
+            await self._fail(to_exception(event))
 
-    async def restart(self, attempt: int, reason: str = "redelivered") -> None:
-        if self.tokens_sent:
-            # SSE cannot take text back: end this stream rather than splice two answers.
-            raise BackendError(
-                f"the answer restarted after streaming began ({reason}); retry",
-                request_id=self._req.id,
-            )
-
-    async def end(self, end: EndEvent) -> None:
-        self.last_end = end
-        final = self._chunk({}, end.finish_reason)
-        final["mesh"] = _mesh_fields(end)
-        await self._send(final)
-        if self._usage:
-            usage_chunk = self._chunk({})
-            usage_chunk["choices"] = []
-            usage_chunk["usage"] = _usage(end)
-            await self._send(usage_chunk)
-        await self._send("[DONE]")
-
-    async def error(self, error: MeshError) -> None:
-        self.last_error = error
+    async def _fail(self, error: MeshError) -> None:
+        self.last_error = error_event(error, self._req.id)
         if self.response is None:
+            self.closed = True
             return  # the handler answers with a plain HTTP error
         body = {
             "error": {
@@ -176,6 +176,7 @@ class _SSESink:
         }
         await self._send(body)
         await self._send("[DONE]")
+        self.closed = True
 
 
 class EdgeHTTP:
@@ -244,17 +245,21 @@ class EdgeHTTP:
             self.edge.metrics.inc(f"error.{err.code.value}")
             return error_response(err)
         headers = {"X-Request-Id": req.id}
+        scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other
+        trace = trace_headers(request.headers)
         if req.stream:
             sink = _SSESink(request, req, model, include_usage)
-            await self.edge.handle(req, sink, received, trace_headers(request.headers))
+            await self.edge.serve(req, sink, scope=scope, received=received, trace=trace)
             if sink.response is None:
-                return error_response(sink.last_error or MeshError("no answer was produced"))
+                error = to_exception(sink.last_error) if sink.last_error else None
+                return error_response(error or MeshError("no answer was produced"))
             return sink.response
-        collected = _CollectSink()
-        await self.edge.handle(req, collected, received, trace_headers(request.headers))
-        if collected.last_end is None:
-            return error_response(collected.last_error or MeshError("no answer was produced"))
-        end = collected.last_end
+        collected = _CollectSink(req.id)
+        await self.edge.serve(req, collected, scope=scope, received=received, trace=trace)
+        end = collected.answer.outcome
+        if not isinstance(end, EndEvent):
+            error = to_exception(end) if isinstance(end, ErrorEvent) else None
+            return error_response(error or MeshError("no answer was produced"))
         headers.update({"X-Mesh-Path": end.path, "X-Mesh-Served-By": end.served_by})
         return web.json_response(
             {
@@ -266,7 +271,7 @@ class EdgeHTTP:
                     {
                         "index": 0,
                         "finish_reason": end.finish_reason,
-                        "message": {"role": "assistant", "content": "".join(collected.parts)},
+                        "message": {"role": "assistant", "content": collected.answer.text()},
                     }
                 ],
                 "usage": _usage(end),

@@ -9,11 +9,23 @@
 ``via="edge"`` (default) asks an edge node, which routes; ``via="cloud"`` queues the request
 for the worker pool directly. Errors arrive as typed :class:`protocol.errors.MeshError`s.
 Leaving a stream early (break, cancel) cancels the request.
+
+Every stream is checked with the stream contract (:mod:`protocol.stream`): what the SDK yields
+is one gap-free answer. Events missed on the way (a dropped connection, a slow consumer) are
+fetched again, from the edge or from the answer store. If an answer has to start over, the SDK
+yields a :class:`RestartEvent` first: drop the text received so far. Sending a request again
+under the same ``request_id`` from the same client joins the first one and gets its answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
+import hmac
+import itertools
+import json
+import secrets
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,21 +35,31 @@ from pydantic import ValidationError
 
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
-from mesh.events import read_events
 from mesh.lifecycle import Lifecycle
 from mesh.provision import model_is_served
-from mesh.queue import CANCELLER_HEADER, CloudCall
-from protocol.codec import CONTENT_TYPE, WireFormat, dump, invalid_request_error
-from protocol.errors import MeshError, MeshTimeoutError, UnknownModelError
+from mesh.queue import CloudCall
+from mesh.reader import AnswerReader, Repair
+from protocol.codec import CONTENT_TYPE, WireFormat, dump, invalid_request_error, to_exception
+from protocol.errors import (
+    IncompleteAnswerError,
+    MeshError,
+    MeshTimeoutError,
+    UnavailableError,
+    UnknownModelError,
+)
 from protocol.messages import (
     ChatMessage,
     EndEvent,
+    ErrorEvent,
     InferRequest,
     RestartEvent,
     RouteChoice,
+    StartEvent,
     TokenEvent,
+    WireEvent,
 )
-from protocol.subjects import cancel_subject, edge_infer_subject
+from protocol.stream import AnswerState
+from protocol.subjects import edge_cancel_subject, edge_infer_subject, edge_resend_subject
 
 Via = Literal["edge", "cloud"]
 StreamItem = TokenEvent | RestartEvent | EndEvent
@@ -80,11 +102,20 @@ class MeshClient(Lifecycle):
         self.idle_timeout = idle_timeout
         self._own_conn = connection is None
         self.conn = connection or Connection(self.settings.nats, "mesh-client")
+        self._secret = secrets.token_bytes(16)
+        self._scope = ""
+        self._inboxes = itertools.count()
 
     async def connect(self) -> MeshClient:
         if self._own_conn:
             await self.conn.connect()
         return self
+
+    def _inbox(self) -> str:
+        """A new reply inbox under this client's own prefix: the edge scopes ids to it."""
+        if not self._scope:
+            self._scope = self.conn.nc.new_inbox()
+        return f"{self._scope}.{next(self._inboxes)}"
 
     async def close(self) -> None:
         if self._own_conn:
@@ -120,7 +151,7 @@ class MeshClient(Lifecycle):
         deadline: float | None = None,
         request_id: str | None = None,
     ) -> AsyncGenerator[StreamItem, None]:
-        """Token events (and a restart event if a worker died mid-answer), then the end.
+        """Token events (and a restart event if the answer had to start over), then the end.
 
         ``deadline`` is absolute (Unix seconds): a request past it is never started, and an
         edge answers locally when too little time is left for the cloud.
@@ -159,11 +190,15 @@ class MeshClient(Lifecycle):
                 restarts += 1
             else:
                 return Completion(text="".join(parts), end=event, restarts=restarts, events=events)
-        raise RuntimeError("stream ended without an end event")  # read_events guarantees one
+        raise RuntimeError("stream ended without an end event")  # _read guarantees one
+
+    def _cancel_key(self, request_id: str) -> str:
+        """The same key for the same id from this client: a request sent again can cancel."""
+        return hmac.new(self._secret, request_id.encode(), hashlib.sha256).hexdigest()[:32]
 
     async def _via_edge(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         nc = self.conn.nc
-        inbox = nc.new_inbox()
+        inbox = self._inbox()
         sub = await nc.subscribe(inbox)
         finished = False
         try:
@@ -173,17 +208,16 @@ class MeshClient(Lifecycle):
                 reply=inbox,
                 headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
             )
-            events = read_events(
+            reader = AnswerReader(
+                self.conn,
                 sub,
-                first_timeout=self.first_event_timeout,
-                idle_timeout=self.idle_timeout,
+                AnswerState(request.id),
+                self._edge_repair(request.id, inbox),
                 what=f"edge {self.edge_id!r}",
             )
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if isinstance(event, EndEvent):
-                        finished = True
-                    yield event
+            async for event in self._read(reader):
+                finished = isinstance(event, EndEvent)
+                yield event
             finished = True
         except MeshTimeoutError:
             raise  # the edge may still be at it: the finally cancels
@@ -194,30 +228,96 @@ class MeshClient(Lifecycle):
             if not finished:
                 with contextlib.suppress(nats.errors.Error):
                     await nc.publish(
-                        cancel_subject(request.id), b"", headers={CANCELLER_HEADER: "sdk"}
+                        edge_cancel_subject(self.edge_id),
+                        json.dumps({"id": request.id, "inbox": inbox}).encode(),
                     )
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+
+    def _edge_repair(self, request_id: str, inbox: str) -> Repair:
+        """Ask the edge to send our inbox the events we lack; they arrive on the subscription."""
+
+        async def repair(state: AnswerState) -> list[WireEvent]:
+            payload = {"id": request_id, "inbox": inbox, "attempt": state.attempt}
+            payload["seq"] = state.positions
+            try:
+                reply = await self.conn.nc.request(
+                    edge_resend_subject(self.edge_id),
+                    json.dumps(payload).encode(),
+                    timeout=self.conn.settings.request_timeout,
+                )
+            except nats.errors.NoRespondersError:
+                raise UnavailableError(f"edge {self.edge_id!r} is not reachable") from None
+            except (nats.errors.TimeoutError, nats.errors.Error) as exc:
+                raise UnavailableError(f"resend failed: {type(exc).__name__}") from None
+            with contextlib.suppress(ValueError):
+                if not json.loads(reply.data).get("known", True):
+                    raise IncompleteAnswerError(
+                        f"edge {self.edge_id!r} no longer knows request {request_id!r} "
+                        "(it restarted, or the answer aged out); retry",
+                        request_id=request_id,
+                    )
+            return []
+
+        return repair
 
     async def _via_cloud(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         model = request.model or self.settings.edge.cloud_model
         if not await model_is_served(self.conn.jsm(), self.settings.stream, model):
             raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=request.id)
-        request = request.model_copy(update={"model": model})
+        request = request.model_copy(
+            update={"model": model, "cancel_key": self._cancel_key(request.id)}
+        )
         finished = False
-        async with CloudCall(self.conn, self.settings.stream, request, canceller="sdk") as call:
+        async with CloudCall(self.conn, self.settings.stream, request) as call:
             try:
-                events = call.events(
-                    first_timeout=self.first_event_timeout, idle_timeout=self.idle_timeout
-                )
-                async with contextlib.aclosing(events):
-                    async for event in events:
-                        if isinstance(event, EndEvent):
-                            finished = True
-                        yield event
+                async for event in self._read(call.reader):
+                    finished = isinstance(event, EndEvent)
+                    yield event
+            except MeshError as err:
+                finished = not isinstance(err, MeshTimeoutError)
+                raise
             finally:
                 if not finished:
                     await call.withdraw()
+
+    async def _read(self, reader: AnswerReader) -> AsyncGenerator[StreamItem, None]:
+        """The user-facing events of a reader: tokens, restarts, the end; errors raised.
+
+        ``first_event_timeout`` runs until the first token or outcome (a ``start`` does not
+        count: it only says who works on it); ``idle_timeout`` between later events.
+        """
+        clock = asyncio.get_running_loop().time
+        limit = self.first_event_timeout
+        wait_until = clock() + limit
+        passed_on = 0
+        while True:
+            out = await reader.next(max(0.0, wait_until - clock()))
+            if not out:
+                raise MeshTimeoutError(
+                    f"no event from {reader.what} within {limit:g}s "
+                    f"(waiting for {reader.state.missing()})"
+                )
+            if any(not isinstance(e, StartEvent) for e in out):
+                limit = self.idle_timeout
+                wait_until = clock() + limit
+            for event in out:
+                if isinstance(event, TokenEvent):
+                    passed_on += 1
+                    yield event
+                elif isinstance(event, StartEvent):
+                    if event.seq < passed_on:
+                        yield RestartEvent(
+                            id=event.id,
+                            attempt=event.attempt,
+                            reason=event.reason or "the answer started over",
+                        )
+                        passed_on = event.seq
+                elif isinstance(event, EndEvent):
+                    yield event
+                    return
+                elif isinstance(event, ErrorEvent):
+                    raise to_exception(event)
 
     start = connect
     stop = close

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from protocol.codec import RequestLimits
 from protocol.errors import InvalidRequestError
@@ -48,8 +48,9 @@ class NatsSettings(_Section):
     """Seconds to wait for the first connection."""
     request_timeout: float = Field(default=5.0, gt=0)
     """Seconds to wait for a JetStream API call or a publish ack."""
-    reconnect_wait: float = Field(default=1.0, gt=0)
-    """Seconds between reconnect attempts."""
+    reconnect_wait: float = Field(default=0.5, gt=0)
+    """Seconds between reconnect attempts (a server restart or a dropped link costs about this
+    much more than the outage itself)."""
     max_reconnect_attempts: int = -1
     """Reconnect attempts before giving up; -1 tries forever."""
     drain_timeout: float = Field(default=5.0, gt=0)
@@ -75,24 +76,46 @@ class StreamSettings(_Section):
     max_age: float = Field(default=3600.0, gt=0)
     """Seconds a queued request is kept at most."""
     duplicate_window: float = Field(default=120.0, gt=0)
-    """Seconds during which a re-published request id is dropped as a duplicate."""
-    ack_wait: float = Field(default=30.0, gt=0)
-    """Seconds without ack or progress after which a request is redelivered to another worker."""
+    """Seconds during which a re-published request id is dropped as a duplicate (its sender then
+    reads the answer from the token store)."""
+    ack_wait: float = Field(default=5.0, gt=0)
+    """Seconds without ack or progress after which a request is redelivered to another worker,
+    which continues the answer. Workers report progress every ack_wait x progress_fraction."""
     max_deliver: int = Field(default=3, ge=1)
-    """Deliveries of one request before it fails for good."""
+    """Deliveries of one request before it fails for good (a typed max_deliveries error)."""
     max_ack_pending: int = Field(default=1024, ge=1)
     """Fleet-wide ceiling on requests in flight per model."""
     retry_after: float = Field(default=2.0, gt=0)
     """Seconds suggested to clients when the queue is full."""
-    heartbeat: float = Field(default=5.0, gt=0)
+    heartbeat: float = Field(default=1.0, gt=0)
     """Seconds between a worker's announcements in the node registry (KV mesh_nodes)."""
-    node_ttl: float = Field(default=15.0, gt=0)
+    node_ttl: float = Field(default=3.0, gt=0)
     """Seconds without an announcement after which a worker counts as gone."""
+    answer_stream: str = "MESH_TOK"
+    """Stream that keeps answer events a while (catch-up, continuation, answering again)."""
+    answer_storage: Literal["file", "memory", "off"] = "file"
+    """Where MESH_TOK keeps events; file survives a server restart. off: no catch-up or
+    continuation (a gap becomes a typed error, a worker's death a restart)."""
+    answer_max_age: float = Field(default=120.0, gt=0)
+    """Seconds answer events are kept; at most duplicate_window, so an id queued again later
+    never meets an older answer's events."""
+    answer_max_bytes: int = Field(default=512 * 1024 * 1024, ge=1024 * 1024)
+    """Bytes MESH_TOK keeps at most (oldest events go first)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StreamSettings:
+        if self.answer_max_age > self.duplicate_window:
+            raise ValueError(
+                "answer_max_age must not exceed duplicate_window: an id queued again after the "
+                "window would meet the older answer's events"
+            )
+        return self
 
 
 class ModelSettings(_Section):
-    backend: Literal["llama_cpp", "openai", "vllm"] = "llama_cpp"
-    """Inference engine: in-process llama.cpp, an OpenAI-compatible HTTP server, or vLLM."""
+    backend: Literal["llama_cpp", "openai", "vllm", "deterministic"] = "llama_cpp"
+    """Inference engine: in-process llama.cpp, an OpenAI-compatible HTTP server, or vLLM;
+    deterministic is a scripted test and benchmark backend, not a model."""
     name: str = DEFAULT_MODEL_NAME
     """Model name clients use; it names the queue subject mesh.v1.infer.<name>."""
     path: str | None = None
@@ -113,6 +136,13 @@ class ModelSettings(_Section):
     """Seconds to wait for the HTTP server's headers or for its next streamed chunk."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """vLLM: share of GPU memory the engine may take."""
+    continuation: Literal["auto", "vllm", "off"] = "auto"
+    """openai backend: how to continue an answer another worker began. vllm: vLLM's
+    continue_final_message; auto: that, when the server says it is vLLM; off: start over."""
+    prefill_delay_ms: float = Field(default=0.0, ge=0)
+    """deterministic backend: delay before the first token."""
+    token_delay_ms: float = Field(default=0.0, ge=0)
+    """deterministic backend: delay between tokens."""
 
 
 class LimitSettings(_Section):
@@ -134,8 +164,13 @@ class WorkerSettings(_Section):
     """Most requests pulled per fetch (never more than free slots)."""
     fetch_timeout: float = Field(default=2.0, gt=0)
     """Seconds a pull request waits for work; also bounds how fast intake stops on shutdown."""
-    progress_fraction: float = Field(default=0.3, gt=0, lt=1)
-    """Tell JetStream 'in progress' every ack_wait x this while generating."""
+    progress_fraction: float = Field(default=0.2, gt=0, lt=1)
+    """Tell JetStream 'in progress' every ack_wait x this while generating (1 s by default: a
+    link that drops for a few seconds does not cost a redelivery, a dead worker is noticed after
+    ack_wait)."""
+    stall_timeout: float = Field(default=30.0, gt=0)
+    """Seconds the engine may go without producing a token before the worker gives the request
+    up as hung and hands it to another worker."""
     coalesce_tokens: int = Field(default=16, ge=1)
     """Most tokens per token message."""
     coalesce_ms: float = Field(default=5.0, ge=0)
@@ -153,8 +188,17 @@ class RouterSettings(_Section):
     """Escalate when the router's score (probability the local model fails) is at or above
     this; when unset, the threshold comes from cloud_share."""
     cloud_share: float = Field(default=0.3, ge=0, le=1)
-    """Share of typical requests to escalate (the hardest-rated ones), used when no threshold
-    is set; calibrated on the training prompts' scores, as RouteLLM does."""
+    """Share of router-decided requests to escalate (the hardest-rated ones) when no threshold
+    is set. The threshold tracks recent scores, so the share holds when the traffic shifts."""
+    budget_window: int = Field(default=30, ge=10, le=100_000)
+    """Recent router scores whose quantile sets the cloud_share threshold (seeded with the
+    training prompts' scores)."""
+    cloud_cap_per_minute: int | None = Field(default=None, ge=0)
+    """Hard cap on router-decided escalations in any 60 s; beyond it the local model answers.
+    Forced routes (route=cloud) are not capped. Unset: no cap."""
+    budget_state: str | None = None
+    """JSON file that keeps the cloud budget (recent scores, shares, cap) across restarts,
+    e.g. ~/.local/state/mesh/router-budget.json; not kept when unset."""
     weights: str | None = None
     """Router weights file; the ones shipped with the project when unset."""
     data_dir: str | None = None
@@ -171,11 +215,20 @@ class EdgeSettings(_Section):
     router: RouterSettings = Field(default_factory=RouterSettings)
     """The on-device classifier."""
     cloud_start_timeout: float = Field(default=10.0, gt=0)
-    """Seconds to wait for the cloud's first token before answering locally."""
+    """Seconds an escalation may wait in the queue for a worker to start it; then the edge
+    withdraws it and answers locally. Sooner when the registry shows no live worker."""
+    cloud_first_token_timeout: float = Field(default=3.0, gt=0)
+    """Seconds from a worker's start to its first token; then the edge withdraws the request and
+    answers locally (a hung engine)."""
     cloud_min_budget: float = Field(default=2.0, ge=0)
     """A request whose deadline leaves less than this many seconds is answered locally."""
-    cloud_idle_timeout: float = Field(default=30.0, gt=0)
-    """Seconds without any event from the cloud, once started, before the edge gives up."""
+    cloud_idle_timeout: float = Field(default=15.0, gt=0)
+    """Seconds without any event from a live worker, once tokens flow, before the edge gives up
+    on the cloud."""
+    replay_window: float = Field(default=60.0, ge=0)
+    """Seconds a finished answer is kept for its sender to fetch missed events or ask again."""
+    request_timeout: float = Field(default=300.0, gt=0)
+    """Longest an answer may take when the request sets no deadline."""
     max_concurrent: int = Field(default=64, ge=1)
     """Requests the edge handles at once (local and relayed); more get 'overloaded'."""
     local_queue: int = Field(default=8, ge=0)

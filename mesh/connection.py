@@ -1,11 +1,18 @@
 """The NATS connection every node and client shares: connect with a time limit, reconnect
-forever (logged), drain on close."""
+forever (logged), drain on close.
+
+It also counts the moments after which messages may have been missed: every reconnect, and
+every slow-consumer drop. A reader compares :attr:`Connection.losses` before and after a wait;
+when it moved, the reader fetches what it missed from where it is kept. Nodes register
+:meth:`Connection.on_reconnect` callbacks to put back control state a server restart lost.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import ssl
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import nats
@@ -30,6 +37,14 @@ class Connection(Lifecycle):
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._closing = False
+        self.reconnects = 0
+        """Reconnects since connect()."""
+        self.losses = 0
+        """Reconnects plus slow-consumer drops: when this moves, messages may have been lost."""
+        self.lost = asyncio.Event()
+        """Set whenever ``losses`` moves; readers clear it when they have caught up."""
+        self._on_reconnect: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def nc(self) -> Client:
@@ -46,11 +61,32 @@ class Connection(Lifecycle):
     def jsm(self) -> JetStreamManager:
         return self.nc.jsm(timeout=self.settings.request_timeout)
 
+    def on_reconnect(self, callback: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+        """Run ``callback`` (a coroutine function) after every reconnect; returns an undo."""
+        self._on_reconnect.append(callback)
+
+        def undo() -> None:
+            if callback in self._on_reconnect:
+                self._on_reconnect.remove(callback)
+
+        return undo
+
+    def _lost(self) -> None:
+        self.losses += 1
+        self.lost.set()
+
+    def _reconnect_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("after-reconnect step failed", error=repr(task.exception()))
+
     async def connect(self) -> Connection:
         servers = self.settings.servers()
         client = Client()
 
         async def on_error(exc: Exception) -> None:
+            if isinstance(exc, nats.errors.SlowConsumerError):
+                self._lost()
             log.warning("nats error", connection=self.name, error=repr(exc))
 
         async def on_disconnected() -> None:
@@ -60,7 +96,13 @@ class Connection(Lifecycle):
                 log.warning("nats disconnected", connection=self.name)
 
         async def on_reconnected() -> None:
+            self.reconnects += 1
+            self._lost()
             log.info("nats reconnected", connection=self.name, server=str(client.connected_url))
+            for callback in list(self._on_reconnect):
+                task = asyncio.get_running_loop().create_task(callback(), name="on-reconnect")
+                self._tasks.add(task)
+                task.add_done_callback(self._reconnect_done)
 
         try:
             await asyncio.wait_for(
@@ -93,6 +135,8 @@ class Connection(Lifecycle):
     async def close(self) -> None:
         """Drain subscriptions and flush pending publishes, within the drain timeout."""
         client, self._nc, self._js = self._nc, None, None
+        for task in list(self._tasks):
+            task.cancel()
         if client is None or client.is_closed:
             return
         self._closing = True

@@ -2,28 +2,33 @@
 
 Order matters: subscribe to ``mesh.v1.tok.<id>`` and flush (the server now knows the
 subscription), then publish with ``Nats-Msg-Id = id`` and wait for the publish ack: from then on
-the request is durable and a retried publish is dropped as a duplicate.
+the request is durable. A publish JetStream reports as a duplicate (the same id sent again within
+the duplicate window) is not queued twice; its sender reads the answer from the answer store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Mapping
+import secrets
+from collections.abc import Mapping
 
+import msgpack
 import nats.errors
 from nats.aio.subscription import Subscription
 from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError
 
+from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
-from mesh.events import read_events
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
+from mesh.reader import AnswerReader, store_repair
 from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.errors import MeshTimeoutError, OverloadedError, UnavailableError
-from protocol.messages import EndEvent, InferRequest, RestartEvent, TokenEvent
+from protocol.messages import InferRequest
+from protocol.stream import AnswerState, request_fingerprint
 from protocol.subjects import cancel_subject, infer_subject, token_subject
 
 log = get_logger(__name__)
@@ -31,16 +36,21 @@ log = get_logger(__name__)
 # JetStream error codes for "stream is full" with discard=new.
 _STORE_FULL_CODES = {10077, 10078, 10027, 10028}
 MSG_ID_HEADER = "Nats-Msg-Id"
-CANCELLER_HEADER = "Mesh-Canceller"
-"""Who sent a cancel, so a node can ignore the cancels it sent itself."""
-
-
 TRACE_HEADERS = ("traceparent", "tracestate")
 """W3C trace context: carried from the client's request to the queued one, unchanged."""
 
 
 def trace_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     return {k: v for k, v in (headers or {}).items() if k.lower() in TRACE_HEADERS}
+
+
+def new_cancel_key() -> str:
+    return secrets.token_urlsafe(18)
+
+
+def cancel_payload(key: str | None) -> bytes:
+    """A cancel message: empty, or a msgpack map with the sender's key."""
+    return bytes(msgpack.packb({"key": key})) if key else b""
 
 
 async def publish_request(
@@ -98,11 +108,8 @@ async def publish_request(
 
 
 class CloudCall(Lifecycle):
-    """One escalated request: ``async with CloudCall(...) as call: async for ev in call.events()``.
-
-    ``events`` turns a change of delivery attempt (a worker died and JetStream redelivered) into
-    one :class:`RestartEvent`, so a reader never mixes two generations' text.
-    """
+    """One queued request: ``async with CloudCall(...) as call:`` then ``call.reader`` reads its
+    answer (repairing from the answer store), ``call.withdraw()`` takes it back."""
 
     def __init__(
         self,
@@ -110,16 +117,25 @@ class CloudCall(Lifecycle):
         stream: StreamSettings,
         request: InferRequest,
         *,
-        canceller: str = "client",
         headers: Mapping[str, str] | None = None,
     ) -> None:
         self.conn = conn
-        self.canceller = canceller
         self.headers = dict(headers or {})
         self.stream = stream
-        self.request = request.model_copy(update={"reply": token_subject(request.id)})
+        self.request = request.model_copy(
+            update={"reply": None, "cancel_key": request.cancel_key or new_cancel_key()}
+        )
+        self.fingerprint = request_fingerprint(self.request)
+        self.store = AnswerStore(conn, stream)
         self.ack: api.PubAck | None = None
         self._sub: Subscription | None = None
+        self._reader: AnswerReader | None = None
+
+    @property
+    def reader(self) -> AnswerReader:
+        if self._reader is None:
+            raise RuntimeError("CloudCall.open() first")
+        return self._reader
 
     async def open(self) -> CloudCall:
         nc = self.conn.nc
@@ -133,39 +149,26 @@ class CloudCall(Lifecycle):
         except BaseException:
             await self.close()
             raise
+        self._reader = AnswerReader(
+            self.conn,
+            self._sub,
+            AnswerState(self.request.id, fingerprint=self.fingerprint),
+            store_repair(self.store.replay, self.request.id),
+            what="the cloud",
+        )
         if self.ack.duplicate:
+            # Queued before under this id: its answer may be complete already. Catch up now.
             log.info("request already queued (duplicate publish)", request_id=self.request.id)
+            self._reader.repair_now()
         return self
-
-    async def events(
-        self, *, first_timeout: float, idle_timeout: float
-    ) -> AsyncGenerator[TokenEvent | RestartEvent | EndEvent, None]:
-        if self._sub is None:
-            raise RuntimeError("CloudCall.open() first")
-        attempt = 1
-        async for event in read_events(
-            self._sub, first_timeout=first_timeout, idle_timeout=idle_timeout, what="the cloud"
-        ):
-            if isinstance(event, RestartEvent):
-                if event.attempt > attempt:
-                    attempt = event.attempt
-                    yield event
-                continue
-            if isinstance(event, TokenEvent):
-                if event.attempt < attempt:
-                    continue  # a late token from an attempt already abandoned
-                if event.attempt > attempt:
-                    attempt = event.attempt
-                    yield RestartEvent(id=event.id, attempt=attempt)
-            yield event
 
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
         with contextlib.suppress(Exception):
             await self.conn.nc.publish(
-                cancel_subject(self.request.id), b"", headers={CANCELLER_HEADER: self.canceller}
+                cancel_subject(self.request.id), cancel_payload(self.request.cancel_key)
             )
-        if self.ack is not None:
+        if self.ack is not None and not self.ack.duplicate:
             # Fails when already delivered (the cancel covers that) or already gone: both fine.
             with contextlib.suppress(APIError, asyncio.TimeoutError, nats.errors.Error):
                 await self.conn.jsm().delete_msg(self.ack.stream, self.ack.seq)

@@ -4,7 +4,12 @@ Workers announce themselves (models, slots, free slots) every ``heartbeat`` seco
 ``worker.<node_id>``, and delete their key on a clean stop. Entries expire with the bucket's TTL
 when a worker dies. An edge watches the bucket and treats a worker as alive while its updates keep
 arriving, timed with the edge's own clock (no clock skew between machines matters), so it can
-answer locally at once when no worker serves a model instead of waiting for a start timeout.
+answer locally at once when no worker serves a model instead of waiting for a start timeout, and
+notice within ``node_ttl`` that the worker generating its answer is gone.
+
+The bucket is file-backed and created by whoever needs it first; a heartbeat that finds it gone
+(a server restart lost it, or someone deleted it) creates it again, and a view re-watches after
+every reconnect, so the registry comes back by itself.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from protocol.errors import MeshTimeoutError, UnavailableError
+from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.subjects import NODES_BUCKET, model_token
 
 log = get_logger(__name__)
@@ -58,7 +63,7 @@ async def open_bucket(conn: Connection, ttl: float) -> KeyValue:
                     description="mesh node registry (heartbeats)",
                     history=1,
                     ttl=ttl,
-                    storage=api.StorageType.MEMORY,
+                    storage=api.StorageType.FILE,
                 )
             )
     except asyncio.TimeoutError:
@@ -80,25 +85,37 @@ class Heartbeat:
         self._key = ""
 
     async def start(self) -> None:
-        self._kv = await open_bucket(self._conn, self._ttl)
         info: NodeInfo = self._info()
         self._key = node_key(info.role, info.node_id)
-        await self._put()
+        await self.beat()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="heartbeat")
 
-    async def _put(self) -> None:
-        assert self._kv is not None
-        await asyncio.wait_for(
-            self._kv.put(self._key, self._info().model_dump_json().encode()), self._interval
-        )
+    async def beat(self) -> None:
+        """Announce now; (re)open the bucket first when needed."""
+        if self._kv is None:
+            self._kv = await open_bucket(self._conn, self._ttl)
+        try:
+            await asyncio.wait_for(
+                self._kv.put(self._key, self._info().model_dump_json().encode()),
+                max(self._interval, 1.0),
+            )
+        except nats.js.errors.NoStreamResponseError:
+            self._kv = None  # the bucket is gone: the next beat creates it again
+            raise
 
     async def _loop(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self._interval)
             try:
-                await self._put()
-            except (asyncio.TimeoutError, nats.errors.Error) as exc:
-                log.warning("heartbeat failed", error=repr(exc))
+                await self.beat()
+                if failing:
+                    log.info("heartbeat restored")
+                failing = False
+            except (asyncio.TimeoutError, nats.errors.Error, MeshError) as exc:
+                if not failing:  # once per outage, not every second
+                    log.warning("heartbeat failed", error=repr(exc))
+                failing = True
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -121,14 +138,30 @@ class NodeView:
         self._ready = False
         self._watcher: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._undo_reconnect: Any = None
 
     async def start(self) -> None:
+        await self._watch()
+        self._undo_reconnect = self._conn.on_reconnect(self._rewatch)
+
+    async def _watch(self) -> None:
         kv = await open_bucket(self._conn, self._ttl)
         self._watcher = await kv.watchall()
-        self._task = asyncio.get_running_loop().create_task(self._follow(), name="registry-watch")
+        self._task = asyncio.get_running_loop().create_task(
+            self._follow(self._watcher), name="registry-watch"
+        )
 
-    async def _follow(self) -> None:
-        async for entry in self._watcher:
+    async def _rewatch(self) -> None:
+        """After a reconnect the bucket may have been recreated: follow it afresh. Entries seen
+        before stay until they age out; a live worker refreshes its own within a heartbeat."""
+        await self._stop_watch()
+        try:
+            await self._watch()
+        except MeshError as err:
+            log.warning("registry watch not restored", error=err.message)
+
+    async def _follow(self, watcher: Any) -> None:
+        async for entry in watcher:
             if entry is None:  # end of the initial snapshot
                 self._ready = True
                 continue
@@ -161,11 +194,26 @@ class NodeView:
         token = model_token(model)
         return any(token in {model_token(m) for m in info.models} for info in self.live())
 
+    def is_live(self, node_id: str) -> bool | None:
+        """Whether the worker ``node_id`` announced itself within ``node_ttl``; None when the
+        view cannot tell yet."""
+        if not self.ready:
+            return None
+        entry = self._nodes.get(node_key("worker", node_id))
+        return entry is not None and time.monotonic() - entry[1] < self._ttl
+
     async def stop(self) -> None:
-        if self._watcher is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._watcher.stop()
-        if self._task is not None:
-            self._task.cancel()
+        if self._undo_reconnect is not None:
+            self._undo_reconnect()
+        await self._stop_watch()
+
+    async def _stop_watch(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await asyncio.wait_for(watcher.stop(), 2.0)
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from mesh.logs import get_logger
@@ -25,6 +25,36 @@ class TaskSet:
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
+
+    def supervise(
+        self,
+        factory: Callable[[], Coroutine[Any, Any, Any]],
+        *,
+        name: str,
+        restart_delay: float = 0.5,
+    ) -> asyncio.Task[Any]:
+        """Run ``factory()`` as a tracked task; when it crashes, log it and run it again (with a
+        growing delay), until it returns or is cancelled."""
+
+        async def runner() -> None:
+            delay = restart_delay
+            while True:
+                try:
+                    await factory()
+                    return
+                except Exception as exc:
+                    log.error(
+                        "background task crashed; restarting it",
+                        owner=self._name,
+                        task=name,
+                        error=repr(exc),
+                        exc_info=exc,
+                        restart_in_s=delay,
+                    )
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+
+        return self.spawn(runner(), name=name)
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -14,7 +14,6 @@ import re
 
 PREFIX = "mesh.v1"
 INFER_STREAM = "MESH_INFER"
-TOKEN_STREAM = "MESH_TOK"  # noqa: S105 - a stream name, not a secret
 INFER_WILDCARD = f"{PREFIX}.infer.>"
 CANCEL_WILDCARD = f"{PREFIX}.cancel.*"
 TOKEN_WILDCARD = f"{PREFIX}.tok.*"

@@ -18,7 +18,7 @@ from mesh.connection import Connection
 from mesh.queue import MSG_ID_HEADER
 from protocol.codec import decode_event
 from protocol.errors import InvalidRequestError
-from protocol.messages import ErrorEvent, TokenEvent
+from protocol.messages import ErrorEvent, StartEvent, TokenEvent
 from protocol.subjects import infer_subject, token_subject
 from tests.helpers import eventually, queue_drained, stat_reaches
 
@@ -153,4 +153,7 @@ async def test_msgpack_client_gets_msgpack_tokens(edge: EdgeNode, conn: Connecti
     )
     first = await sub.next_msg(timeout=15)
     assert first.data[0] in range(0x80, 0x90)  # a msgpack map
-    assert isinstance(decode_event(first.data), TokenEvent)
+    assert isinstance(decode_event(first.data), StartEvent)
+    second = await sub.next_msg(timeout=15)
+    assert second.data[0] in range(0x80, 0x90)
+    assert isinstance(decode_event(second.data), TokenEvent)

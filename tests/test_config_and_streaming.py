@@ -9,7 +9,7 @@ import pytest
 
 from mesh.backends.base import Chunk
 from mesh.config import describe_settings, env_name, load_settings
-from mesh.events import coalesce
+from mesh.generate import coalesce
 from protocol.errors import InvalidRequestError
 
 

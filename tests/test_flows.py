@@ -45,15 +45,18 @@ async def test_local_path_streams_tokens_then_end(edge: EdgeNode, client: MeshCl
 async def test_escalated_path_relays_in_order_acks_and_empties_queue(
     worker: Worker, edge: EdgeNode, client: MeshClient, conn: Connection, settings: MeshSettings
 ) -> None:
-    # Watch the token subject as `nats sub` would: what the worker published for this request.
+    # Watch the token subjects as `nats sub 'mesh.v1.tok.*'` would: what the worker published.
+    # The edge queues under an id of its own, so the client's id never names a queue subject.
     published: list[TokenEvent] = []
+    queued_ids: set[str] = set()
 
     async def watch(msg: object) -> None:
         event = decode_event(msg.data)  # type: ignore[attr-defined]
+        queued_ids.add(event.id)
         if isinstance(event, TokenEvent):
             published.append(event)
 
-    watcher = await conn.nc.subscribe(token_subject("escalated1"), cb=watch)
+    watcher = await conn.nc.subscribe("mesh.v1.tok.*", cb=watch)
     events = [
         e
         async for e in client.stream(COMPLEX, max_tokens=32, temperature=0, request_id="escalated1")
@@ -74,6 +77,7 @@ async def test_escalated_path_relays_in_order_acks_and_empties_queue(
     # The edge relayed exactly what the worker generated, in order.
     assert published and "".join(t.text for t in tokens) == "".join(t.text for t in published)
     assert [t.seq for t in published] == list(range(len(published)))
+    assert len(queued_ids) == 1 and "escalated1" not in queued_ids
     await stat_reaches(worker.stats, "completed", 1)
     await eventually(lambda: queue_drained(conn, settings), what="acked and empty queue")
 
@@ -121,7 +125,7 @@ async def test_falls_back_when_a_busy_pool_does_not_start_in_time(
     answer = await client.complete(COMPLEX, max_tokens=16, temperature=0)
     waited = time.monotonic() - began
     assert answer.path == "local"
-    assert answer.end.fallback is not None and "did not start" in answer.end.fallback
+    assert answer.end.fallback is not None and "no worker started it" in answer.end.fallback
     assert waited >= 1.5
     await long_answer
     # The edge took its escalation back: the worker never runs it after the long answer.
@@ -191,15 +195,18 @@ async def test_cancel_before_start_is_honoured(
 ) -> None:
     # Queue a request, cancel it, and only then start the worker: it must not generate.
     from mesh.provision import provision
-    from mesh.queue import CloudCall
+    from mesh.queue import CloudCall, cancel_payload
     from protocol.messages import InferRequest
 
     await provision(conn.jsm(), settings.stream, ["smollm2"])
-    request = InferRequest(id="early-cancel", model="smollm2", prompt=SIMPLE, max_tokens=8)
+    key = "sender-secret-1"
+    request = InferRequest(
+        id="early-cancel", model="smollm2", prompt=SIMPLE, max_tokens=8, cancel_key=key
+    )
     sub = await conn.nc.subscribe(token_subject(request.id))
     async with Worker(settings, conn, worker_backend) as running:  # type: ignore[arg-type]
         # cancel first (the worker remembers it), then queue
-        await conn.nc.publish(f"mesh.v1.cancel.{request.id}", b"")
+        await conn.nc.publish(f"mesh.v1.cancel.{request.id}", cancel_payload(key))
         await conn.nc.flush()
         async with CloudCall(conn, settings.stream, request):
             msg = await sub.next_msg(timeout=10)
@@ -316,4 +323,4 @@ async def test_sdk_timeout_cancels_the_edge_work(
 
 
 async def _no_inflight(edge: EdgeNode) -> bool:
-    return not edge._inflight
+    return edge.records.in_flight() == 0

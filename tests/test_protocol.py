@@ -28,7 +28,7 @@ from protocol.errors import (
     OverloadedError,
     PayloadTooLargeError,
 )
-from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, RestartEvent, TokenEvent
+from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
 from protocol.subjects import (
     consumer_name,
     edge_infer_subject,
@@ -150,8 +150,9 @@ def test_events_round_trip_in_both_formats() -> None:
         TokenEvent(id="r", seq=0, text="Hel", attempt=2),
         EndEvent(id="r", seq=3, finish_reason="length", served_by="cloud:w1"),
         ErrorEvent(id="r", code="overloaded", message="full", retryable=True, retry_after=2),
-        RestartEvent(id="r", attempt=2),
-        Answer(id="r", text="Hello", path="local"),
+        StartEvent(id="r", attempt=2, seq=3, digest=77, node="cloud:w2", req="ab12"),
+        EndEvent(id="r", seq=3, attempt=2, digest=12345),
+        Answer(id="r", text="Hello", path="local", digest=9),
     ]
     for fmt in (WireFormat.MSGPACK, WireFormat.JSON):
         for event in events:
@@ -162,6 +163,7 @@ def test_token_fast_path_matches_the_model_encoding() -> None:
     event = TokenEvent(id="r", seq=4, text="ü!", attempt=1)
     for fmt in (WireFormat.MSGPACK, WireFormat.JSON):
         assert decode_event(dump_token("r", 4, "ü!", 1, fmt)) == event
+        assert dump_token("r", 4, "ü!", 1, fmt) == dump(event, fmt)
 
 
 def test_errors_cross_the_wire_typed() -> None:

@@ -12,6 +12,10 @@ def create_backend(settings: ModelSettings) -> Backend:
         from mesh.backends.llama_cpp import LlamaCppBackend
 
         return LlamaCppBackend(settings)
+    if settings.backend == "deterministic":
+        from mesh.backends.deterministic import DeterministicBackend
+
+        return DeterministicBackend(settings)
     if settings.backend == "openai":
         from mesh.backends.openai_http import OpenAIHTTPBackend
 

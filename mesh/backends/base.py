@@ -16,6 +16,8 @@ class Chunk:
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
+    n: int = 1
+    """Engine tokens in ``text``."""
 
 
 @dataclass(frozen=True)
@@ -39,15 +41,23 @@ class Backend(Protocol):
     ``generate`` is an async generator of :class:`Chunk`; the last chunk has ``finish_reason``.
     Closing or cancelling the generator aborts the generation in the engine. Engine failures
     raise :class:`protocol.errors.BackendError` (or a more specific ``MeshError``).
+
+    ``prefix``: text the assistant already said (``prefix_tokens`` engine tokens of it): generate
+    what follows it, as one answer, with at most ``max_tokens - prefix_tokens`` more tokens. Only
+    backends whose ``continues`` is true accept a prefix; the others raise ``ValueError``.
     """
 
     model: str
+    continues: bool
+    """True when ``generate`` can continue an answer from a prefix (request migration)."""
 
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
 
-    def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]: ...
+    def generate(
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -3,6 +3,9 @@
 llama.cpp calls block, so each generation runs on a dedicated thread pool (one thread per slot)
 and hands chunks to the event loop through a queue. A slot is one loaded model instance, so
 ``slots`` requests generate truly at once; a request beyond that waits for a free instance.
+
+Continuing an answer (after another worker died mid-answer) renders the conversation with the
+model's own chat template, appends the text already said, and completes from there.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ _LOAD_LOCK = threading.Lock()
 class LlamaCppBackend:
     """``slots`` instances of one GGUF model, generating off the event loop."""
 
+    continues = True
+
     def __init__(self, settings: ModelSettings) -> None:
         self.settings = settings
         self.model = settings.name
@@ -56,6 +61,7 @@ class LlamaCppBackend:
         self._instances = asyncio.Queue()
         for llama in instances:
             self._instances.put_nowait(llama)
+        self.continues = "tokenizer.chat_template" in instances[0].metadata
         log.info(
             "model loaded",
             model=self.model,
@@ -101,9 +107,13 @@ class LlamaCppBackend:
         if stop is not None:
             stop.set()
 
-    async def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]:
+    async def generate(
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
         if self._instances is None or self._executor is None:
             raise BackendError("llama.cpp backend is not started", retryable=True)
+        if prefix and not self.continues:
+            raise ValueError("this GGUF has no chat template: it cannot continue an answer")
         instances = self._instances
         llama = await instances.get()
         self._busy += 1
@@ -118,7 +128,9 @@ class LlamaCppBackend:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 stop.set()
 
-        future = loop.run_in_executor(self._executor, _run, llama, request, emit, stop)
+        future = loop.run_in_executor(
+            self._executor, _run, llama, request, emit, stop, prefix, prefix_tokens
+        )
 
         def release(_: object) -> None:
             # The instance goes back only once its thread is done with it, however we exit.
@@ -139,29 +151,69 @@ class LlamaCppBackend:
             stop.set()  # cancelled or closed early: the thread stops at its next token
 
 
-def _run(
-    llama: Any, request: InferRequest, emit: Callable[[Any], None], stop: threading.Event
+def _continuation(llama: Any, request: InferRequest, prefix: str, left: int) -> Any:
+    """A completion stream that continues the assistant's ``prefix`` in the chat template."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    eos_id = llama.token_eos()
+    bos_id = llama.token_bos()
+    formatter = Jinja2ChatFormatter(
+        template=llama.metadata["tokenizer.chat_template"],
+        eos_token=llama._model.token_get_text(eos_id) if eos_id != -1 else "",
+        bos_token=llama._model.token_get_text(bos_id) if bos_id != -1 else "",
+        stop_token_ids=[eos_id],
+    )
+    messages: Any = request.chat()
+    formatted = formatter(messages=messages)
+    template_stop = formatted.stop or []
+    return llama.create_completion(
+        prompt=formatted.prompt + prefix,
+        stream=True,
+        max_tokens=left,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stop=[
+            *(request.stop or []),
+            *([template_stop] if isinstance(template_stop, str) else template_stop),
+        ],
+        stopping_criteria=formatted.stopping_criteria,
+        seed=request.seed,
+    )
+
+
+def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_executor
+    llama: Any,
+    request: InferRequest,
+    emit: Callable[[Any], None],
+    stop: threading.Event,
+    prefix: str,
+    prefix_tokens: int,
 ) -> None:
-    """Runs on a worker thread: stream one chat completion into ``emit``."""
+    """Runs on a worker thread: stream one chat completion (or its continuation) into ``emit``."""
     completion_tokens = 0
     finish_reason: str | None = None
     try:
-        stream = llama.create_chat_completion(
-            messages=request.chat(),
-            stream=True,
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            stop=request.stop or [],
-            seed=request.seed,
-        )
+        if prefix:
+            stream = _continuation(
+                llama, request, prefix, max(1, request.max_tokens - prefix_tokens)
+            )
+        else:
+            stream = llama.create_chat_completion(
+                messages=request.chat(),
+                stream=True,
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                stop=request.stop or [],
+                seed=request.seed,
+            )
         try:
             for part in stream:
                 if stop.is_set():
                     finish_reason = "cancelled"
                     break
                 choice = part["choices"][0]
-                text = choice.get("delta", {}).get("content")
+                text = choice["text"] if prefix else choice.get("delta", {}).get("content")
                 if text:
                     completion_tokens += 1
                     emit(Chunk(text=text))

@@ -1,7 +1,13 @@
 """Backend for any OpenAI-compatible HTTP server (``vllm serve``, ``llama_cpp.server``, ...).
 
 Streams ``/chat/completions`` over server-sent events with aiohttp. Closing the generator closes
-the HTTP response, which vLLM and llama_cpp.server take as an abort.
+the HTTP response, which vLLM and llama_cpp.server take as an abort. An ``error`` event in the
+stream, or a stream that ends before its finish reason, fails the generation: it is never
+passed on as a complete answer.
+
+Continuing an answer another worker began uses vLLM's chat extension (the assistant's text so
+far as the last message, ``continue_final_message``); with ``continuation=auto`` it is used when
+the server's model list says vLLM owns the model, and other servers start the answer over.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ log = get_logger(__name__)
 
 
 class OpenAIHTTPBackend:
+    continues = False
+
     def __init__(self, settings: ModelSettings) -> None:
         self.settings = settings
         self.model = settings.name
@@ -44,6 +52,17 @@ class OpenAIHTTPBackend:
             sock_read=self.settings.http_timeout,
         )
         self._session = aiohttp.ClientSession(headers=headers, timeout=timeout)
+        mode = self.settings.continuation
+        self.continues = mode == "vllm" or (mode == "auto" and await self._is_vllm())
+
+    async def _is_vllm(self) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{self._base}/models") as resp:
+                models = (await resp.json()).get("data") or []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return False  # cannot tell now: start answers over, never splice blindly
+        return any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in models)
 
     async def close(self) -> None:
         session, self._session = self._session, None
@@ -67,11 +86,12 @@ class OpenAIHTTPBackend:
         if task is not None:
             task.cancel()
 
-    def _body(self, request: InferRequest) -> dict[str, Any]:
+    def _body(self, request: InferRequest, prefix: str, prefix_tokens: int) -> dict[str, Any]:
+        messages: list[dict[str, str]] = request.chat()
         body: dict[str, Any] = {
             "model": self._remote_model,
-            "messages": request.chat(),
-            "max_tokens": request.max_tokens,
+            "messages": messages,
+            "max_tokens": max(1, request.max_tokens - prefix_tokens),
             "temperature": request.temperature,
             "top_p": request.top_p,
             "stream": True,
@@ -81,11 +101,18 @@ class OpenAIHTTPBackend:
             body["stop"] = request.stop
         if request.seed is not None:
             body["seed"] = request.seed
+        if prefix:
+            messages.append({"role": "assistant", "content": prefix})
+            body.update(continue_final_message=True, add_generation_prompt=False)
         return body
 
-    async def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]:
+    async def generate(
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
         if self._session is None:
             raise BackendError("HTTP backend is not started", retryable=True)
+        if prefix and not self.continues:
+            raise ValueError("this server cannot continue an answer (continuation is off)")
         current = asyncio.current_task()
         if current is not None:
             self._tasks[request.id] = current
@@ -96,7 +123,7 @@ class OpenAIHTTPBackend:
         done = False
         try:
             async with self._session.post(
-                f"{self._base}/chat/completions", json=self._body(request)
+                f"{self._base}/chat/completions", json=self._body(request, prefix, prefix_tokens)
             ) as resp:
                 if resp.status != 200:
                     raise _http_error(resp.status, await resp.text(), request.id)
@@ -105,6 +132,13 @@ class OpenAIHTTPBackend:
                         done = True
                         break
                     event = json.loads(data)
+                    if not isinstance(event, dict):
+                        raise BackendError(f"{self._base} sent a non-object event")
+                    if event.get("error") or event.get("object") == "error":
+                        raise BackendError(
+                            f"{self._base} reported an error mid-stream: {_error_text(event)}",
+                            request_id=request.id,
+                        )
                     if event.get("usage"):
                         usage = Usage(
                             prompt_tokens=event["usage"].get("prompt_tokens", 0),
@@ -159,6 +193,13 @@ async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
             buffer.append(line[5:].lstrip())
     if buffer:
         yield "\n".join(buffer)
+
+
+def _error_text(event: dict[str, Any]) -> str:
+    error = event.get("error")
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:300]
+    return str(error or event.get("message") or event)[:300]
 
 
 def _http_error(status: int, body: str, request_id: str) -> BackendError | ContextTooLongError:

@@ -1,7 +1,9 @@
 """In-process vLLM backend (V1 ``AsyncLLM``): the GPU cloud worker, with continuous batching.
 
 vLLM is an optional extra (``pip install 'nats-llm-mesh[vllm]'``, CUDA hosts only); it is
-imported on ``start()`` so the rest of the project never needs it.
+imported on ``start()`` so the rest of the project never needs it. Continuing an answer renders
+the conversation with the assistant's text so far as its last message
+(``continue_final_message``), as ``vllm serve`` does for its chat API.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ log = get_logger(__name__)
 
 
 class VLLMBackend:
+    continues = True
+
     def __init__(self, settings: ModelSettings) -> None:
         if not settings.path:
             raise MeshError(
@@ -83,31 +87,41 @@ class VLLMBackend:
         if self._engine is not None:
             await self._engine.abort(request_id)
 
-    def _prompt(self, request: InferRequest) -> str:
-        prompt: str = self._tokenizer.apply_chat_template(
-            request.chat(), tokenize=False, add_generation_prompt=True
+    def _prompt(self, request: InferRequest, prefix: str) -> str:
+        messages: list[dict[str, str]] = request.chat()
+        if not prefix:
+            prompt: str = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return prompt
+        messages.append({"role": "assistant", "content": prefix})
+        continued: str = self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
         )
-        return prompt
+        return continued
 
-    async def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]:
+    async def generate(
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
         if self._engine is None:
             raise BackendError("vLLM backend is not started", retryable=True)
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = SamplingParams(
-            max_tokens=request.max_tokens,
+            max_tokens=max(1, request.max_tokens - prefix_tokens),
             temperature=request.temperature,
             top_p=request.top_p,
             stop=request.stop or None,
             seed=request.seed,
             output_kind=RequestOutputKind.DELTA,
         )
-        prompt = await asyncio.to_thread(self._prompt, request)  # templating is CPU work
+        prompt = await asyncio.to_thread(self._prompt, request, prefix)  # templating is CPU work
         self._busy += 1
         prompt_tokens = 0
         completion_tokens = 0
         finish_reason: str | None = None
+        finished = False
         try:
             async for output in self._engine.generate(
                 request_id=request.id, prompt=prompt, sampling_params=params
@@ -117,15 +131,18 @@ class VLLMBackend:
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
                     if completion.text:
-                        yield Chunk(text=completion.text)
+                        yield Chunk(text=completion.text, n=max(1, len(completion.token_ids)))
                     if completion.finish_reason:
                         finish_reason = completion.finish_reason
+            finished = True
             yield Chunk(
                 finish_reason=finish_reason or "stop",
                 usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
             )
-        except asyncio.CancelledError:
-            await self.abort(request.id)
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled, or closed early (aclose): stop the engine's work too, then go on out.
+            if not finished:
+                await asyncio.shield(self.abort(request.id))
             raise
         except EngineDeadError as exc:
             raise BackendError(f"vLLM engine died: {exc}", request_id=request.id) from None

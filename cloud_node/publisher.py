@@ -1,0 +1,115 @@
+"""Publishing one attempt's events on the request's token subject, so that none is lost.
+
+Events go out with a plain publish: the answer store (stream ``MESH_TOK``) captures them as they
+pass, and the hot path waits for nothing. The end (or final error) goes through JetStream and
+waits for its ack: once it returns, the store holds the outcome, and only then does the worker
+ack the request. If the connection dropped while the answer streamed, events written to the old
+socket may never have reached the server; the publisher then reads what the store kept and
+publishes again whatever of its own events is missing. Readers drop the duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+from nats.js.errors import APIError, NoStreamResponseError
+
+from mesh.answer_store import AnswerStore
+from mesh.connection import Connection
+from mesh.logs import get_logger
+from protocol.codec import CONTENT_TYPE, WireFormat, dump_event
+from protocol.errors import ErrorCode, MeshError
+from protocol.messages import EndEvent, ErrorEvent, WireEvent
+from protocol.subjects import token_subject
+
+log = get_logger(__name__)
+
+
+class AnswerPublisher:
+    def __init__(
+        self,
+        conn: Connection,
+        store: AnswerStore,
+        request_id: str,
+        fmt: WireFormat,
+        timeout: float,
+    ) -> None:
+        self.conn = conn
+        self.store = store
+        self.request_id = request_id
+        self.subject = token_subject(request_id)
+        self.fmt = fmt
+        self.timeout = timeout
+        self._headers = {CONTENT_TYPE: fmt.content_type}
+        self._sent: list[tuple[WireEvent, bytes]] = []
+        self._reconnects = conn.reconnects
+        self.republished = 0
+
+    async def send(self, event: WireEvent) -> None:
+        data = dump_event(event, self.fmt)
+        self._sent.append((event, data))
+        try:
+            await self.conn.nc.publish(self.subject, data, headers=self._headers)
+        except nats.errors.Error as exc:  # closed or the reconnect buffer is full
+            raise MeshError(
+                f"cannot publish events: {type(exc).__name__}", code=ErrorCode.UNAVAILABLE
+            ) from None
+
+    async def finish(self, event: EndEvent | ErrorEvent) -> bool:
+        """Publish the outcome and make sure the store holds the whole attempt; False when that
+        could not be confirmed (the outcome still went out as a plain publish)."""
+        data = dump_event(event, self.fmt)
+        self._sent.append((event, data))
+        stored = await self._publish_stored(data)
+        if stored and self.conn.reconnects == self._reconnects:
+            return True
+        return await self.catch_up()
+
+    async def catch_up(self) -> bool:
+        """Publish again what the store lacks of this attempt's events."""
+        try:
+            kept = await self.store.replay(self.request_id, timeout=self.timeout)
+        except MeshError as err:
+            log.warning("cannot check the answer store", error=err.message)
+            return False
+        have = {_key(e) for e in kept}
+        missing = [data for event, data in self._sent if _key(event) not in have]
+        if not missing:
+            return True
+        log.info("publishing lost events again", count=len(missing), of=len(self._sent))
+        self.republished += len(missing)
+        try:
+            for data in missing[:-1]:
+                await self.conn.nc.publish(self.subject, data, headers=self._headers)
+        except nats.errors.Error as exc:
+            log.warning("republish failed", error=repr(exc))
+            return False
+        return await self._publish_stored(missing[-1])
+
+    async def _publish_stored(self, data: bytes) -> bool:
+        """Publish through JetStream (waits for the store's ack), or plainly when the store is
+        off or does not answer."""
+        if self.store.enabled:
+            try:
+                await self.conn.js.publish(
+                    self.subject, data, timeout=self.timeout, headers=dict(self._headers)
+                )
+                return True
+            except (
+                asyncio.TimeoutError,
+                nats.errors.Error,
+                APIError,
+                NoStreamResponseError,
+            ) as exc:
+                log.warning("answer store did not confirm the end", error=repr(exc))
+        try:
+            await self.conn.nc.publish(self.subject, data, headers=self._headers)
+            await self.conn.nc.flush(timeout=max(1, round(self.timeout)))
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("cannot publish the end", error=repr(exc))
+        return not self.store.enabled
+
+
+def _key(event: WireEvent) -> tuple[str, int | None, int]:
+    return (event.t, event.attempt, getattr(event, "seq", 0))

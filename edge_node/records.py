@@ -1,0 +1,202 @@
+"""The edge's record of each request it accepted: who asked, what it sent them, where to.
+
+Request ids are scoped to their sender: the scope of a NATS request is its reply inbox without
+the last token (one per client connection), so two clients' ids never collide. Within a scope:
+
+- a request sent again with the same id and the same content joins the first one: it gets the
+  events sent so far and the rest as they come (the whole answer again if it finished within
+  ``replay_window``);
+- a request with the same id and other content gets a typed ``duplicate`` error;
+- a client that missed events asks for them again (``resend``), naming its own inbox, and gets
+  what it lacks; a cancel must name the inbox too. The inbox is the client's secret: knowing a
+  request id is not enough to read or cancel someone else's answer.
+
+Each record keeps the events it passed on (its *log*), and passes each new one to every sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import nats.errors
+from nats.aio.client import Client
+
+from mesh.logs import get_logger
+from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event
+from protocol.errors import DuplicateRequestError, MeshError, status_of
+from protocol.messages import Answer, EndEvent, ErrorEvent, StartEvent, TokenEvent, WireEvent
+from protocol.stream import AnswerState
+
+log = get_logger(__name__)
+SERVICE_ERROR = "Nats-Service-Error"
+SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
+MAX_RECORDS = 10_000
+
+
+class Sink(Protocol):
+    """Where a client's events go: a NATS inbox, an HTTP response."""
+
+    streaming: bool
+
+    async def send(self, event: WireEvent) -> None:
+        """Pass one event on; raises :class:`MeshError` when the client cannot be reached."""
+        ...
+
+
+def error_headers(event: ErrorEvent) -> dict[str, str]:
+    """The NATS micro error headers (what ``nats req`` shows for an error)."""
+    described = f"{event.code}: {event.message}"[:512].replace("\r", " ").replace("\n", " ")
+    return {SERVICE_ERROR: described, SERVICE_ERROR_CODE: str(_status(event.code))}
+
+
+def _status(code: str) -> int:
+    from protocol.errors import ErrorCode
+
+    try:
+        return status_of(ErrorCode(code))
+    except ValueError:
+        return 500
+
+
+class NatsSink:
+    """A NATS client's inbox: every event (streaming), or one ``answer`` or ``err`` at the end."""
+
+    def __init__(
+        self, nc: Client, inbox: str, request_id: str, fmt: WireFormat, *, streaming: bool
+    ):
+        self.nc = nc
+        self.inbox = inbox
+        self.fmt = fmt
+        self.streaming = streaming
+        self._headers = {CONTENT_TYPE: fmt.content_type}
+        self._answer = AnswerState(request_id)
+
+    async def send(self, event: WireEvent) -> None:
+        if isinstance(event, ErrorEvent):
+            await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
+        elif self.streaming:
+            await self._publish(dump_event(event, self.fmt), self._headers)
+        else:
+            self._answer.feed(event)
+            if isinstance(event, EndEvent) and self._answer.done:
+                fields = event.model_dump(exclude={"t", "seq", "attempt", "digest"})
+                answer = Answer(**fields, text=self._answer.text(), digest=event.digest)
+                await self._publish(dump(answer, self.fmt), self._headers)
+
+    async def _publish(self, data: bytes, headers: dict[str, str]) -> None:
+        try:
+            await self.nc.publish(self.inbox, data, headers=headers)
+        except nats.errors.Error as exc:
+            raise MeshError(f"cannot reach the client: {type(exc).__name__}") from None
+
+
+@dataclass
+class Record:
+    scope: str
+    client_id: str
+    fingerprint: str
+    state: AnswerState
+    log: list[WireEvent] = field(default_factory=list)
+    sinks: list[Sink] = field(default_factory=list)
+    task: asyncio.Task[Any] | None = None
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    async def emit(self, events: list[WireEvent]) -> None:
+        """Pass events on to every sink, in order (a sink that fails is skipped, logged)."""
+        for event in events:
+            self.state.feed(event)
+            self.log.append(event)
+            for sink in list(self.sinks):
+                try:
+                    await sink.send(event)
+                except MeshError as err:
+                    log.info("client unreachable", request_id=self.client_id, error=err.message)
+
+    async def fail(self, error: MeshError) -> None:
+        """End in ``error``, unless an outcome was already passed on."""
+        await self.emit(self.state.fail(error).out)
+
+    async def attach(self, sink: Sink) -> None:
+        """A second sink for the same request: what was sent so far, then the rest live."""
+        self.sinks.append(sink)
+        for event in list(self.log):
+            try:
+                await sink.send(event)
+            except MeshError:
+                return
+
+    def lacking(self, attempt: int, positions: int) -> list[WireEvent]:
+        """The events a reader that has ``positions`` positions of ``attempt`` lacks."""
+        return [e for e in self.log if _lacks(e, attempt, positions)]
+
+
+def _lacks(event: WireEvent, attempt: int, positions: int) -> bool:
+    if isinstance(event, StartEvent):
+        return event.attempt > attempt
+    if isinstance(event, TokenEvent):
+        return event.attempt > attempt or (event.attempt == attempt and event.seq >= positions)
+    return True  # the outcome
+
+
+class Records:
+    """Every request the edge accepted, until ``replay_window`` after it finished."""
+
+    def __init__(self, replay_window: float, max_records: int = MAX_RECORDS) -> None:
+        self._window = replay_window
+        self._max = max_records
+        self._records: dict[tuple[str, str], Record] = {}
+        self._finished: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def in_flight(self) -> int:
+        """Requests still being answered."""
+        return sum(1 for r in self._records.values() if r.task is not None)
+
+    def get(self, scope: str, client_id: str) -> Record | None:
+        self._expire()
+        return self._records.get((scope, client_id))
+
+    def open(self, scope: str, client_id: str, fingerprint: str) -> tuple[Record, bool]:
+        """The record for this request, and whether it is new. Raises
+        :class:`DuplicateRequestError` when the id is taken by other content in this scope."""
+        existing = self.get(scope, client_id)
+        if existing is not None:
+            if existing.fingerprint != fingerprint:
+                raise DuplicateRequestError(
+                    f"request id {client_id!r} is in use by a different request of yours; "
+                    "use a new id",
+                    request_id=client_id,
+                )
+            return existing, False
+        record = Record(scope, client_id, fingerprint, AnswerState(client_id))
+        self._records[(scope, client_id)] = record
+        return record, True
+
+    def finished(self, record: Record) -> None:
+        key = (record.scope, record.client_id)
+        if self._records.get(key) is not record:
+            return
+        record.finished_at = time.monotonic()
+        self._finished[key] = record.finished_at
+        self._expire()
+
+    def _expire(self) -> None:
+        """Forget finished records past the window, and the oldest finished ones beyond the
+        bound (in-flight records are never forgotten)."""
+        now = time.monotonic()
+        while self._finished:
+            key, finished_at = next(iter(self._finished.items()))
+            if now - finished_at <= self._window and len(self._records) <= self._max:
+                break
+            del self._finished[key]
+            self._records.pop(key, None)

@@ -1,0 +1,215 @@
+"""Relaying an escalated request: queue it, pass the worker's events on, watch over it.
+
+The edge queues the request under an id of its own (so clients' ids never collide in the queue)
+with a cancel key only it knows, reads the answer through the stream contract (repairing from
+the answer store), and passes every accepted event on with the client's id, faithfully: same
+positions, same attempts.
+
+It also decides, on its own clock, when the cloud cannot serve the request and the edge should
+answer locally instead (``Fallback``), withdrawing the escalation so no worker spends time on
+it:
+
+- queued: nobody started it within ``cloud_start_timeout``, or the registry shows no live worker
+  for the model (within ``node_ttl`` of the last one dying);
+- started: no first token within ``cloud_first_token_timeout`` (a hung engine);
+- the serving worker is gone from the registry: at once if it had passed on nothing yet; else
+  after waiting for another worker to continue the answer (``ack_wait`` plus a margin);
+- nothing at all from a live worker for ``cloud_idle_timeout``.
+
+The request's deadline bounds all of it: past it, the answer ends in ``deadline_exceeded``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from edge_node.records import Record
+from mesh.logs import get_logger
+from mesh.queue import CloudCall
+from protocol.errors import DeadlineExceededError, ErrorCode, MeshError
+from protocol.messages import (
+    EndEvent,
+    ErrorEvent,
+    InferRequest,
+    RouteDecision,
+    StartEvent,
+    TokenEvent,
+    WireEvent,
+    new_request_id,
+)
+
+if TYPE_CHECKING:
+    from edge_node.node import EdgeNode
+
+log = get_logger(__name__)
+
+# Cloud errors after which the edge answers locally (if it passed nothing on yet).
+FALLBACK_CODES = {
+    ErrorCode.OVERLOADED.value,
+    ErrorCode.UNAVAILABLE.value,
+    ErrorCode.TIMEOUT.value,
+    ErrorCode.DEADLINE_EXCEEDED.value,
+    ErrorCode.BACKEND_ERROR.value,
+    ErrorCode.MAX_DELIVERIES.value,
+    ErrorCode.INCOMPLETE.value,
+}
+_TICK_S = 0.25
+
+
+class Fallback(Exception):
+    """The cloud could not serve this request; answer locally, saying why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def with_id(event: WireEvent, request_id: str) -> WireEvent:
+    """``event`` under another request id (the client's instead of the queue's)."""
+    if isinstance(event, TokenEvent):
+        return TokenEvent.model_construct(
+            t="tok",
+            id=request_id,
+            seq=event.seq,
+            text=event.text,
+            attempt=event.attempt,
+            n=event.n,
+        )
+    return event.model_copy(update={"id": request_id})
+
+
+class CloudRelay:
+    def __init__(  # noqa: PLR0917 - built in one place, by the edge
+        self,
+        edge: EdgeNode,
+        req: InferRequest,
+        decision: RouteDecision,
+        record: Record,
+        received: float,
+        trace: Mapping[str, str] | None,
+    ) -> None:
+        self.edge = edge
+        self.req = req
+        self.decision = decision
+        self.record = record
+        self.received = received
+        self.trace = trace
+        self.first_token: float | None = None
+
+    async def run(self) -> None:
+        edge, req, es = self.edge, self.req, self.edge.settings.edge
+        model = req.model or es.cloud_model
+        if not await edge.is_served(model):
+            raise Fallback(f"no worker pool serves {model!r}")
+        if edge.nodes.serves(model) is False:
+            raise Fallback(f"no live worker serves {model!r}")
+        now = time.time()
+        deadline = req.deadline if req.deadline is not None else now + es.request_timeout
+        if req.deadline is not None and deadline - now < es.cloud_min_budget:
+            raise Fallback(f"deadline too near for the cloud ({deadline - now:.1f}s left)")
+        start_timeout = min(es.cloud_start_timeout, deadline - now)
+        queued = req.model_copy(
+            update={
+                "id": new_request_id(),
+                "model": model,
+                "origin": edge.edge_id,
+                "routing": self.decision,
+                "start_by": now + start_timeout,
+                "deadline": deadline,
+                "reply": None,
+                "cancel_key": None,  # CloudCall draws a fresh one only this edge knows
+                "stream": True,
+            }
+        )
+        call = CloudCall(edge.conn, edge.settings.stream, queued, headers=self.trace)
+        try:
+            await call.open()
+        except MeshError as err:
+            raise Fallback(f"cloud queue unavailable: {err}") from None
+        try:
+            await self._follow(call, model, start_timeout, deadline)
+        except BaseException:
+            await call.withdraw()
+            raise
+        finally:
+            await call.close()
+
+    async def _follow(
+        self, call: CloudCall, model: str, start_timeout: float, deadline: float
+    ) -> None:
+        es, stream = self.edge.settings.edge, self.edge.settings.stream
+        reader = call.reader
+        state = reader.state
+        clock = time.monotonic
+        start_by = clock() + start_timeout
+        hard_end = clock() + (deadline - time.time())
+        first_token_by: float | None = None
+        worker = ""
+        gone_since: float | None = None
+        # How long a dead worker's answer may take to be picked up and continued.
+        takeover = (
+            stream.ack_wait + self.edge.settings.worker.fetch_timeout + es.cloud_first_token_timeout
+        )
+        while True:
+            now = clock()
+            if now >= hard_end:
+                raise DeadlineExceededError(
+                    "the request's deadline passed before the cloud finished",
+                    request_id=self.req.id,
+                )
+            for event in await reader.next(min(_TICK_S, hard_end - now)):
+                if isinstance(event, StartEvent):
+                    worker = event.node.removeprefix("cloud:")
+                    first_token_by = clock() + es.cloud_first_token_timeout
+                    gone_since = None
+                elif isinstance(event, TokenEvent):
+                    first_token_by = None
+                    self.first_token = self.first_token or time.perf_counter()
+                elif (
+                    isinstance(event, ErrorEvent)
+                    and event.code in FALLBACK_CODES
+                    and self.record.state.positions == 0
+                ):
+                    raise Fallback(f"the cloud failed: {event.code}: {event.message}")
+                passed = self._edge_end(event) if isinstance(event, EndEvent) else event
+                await self.record.emit([with_id(passed, self.req.id)])
+                if state.done:
+                    return
+            now = clock()
+            if not state.started:
+                if now > start_by:
+                    raise Fallback(f"no worker started it within {start_timeout:g}s")
+                if self.edge.nodes.serves(model) is False:
+                    raise Fallback(f"no live worker serves {model!r}")
+                continue
+            if first_token_by is not None and now > first_token_by:
+                raise Fallback(
+                    f"worker {worker} produced no token within {es.cloud_first_token_timeout:g}s"
+                )
+            live = self.edge.nodes.is_live(worker)
+            if live is False:
+                if gone_since is None:
+                    gone_since = now
+                    log.warning("the worker serving the request stopped", worker=worker)
+                if state.positions == 0:
+                    raise Fallback(f"worker {worker} stopped before its first token")
+                if now - gone_since > takeover:
+                    raise Fallback(f"no worker continued the answer after {worker} stopped")
+            elif now - reader.last_event > es.cloud_idle_timeout:
+                raise Fallback(f"nothing from worker {worker} for {es.cloud_idle_timeout:g}s")
+
+    def _edge_end(self, end: EndEvent) -> EndEvent:
+        """The worker's end, with timings as the edge's client sees them."""
+        timings = end.timings.model_copy(
+            update={
+                "ttft_ms": round((self.first_token - self.received) * 1000, 2)
+                if self.first_token
+                else None,
+                "total_ms": round((time.perf_counter() - self.received) * 1000, 2),
+            }
+        )
+        return end.model_copy(
+            update={"timings": timings, "routing": self.decision, "path": "cloud"}
+        )

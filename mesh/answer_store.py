@@ -1,0 +1,155 @@
+"""The answer store: stream ``MESH_TOK`` keeps every request's events a short while.
+
+Workers publish events with a plain (core) publish on ``mesh.v1.tok.<id>``; the stream captures
+them as they pass, so the hot path waits for nothing. What the store is for:
+
+- a reader that missed events (a dropped connection, a slow consumer, a server restart) reads
+  them back by subject instead of ending with a gap (:meth:`TokenStore.replay`);
+- a worker that takes over a request after another one died reads how far the answer got and
+  continues it from there;
+- a worker whose connection dropped mid-answer checks what the store kept and publishes again
+  what it lost;
+- a request sent again with the same id gets its stored answer.
+
+Reads use batch direct get (``$JS.API.DIRECT.GET``), served by any replica without a consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import nats.errors
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
+from nats.js.manager import JetStreamManager
+
+from mesh.config import StreamSettings
+from mesh.connection import Connection
+from mesh.logs import get_logger
+from protocol.codec import decode_event
+from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
+from protocol.messages import Answer, WireEvent
+from protocol.subjects import TOKEN_WILDCARD, token_subject
+
+log = get_logger(__name__)
+BATCH = 1024
+"""Messages asked for per direct-get batch (an answer has one per coalesced chunk)."""
+
+
+def answer_stream_config(settings: StreamSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=settings.answer_stream,
+        description="mesh: recent answer events, for catching up and for continuing an answer",
+        subjects=[TOKEN_WILDCARD],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=(
+            api.StorageType.FILE if settings.answer_storage == "file" else api.StorageType.MEMORY
+        ),
+        max_age=settings.answer_max_age,
+        max_bytes=settings.answer_max_bytes,
+        discard=api.DiscardPolicy.OLD,
+        allow_direct=True,
+        duplicate_window=min(1.0, settings.answer_max_age),  # events carry no msg ids
+    )
+
+
+async def ensure_answer_stream(jsm: JetStreamManager, settings: StreamSettings) -> None:
+    """Create or update ``MESH_TOK`` (idempotent; a no-op when the store is turned off)."""
+    if settings.answer_storage == "off":
+        return
+    wanted = answer_stream_config(settings)
+    try:
+        try:
+            info = await jsm.stream_info(settings.answer_stream)
+        except NotFoundError:
+            log.info("creating stream", stream=settings.answer_stream)
+            await jsm.add_stream(wanted)
+            return
+        have = info.config
+        managed = ("subjects", "max_age", "max_bytes", "discard", "allow_direct")
+        if any(getattr(have, f) != getattr(wanted, f) for f in managed):
+            wanted.storage = have.storage
+            await jsm.update_stream(wanted)
+    except asyncio.TimeoutError:
+        raise MeshTimeoutError("JetStream did not answer while provisioning MESH_TOK") from None
+    except APIError as exc:
+        raise UnavailableError(f"JetStream refused stream MESH_TOK: {exc.description}") from None
+
+
+class AnswerStore:
+    """Reads one request's kept events back, in the order the stream stored them."""
+
+    def __init__(self, conn: Connection, settings: StreamSettings) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.enabled = settings.answer_storage != "off"
+
+    async def replay(self, request_id: str, timeout: float | None = None) -> list[WireEvent]:
+        """Every stored event of ``request_id`` (empty when none are kept or the store is off).
+
+        Raises :class:`MeshTimeoutError` or :class:`UnavailableError` when the store cannot be
+        read now: a caller cannot tell "nothing kept" from "cannot look".
+        """
+        if not self.enabled:
+            return []
+        timeout = self.conn.settings.request_timeout if timeout is None else timeout
+        events: list[WireEvent] = []
+        for data in await self._fetch(token_subject(request_id), timeout):
+            with contextlib.suppress(MeshError):  # a malformed event is dropped, as live
+                event = decode_event(data)
+                if not isinstance(event, Answer):
+                    events.append(event)
+        return events
+
+    async def _fetch(self, subject: str, timeout: float) -> list[bytes]:
+        nc = self.conn.nc
+        inbox = nc.new_inbox()
+        try:
+            sub = await nc.subscribe(inbox)
+        except nats.errors.Error as exc:
+            raise UnavailableError(f"cannot read the answer store: {type(exc).__name__}") from None
+        found: list[bytes] = []
+        seq = 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while True:
+                request = {"next_by_subj": subject, "seq": seq, "batch": BATCH}
+                await nc.publish(
+                    f"$JS.API.DIRECT.GET.{self.settings.answer_stream}",
+                    json.dumps(request).encode(),
+                    reply=inbox,
+                )
+                pending = 0
+                while True:
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s")
+                    try:
+                        msg = await sub.next_msg(timeout=left)
+                    except nats.errors.TimeoutError:
+                        continue  # the loop head raises once the deadline passed
+                    status = (msg.headers or {}).get("Status")
+                    if status is None:
+                        found.append(msg.data)
+                        seq = int((msg.headers or {}).get("Nats-Sequence", seq)) + 1
+                        continue
+                    if status == "404":
+                        return found
+                    if status == "204":  # end of this batch
+                        pending = int((msg.headers or {}).get("Nats-Num-Pending", "0") or 0)
+                        break
+                    if status == "503":
+                        raise UnavailableError("no responders: the answer store is not there")
+                    raise UnavailableError(f"the answer store answered status {status}")
+                if pending <= 0:
+                    return found
+        except nats.errors.ConnectionClosedError:
+            raise UnavailableError(
+                "NATS connection closed while reading the answer store"
+            ) from None
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()

@@ -1,0 +1,143 @@
+"""A deterministic backend for tests and benchmarks. Not an inference engine.
+
+It answers every request with ``max_tokens`` tokens ``" <tag>0 <tag>1 ..."``, where the tag
+comes from a ``[tag:NAME]`` directive in the prompt (``t`` by default). Because the whole answer
+follows from the request, a test can check every answer exactly, under any fault, and two
+requests' answers never look alike when their tags differ.
+
+It continues an answer exactly: given a prefix of k tokens it produces tokens k, k+1, ...
+
+Directives in the prompt shape its behaviour, for fault tests:
+
+- ``[tag:NAME]``: the token stem;
+- ``[hang]``: never produce a token; ``[hang-after:K]``: hang after K tokens;
+- ``[fail-after:K]``: a retryable engine failure after K tokens;
+- ``[stop-after:K]``: finish with ``stop`` after K tokens;
+- ``[sse-error-after:K]``: (HTTP server only) an SSE ``error`` event after K tokens, then
+  ``[DONE]``, as some OpenAI-compatible servers do.
+
+``prefill_delay_ms`` and ``token_delay_ms`` in the model settings pace it like an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from mesh.backends.base import Capacity, Chunk, Health
+from mesh.config import ModelSettings
+from protocol.errors import BackendError
+from protocol.messages import InferRequest, Usage
+
+_DIRECTIVE = re.compile(
+    r"\[(tag|hang|hang-after|fail-after|stop-after|sse-error-after)(?::([\w-]+))?\]"
+)
+
+
+@dataclass(frozen=True)
+class Script:
+    """What the deterministic engine does for one request."""
+
+    tag: str = "t"
+    hang_after: int | None = None
+    fail_after: int | None = None
+    stop_after: int | None = None
+    sse_error_after: int | None = None
+
+    @classmethod
+    def of(cls, request: InferRequest) -> Script:
+        found: dict[str, str | None] = {}
+        for name, value in _DIRECTIVE.findall(request.text()):
+            found[name] = value or None
+
+        def count(name: str) -> int | None:
+            if name not in found:
+                return None
+            value = found[name]
+            return int(value) if value and value.isdigit() else 0
+
+        hang = 0 if "hang" in found else count("hang-after")
+        return cls(
+            tag=found.get("tag") or "t",
+            hang_after=hang,
+            fail_after=count("fail-after"),
+            stop_after=count("stop-after"),
+            sse_error_after=count("sse-error-after"),
+        )
+
+    def token(self, index: int) -> str:
+        return f" {self.tag}{index}"
+
+    def answer(self, max_tokens: int) -> str:
+        """The whole answer a request gets."""
+        last = max_tokens if self.stop_after is None else min(max_tokens, self.stop_after)
+        return "".join(self.token(i) for i in range(last))
+
+
+def prompt_tokens(request: InferRequest) -> int:
+    return sum(len(m["content"].split()) + 3 for m in request.chat())
+
+
+class DeterministicBackend:
+    """The deterministic test backend (see the module docstring)."""
+
+    continues = True
+
+    def __init__(self, settings: ModelSettings) -> None:
+        self.settings = settings
+        self.model = settings.name
+        self._busy = 0
+        self.started = 0
+        """Generations begun (tests count how often a request really ran)."""
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def capacity(self) -> Capacity:
+        return Capacity(total=self.settings.slots, free=max(0, self.settings.slots - self._busy))
+
+    async def health(self) -> Health:
+        return Health(ok=True, detail=f"deterministic: {self._busy}/{self.settings.slots} busy")
+
+    async def abort(self, request_id: str) -> None:
+        return None  # closing the generator stops it
+
+    async def generate(
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
+        script = Script.of(request)
+        self._busy += 1
+        self.started += 1
+        try:
+            async for index in tokens(script, request.max_tokens, prefix_tokens, self.settings):
+                yield Chunk(text=script.token(index))
+            last = request.max_tokens if script.stop_after is None else script.stop_after
+            produced = max(0, min(request.max_tokens, last) - prefix_tokens)
+            yield Chunk(
+                finish_reason="length" if last >= request.max_tokens else "stop",
+                usage=Usage(prompt_tokens=prompt_tokens(request), completion_tokens=produced),
+            )
+        finally:
+            self._busy -= 1
+
+
+async def tokens(
+    script: Script, max_tokens: int, start: int, settings: ModelSettings
+) -> AsyncGenerator[int, None]:
+    """Token indices from ``start``, paced and with the script's faults."""
+    if settings.prefill_delay_ms > 0:
+        await asyncio.sleep(settings.prefill_delay_ms / 1000)
+    last = max_tokens if script.stop_after is None else min(max_tokens, script.stop_after)
+    for index in range(start, last):
+        if script.hang_after is not None and index >= script.hang_after:
+            await asyncio.Event().wait()  # hangs until cancelled
+        if script.fail_after is not None and index >= script.fail_after:
+            raise BackendError(f"scripted engine failure after {index} tokens", retryable=True)
+        if settings.token_delay_ms > 0 and index > start:
+            await asyncio.sleep(settings.token_delay_ms / 1000)
+        yield index

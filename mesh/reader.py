@@ -1,0 +1,181 @@
+"""Reading one request's answer: a subscription, the stream contract, and repair.
+
+:class:`AnswerReader` takes messages from a subscription, feeds them to an
+:class:`protocol.stream.AnswerState`, and returns what may be passed on. When something may be
+missing, it asks its *repair* for what was kept and feeds that too:
+
+- a gap (the state holds events past a missing one);
+- a reconnect or a slow-consumer drop on its connection (:attr:`Connection.losses` moved):
+  whatever was published meanwhile never reached the subscription;
+- a quiet spell: nothing for a while (1 s, then 2, 4, up to 8 s), in case the tail was lost with
+  no later event to reveal the gap.
+
+A repair for a worker's events reads the answer store; a repair for an edge's events asks the
+edge to send again what the reader lacks. The reader never passes on a gap: it waits for the
+repair, and its caller decides, on its own deadlines, when waiting is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import nats.errors
+from nats.aio.subscription import Subscription
+
+from mesh.connection import Connection
+from mesh.logs import get_logger
+from protocol.codec import decode_event
+from protocol.errors import IncompleteAnswerError, MeshError, UnavailableError
+from protocol.messages import Answer, WireEvent
+from protocol.stream import AnswerState
+
+log = get_logger(__name__)
+NO_RESPONDERS = "503"
+Repair = Callable[[AnswerState], Awaitable[list[WireEvent]]]
+"""Fetch what was kept of the answer, given what the reader has; events in their stored order."""
+
+_QUIET_FIRST_S = 1.0
+_QUIET_MAX_S = 8.0
+_GAP_RETRY_FIRST_S = 0.2
+
+
+class AnswerReader:
+    def __init__(
+        self,
+        conn: Connection,
+        sub: Subscription,
+        state: AnswerState,
+        repair: Repair | None,
+        *,
+        what: str,
+    ) -> None:
+        self.conn = conn
+        self.sub = sub
+        self.state = state
+        self.what = what
+        self._repair = repair
+        self._losses = conn.losses
+        self._repair_at: float | None = None
+        self._gap_retry = _GAP_RETRY_FIRST_S
+        self._quiet = _QUIET_FIRST_S
+        self.last_event = time.monotonic()
+        """When the last message arrived (``time.monotonic()``)."""
+        self._last_probe = self.last_event
+        self.repairs = 0
+        self.repaired_events = 0
+
+    def repair_now(self) -> None:
+        """Fetch what was kept before waiting for the next message."""
+        self._repair_at = time.monotonic()
+
+    async def next(self, timeout: float) -> list[WireEvent]:
+        """Events to pass on, in order, as soon as there are some; an empty list when
+        ``timeout`` seconds pass with nothing new. Raises :class:`UnavailableError` when the
+        connection is closed or nobody serves the subject."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not self.state.done:
+            now = time.monotonic()
+            if self._repair is not None and self._repair_due(now):
+                out = await self._run_repair()
+                if out:
+                    return out
+                now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                return []
+            wait = left if self._repair is None else min(left, self._next_check(now) - now)
+            try:
+                msg = await self.sub.next_msg(timeout=max(0.001, wait))
+            except nats.errors.TimeoutError:
+                continue
+            except nats.errors.ConnectionClosedError:
+                raise UnavailableError(
+                    f"NATS connection closed while reading {self.what}"
+                ) from None
+            self.last_event = time.monotonic()
+            self._quiet = _QUIET_FIRST_S
+            if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+                raise UnavailableError(f"nobody is serving {self.what}")
+            if not msg.data:
+                continue
+            try:
+                event = decode_event(msg.data, msg.headers)
+            except MeshError as exc:
+                log.warning("dropping malformed event", source=self.what, error=str(exc))
+                continue
+            if isinstance(event, Answer):
+                continue  # a collected answer is not part of a stream
+            step = self.state.feed(event)
+            if step.gap and self._repair_at is None:
+                self._repair_at = time.monotonic()  # at once: NATS does not reorder, it loses
+            if step.out:
+                return step.out
+        return []
+
+    def _repair_due(self, now: float) -> bool:
+        if self.conn.losses != self._losses:
+            return True
+        if self._repair_at is not None and now >= self._repair_at:
+            return True
+        return now - max(self.last_event, self._last_probe) >= self._quiet
+
+    def _next_check(self, now: float) -> float:
+        quiet_at = max(self.last_event, self._last_probe) + self._quiet
+        due = quiet_at if self._repair_at is None else min(quiet_at, self._repair_at)
+        return max(now, due)
+
+    async def _run_repair(self) -> list[WireEvent]:
+        assert self._repair is not None
+        self._losses = self.conn.losses
+        quiet = time.monotonic() - max(self.last_event, self._last_probe) >= self._quiet
+        try:
+            events = await self._repair(self.state)
+        except IncompleteAnswerError as err:  # what was lost is gone for good
+            log.warning("answer cannot be repaired", source=self.what, error=err.message)
+            return self.state.fail(err).out
+        except MeshError as err:
+            log.info("repair failed; will retry", source=self.what, error=err.message)
+            events = []
+        self.repairs += 1
+        step = self.state.feed_all(events)
+        self.repaired_events += len(step.out)
+        self._last_probe = time.monotonic()
+        if step.out:
+            self.last_event = self._last_probe
+            self._quiet = _QUIET_FIRST_S
+        elif quiet:
+            self._quiet = min(self._quiet * 2, _QUIET_MAX_S)
+        if self.state.held and not self.state.done:
+            # Still missing: the lost events may not be stored yet (a worker republishes after
+            # its reconnect); look again soon, then less often.
+            self._repair_at = time.monotonic() + self._gap_retry
+            self._gap_retry = min(self._gap_retry * 2, _QUIET_MAX_S)
+        else:
+            self._repair_at = None
+            self._gap_retry = _GAP_RETRY_FIRST_S
+        if step.out:
+            log.info(
+                "answer repaired",
+                source=self.what,
+                events=len(step.out),
+                positions=self.state.positions,
+            )
+        return step.out
+
+
+async def never_repair(_state: AnswerState) -> list[WireEvent]:
+    return []
+
+
+def store_repair(replay: Callable[[str], Awaitable[list[WireEvent]]], request_id: str) -> Repair:
+    """A repair that reads everything the answer store kept of ``request_id``."""
+
+    async def repair(_state: AnswerState) -> list[WireEvent]:
+        try:
+            return await replay(request_id)
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError(f"answer store unreadable: {type(exc).__name__}") from None
+
+    return repair
