@@ -121,7 +121,8 @@ def test_non_text_prompts_are_rejected_before_the_router() -> None:
 # -- model, policy, explanations ---------------------------------------------------------
 def test_threshold_policy(shipped: RouterModel) -> None:
     by_share = LearnedRouter.from_settings(RouterSettings(cloud_share=0.3))
-    assert by_share.threshold == pytest.approx(shipped.threshold_for_share(0.3))
+    # A fresh budget starts from the training distribution's threshold, then tracks traffic.
+    assert by_share.threshold == pytest.approx(shipped.threshold_for_share(0.3), abs=0.01)
     assert LearnedRouter.from_settings(RouterSettings(threshold=0.8)).threshold == 0.8
     assert (
         LearnedRouter.from_settings(RouterSettings(threshold=0.8, cloud_share=0.1)).threshold == 0.8
@@ -147,7 +148,8 @@ def test_decisions_explain_themselves_and_honour_overrides() -> None:
     assert "no complexity signal" in simple.reason
     hard = decide(router, InferRequest(prompt=MATH))
     assert hard.decision == "cloud" and not hard.forced
-    assert "numbers" in hard.reason and f"{router.threshold:.2f}" in hard.reason
+    assert hard.threshold is not None and hard.score is not None
+    assert "numbers" in hard.reason and f"{hard.score:.2f} >= {hard.threshold:.2f}" in hard.reason
     forced = decide(router, InferRequest(prompt=MATH, route="local"))
     assert forced.decision == "local" and forced.forced and forced.score is None
 
