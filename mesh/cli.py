@@ -7,6 +7,7 @@ mesh worker | mesh edge        run one role against MESH_NATS_URL
 mesh provision                 create/update the stream and consumers
 mesh status                    live workers (node registry) and queue depth per model
 mesh router train | eval       rebuild the shipped router weights / evaluate the router
+mesh router score --data DIR   score labelled data with the shipped weights [--json]
 mesh config                    list every setting with its env var and default
 """
 
@@ -124,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         help="model to provision a consumer for (repeatable)",
     )
     sub.add_parser("status", parents=[common], help="live workers and queue depth")
-    router = sub.add_parser("router", help="train or evaluate the learned router")
+    router = sub.add_parser("router", help="train, evaluate or score the learned router")
     router_sub = router.add_subparsers(dest="router_command", required=True)
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("--data", help="routing data directory (default ../shared/routing)")
@@ -142,6 +143,18 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=1000,
         help="single decisions timed for p50/p99 (default 1000)",
+    )
+    score = router_sub.add_parser(
+        "score",
+        parents=[data],
+        help="score a labelled directory with the shipped weights (no retraining)",
+    )
+    score.add_argument("--json", action="store_true", help="print the results as JSON")
+    score.add_argument(
+        "--window",
+        type=int,
+        default=500,
+        help="prompts per window for the realized cloud share (default 500)",
     )
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
@@ -187,11 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "provision":
             return _run(lambda: _provision(_settings(args), args.models))
         if args.command == "router":
-            from mesh.router_cli import router_eval, router_train
+            from mesh.router_cli import router_eval, router_score, router_train
 
-            data_dir = _settings(args, quiet=True).edge.router.data_dir
+            router_settings = _settings(args, quiet=True).edge.router
+            data_dir = router_settings.data_dir
             if args.router_command == "train":
                 return router_train(data_dir, args.out)
+            if args.router_command == "score":
+                return router_score(router_settings, max(1, args.window), args.json)
             return router_eval(data_dir, args.group_seeds, args.latency_n)
         if args.command == "status":
             return _run(lambda: _status(_settings(args, quiet=True)))

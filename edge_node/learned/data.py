@@ -33,6 +33,8 @@ class Dataset:
     strong: np.ndarray
     """1 where the cloud (strong) model answered correctly."""
     subject: np.ndarray
+    dropped: int = 0
+    """Rows left out because their prompt is listed as contaminated."""
 
     @property
     def local_fails(self) -> np.ndarray:
@@ -78,17 +80,25 @@ def load_dataset(root: str | Path | None = None) -> Dataset:
     weak: list[bool] = []
     strong: list[bool] = []
     subjects: list[str] = []
+    dropped = 0
     for path in files:
         subject = "gsm8k" if path.parent.name == "gsm8k" else path.stem.removeprefix("mmlu_")
         with path.open(newline="", encoding="utf-8") as handle:
             for row in csv.DictReader(handle):
                 if row["prompt"] in contaminated:
+                    dropped += 1
                     continue
                 prompts.append(row["prompt"])
                 weak.append(row[WEAK].strip() == "True")
                 strong.append(row[STRONG].strip() == "True")
                 subjects.append(subject)
-    return Dataset(prompts, np.array(weak, np.int8), np.array(strong, np.int8), np.array(subjects))
+    return Dataset(
+        prompts,
+        np.array(weak, np.int8),
+        np.array(strong, np.int8),
+        np.array(subjects),
+        dropped,
+    )
 
 
 def subject_groups(data: Dataset) -> np.ndarray:
