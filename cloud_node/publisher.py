@@ -44,6 +44,7 @@ class AnswerPublisher:
         self._headers = {CONTENT_TYPE: fmt.content_type}
         self._sent: list[tuple[WireEvent, bytes]] = []
         self._reconnects = conn.reconnects
+        self._lock = asyncio.Lock()
         self.republished = 0
 
     async def send(self, event: WireEvent) -> None:
@@ -67,7 +68,13 @@ class AnswerPublisher:
         return await self.catch_up()
 
     async def catch_up(self) -> bool:
-        """Publish again what the store lacks of this attempt's events."""
+        """Publish again what the store lacks of this attempt's events (after a reconnect, so
+        that readers' gaps close at once, and before the outcome is trusted)."""
+        async with self._lock:
+            return await self._catch_up()
+
+    async def _catch_up(self) -> bool:
+        self._reconnects = self.conn.reconnects
         try:
             kept = await self.store.replay(self.request_id, timeout=self.timeout)
         except MeshError as err:

@@ -100,6 +100,7 @@ class Worker(Lifecycle):
         self._ws = settings.worker
         self._stream = settings.stream
         self._inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
+        self._publishers: dict[str, AnswerPublisher] = {}
         self._reserved = 0
         self._cancels = CancelBook(ttl=self._stream.ack_wait * self._stream.max_deliver + 60)
         self._tasks = TaskSet("worker")
@@ -153,7 +154,20 @@ class Worker(Lifecycle):
         await ensure_answer_stream(jsm, self._stream)
 
     async def _after_reconnect(self) -> None:
-        """A server restart may have lost memory-stored state: put it back (idempotent)."""
+        """Events written to the old socket may be lost: publish again what the store lacks of
+        every answer in flight, so readers' gaps close now, not at the answer's end. A server
+        restart may also have lost memory-stored state: put it back (idempotent)."""
+        publishers = list(self._publishers.values())
+        results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)
+        self.stats.republished += sum(p.republished for p in publishers)
+        for publisher in publishers:
+            publisher.republished = 0
+        if publishers:
+            log.info(
+                "caught up answers after a reconnect",
+                answers=len(publishers),
+                confirmed=sum(1 for r in results if r is True),
+            )
         await self._provision()
         await self._heartbeat.beat()
 
@@ -349,6 +363,7 @@ class Worker(Lifecycle):
         if history is not None and history.started:
             writer = self._continue_or_restart(request, history, attempt)
         keepalive = self._tasks.spawn(self._keep_alive(msg), name="in-progress")
+        self._publishers[request.id] = publisher
         try:
             await publisher.send(writer.start())
             gen = await generate_into(self.backend, request, writer, publisher.send, self._ws)
@@ -402,6 +417,7 @@ class Worker(Lifecycle):
             )
         finally:
             keepalive.cancel()
+            self._publishers.pop(request.id, None)
 
     def _continue_or_restart(
         self, request: InferRequest, history: AnswerState, attempt: int

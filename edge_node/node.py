@@ -31,7 +31,7 @@ from nats.micro.service import Service
 from edge_node.http_api import EdgeHTTP
 from edge_node.local_gate import LocalGate
 from edge_node.records import NatsSink, Record, Records, Sink
-from edge_node.relay import CloudRelay, Fallback
+from edge_node.relay import CloudRelay, Fallback, estimate_prompt_tokens
 from edge_node.router import Router, decide
 from mesh import __version__
 from mesh.backends.base import Backend
@@ -246,6 +246,11 @@ class EdgeNode(Lifecycle):
         with structlog.contextvars.bound_contextvars(request_id=req.id, node_id=self.node_name):
             try:
                 await self._answer(req, record, received, trace)
+                if not record.done:  # never silence: a path that returned without an outcome
+                    log.error("answer ended without an outcome", positions=record.state.positions)
+                    await record.fail(
+                        MeshError("the edge lost track of the answer", code=ErrorCode.INTERNAL)
+                    )
             except asyncio.CancelledError:
                 if self._accepting:  # the client's cancel
                     log.info("request cancelled by client")
@@ -277,8 +282,8 @@ class EdgeNode(Lifecycle):
         if record is not None and record.task is not None:
             log.info("cancel from the client", request_id=record.client_id)
             record.task.cancel()
-        elif inbox:
-            self.metrics.inc("refused.cancel")
+        elif record is None and inbox:
+            self.metrics.inc("refused.cancel")  # not the sender's inbox, or an unknown id
         if reply_of(request):
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(json.dumps({"cancelled": cancelled}).encode())
@@ -347,8 +352,12 @@ class EdgeNode(Lifecycle):
         log.info("routed", decision=decision.decision, score=decision.score, reason=decision.reason)
         fallback: str | None = None
         if decision.decision == "cloud":
+            local_fits = not self._too_long(req)
             try:
-                await CloudRelay(self, req, decision, record, received, trace).run()
+                relay = CloudRelay(
+                    self, req, decision, record, received, trace, local_fits=local_fits
+                )
+                await relay.run()
                 return
             except Fallback as fb:
                 fallback = fb.reason
@@ -359,17 +368,16 @@ class EdgeNode(Lifecycle):
     def _too_long_for_local(self, req: InferRequest) -> RouteDecision | None:
         """A prompt that cannot fit the local model's context goes to the cloud, whatever the
         router thinks (unless the client insists on local)."""
-        if req.route != "auto":
-            return None
-        estimate = len(req.text()) // 3 + 16 * req.turns()  # ~3+ chars/token for English
-        limit = self._es.model.n_ctx - 64
-        if estimate <= limit:
+        if req.route != "auto" or not self._too_long(req):
             return None
         return RouteDecision(
             decision="cloud",
             reason=f"prompt too long for the local model "
-            f"(~{estimate} tokens, context {self._es.model.n_ctx})",
+            f"(~{estimate_prompt_tokens(req)} tokens, context {self._es.model.n_ctx})",
         )
+
+    def _too_long(self, req: InferRequest) -> bool:
+        return estimate_prompt_tokens(req) > self._es.model.n_ctx - 64
 
     async def is_served(self, model: str) -> bool:
         """Whether a worker pool was deployed for ``model`` (its consumer exists); cached."""

@@ -16,7 +16,9 @@ it:
   after waiting for another worker to continue the answer (``ack_wait`` plus a margin);
 - nothing at all from a live worker for ``cloud_idle_timeout``.
 
-The request's deadline bounds all of it: past it, the answer ends in ``deadline_exceeded``.
+While the edge's own link is down it judges nothing (it cannot see the cloud); after it comes
+back, the reader first catches up on what it missed. The request's deadline bounds all of it:
+past it, the answer ends in ``deadline_exceeded``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 from edge_node.records import Record
 from mesh.logs import get_logger
 from mesh.queue import CloudCall
-from protocol.errors import DeadlineExceededError, ErrorCode, MeshError
+from protocol.errors import DeadlineExceededError, ErrorCode, MeshError, UnavailableError
 from protocol.messages import (
     EndEvent,
     ErrorEvent,
@@ -80,7 +82,15 @@ def with_id(event: WireEvent, request_id: str) -> WireEvent:
     return event.model_copy(update={"id": request_id})
 
 
+def estimate_prompt_tokens(req: InferRequest) -> int:
+    """A quick upper estimate of a request's prompt tokens (about 3 characters a token)."""
+    return len(req.text()) // 3 + 16 * req.turns()
+
+
 class CloudRelay:
+    """``local_fits``: whether the local model can take this prompt at all. When it cannot,
+    giving up on the cloud means a typed error, and a slow cloud is waited for (deadline)."""
+
     def __init__(  # noqa: PLR0917 - built in one place, by the edge
         self,
         edge: EdgeNode,
@@ -89,6 +99,8 @@ class CloudRelay:
         record: Record,
         received: float,
         trace: Mapping[str, str] | None,
+        *,
+        local_fits: bool = True,
     ) -> None:
         self.edge = edge
         self.req = req
@@ -96,20 +108,31 @@ class CloudRelay:
         self.record = record
         self.received = received
         self.trace = trace
+        self.local_fits = local_fits
         self.first_token: float | None = None
+
+    def _give_up(self, reason: str) -> Fallback:
+        if self.local_fits:
+            return Fallback(reason)
+        raise UnavailableError(
+            f"the cloud cannot serve this request ({reason}) and it is too long for the local "
+            "model",
+            request_id=self.req.id,
+        )
 
     async def run(self) -> None:
         edge, req, es = self.edge, self.req, self.edge.settings.edge
         model = req.model or es.cloud_model
         if not await edge.is_served(model):
-            raise Fallback(f"no worker pool serves {model!r}")
+            raise self._give_up(f"no worker pool serves {model!r}")
         if edge.nodes.serves(model) is False:
-            raise Fallback(f"no live worker serves {model!r}")
+            raise self._give_up(f"no live worker serves {model!r}")
         now = time.time()
         deadline = req.deadline if req.deadline is not None else now + es.request_timeout
-        if req.deadline is not None and deadline - now < es.cloud_min_budget:
+        if req.deadline is not None and deadline - now < es.cloud_min_budget and self.local_fits:
             raise Fallback(f"deadline too near for the cloud ({deadline - now:.1f}s left)")
-        start_timeout = min(es.cloud_start_timeout, deadline - now)
+        # With no local answer to fall back on, the request may wait in the queue all along.
+        start_timeout = min(es.cloud_start_timeout if self.local_fits else 1e9, deadline - now)
         queued = req.model_copy(
             update={
                 "id": new_request_id(),
@@ -127,7 +150,7 @@ class CloudRelay:
         try:
             await call.open()
         except MeshError as err:
-            raise Fallback(f"cloud queue unavailable: {err}") from None
+            raise self._give_up(f"cloud queue unavailable: {err}") from None
         try:
             await self._follow(call, model, start_timeout, deadline)
         except BaseException:
@@ -145,6 +168,9 @@ class CloudRelay:
         clock = time.monotonic
         start_by = clock() + start_timeout
         hard_end = clock() + (deadline - time.time())
+        first_token_wait = es.cloud_first_token_timeout + (
+            estimate_prompt_tokens(self.req) / es.cloud_prefill_rate
+        )
         first_token_by: float | None = None
         worker = ""
         gone_since: float | None = None
@@ -162,7 +188,7 @@ class CloudRelay:
             for event in await reader.next(min(_TICK_S, hard_end - now)):
                 if isinstance(event, StartEvent):
                     worker = event.node.removeprefix("cloud:")
-                    first_token_by = clock() + es.cloud_first_token_timeout
+                    first_token_by = clock() + first_token_wait if self.local_fits else None
                     gone_since = None
                 elif isinstance(event, TokenEvent):
                     first_token_by = None
@@ -172,33 +198,35 @@ class CloudRelay:
                     and event.code in FALLBACK_CODES
                     and self.record.state.positions == 0
                 ):
-                    raise Fallback(f"the cloud failed: {event.code}: {event.message}")
+                    raise self._give_up(f"the cloud failed: {event.code}: {event.message}")
                 passed = self._edge_end(event) if isinstance(event, EndEvent) else event
                 await self.record.emit([with_id(passed, self.req.id)])
-                if state.done:
-                    return
+            if state.done:  # after the whole batch: a repair brings many events at once
+                return
             now = clock()
+            if not self.edge.conn.connected:
+                continue  # cut off, we cannot tell what the cloud does: only the deadline counts
             if not state.started:
                 if now > start_by:
-                    raise Fallback(f"no worker started it within {start_timeout:g}s")
+                    raise self._give_up(f"no worker started it within {start_timeout:g}s")
                 if self.edge.nodes.serves(model) is False:
-                    raise Fallback(f"no live worker serves {model!r}")
+                    raise self._give_up(f"no live worker serves {model!r}")
                 continue
             if first_token_by is not None and now > first_token_by:
-                raise Fallback(
-                    f"worker {worker} produced no token within {es.cloud_first_token_timeout:g}s"
+                raise self._give_up(
+                    f"worker {worker} produced no token within {first_token_wait:.1f}s"
                 )
             live = self.edge.nodes.is_live(worker)
             if live is False:
                 if gone_since is None:
                     gone_since = now
                     log.warning("the worker serving the request stopped", worker=worker)
-                if state.positions == 0:
+                if state.positions == 0 and self.local_fits:
                     raise Fallback(f"worker {worker} stopped before its first token")
                 if now - gone_since > takeover:
-                    raise Fallback(f"no worker continued the answer after {worker} stopped")
-            elif now - reader.last_event > es.cloud_idle_timeout:
-                raise Fallback(f"nothing from worker {worker} for {es.cloud_idle_timeout:g}s")
+                    raise self._give_up(f"no worker continued the answer after {worker} stopped")
+            elif now - reader.last_event > es.cloud_idle_timeout and state.positions > 0:
+                raise self._give_up(f"nothing from worker {worker} for {es.cloud_idle_timeout:g}s")
 
     def _edge_end(self, end: EndEvent) -> EndEvent:
         """The worker's end, with timings as the edge's client sees them."""

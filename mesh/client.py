@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import nats.errors
+from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT
 from pydantic import ValidationError
 
 from mesh.config import MeshSettings, load_settings
@@ -89,7 +90,10 @@ class MeshClient(Lifecycle):
         connection: Connection | None = None,
         first_event_timeout: float = 60.0,
         idle_timeout: float = 60.0,
+        pending_limit: int | None = None,
     ) -> None:
+        """``pending_limit``: messages a stream's subscription buffers before NATS drops them
+        (a slow consumer); the SDK fetches dropped events again. nats-py's default when None."""
         overrides: dict[tuple[str, ...], Any] = {
             ("nats", "url"): nats_url,
             ("edge", "edge_id"): edge_id,
@@ -102,6 +106,7 @@ class MeshClient(Lifecycle):
         self.idle_timeout = idle_timeout
         self._own_conn = connection is None
         self.conn = connection or Connection(self.settings.nats, "mesh-client")
+        self._pending_limit = pending_limit
         self._secret = secrets.token_bytes(16)
         self._scope = ""
         self._inboxes = itertools.count()
@@ -199,7 +204,9 @@ class MeshClient(Lifecycle):
     async def _via_edge(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         nc = self.conn.nc
         inbox = self._inbox()
-        sub = await nc.subscribe(inbox)
+        sub = await nc.subscribe(
+            inbox, pending_msgs_limit=self._pending_limit or DEFAULT_SUB_PENDING_MSGS_LIMIT
+        )
         finished = False
         try:
             await nc.publish(
@@ -269,7 +276,9 @@ class MeshClient(Lifecycle):
             update={"model": model, "cancel_key": self._cancel_key(request.id)}
         )
         finished = False
-        async with CloudCall(self.conn, self.settings.stream, request) as call:
+        async with CloudCall(
+            self.conn, self.settings.stream, request, pending_limit=self._pending_limit
+        ) as call:
             try:
                 async for event in self._read(call.reader):
                     finished = isinstance(event, EndEvent)

@@ -143,6 +143,8 @@ class ModelSettings(_Section):
     """deterministic backend: delay before the first token."""
     token_delay_ms: float = Field(default=0.0, ge=0)
     """deterministic backend: delay between tokens."""
+    faults: bool = True
+    """deterministic backend: act on fault directives ([hang], [fail-after:K]...) in prompts."""
 
 
 class LimitSettings(_Section):
@@ -218,8 +220,11 @@ class EdgeSettings(_Section):
     """Seconds an escalation may wait in the queue for a worker to start it; then the edge
     withdraws it and answers locally. Sooner when the registry shows no live worker."""
     cloud_first_token_timeout: float = Field(default=3.0, gt=0)
-    """Seconds from a worker's start to its first token; then the edge withdraws the request and
-    answers locally (a hung engine)."""
+    """Seconds from a worker's start to its first token, for a short prompt; then the edge
+    withdraws the request and answers locally (a hung engine)."""
+    cloud_prefill_rate: float = Field(default=500.0, gt=0)
+    """Prompt tokens per second a working cloud engine prefills at least: the first-token wait
+    grows by prompt tokens / this rate."""
     cloud_min_budget: float = Field(default=2.0, ge=0)
     """A request whose deadline leaves less than this many seconds is answered locally."""
     cloud_idle_timeout: float = Field(default=15.0, gt=0)

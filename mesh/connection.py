@@ -58,6 +58,11 @@ class Connection(Lifecycle):
             raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
         return self._js
 
+    @property
+    def connected(self) -> bool:
+        """True while connected (not before connect(), not while reconnecting)."""
+        return self._nc is not None and self._nc.is_connected
+
     def jsm(self) -> JetStreamManager:
         return self.nc.jsm(timeout=self.settings.request_timeout)
 

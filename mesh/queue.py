@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import msgpack
 import nats.errors
-from nats.aio.subscription import Subscription
+from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError
 
@@ -118,9 +118,11 @@ class CloudCall(Lifecycle):
         request: InferRequest,
         *,
         headers: Mapping[str, str] | None = None,
+        pending_limit: int | None = None,
     ) -> None:
         self.conn = conn
         self.headers = dict(headers or {})
+        self._pending_limit = pending_limit or DEFAULT_SUB_PENDING_MSGS_LIMIT
         self.stream = stream
         self.request = request.model_copy(
             update={"reply": None, "cancel_key": request.cancel_key or new_cancel_key()}
@@ -139,7 +141,9 @@ class CloudCall(Lifecycle):
 
     async def open(self) -> CloudCall:
         nc = self.conn.nc
-        self._sub = await nc.subscribe(token_subject(self.request.id))
+        self._sub = await nc.subscribe(
+            token_subject(self.request.id), pending_msgs_limit=self._pending_limit
+        )
         try:
             try:
                 await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))

@@ -139,6 +139,7 @@ class NodeView:
         self._watcher: Any = None
         self._task: asyncio.Task[None] | None = None
         self._undo_reconnect: Any = None
+        self._reconnected_at = -float("inf")
 
     async def start(self) -> None:
         await self._watch()
@@ -154,6 +155,7 @@ class NodeView:
     async def _rewatch(self) -> None:
         """After a reconnect the bucket may have been recreated: follow it afresh. Entries seen
         before stay until they age out; a live worker refreshes its own within a heartbeat."""
+        self._reconnected_at = time.monotonic()
         await self._stop_watch()
         try:
             await self._watch()
@@ -177,8 +179,14 @@ class NodeView:
 
     @property
     def ready(self) -> bool:
-        """True once the initial snapshot of the bucket has arrived."""
-        return self._ready
+        """True when the view can be trusted: the initial snapshot arrived, the connection is
+        up, and since the last reconnect every live node has had ``ttl`` to announce itself
+        again (while cut off, the view only ages: it cannot tell who died)."""
+        return (
+            self._ready
+            and self._conn.connected
+            and time.monotonic() - self._reconnected_at >= self._ttl
+        )
 
     def live(self, role: str = "worker") -> list[NodeInfo]:
         now = time.monotonic()

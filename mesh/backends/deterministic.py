@@ -16,7 +16,8 @@ Directives in the prompt shape its behaviour, for fault tests:
 - ``[sse-error-after:K]``: (HTTP server only) an SSE ``error`` event after K tokens, then
   ``[DONE]``, as some OpenAI-compatible servers do.
 
-``prefill_delay_ms`` and ``token_delay_ms`` in the model settings pace it like an engine.
+``prefill_delay_ms`` and ``token_delay_ms`` in the model settings pace it like an engine;
+``faults=false`` makes it ignore the fault directives (an edge's local engine in fault tests).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Script:
     sse_error_after: int | None = None
 
     @classmethod
-    def of(cls, request: InferRequest) -> Script:
+    def of(cls, request: InferRequest, *, faults: bool = True) -> Script:
         found: dict[str, str | None] = {}
         for name, value in _DIRECTIVE.findall(request.text()):
             found[name] = value or None
@@ -59,6 +60,8 @@ class Script:
             return int(value) if value and value.isdigit() else 0
 
         hang = 0 if "hang" in found else count("hang-after")
+        if not faults:
+            return cls(tag=found.get("tag") or "t", stop_after=count("stop-after"))
         return cls(
             tag=found.get("tag") or "t",
             hang_after=hang,
@@ -110,7 +113,7 @@ class DeterministicBackend:
     async def generate(
         self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
     ) -> AsyncGenerator[Chunk, None]:
-        script = Script.of(request)
+        script = Script.of(request, faults=self.settings.faults)
         self._busy += 1
         self.started += 1
         try:

@@ -1,0 +1,154 @@
+"""A deterministic OpenAI-compatible HTTP server, for tests and benchmarks. Not a model server.
+
+    python -m mesh.testing.openai_server --port 8000 [--prefill-ms 50] [--token-ms 20]
+
+It answers ``POST /v1/chat/completions`` (streamed or not) with the script of
+:mod:`mesh.backends.deterministic`: ``max_tokens`` tokens ``" <tag>0 <tag>1 ..."``, with the
+same prompt directives for hangs and failures, plus ``[sse-error-after:K]`` (an SSE ``error``
+event after K tokens, then ``[DONE]``, as some servers do). Like vLLM, it continues an answer
+when the last message is the assistant's and ``continue_final_message`` is set. It prints
+``listening on <port>`` once it accepts connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from mesh.backends.deterministic import Script, prompt_tokens, tokens
+from mesh.config import ModelSettings
+from protocol.errors import BackendError
+from protocol.messages import InferRequest
+
+
+def _request(body: dict[str, Any]) -> tuple[InferRequest, str]:
+    messages = list(body.get("messages") or [])
+    prefix = ""
+    if body.get("continue_final_message") and messages and messages[-1]["role"] == "assistant":
+        prefix = messages.pop()["content"]
+    request = InferRequest(
+        messages=messages, max_tokens=int(body.get("max_tokens") or 16), model=body.get("model")
+    )
+    return request, prefix
+
+
+class DeterministicServer:
+    def __init__(self, name: str, prefill_ms: float, token_ms: float) -> None:
+        self.name = name
+        self.settings = ModelSettings(
+            name=name, prefill_delay_ms=prefill_ms, token_delay_ms=token_ms
+        )
+        self.requests = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.name, "owned_by": "mesh-deterministic"}]}
+        )
+
+    async def chat(self, http: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        body = await http.json()
+        request, prefix = _request(body)
+        script = Script.of(request)
+        start = len(prefix.split())  # the prefix is tokens " <tag>0 ... <tag>k-1"
+        total = start + request.max_tokens  # max_tokens counts only what is still to come
+        if not body.get("stream"):
+            text = "".join(
+                [script.token(i) async for i in tokens(script, total, start, self.settings)]
+            )
+            return web.json_response(self._completion(text, request, total - start))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(http)
+        produced = 0
+        created = int(time.time())
+        try:
+            async for index in tokens(script, total, start, self.settings):
+                if script.sse_error_after is not None and index >= script.sse_error_after:
+                    error = {"message": "scripted failure mid-stream", "type": "server_error"}
+                    await self._event(response, {"error": error})
+                    await response.write(b"data: [DONE]\n\n")
+                    return response
+                produced += 1
+                delta = {"content": script.token(index)}
+                await self._event(response, self._chunk(created, delta, None))
+        except BackendError as exc:
+            await self._event(response, {"error": {"message": exc.message}})
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        last = total if script.stop_after is None else min(total, script.stop_after)
+        finish = "length" if last >= total else "stop"
+        await self._event(response, self._chunk(created, {}, finish))
+        usage = {"prompt_tokens": prompt_tokens(request), "completion_tokens": produced}
+        await self._event(
+            response, {**self._chunk(created, {}, None), "choices": [], "usage": usage}
+        )
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    def _chunk(self, created: int, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:8]}",
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+
+    def _completion(self, text: str, request: InferRequest, produced: int) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:8]}",
+            "object": "chat.completion",
+            "model": self.name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": prompt_tokens(request), "completion_tokens": produced},
+        }
+
+    @staticmethod
+    async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+
+async def serve(port: int, name: str, prefill_ms: float, token_ms: float) -> None:
+    server = DeterministicServer(name, prefill_ms, token_ms)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    print(f"listening on {bound}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--prefill-ms", type=float, default=0.0)
+    parser.add_argument("--token-ms", type=float, default=0.0)
+    args = parser.parse_args()
+    asyncio.run(serve(args.port, args.model, args.prefill_ms, args.token_ms))
+
+
+if __name__ == "__main__":
+    main()

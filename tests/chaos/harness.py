@@ -1,0 +1,352 @@
+"""What the fault tests are made of: real processes, a cuttable link, exact answers.
+
+- :class:`MeshProcess`: a real ``mesh worker`` or ``mesh edge`` process on the deterministic
+  backend; killed by its own PID only.
+- :class:`TcpProxy`: a loopback TCP relay in front of nats-server; ``cut(seconds)`` drops every
+  connection through it and refuses new ones for that long.
+- :class:`Server`: a nats-server with file storage on a fixed port and store directory, so it
+  can be restarted on the same port and store.
+- :func:`ask` and :class:`Tally`: every answer is checked exactly against the deterministic
+  script and counted as correct, typed (a typed error), lost (silence: only the client's own
+  timeout ended it) or corrupt (an answer whose text is not the one asked for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+
+from mesh.backends.deterministic import Script
+from mesh.client import MeshClient
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from protocol.errors import MeshError, MeshTimeoutError
+from protocol.messages import EndEvent, InferRequest, RestartEvent, TokenEvent
+from protocol.subjects import edge_resend_subject
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- nats-server ---------------------------------------------------------------------------
+class Server:
+    """A JetStream nats-server with file storage that can go down and come back as it was."""
+
+    def __init__(self, store_dir: Path) -> None:
+        self.store_dir = store_dir
+        self.port = free_port()
+        self._server: NatsServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._server.pid if self._server else None
+
+    async def start(self) -> None:
+        self._server = NatsServer(port=self.port, store_dir=str(self.store_dir))
+        await self._server.start()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop()  # SIGTERM, as an operator would
+            self._server = None
+
+    async def restart(self, outage: float) -> None:
+        await self.stop()
+        await asyncio.sleep(outage)  # the outage itself is the fault being tested
+        await self.start()
+
+
+# -- a cuttable link -----------------------------------------------------------------------
+class TcpProxy:
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._cut_until = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def start(self) -> TcpProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._drop()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def cut(self, seconds: float) -> None:
+        """Drop every connection now and refuse new ones for ``seconds``."""
+        self._cut_until = time.monotonic() + seconds
+        self._drop()
+
+    def _drop(self) -> None:
+        for writer in list(self._writers):
+            with contextlib.suppress(Exception):
+                writer.transport.abort()
+        self._writers.clear()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if time.monotonic() < self._cut_until:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.get_running_loop().create_task(self._pump(src, dst, writer, up_writer))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        *pair: asyncio.StreamWriter,
+    ) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for writer in pair:
+                with contextlib.suppress(Exception):
+                    writer.transport.abort()
+                self._writers.discard(writer)
+
+
+# -- mesh processes ------------------------------------------------------------------------
+@dataclass
+class MeshProcess:
+    """A ``mesh worker`` or ``mesh edge`` process; its log goes to ``log_path``."""
+
+    role: str
+    name: str
+    env: dict[str, str]
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    async def start(self) -> MeshProcess:
+        env = {**os.environ, **self.env, "MESH_LOG_FORMAT": "json", "MESH_LOG_LEVEL": "info"}
+        log = self.log_path.open("ab")
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "mesh.cli",
+            self.role,
+            cwd=REPO,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
+        log.close()
+        return self
+
+    def kill(self) -> None:
+        """kill -9, by PID."""
+        if self.proc is not None and self.proc.returncode is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+    async def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            self.kill()
+            await self.proc.wait()
+
+    def rss_kib(self) -> int:
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
+        return int(line.split()[1])
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        lines = []
+        for raw in self.log_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                lines.append(json.loads(raw))
+        return lines
+
+
+def worker_env(url: str, node_id: str, *, slots: int = 4, token_ms: float = 20) -> dict[str, str]:
+    return {
+        "MESH_NATS_URL": url,
+        "MESH_WORKER_NODE_ID": node_id,
+        "MESH_WORKER_MODEL_BACKEND": "deterministic",
+        "MESH_WORKER_MODEL_SLOTS": str(slots),
+        "MESH_WORKER_MODEL_TOKEN_DELAY_MS": str(token_ms),
+        "MESH_WORKER_MODEL_PREFILL_DELAY_MS": "20",
+        "MESH_WORKER_DRAIN_GRACE": "2",
+    }
+
+
+def edge_env(url: str, edge_id: str, *, token_ms: float = 5) -> dict[str, str]:
+    return {
+        "MESH_NATS_URL": url,
+        "MESH_EDGE_EDGE_ID": edge_id,
+        "MESH_EDGE_MODEL_BACKEND": "deterministic",
+        "MESH_EDGE_MODEL_FAULTS": "false",  # a local fallback answers, whatever the prompt says
+        "MESH_EDGE_MODEL_SLOTS": "8",
+        "MESH_EDGE_MODEL_TOKEN_DELAY_MS": str(token_ms),
+        "MESH_EDGE_LOCAL_QUEUE": "64",
+        "MESH_EDGE_HTTP_PORT": "-1",
+        "MESH_EDGE_ROUTER_KIND": "heuristic",
+    }
+
+
+async def wait_for_worker(conn: Connection, node_id: str, timeout: float = 30.0) -> None:
+    from mesh.registry import node_key, open_bucket
+
+    kv = await open_bucket(conn, 3.0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if await kv.get(node_key("worker", node_id)):
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"worker {node_id} did not announce itself within {timeout:g}s")
+
+
+async def wait_for_edge(conn: Connection, edge_id: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    probe = json.dumps({"id": "probe", "inbox": "_INBOX.probe.x"}).encode()
+    while time.monotonic() < deadline:
+        with contextlib.suppress(nats.errors.Error):
+            await conn.nc.request(edge_resend_subject(edge_id), probe, timeout=1)
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"edge {edge_id} did not answer within {timeout:g}s")
+
+
+# -- answers -------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    kind: str  # correct | typed | lost | corrupt
+    detail: str = ""
+    path: str = ""
+    restarts: int = 0
+    attempts: int = 1
+    first_continued: float | None = None
+    """When the first token of a later attempt arrived (``time.monotonic()``)."""
+    elapsed: float = 0.0
+
+
+@dataclass
+class Tally:
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def add(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+    def counts(self) -> Counter[str]:
+        return Counter(o.kind for o in self.outcomes)
+
+    def row(self, fault: str) -> str:
+        c = self.counts()
+        return (
+            f"| {fault} | {len(self.outcomes)} | {c['correct']} | {c['typed']} | {c['lost']} "
+            f"| {c['corrupt']} |"
+        )
+
+    def assert_sound(self) -> None:
+        """The property: nothing lost, nothing corrupt."""
+        bad = [o for o in self.outcomes if o.kind in ("lost", "corrupt")]
+        assert not bad, f"{len(bad)} of {len(self.outcomes)} bad: {bad[:3]}"
+
+
+def prompt(tag: str, *directives: str) -> str:
+    return f"[tag:{tag}] {' '.join(directives)} Count for me."
+
+
+def expected_text(tag: str, max_tokens: int) -> str:
+    return Script(tag=tag).answer(max_tokens)
+
+
+async def ask(
+    client: MeshClient,
+    tag: str,
+    max_tokens: int,
+    *directives: str,
+    **kwargs: Any,
+) -> Outcome:
+    """One request through the SDK, checked exactly."""
+    began = time.monotonic()
+    parts: list[str] = []
+    restarts = 0
+    attempts = 1
+    first_continued: float | None = None
+    end: EndEvent | None = None
+    try:
+        async for event in client.stream(prompt(tag, *directives), max_tokens=max_tokens, **kwargs):
+            if isinstance(event, TokenEvent):
+                parts.append(event.text)
+                if event.attempt > attempts:
+                    attempts = event.attempt
+                    first_continued = first_continued or time.monotonic()
+            elif isinstance(event, RestartEvent):
+                parts.clear()
+                restarts += 1
+            else:
+                end = event
+    except MeshTimeoutError as err:
+        return Outcome("lost", f"silence: {err.message}", elapsed=time.monotonic() - began)
+    except MeshError as err:
+        return Outcome("typed", err.code.value, elapsed=time.monotonic() - began)
+    elapsed = time.monotonic() - began
+    text = "".join(parts)
+    want = expected_text(tag, max_tokens)
+    if end is None or text != want or end.usage.completion_tokens != max_tokens:
+        return Outcome("corrupt", f"got {text[-60:]!r}, want ...{want[-60:]!r}", elapsed=elapsed)
+    return Outcome(
+        "correct",
+        path=end.path,
+        restarts=restarts,
+        attempts=max(attempts, end.attempt),
+        first_continued=first_continued,
+        elapsed=elapsed,
+    )
+
+
+def request_for(tag: str, max_tokens: int, *directives: str, **fields: Any) -> InferRequest:
+    return InferRequest(prompt=prompt(tag, *directives), max_tokens=max_tokens, **fields)
