@@ -6,7 +6,10 @@ Part 1 runs the embedded local mesh (nats-server, worker and edge on the bundled
 and asks the same prompts with route=local and route=cloud, alternating, so both paths see the
 same machine load. Part 2 measures the mesh alone: a synthetic backend that yields tokens
 instantly, streamed worker -> client with token coalescing off and on, to show the per-message
-cost that coalescing removes and that TTFT does not pay for it.
+cost that coalescing removes and that TTFT does not pay for it. Part 3 measures what the answer
+store and repair cost: two meshes side by side, one keeping events in MESH_TOK (file) and one
+with the store off, asked in alternation: TTFT (via the cloud and via an edge) and relay
+throughput.
 Figures are printed; nothing is asserted (machines here are shared and noisy).
 """
 
@@ -14,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import AsyncGenerator
 
 from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
 from mesh.backends.base import Capacity, Chunk, Health
 from mesh.client import MeshClient
 from mesh.config import LogSettings, MeshSettings, load_settings
@@ -101,6 +107,7 @@ class InstantBackend:
     """Yields ``n`` one-token chunks as fast as the event loop allows (mesh-only benchmark)."""
 
     model = "instant"
+    continues = False
 
     def __init__(self, slots: int = 4) -> None:
         self.slots = slots
@@ -120,7 +127,9 @@ class InstantBackend:
     async def abort(self, request_id: str) -> None:
         return None
 
-    async def generate(self, request: InferRequest) -> AsyncGenerator[Chunk, None]:
+    async def generate(
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
         for i in range(request.max_tokens):
             if i % 64 == 0:
                 await asyncio.sleep(0)
@@ -152,15 +161,77 @@ async def mesh_only(tokens: int, requests: int) -> None:
             print(summary(label, rows))
 
 
+async def throughput(client: MeshClient, streams: int, tokens: int) -> float:
+    """Tokens per second delivered to ``streams`` concurrent via-cloud clients."""
+    began = time.perf_counter()
+    rows = await asyncio.gather(
+        *(timed(client, "x", via="cloud", max_tokens=tokens) for _ in range(streams))
+    )
+    return sum(r["tokens"] for r in rows) / (time.perf_counter() - began)
+
+
+async def repair_cost(requests: int, tokens: int, rounds: int) -> None:
+    print("\n== Part 3: what the answer store costs (store file vs off, alternating)")
+    configs = {"store file": "file", "store off": "off"}
+    async with contextlib.AsyncExitStack() as stack:
+        clients: dict[str, MeshClient] = {}
+        for label, storage in configs.items():
+            server = await stack.enter_async_context(NatsServer())
+            settings = load_settings({("nats", "url"): server.url}, environ={})
+            settings.stream.answer_storage = storage  # type: ignore[assignment]
+            settings.edge.cloud_model = "instant"
+            settings.edge.http_port = -1
+            conn = await stack.enter_async_context(Connection(settings.nats, "bench"))
+            await stack.enter_async_context(Worker(settings, conn, InstantBackend(slots=8)))
+            await stack.enter_async_context(
+                EdgeNode(settings, conn, InstantBackend(), HeuristicRouter())  # type: ignore[arg-type]
+            )
+            clients[label] = await stack.enter_async_context(MeshClient(settings=settings))
+            for _ in range(5):
+                await timed(clients[label], "warm", via="cloud", max_tokens=16)
+                await timed(clients[label], "warm", route="cloud", max_tokens=16)
+        ttft: dict[str, dict[str, list[dict[str, float]]]] = {
+            label: {"cloud": [], "edge": []} for label in configs
+        }
+        for i in range(requests):
+            for label in configs if i % 2 == 0 else reversed(list(configs)):
+                client = clients[label]
+                ttft[label]["cloud"].append(await timed(client, "x", via="cloud", max_tokens=16))
+                ttft[label]["edge"].append(await timed(client, "x", route="cloud", max_tokens=16))
+        rates: dict[str, list[float]] = {label: [] for label in configs}
+        for r in range(rounds):
+            for label in configs if r % 2 == 0 else reversed(list(configs)):
+                rates[label].append(await throughput(clients[label], 4, tokens))
+    for label in configs:
+        for path in ("cloud", "edge"):
+            print(summary(f"{label}, via {path}", ttft[label][path]))
+    for path in ("cloud", "edge"):
+        on = pct([r["ttft_ms"] for r in ttft["store file"][path]], 0.5)
+        off = pct([r["ttft_ms"] for r in ttft["store off"][path]], 0.5)
+        print(f"TTFT p50 via {path}: store file {on:.2f} ms, off {off:.2f} ms: {on - off:+.2f} ms")
+    on, off = statistics.median(rates["store file"]), statistics.median(rates["store off"])
+    print(
+        f"relay, 4 streams x {tokens} tokens (median of {rounds}): store file {on:,.0f} tok/s, "
+        f"off {off:,.0f} tok/s: {on / off:.1%} of it"
+    )
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--instant-tokens", type=int, default=4000)
+    parser.add_argument("--parts", default="1,2,3", help="which parts to run (default 1,2,3)")
+    parser.add_argument("--rounds", type=int, default=6, help="throughput rounds in part 3")
     args = parser.parse_args()
     configure_logging(LogSettings(level="warning"))
-    await model_paths(args.requests, args.max_tokens)
-    await mesh_only(args.instant_tokens, max(3, args.requests // 4))
+    parts = {int(p) for p in args.parts.split(",")}
+    if 1 in parts:
+        await model_paths(args.requests, args.max_tokens)
+    if 2 in parts:
+        await mesh_only(args.instant_tokens, max(3, args.requests // 4))
+    if 3 in parts:
+        await repair_cost(max(args.requests, 40), args.instant_tokens, args.rounds)
 
 
 if __name__ == "__main__":

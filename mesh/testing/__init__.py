@@ -1,2 +1,3 @@
-"""Helpers for tests and benchmarks that ship with the mesh: a deterministic OpenAI-compatible
-server. Nothing here is an inference engine."""
+"""Tools for tests and benchmarks, shipped with the mesh so both can use them. Nothing here is an
+inference engine: a deterministic OpenAI-compatible server (:mod:`mesh.testing.openai_server`)
+and fault-test parts (:mod:`mesh.testing.chaos`)."""

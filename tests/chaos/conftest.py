@@ -16,7 +16,7 @@ import pytest
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
-from tests.chaos.harness import (
+from mesh.testing.chaos import (
     MeshProcess,
     Server,
     TcpProxy,
@@ -55,6 +55,7 @@ class Cluster:
         *,
         url: str | None = None,
         backend_url: str | None = None,
+        continuation: str = "vllm",
         **kw: Any,
     ) -> MeshProcess:
         env = worker_env(url or self.server.url, node_id, **kw)
@@ -62,7 +63,7 @@ class Cluster:
             env.update(
                 MESH_WORKER_MODEL_BACKEND="openai",
                 MESH_WORKER_MODEL_BASE_URL=backend_url,
-                MESH_WORKER_MODEL_CONTINUATION="vllm",
+                MESH_WORKER_MODEL_CONTINUATION=continuation,
             )
         proc = await MeshProcess("worker", node_id, env, self.tmp / f"{node_id}.log").start()
         self.processes.append(proc)

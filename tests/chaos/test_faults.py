@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from mesh.testing.chaos import Outcome, Tally, ask, expected_text, free_port, prompt
 from tests.chaos.conftest import Cluster
-from tests.chaos.harness import Outcome, Tally, ask, expected_text, free_port, prompt
 
 pytestmark = pytest.mark.chaos
 
@@ -225,11 +225,11 @@ async def test_slow_consumer_drops_are_fetched_again(cluster: Cluster) -> None:
                 elif type(event).__name__ == "RestartEvent":
                     parts.clear()
         except MeshError as err:
-            from tests.chaos.harness import Outcome
+            from mesh.testing.chaos import Outcome
 
             tally.add(Outcome("lost" if err.code.value == "timeout" else "typed", err.message))
             return
-        from tests.chaos.harness import Outcome, expected_text
+        from mesh.testing.chaos import Outcome, expected_text
 
         ok = "".join(parts) == expected_text(tag, 200)
         tally.add(Outcome("correct" if ok else "corrupt", "" if ok else "".join(parts)[-80:]))
@@ -314,3 +314,32 @@ async def test_ten_times_overload_loses_nothing_and_memory_stays_flat(cluster: C
         f"worker+edge RSS after round 1: {rss[0] / 1024:.1f} MiB, round 2: {rss[1] / 1024:.1f} MiB"
     )
     assert rss[1] < rss[0] * 1.15 + 8 * 1024  # flat: the second round does not keep growing
+
+
+async def test_kill_9_when_the_backend_cannot_continue(cluster: Cluster) -> None:
+    """An OpenAI-compatible server without vLLM's continuation: the next worker starts over.
+    The SDK yields a restart, then the whole answer; an SSE client, which cannot take text
+    back, gets one typed error; `nats req` gets one whole answer."""
+    server = await cluster.openai_server(token_ms=20)
+    doomed = await cluster.worker("doomed", backend_url=server, continuation="off", slots=8)
+    http_port = free_port()
+    await cluster.edge(MESH_EDGE_HTTP_PORT=str(http_port))
+    client = await cluster.client()
+    n = 80
+    asks = [ask(client, f"e{i}", n, via="edge", route="cloud") for i in range(2)]
+    asks += [ask(client, f"c{i}", n, via="cloud") for i in range(2)]
+    asks += [nats_req(cluster, "n0", n), sse(http_port, "s0", n)]
+    pending = [asyncio.ensure_future(a) for a in asks]
+    await wait_tokens_flowing(cluster, 0.6)
+    await cluster.worker("survivor", backend_url=server, continuation="off", slots=8)
+    doomed.kill()
+    tally = Tally()
+    outcomes = await asyncio.gather(*pending)
+    for outcome in outcomes:
+        tally.add(outcome)
+    print("\n" + tally.row("kill -9, backend cannot continue"))
+    tally.assert_sound()
+    sdk, sse_outcome = outcomes[:5], outcomes[5]
+    assert all(o.kind == "correct" for o in sdk), sdk
+    assert sum(o.restarts for o in sdk[:4]) >= 1  # SDK streams saw the answer start over
+    assert (sse_outcome.kind, sse_outcome.detail) == ("typed", "incomplete"), sse_outcome

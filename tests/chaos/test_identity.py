@@ -12,11 +12,11 @@ import msgpack
 import pytest
 
 from mesh.queue import cancel_payload
+from mesh.testing.chaos import Tally, ask, prompt
 from protocol.codec import decode_event
 from protocol.messages import ErrorEvent
 from protocol.subjects import edge_cancel_subject, edge_infer_subject, token_subject
 from tests.chaos.conftest import Cluster
-from tests.chaos.harness import Tally, ask, prompt
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.chaos

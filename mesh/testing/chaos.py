@@ -1,4 +1,5 @@
-"""What the fault tests are made of: real processes, a cuttable link, exact answers.
+"""What the fault tests (tests/chaos) and the failover benchmark are made of: real processes,
+a cuttable link, exact answers.
 
 - :class:`MeshProcess`: a real ``mesh worker`` or ``mesh edge`` process on the deterministic
   backend; killed by its own PID only.
@@ -35,8 +36,6 @@ from mesh.nats_server import NatsServer
 from protocol.errors import MeshError, MeshTimeoutError
 from protocol.messages import EndEvent, InferRequest, RestartEvent, TokenEvent
 from protocol.subjects import edge_resend_subject
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -172,7 +171,6 @@ class MeshProcess:
             "-m",
             "mesh.cli",
             self.role,
-            cwd=REPO,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log,

@@ -1,0 +1,136 @@
+"""Failover rules of the answer path, one at a time, with workers in this process on the
+deterministic backend (every answer known exactly) and a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from cloud_node.worker import Worker
+from mesh.backends.deterministic import DeterministicBackend, Script
+from mesh.client import MeshClient
+from mesh.config import MeshSettings, ModelSettings
+from mesh.connection import Connection
+from mesh.provision import provision
+from mesh.queue import CloudCall
+from protocol.errors import MaxDeliveriesError
+from protocol.messages import EndEvent, InferRequest, StartEvent, TokenEvent
+from tests.helpers import eventually, queue_drained, stat_reaches
+
+PROMPT = "[tag:ap] count"
+
+
+def backend(token_ms: float = 10) -> DeterministicBackend:
+    return DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=4, token_delay_ms=token_ms)
+    )
+
+
+@pytest.fixture
+async def fast(settings: MeshSettings, conn: Connection) -> AsyncIterator[MeshSettings]:
+    """Settings with a short ack_wait, so a dead worker's request moves on in a second."""
+    settings.stream.ack_wait = 1.0
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    yield settings
+
+
+async def worker_on_own_connection(settings: MeshSettings, name: str) -> tuple[Worker, Connection]:
+    own = settings.model_copy(deep=True)
+    own.worker.node_id = name
+    wconn = await Connection(own.nats, name).connect()
+    worker = Worker(own, wconn, backend())
+    await worker.start()
+    return worker, wconn
+
+
+async def test_a_lost_ack_after_the_end_never_causes_a_second_generation(
+    fast: MeshSettings, conn: Connection, client: MeshClient
+) -> None:
+    first, first_conn = await worker_on_own_connection(fast, "first")
+
+    async def ack_lost(*_args: object, **_kwargs: object) -> None:
+        await first_conn.nc.close()  # the end is stored; the ack never reaches the server
+
+    original = first._ack
+    first._ack = ack_lost  # type: ignore[method-assign]
+    answer = await client.complete(PROMPT, via="cloud", max_tokens=12)
+    assert answer.text == Script(tag="ap").answer(12)
+    first._ack = original  # type: ignore[method-assign]
+    second, second_conn = await worker_on_own_connection(fast, "second")
+    try:
+        # After ack_wait the request is redelivered: the second worker finds its outcome stored
+        # and acks it without generating.
+        await stat_reaches(second.stats, "already_done", 1)
+        assert second.backend.started == 0  # type: ignore[attr-defined]
+        await eventually(lambda: queue_drained(conn, fast), what="redelivery acked")
+    finally:
+        await second.stop()
+        await second_conn.close()
+        await first.stop()
+
+
+async def test_a_started_request_is_continued_after_its_start_by(
+    fast: MeshSettings, conn: Connection
+) -> None:
+    doomed, doomed_conn = await worker_on_own_connection(fast, "doomed")
+    request = InferRequest(
+        prompt=PROMPT, model="smollm2", max_tokens=60, stream=True, start_by=time.time() + 0.5
+    )
+    events: list[object] = []
+    survivor = None
+    async with CloudCall(conn, fast.stream, request) as call:
+        while not call.reader.state.done:
+            for event in await call.reader.next(10):
+                events.append(event)
+                if isinstance(event, TokenEvent) and event.seq == 3 and survivor is None:
+                    await doomed_conn.nc.close()
+                    survivor, survivor_conn = await worker_on_own_connection(fast, "survivor")
+    assert survivor is not None
+    try:
+        starts = [e for e in events if isinstance(e, StartEvent)]
+        assert [s.attempt for s in starts] == [1, 2]
+        assert starts[1].seq > 0  # continued, not refused and not started over
+        end = events[-1]
+        assert isinstance(end, EndEvent) and end.attempt == 2
+        assert call.reader.state.text() == Script(tag="ap").answer(60)
+        assert time.time() > request.start_by  # type: ignore[operator]
+    finally:
+        await survivor.stop()
+        await survivor_conn.close()
+        await doomed.stop()
+
+
+async def test_exhausted_deliveries_reach_the_client_as_a_typed_error(
+    fast: MeshSettings, conn: Connection, client: MeshClient
+) -> None:
+    fast.stream.max_deliver = 2
+    await provision(conn.jsm(), fast.stream, ["smollm2"])
+    dead: list[tuple[Worker, Connection]] = []
+    watcher: Worker | None = None
+
+    async def kill_each_attempt() -> None:
+        nonlocal watcher
+        for name in ("one", "two"):
+            worker, wconn = await worker_on_own_connection(fast, name)
+            dead.append((worker, wconn))
+            await stat_reaches(worker.stats, "fetched", 1)
+            await asyncio.sleep(0.1)  # a few tokens out, then the worker dies
+            await wconn.nc.close()
+        # A healthy worker of the pool hears JetStream give up on the request.
+        watcher, _ = await worker_on_own_connection(fast, "watcher")
+
+    killer = asyncio.ensure_future(kill_each_attempt())
+    with pytest.raises(MaxDeliveriesError) as excinfo:
+        await client.complete(PROMPT, via="cloud", max_tokens=400)
+    await killer
+    assert "2 deliveries" in excinfo.value.message
+    assert watcher is not None and watcher.stats.max_deliveries == 1
+    await eventually(lambda: queue_drained(conn, fast), what="exhausted request removed")
+    await watcher.stop()
+    await watcher.conn.close()
+    for worker, wconn in dead:
+        await worker.stop()
+        await wconn.close()
