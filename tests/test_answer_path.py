@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-
 import pytest
 
 from cloud_node.worker import Worker
@@ -30,11 +28,11 @@ def backend(token_ms: float = 10) -> DeterministicBackend:
 
 
 @pytest.fixture
-async def fast(settings: MeshSettings, conn: Connection) -> AsyncIterator[MeshSettings]:
+async def fast(settings: MeshSettings, conn: Connection) -> MeshSettings:
     """Settings with a short ack_wait, so a dead worker's request moves on in a second."""
     settings.stream.ack_wait = 1.0
     await provision(conn.jsm(), settings.stream, ["smollm2"])
-    yield settings
+    return settings
 
 
 async def worker_on_own_connection(settings: MeshSettings, name: str) -> tuple[Worker, Connection]:
