@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+
 import pytest
 
 from cloud_node.worker import Worker
