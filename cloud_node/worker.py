@@ -22,9 +22,12 @@ from typing import Any
 
 import nats.errors
 import structlog
+from nats import micro
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from nats.micro.request import Request
+from nats.micro.service import Service
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.publisher import AnswerPublisher
@@ -33,9 +36,10 @@ from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.generate import generate_into
+from mesh.generate import Generation, generate_into
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
+from mesh.metrics import NatsMetrics, WorkerMetrics, exposition
 from mesh.provision import provision
 from mesh.queue import trace_headers
 from mesh.registry import Heartbeat, NodeInfo
@@ -50,7 +54,7 @@ from protocol.errors import (
     MeshError,
     UnknownModelError,
 )
-from protocol.messages import ErrorEvent, InferRequest
+from protocol.messages import ErrorEvent, InferRequest, Timings
 from protocol.stream import AnswerState, AnswerWriter, Resume, request_fingerprint
 from protocol.subjects import (
     CANCEL_WILDCARD,
@@ -59,6 +63,7 @@ from protocol.subjects import (
     model_token,
     request_id_of,
     token_subject,
+    worker_status_subject,
 )
 
 log = get_logger(__name__)
@@ -96,6 +101,9 @@ class Worker(Lifecycle):
         self.backend = backend
         self.node_id = settings.worker.node_id
         self.stats = WorkerStats()
+        self.metrics = WorkerMetrics()
+        self._nats_metrics = NatsMetrics()
+        self._nats_metrics.watch(conn)
         self.store = AnswerStore(conn, settings.stream)
         self._ws = settings.worker
         self._stream = settings.stream
@@ -113,10 +121,21 @@ class Worker(Lifecycle):
         self._heartbeat = Heartbeat(
             conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl
         )
+        self._service: Service | None = None
+        self.metrics.in_flight.set_function(lambda: len(self._inflight))
+        self.metrics.free_slots.set_function(self.free_slots)
+        self.metrics.slots.set_function(lambda: self.backend.capacity().total)
 
     @property
     def consumer(self) -> str:
         return consumer_name(self.backend.model)
+
+    def _count(self, outcome: str, code: str | None = None) -> None:
+        """One delivery's outcome, in the STATS counters and the Prometheus metrics."""
+        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        self.metrics.requests.labels(outcome=outcome).inc()
+        if code is not None:
+            self.metrics.errors.labels(code=code).inc()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -135,9 +154,22 @@ class Worker(Lifecycle):
                 cb=self._on_max_deliveries,
             ),
         ]
+        self._service = await micro.add_service(
+            nc,
+            name="mesh-worker",
+            version=__version__,
+            description=f"mesh cloud worker serving {self.backend.model}",
+            metadata=self._metadata(),
+            stats_handler=lambda _endpoint: self.status(),
+        )
+        await self._service.add_endpoint(
+            name="status", subject=worker_status_subject(self.node_id), handler=self._on_status
+        )
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         await self._heartbeat.start()
         self._undo_reconnect = self.conn.on_reconnect(self._after_reconnect)
+        for registry in (self.metrics.registry, self._nats_metrics.registry):
+            exposition.add(registry)
         self._loop_task = self._tasks.supervise(self._pull_loop, name="pull")
         log.info(
             "worker started",
@@ -159,7 +191,9 @@ class Worker(Lifecycle):
         restart may also have lost memory-stored state: put it back (idempotent)."""
         publishers = list(self._publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)
-        self.stats.republished += sum(p.republished for p in publishers)
+        republished = sum(p.republished for p in publishers)
+        self.stats.republished += republished
+        self.metrics.republished.inc(republished)
         for publisher in publishers:
             publisher.republished = 0
         if publishers:
@@ -198,7 +232,37 @@ class Worker(Lifecycle):
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
+        if self._service is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._service.stop()
+        for registry in (self.metrics.registry, self._nats_metrics.registry):
+            exposition.remove(registry)
         log.info("worker stopped", node_id=self.node_id, **vars(self.stats))
+
+    def _metadata(self) -> dict[str, str]:
+        capacity = self.backend.capacity()
+        return {
+            "node_id": self.node_id,
+            "model": self.backend.model,
+            "backend": type(self.backend).__name__,
+            "slots": str(capacity.total),
+            "continues": str(self.backend.continues).lower(),
+        }
+
+    def status(self) -> dict[str, Any]:
+        """What ``nats micro stats mesh-worker`` and ``mesh status`` show of this worker."""
+        return {
+            "node_id": self.node_id,
+            "model": self.backend.model,
+            "slots": self.backend.capacity().total,
+            "free": self.free_slots(),
+            "in_flight": len(self._inflight),
+            **vars(self.stats),
+        }
+
+    async def _on_status(self, request: Request) -> None:
+        with contextlib.suppress(nats.errors.Error, ValueError):
+            await request.respond(json.dumps(self.status()).encode())
 
     def node_info(self) -> NodeInfo:
         capacity = self.backend.capacity()
@@ -271,6 +335,8 @@ class Worker(Lifecycle):
 
     async def _handle_inner(self, msg: Msg) -> None:
         attempt = msg.metadata.num_delivered
+        if attempt > 1:
+            self.metrics.redeliveries.inc()
         try:
             request, fmt = decode_request(
                 msg.data,
@@ -377,8 +443,10 @@ class Worker(Lifecycle):
             )
             stored = await publisher.finish(end)
             await self._ack(msg)
-            self.stats.completed += 1
+            self._count("completed")
+            self._observe(gen, timings)
             self.stats.republished += publisher.republished
+            self.metrics.republished.inc(publisher.republished)
             log.info(
                 "request done",
                 tokens=gen.usage.completion_tokens,
@@ -391,7 +459,7 @@ class Worker(Lifecycle):
             )
         except asyncio.CancelledError:
             if self._cancels.cancels(request):
-                self.stats.cancelled += 1
+                self._count("cancelled")
                 log.info("request cancelled by client")
                 with contextlib.suppress(MeshError, nats.errors.Error):
                     await publisher.finish(
@@ -400,7 +468,7 @@ class Worker(Lifecycle):
                     await msg.ack()
                 return  # the cancel was ours to act on; the task ends normally
             # Shutdown: give it back so another worker continues it promptly.
-            self.stats.requeued += 1
+            self._count("requeued")
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak()
             raise
@@ -425,9 +493,11 @@ class Worker(Lifecycle):
         resume = history.resume() if self.backend.continues else Resume()
         if resume.seq > 0:
             self.stats.continued += 1
+            self.metrics.takeovers.labels(kind="continued").inc()
             reason = f"continued after {history.node or 'a worker'} stopped"
         else:
             self.stats.restarted += 1
+            self.metrics.takeovers.labels(kind="restarted").inc()
             reason = "redelivered; started over"
         log.info(
             "taking over a request",
@@ -450,7 +520,7 @@ class Worker(Lifecycle):
     ) -> None:
         """The answer's outcome is stored: an earlier attempt finished but its ack was lost.
         Never generate a second answer; just make the outcome final."""
-        self.stats.already_done += 1
+        self._count("already_done")
         outcome = history.outcome
         if isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value:
             # Our own check: the store holds another request's answer under this id.
@@ -462,6 +532,17 @@ class Worker(Lifecycle):
             return
         log.info("outcome already stored; acking without generating")
         await self._ack(msg)
+
+    def _observe(self, gen: Generation, timings: Timings) -> None:
+        m = self.metrics
+        if timings.queue_ms is not None:
+            m.queue_wait.observe(timings.queue_ms / 1000)
+        if timings.ttft_ms is not None:
+            m.ttft.observe(timings.ttft_ms / 1000)
+        if gen.first is not None and gen.usage.completion_tokens > 1:
+            m.tpot.observe((gen.done - gen.first) / (gen.usage.completion_tokens - 1))
+        m.tokens.labels(direction="in").inc(gen.usage.prompt_tokens)
+        m.tokens.labels(direction="out").inc(gen.usage.completion_tokens)
 
     async def _ack(self, msg: Msg) -> None:
         try:
@@ -477,7 +558,7 @@ class Worker(Lifecycle):
             request_id, _reply = reply_target(msg.data, msg.headers)
             if err.request_id is not None and is_token(err.request_id):
                 request_id = err.request_id
-            self.stats.rejected += 1
+            self._count("rejected", err.code.value)
             log.warning(
                 "request rejected",
                 code=err.code.value,
@@ -513,7 +594,7 @@ class Worker(Lifecycle):
         err: MeshError,
         attempt: int,
     ) -> None:
-        self.stats.failed += 1
+        self._count("failed", err.code.value)
         if err.retryable and attempt < self._stream.max_deliver:
             # Another attempt continues from what the store kept of ours.
             log.warning("generation failed; handing it on", code=err.code.value, error=err.message)

@@ -2,7 +2,9 @@
 
     POST /v1/chat/completions   stream or not; routes like any other request
     GET  /v1/models             the local model and the cloud model
-    GET  /health                edge id, models, live workers
+    GET  /health                liveness: the process serves HTTP
+    GET  /ready                 readiness: model loaded, NATS connected, cloud reachable
+    GET  /metrics               Prometheus metrics of every node in this process
 
 Extensions: a ``route`` field (``auto|local|cloud``) or an ``X-Mesh-Route`` header forces a
 path; every answer carries a ``mesh`` object (path, served_by, routing, fallback, timings) and
@@ -18,9 +20,11 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from mesh.logs import get_logger
+from mesh.metrics import exposition
 from mesh.queue import trace_headers
 from protocol.codec import error_event, invalid_request_error, to_exception
 from protocol.errors import (
@@ -198,6 +202,8 @@ class EdgeHTTP:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
         # A client that disconnects cancels its handler, which aborts the generation.
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
@@ -225,17 +231,17 @@ class EdgeHTTP:
         return web.json_response({"object": "list", "data": data})
 
     async def _health(self, _request: web.Request) -> web.Response:
-        edge = self.edge
-        workers = edge.nodes.live()
-        return web.json_response(
-            {
-                "status": "ok",
-                "edge_id": edge.edge_id,
-                "local_model": edge.backend.model,
-                "cloud_model": edge.settings.edge.cloud_model,
-                "workers_alive": len(workers),
-            }
-        )
+        """Liveness: this process answers HTTP (restart it if not)."""
+        return web.json_response({"status": "ok", "edge_id": self.edge.edge_id})
+
+    async def _ready(self, _request: web.Request) -> web.Response:
+        """Readiness: 200 when the edge can answer (degraded: locally only), 503 when not."""
+        ready = await self.edge.readiness()
+        ready["workers_alive"] = len(self.edge.nodes.live())
+        return web.json_response(ready, status=503 if ready["status"] == "not_ready" else 200)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=exposition.text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()

@@ -40,7 +40,7 @@ from mesh.connection import Connection
 from mesh.generate import generate_into
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields
-from mesh.metrics import Metrics
+from mesh.metrics import Counters, EdgeMetrics, NatsMetrics, exposition
 from mesh.provision import model_is_served
 from mesh.queue import trace_headers
 from mesh.registry import NodeView
@@ -86,16 +86,26 @@ class EdgeNode(Lifecycle):
         self.router = router
         self.edge_id = settings.edge.edge_id
         self.node_name = f"edge:{self.edge_id}"
-        self.metrics = Metrics()
+        self.metrics = Counters()
+        """Counters for ``nats micro stats mesh-edge``."""
+        self.prom = EdgeMetrics()
+        """Prometheus metrics (``/metrics`` on the HTTP API)."""
+        self._nats_metrics = NatsMetrics()
+        self._nats_metrics.watch(conn)
         self.records = Records(settings.edge.replay_window)
         self._es = settings.edge
         self._gate = LocalGate(backend, self._es.local_queue)
         self._tasks = TaskSet("edge")
+        """Requests in flight."""
+        self._background = TaskSet("edge-background")
         self._served: dict[str, tuple[bool, float]] = {}
         self._service: Service | None = None
+        self._metadata: dict[str, str] = {}
         self._accepting = False
         self.nodes = NodeView(conn, settings.stream.node_ttl)
         self.http: EdgeHTTP | None = None
+        self.prom.in_flight.set_function(self.records.in_flight)
+        self.prom.workers_live.set_function(lambda: len(self.nodes.live()))
 
     @property
     def subject(self) -> str:
@@ -108,16 +118,18 @@ class EdgeNode(Lifecycle):
             await self.nodes.start()
         except MeshError as err:  # degrade: without the registry, the start timeout decides
             log.warning("node registry unavailable", error=err.message)
+        self._metadata = {
+            "edge_id": self.edge_id,
+            "local_model": self.backend.model,
+            "cloud_model": self._es.cloud_model,
+            "status": "starting",
+        }
         self._service = await micro.add_service(
             nc,
             name="mesh-edge",
             version=__version__,
             description="mesh edge node: local inference with cloud escalation",
-            metadata={
-                "edge_id": self.edge_id,
-                "local_model": self.backend.model,
-                "cloud_model": self._es.cloud_model,
-            },
+            metadata=self._metadata,  # the service keeps this dict: INFO shows its updates
             stats_handler=lambda _endpoint: self.metrics.snapshot(),
         )
         group = f"mesh-edge-{self.edge_id}"
@@ -139,6 +151,9 @@ class EdgeNode(Lifecycle):
         # Once start() returns, the server knows our subscriptions: clients can reach us.
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self._accepting = True
+        for registry in (self.prom.registry, self._nats_metrics.registry):
+            exposition.add(registry)
+        self._background.supervise(self._refresh_metadata, name="edge-metadata")
         if self._es.http_port >= 0:
             self.http = EdgeHTTP(self, self._es.http_host, self._es.http_port)
             await self.http.start()
@@ -155,6 +170,7 @@ class EdgeNode(Lifecycle):
         if not self._accepting:
             return
         self._accepting = False
+        await self._background.close()
         if self.http is not None:
             await self.http.stop()  # stops accepting; in-flight HTTP answers finish first
         await self._tasks.close(grace=grace)
@@ -162,7 +178,40 @@ class EdgeNode(Lifecycle):
             with contextlib.suppress(nats.errors.Error):
                 await self._service.stop()
         await self.nodes.stop()
+        for registry in (self.prom.registry, self._nats_metrics.registry):
+            exposition.remove(registry)
         log.info("edge stopped", edge_id=self.edge_id, **self.metrics.snapshot())
+
+    async def readiness(self) -> dict[str, Any]:
+        """Whether the edge can answer, and how: ``status`` is ready, degraded (answers, but
+        only locally: the cloud is unreachable) or not_ready, with the reason for each part."""
+        health = await self.backend.health()
+        serves = self.nodes.serves(self._es.cloud_model)
+        cloud = {True: "reachable", False: "unreachable", None: "unknown"}[serves]
+        checks = {
+            "model": "loaded" if health.ok else f"not ready: {health.detail}",
+            "nats": "connected" if self.conn.connected else "disconnected",
+            "cloud": cloud,
+            "intake": "open" if self._accepting else "closed",
+        }
+        ready = health.ok and self.conn.connected and self._accepting
+        status = "not_ready" if not ready else ("ready" if serves is not False else "degraded")
+        reason = ""
+        if not ready:
+            reason = "; ".join(
+                v
+                for k, v in checks.items()
+                if k != "cloud" and v not in ("loaded", "connected", "open")
+            )
+        elif status == "degraded":
+            reason = f"no live worker serves {self._es.cloud_model!r}: answering locally"
+        return {"status": status, "reason": reason, "checks": checks, "edge_id": self.edge_id}
+
+    async def _refresh_metadata(self) -> None:
+        while True:
+            ready = await self.readiness()
+            self._metadata.update(status=ready["status"], cloud=ready["checks"]["cloud"])
+            await asyncio.sleep(1.0)
 
     # -- intake ----------------------------------------------------------------------------
     async def _on_request(self, request: Request) -> None:
@@ -274,7 +323,35 @@ class EdgeNode(Lifecycle):
                 record.task = None
                 self.records.finished(record)
                 _canonical_line(record, received, streaming=sink.streaming)
+                self._observe(record)
         return record
+
+    def _observe(self, record: Record) -> None:
+        """Prometheus: the request's outcome, latencies and tokens."""
+        outcome = record.state.outcome
+        prom = self.prom
+        if isinstance(outcome, EndEvent):
+            path = outcome.path
+            forced = outcome.routing is not None and outcome.routing.forced
+            prom.requests.labels(
+                path=path, route="forced" if forced else "auto", outcome="ok"
+            ).inc()
+            timings = outcome.timings
+            if timings.ttft_ms is not None:
+                prom.ttft.labels(path=path).observe(timings.ttft_ms / 1000)
+            tokens = outcome.usage.completion_tokens
+            if timings.gen_ms and tokens > 1:
+                prom.tpot.labels(path=path).observe(timings.gen_ms / 1000 / (tokens - 1))
+            if path == "cloud" and timings.queue_ms is not None:
+                prom.queue_wait.observe(timings.queue_ms / 1000)
+            prom.tokens.labels(direction="in", path=path).inc(outcome.usage.prompt_tokens)
+            prom.tokens.labels(direction="out", path=path).inc(tokens)
+        elif isinstance(outcome, ErrorEvent):
+            state = "cancelled" if outcome.code == ErrorCode.CANCELLED.value else "error"
+            prom.requests.labels(path="none", route="none", outcome=state).inc()
+            prom.errors.labels(code=outcome.code).inc()
+        if record.restarts:
+            prom.restarts.inc(record.restarts)
 
     async def _on_cancel(self, request: Request) -> None:
         record, inbox = self._own_record(request)
@@ -349,6 +426,9 @@ class EdgeNode(Lifecycle):
             )
         decision = self._too_long_for_local(req) or decide(self.router, req)
         self.metrics.inc(f"route.{decision.decision}" + (".forced" if decision.forced else ""))
+        self.prom.decisions.labels(
+            decision=decision.decision, forced=str(decision.forced).lower()
+        ).inc()
         log.info("routed", decision=decision.decision, score=decision.score, reason=decision.reason)
         fallback: str | None = None
         if decision.decision == "cloud":
@@ -362,6 +442,7 @@ class EdgeNode(Lifecycle):
             except Fallback as fb:
                 fallback = fb.reason
                 self.metrics.inc("fallback")
+                self.prom.fallbacks.labels(reason=fb.kind).inc()
                 log.warning("answering locally instead of the cloud", reason=fallback)
         await self._run_local(req, decision, record, received, fallback)
 

@@ -104,6 +104,8 @@ class Record:
     sinks: list[Sink] = field(default_factory=list)
     task: asyncio.Task[Any] | None = None
     finished_at: float | None = None
+    restarts: int = 0
+    """Times the answer passed on had to start over."""
 
     @property
     def done(self) -> bool:
@@ -112,6 +114,8 @@ class Record:
     async def emit(self, events: list[WireEvent]) -> None:
         """Pass events on to every sink, in order (a sink that fails is skipped, logged)."""
         for event in events:
+            if isinstance(event, StartEvent) and event.seq < self.state.positions:
+                self.restarts += 1
             self.state.feed(event)
             self.log.append(event)
             for sink in list(self.sinks):

@@ -61,11 +61,14 @@ _TICK_S = 0.25
 
 
 class Fallback(Exception):
-    """The cloud could not serve this request; answer locally, saying why."""
+    """The cloud could not serve this request; answer locally, saying why. ``kind`` is one of a
+    few words (for metrics): no_pool, no_worker, queue, deadline, not_started, no_first_token,
+    worker_stopped, not_continued, idle, cloud_error."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, kind: str) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.kind = kind
 
 
 def with_id(event: WireEvent, request_id: str) -> WireEvent:
@@ -111,9 +114,9 @@ class CloudRelay:
         self.local_fits = local_fits
         self.first_token: float | None = None
 
-    def _give_up(self, reason: str) -> Fallback:
+    def _give_up(self, reason: str, kind: str) -> Fallback:
         if self.local_fits:
-            return Fallback(reason)
+            return Fallback(reason, kind)
         raise UnavailableError(
             f"the cloud cannot serve this request ({reason}) and it is too long for the local "
             "model",
@@ -124,13 +127,15 @@ class CloudRelay:
         edge, req, es = self.edge, self.req, self.edge.settings.edge
         model = req.model or es.cloud_model
         if not await edge.is_served(model):
-            raise self._give_up(f"no worker pool serves {model!r}")
+            raise self._give_up(f"no worker pool serves {model!r}", "no_pool")
         if edge.nodes.serves(model) is False:
-            raise self._give_up(f"no live worker serves {model!r}")
+            raise self._give_up(f"no live worker serves {model!r}", "no_worker")
         now = time.time()
         deadline = req.deadline if req.deadline is not None else now + es.request_timeout
         if req.deadline is not None and deadline - now < es.cloud_min_budget and self.local_fits:
-            raise Fallback(f"deadline too near for the cloud ({deadline - now:.1f}s left)")
+            raise Fallback(
+                f"deadline too near for the cloud ({deadline - now:.1f}s left)", "deadline"
+            )
         # With no local answer to fall back on, the request may wait in the queue all along.
         start_timeout = min(es.cloud_start_timeout if self.local_fits else 1e9, deadline - now)
         queued = req.model_copy(
@@ -150,13 +155,14 @@ class CloudRelay:
         try:
             await call.open()
         except MeshError as err:
-            raise self._give_up(f"cloud queue unavailable: {err}") from None
+            raise self._give_up(f"cloud queue unavailable: {err}", "queue") from None
         try:
             await self._follow(call, model, start_timeout, deadline)
         except BaseException:
             await call.withdraw()
             raise
         finally:
+            edge.prom.repairs.inc(call.reader.repaired_events)
             await call.close()
 
     async def _follow(
@@ -198,7 +204,9 @@ class CloudRelay:
                     and event.code in FALLBACK_CODES
                     and self.record.state.positions == 0
                 ):
-                    raise self._give_up(f"the cloud failed: {event.code}: {event.message}")
+                    raise self._give_up(
+                        f"the cloud failed: {event.code}: {event.message}", "cloud_error"
+                    )
                 passed = self._edge_end(event) if isinstance(event, EndEvent) else event
                 await self.record.emit([with_id(passed, self.req.id)])
             if state.done:  # after the whole batch: a repair brings many events at once
@@ -208,13 +216,16 @@ class CloudRelay:
                 continue  # cut off, we cannot tell what the cloud does: only the deadline counts
             if not state.started:
                 if now > start_by:
-                    raise self._give_up(f"no worker started it within {start_timeout:g}s")
+                    raise self._give_up(
+                        f"no worker started it within {start_timeout:g}s", "not_started"
+                    )
                 if self.edge.nodes.serves(model) is False:
-                    raise self._give_up(f"no live worker serves {model!r}")
+                    raise self._give_up(f"no live worker serves {model!r}", "no_worker")
                 continue
             if first_token_by is not None and now > first_token_by:
                 raise self._give_up(
-                    f"worker {worker} produced no token within {first_token_wait:.1f}s"
+                    f"worker {worker} produced no token within {first_token_wait:.1f}s",
+                    "no_first_token",
                 )
             live = self.edge.nodes.is_live(worker)
             if live is False:
@@ -222,11 +233,17 @@ class CloudRelay:
                     gone_since = now
                     log.warning("the worker serving the request stopped", worker=worker)
                 if state.positions == 0 and self.local_fits:
-                    raise Fallback(f"worker {worker} stopped before its first token")
+                    raise Fallback(
+                        f"worker {worker} stopped before its first token", "worker_stopped"
+                    )
                 if now - gone_since > takeover:
-                    raise self._give_up(f"no worker continued the answer after {worker} stopped")
+                    raise self._give_up(
+                        f"no worker continued the answer after {worker} stopped", "not_continued"
+                    )
             elif now - reader.last_event > es.cloud_idle_timeout and state.positions > 0:
-                raise self._give_up(f"nothing from worker {worker} for {es.cloud_idle_timeout:g}s")
+                raise self._give_up(
+                    f"nothing from worker {worker} for {es.cloud_idle_timeout:g}s", "idle"
+                )
 
     def _edge_end(self, end: EndEvent) -> EndEvent:
         """The worker's end, with timings as the edge's client sees them."""

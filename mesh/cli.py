@@ -336,10 +336,14 @@ def _summary(end: EndEvent) -> str:
 async def _serve_role(settings: MeshSettings, role: str) -> int:
     from mesh.backends import create_backend
     from mesh.connection import Connection
+    from mesh.metrics import exposition
 
     model_settings = settings.worker.model if role == "worker" else settings.edge.model
+    metrics_port = settings.worker.metrics_port if role == "worker" else settings.edge.metrics_port
     backend = create_backend(model_settings)
     await backend.start()
+    if metrics_port >= 0:
+        print(f"Prometheus metrics on port {exposition.serve(metrics_port)}", flush=True)
     try:
         async with Connection(settings.nats, f"mesh-{role}") as conn:
             if role == "worker":
@@ -355,6 +359,7 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
                     await _until_signal()
     finally:
         await backend.close()
+        exposition.stop()
     return 0
 
 

@@ -181,6 +181,8 @@ class WorkerSettings(_Section):
     """Seconds in-flight requests get to finish on shutdown before they are cancelled."""
     publish_timeout: float = Field(default=5.0, gt=0)
     """Seconds to wait for the end message to be flushed before acking."""
+    metrics_port: int = Field(default=-1, ge=-1, le=65535)
+    """Port of the worker's Prometheus /metrics (-1: off, 0: any free port)."""
 
 
 class RouterSettings(_Section):
@@ -241,7 +243,10 @@ class EdgeSettings(_Section):
     http_host: str = "127.0.0.1"
     """Address of the OpenAI-compatible HTTP API."""
     http_port: int = Field(default=8080, ge=-1, le=65535)
-    """Port of the OpenAI-compatible HTTP API; -1 turns it off, 0 picks a free port."""
+    """Port of the OpenAI-compatible HTTP API (which also serves /metrics, /health, /ready);
+    -1 turns it off, 0 picks a free port."""
+    metrics_port: int = Field(default=-1, ge=-1, le=65535)
+    """Prometheus /metrics on a port of its own, besides the HTTP API's (-1: off)."""
 
 
 class LogSettings(_Section):

@@ -1,20 +1,42 @@
-"""In-process counters, exposed through each node's NATS micro-service STATS.
+"""Prometheus metrics for every node (``prometheus-client``), and the counters behind the NATS
+micro-service STATS.
 
-``nats micro stats mesh-edge`` shows them.
+Each node owns its metrics in a registry of its own (a process may run a worker and an edge,
+as ``mesh up`` does, and tests run many nodes); :func:`exposition` joins the registries of a
+process for one ``/metrics`` page. Names follow Prometheus conventions: ``mesh_<role>_...``,
+base units (seconds), ``_total`` for counters; labels take a few known values only.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from threading import Lock
+import contextlib
+import threading
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
-class Metrics:
-    """Named counters, labels flattened into the name (``route.cloud``, ``error.overloaded``)."""
+class Counters:
+    """Named counters, labels flattened into the name (``route.cloud``, ``error.overloaded``):
+    what ``nats micro stats`` shows."""
 
     def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-        self._lock = Lock()
+        self._counts: Tally[str] = Tally()
+        self._lock = threading.Lock()
 
     def inc(self, name: str, amount: int = 1) -> None:
         with self._lock:
@@ -26,3 +48,222 @@ class Metrics:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(sorted(self._counts.items()))
+
+
+class EdgeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "mesh_edge_requests",
+            "Requests answered, by the path that served them, how it was chosen, and outcome.",
+            ["path", "route", "outcome"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "mesh_edge_errors",
+            "Requests that ended in a typed error, by code.",
+            ["code"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "mesh_edge_time_to_first_token_seconds",
+            "From receiving a request to passing on its first token.",
+            ["path"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "mesh_edge_time_per_output_token_seconds",
+            "Generation time divided by output tokens, per request.",
+            ["path"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "mesh_edge_cloud_queue_wait_seconds",
+            "Time an escalated request waited in the work queue before a worker started it.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "mesh_edge_requests_in_flight", "Requests being answered now.", registry=r
+        )
+        self.tokens = Counter(
+            "mesh_edge_tokens",
+            "Prompt (in) and completion (out) tokens.",
+            ["direction", "path"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "mesh_edge_route_decisions",
+            "Router decisions (forced: the client chose the route).",
+            ["decision", "forced"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "mesh_edge_fallbacks",
+            "Escalations answered locally instead, by why the cloud could not serve them.",
+            ["reason"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "mesh_edge_answer_restarts",
+            "Answers passed on that had to start over (a worker died, nothing to continue).",
+            registry=r,
+        )
+        self.repairs = Counter(
+            "mesh_edge_answer_repairs",
+            "Events fetched again from the answer store after they were missed.",
+            registry=r,
+        )
+        self.cloud_share = Gauge(
+            "mesh_edge_cloud_budget_share",
+            "Share of router-decided requests escalated, over the budget window.",
+            registry=r,
+        )
+        self.cloud_threshold = Gauge(
+            "mesh_edge_cloud_budget_threshold", "Router score threshold now in force.", registry=r
+        )
+        self.workers_live = Gauge(
+            "mesh_edge_live_workers", "Workers the node registry shows alive.", registry=r
+        )
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "mesh_worker_requests",
+            "Deliveries handled, by outcome (completed, failed, rejected, cancelled, requeued, "
+            "already_done).",
+            ["outcome"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "mesh_worker_errors",
+            "Deliveries that ended in a typed error, by code.",
+            ["code"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "mesh_worker_queue_wait_seconds",
+            "From the request's publish to the start of its generation.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "mesh_worker_time_to_first_token_seconds",
+            "From the start of generation to the first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "mesh_worker_time_per_output_token_seconds",
+            "Generation time divided by output tokens, per request.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge("mesh_worker_requests_in_flight", "Requests generating.", registry=r)
+        self.slots = Gauge(
+            "mesh_worker_slots", "Requests the engine generates at once.", registry=r
+        )
+        self.free_slots = Gauge("mesh_worker_free_slots", "Slots free now.", registry=r)
+        self.tokens = Counter(
+            "mesh_worker_tokens",
+            "Prompt (in) and completion (out) tokens.",
+            ["direction"],
+            registry=r,
+        )
+        self.redeliveries = Counter(
+            "mesh_worker_redeliveries",
+            "Deliveries of a request another worker had before (attempt > 1).",
+            registry=r,
+        )
+        self.takeovers = Counter(
+            "mesh_worker_takeovers",
+            "Redelivered answers taken over: continued from the stored prefix, or started over.",
+            ["kind"],
+            registry=r,
+        )
+        self.republished = Counter(
+            "mesh_worker_events_republished",
+            "Answer events published again after a reconnect lost them.",
+            registry=r,
+        )
+
+
+class NatsMetrics(Collector):
+    """Reconnects and slow-consumer drops of the connections a node uses, read at scrape time
+    from the connections' own counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._connections: dict[str, Any] = {}
+        self.registry.register(self)
+
+    def watch(self, connection: Any) -> None:
+        """``connection``: a :class:`mesh.connection.Connection`."""
+        self._connections[connection.name] = connection
+
+    def collect(self) -> Iterator[Any]:
+        reconnects = CounterMetricFamily(
+            "mesh_nats_reconnects", "Reconnects of a NATS connection.", labels=["connection"]
+        )
+        drops = CounterMetricFamily(
+            "mesh_nats_message_losses",
+            "Reconnects plus slow-consumer drops: times a reader may have missed messages.",
+            labels=["connection"],
+        )
+        for name, conn in self._connections.items():
+            reconnects.add_metric([name], conn.reconnects)
+            drops.add_metric([name], conn.losses)
+        yield reconnects
+        yield drops
+
+
+class _Union(Collector):
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self._registries = registries
+
+    def collect(self) -> Iterator[Any]:
+        for registry in list(self._registries):
+            yield from registry.collect()
+
+
+class Exposition:
+    """The metrics of every node of this process, in one text page."""
+
+    def __init__(self) -> None:
+        self._registries: list[CollectorRegistry] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Union(self._registries))
+        self._servers: dict[int, Any] = {}
+
+    def add(self, registry: CollectorRegistry) -> None:
+        if registry not in self._registries:
+            self._registries.append(registry)
+
+    def remove(self, registry: CollectorRegistry) -> None:
+        with contextlib.suppress(ValueError):
+            self._registries.remove(registry)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:  # noqa: S104 - a scrape target
+        """Serve ``/metrics`` on ``port`` (0: any free port); returns the port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = int(server.server_address[1])
+        self._servers[bound] = server
+        return bound
+
+    def stop(self) -> None:
+        for server in self._servers.values():
+            server.shutdown()
+        self._servers.clear()
+
+
+exposition = Exposition()
+"""This process's metrics page."""

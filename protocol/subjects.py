@@ -6,6 +6,7 @@
 - ``mesh.v1.cancel.<request_id>``: core NATS, cancel one queued request (workers listen)
 - ``mesh.v1.edge.<edge_id>.infer``: core NATS request-reply (micro service), an edge's entry;
   ``.cancel`` and ``.resend`` beside it let the sender cancel or fetch missed events
+- ``mesh.v1.worker.<node_id>.status``: a worker's status (micro service ``mesh-worker``)
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def edge_resend_subject(edge_id: str) -> str:
     """Where a client asks an edge to send again the events of its request that it missed."""
     _check_token(edge_id, "edge id")
     return f"{PREFIX}.edge.{edge_id}.resend"
+
+
+def worker_status_subject(node_id: str) -> str:
+    """A worker's status endpoint (its micro service ``mesh-worker``)."""
+    return f"{PREFIX}.worker.{model_token(node_id)}.status"
 
 
 def consumer_name(model: str) -> str:
