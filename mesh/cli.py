@@ -5,7 +5,7 @@ mesh up                        run the local mesh (nats-server + worker + edge) 
 mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
 mesh worker | mesh edge        run one role against MESH_NATS_URL
 mesh provision                 create/update the stream and consumers
-mesh status                    live workers (node registry) and queue depth per model
+mesh status [--json]           workers, edges, capacity, queue depth and pending acks
 mesh router train | eval       rebuild the shipped router weights / evaluate the router
 mesh router score --data DIR   score labelled data with the shipped weights [--json]
 mesh config                    list every setting with its env var and default
@@ -124,7 +124,10 @@ def _parser() -> argparse.ArgumentParser:
         dest="models",
         help="model to provision a consumer for (repeatable)",
     )
-    sub.add_parser("status", parents=[common], help="live workers and queue depth")
+    status = sub.add_parser(
+        "status", parents=[common], help="workers, edges, capacity, queue depth, pending acks"
+    )
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
     router = sub.add_parser("router", help="train, evaluate or score the learned router")
     router_sub = router.add_subparsers(dest="router_command", required=True)
     data = argparse.ArgumentParser(add_help=False)
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 return router_score(router_settings, max(1, args.window), args.json)
             return router_eval(data_dir, args.group_seeds, args.latency_n)
         if args.command == "status":
-            return _run(lambda: _status(_settings(args, quiet=True)))
+            return _run(lambda: _status(_settings(args, quiet=True), args.json))
     except MeshError as err:
         print(f"mesh: error: {err}", file=sys.stderr)
         return 2
@@ -363,47 +366,13 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
     return 0
 
 
-async def status_lines(conn: Any, settings: MeshSettings) -> list[str]:
-    """Live workers from the node registry, and each model queue's depth."""
-    from nats.js.errors import NotFoundError
-
-    from mesh.registry import NodeView
-
-    view = NodeView(conn, settings.stream.node_ttl)
-    await view.start()
-    try:
-        for _ in range(50):  # the initial snapshot arrives within a few ms
-            if view.ready:
-                break
-            await asyncio.sleep(0.02)
-        workers = view.live()
-    finally:
-        await view.stop()
-    lines = [f"workers alive: {len(workers)}"]
-    lines += [
-        f"  {w.node_id:<32} models={','.join(w.models)} slots={w.slots} free={w.free}"
-        for w in workers
-    ]
-    jsm = conn.jsm()
-    try:
-        stream = await jsm.stream_info(settings.stream.name)
-    except NotFoundError:
-        return [*lines, f"queue {settings.stream.name}: not provisioned"]
-    lines.append(f"queue {settings.stream.name}: {stream.state.messages} waiting")
-    for consumer in await jsm.consumers_info(settings.stream.name):
-        lines.append(
-            f"  {consumer.name:<32} pending={consumer.num_pending} "
-            f"in_flight={consumer.num_ack_pending} redelivered={consumer.num_redelivered}"
-        )
-    return lines
-
-
-async def _status(settings: MeshSettings) -> int:
+async def _status(settings: MeshSettings, as_json: bool) -> int:
     from mesh.connection import Connection
+    from mesh.status import collect_status, render
 
     async with Connection(settings.nats, "mesh-status") as conn:
-        for line in await status_lines(conn, settings):
-            print(line)
+        status = await collect_status(conn, settings)
+    print(json.dumps(status, indent=2) if as_json else "\n".join(render(status)))
     return 0
 
 

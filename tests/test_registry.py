@@ -51,13 +51,22 @@ async def test_edge_view_follows_worker_start_stop_and_crash(
         await asyncio.sleep(0)
 
 
-async def test_mesh_status_lists_live_workers(
-    settings: MeshSettings, conn: Connection, worker_backend: LlamaCppBackend
+async def test_mesh_status_shows_workers_edges_capacity_and_the_queue(
+    settings: MeshSettings, conn: Connection, worker_backend: LlamaCppBackend, edge: object
 ) -> None:
-    from mesh.cli import status_lines
+    from mesh.status import collect_status, render
 
     async with Worker(settings, conn, worker_backend) as worker:
-        lines = await status_lines(conn, settings)
-    text = "\n".join(lines)
-    assert worker.node_id in text and "smollm2" in text
-    assert "queue MESH_INFER" in text and "workers_smollm2" in text
+        status = await collect_status(conn, settings)
+    assert [w["node_id"] for w in status["workers"]] == [worker.node_id]
+    assert status["workers"][0]["slots"] == 1 and "completed" in status["workers"][0]
+    assert status["capacity"] == {"slots": 1, "free": 1}
+    assert [e["edge_id"] for e in status["edges"]] == [settings.edge.edge_id]
+    assert status["edges"][0]["status"] in {"ready", "degraded", "starting"}
+    queue = status["queue"]
+    assert queue["stream"] == "MESH_INFER" and queue["waiting"] == 0
+    assert queue["consumers"][0]["name"] == "workers_smollm2"
+    assert queue["consumers"][0]["unacked"] == 0
+    text = "\n".join(render(status))
+    assert worker.node_id in text and "queue MESH_INFER" in text and "workers_smollm2" in text
+    assert settings.edge.edge_id in text

@@ -1,0 +1,157 @@
+"""``mesh status``: the whole mesh at a glance, from what NATS already knows.
+
+- workers: the node registry (who is alive, their slots) and each worker's micro-service STATS
+  (in flight, completed, taken over...);
+- edges: each edge's micro-service INFO and STATS (readiness, routes, fallbacks);
+- the work queue: messages waiting, and per model consumer what is pending and unacked;
+- the answer store: events kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+import nats.errors
+from nats.js.errors import NotFoundError
+
+from mesh.config import MeshSettings
+from mesh.connection import Connection
+from mesh.registry import NodeView
+
+
+async def gather(conn: Connection, subject: str, wait: float = 0.3) -> list[dict[str, Any]]:
+    """Every reply to one request within ``wait`` seconds (the micro-service discovery way)."""
+    nc = conn.nc
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    replies: list[dict[str, Any]] = []
+    try:
+        await nc.publish(subject, b"", reply=inbox)
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                break
+            with contextlib.suppress(ValueError):
+                replies.append(json.loads(msg.data))
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+    return replies
+
+
+async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, Any]:
+    view = NodeView(conn, settings.stream.node_ttl)
+    await view.start()
+    try:
+        for _ in range(50):  # the initial snapshot arrives within a few ms
+            if view.ready:
+                break
+            await asyncio.sleep(0.02)
+        workers = view.live()
+    finally:
+        await view.stop()
+    worker_stats, edge_infos, edge_stats = await asyncio.gather(
+        gather(conn, "$SRV.STATS.mesh-worker"),
+        gather(conn, "$SRV.INFO.mesh-edge"),
+        gather(conn, "$SRV.STATS.mesh-edge"),
+    )
+    by_node = {
+        ep["data"].get("node_id"): ep["data"]
+        for reply in worker_stats
+        for ep in reply.get("endpoints", [])
+        if isinstance(ep.get("data"), dict)
+    }
+    counters_by_id = {
+        reply.get("id"): next(
+            (ep["data"] for ep in reply.get("endpoints", []) if isinstance(ep.get("data"), dict)),
+            {},
+        )
+        for reply in edge_stats
+    }
+    status: dict[str, Any] = {
+        "workers": [
+            {**w.model_dump(), **by_node.get(w.node_id, {})}
+            for w in workers
+        ],
+        "edges": [
+            {**info.get("metadata", {}), "counters": counters_by_id.get(info.get("id"), {})}
+            for info in edge_infos
+        ],
+    }
+    status["capacity"] = {
+        "slots": sum(w.slots for w in workers),
+        "free": sum(w.free for w in workers),
+    }
+    jsm = conn.jsm()
+    try:
+        stream = await jsm.stream_info(settings.stream.name)
+    except NotFoundError:
+        status["queue"] = None
+    else:
+        status["queue"] = {
+            "stream": settings.stream.name,
+            "waiting": stream.state.messages,
+            "consumers": [
+                {
+                    "name": c.name,
+                    "pending": c.num_pending,
+                    "unacked": c.num_ack_pending,
+                    "redelivered": c.num_redelivered,
+                }
+                for c in await jsm.consumers_info(settings.stream.name)
+            ],
+        }
+    try:
+        store = await jsm.stream_info(settings.stream.answer_stream)
+    except NotFoundError:
+        status["answer_store"] = None
+    else:
+        status["answer_store"] = {
+            "stream": settings.stream.answer_stream,
+            "events": store.state.messages,
+            "bytes": store.state.bytes,
+        }
+    return status
+
+
+def render(status: dict[str, Any]) -> list[str]:
+    """``status`` as the table ``mesh status`` prints."""
+    cap = status["capacity"]
+    lines = [f"workers alive: {len(status['workers'])} (slots {cap['slots']}, free {cap['free']})"]
+    for w in status["workers"]:
+        lines.append(
+            f"  {w['node_id']:<32} models={','.join(w['models'])} slots={w['slots']} "
+            f"free={w['free']} in_flight={w.get('in_flight', '?')} "
+            f"completed={w.get('completed', '?')} continued={w.get('continued', '?')}"
+        )
+    lines.append(f"edges: {len(status['edges'])}")
+    for e in status["edges"]:
+        counters = e.get("counters", {})
+        routes = {k: v for k, v in counters.items() if k.startswith(("route.", "fallback"))}
+        lines.append(
+            f"  {e.get('edge_id', '?'):<32} status={e.get('status', '?')} "
+            f"cloud={e.get('cloud', '?')} {' '.join(f'{k}={v}' for k, v in routes.items())}"
+        )
+    queue = status["queue"]
+    if queue is None:
+        lines.append("queue: not provisioned")
+    else:
+        lines.append(f"queue {queue['stream']}: {queue['waiting']} waiting")
+        lines += [
+            f"  {c['name']:<32} pending={c['pending']} in_flight={c['unacked']} "
+            f"redelivered={c['redelivered']}"
+            for c in queue["consumers"]
+        ]
+    store = status["answer_store"]
+    if store is not None:
+        lines.append(
+            f"answer store {store['stream']}: {store['events']} events, "
+            f"{store['bytes'] / 1024 / 1024:.1f} MiB"
+        )
+    return lines
