@@ -67,7 +67,7 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
         for ep in reply.get("endpoints", [])
         if isinstance(ep.get("data"), dict)
     }
-    counters_by_id = {
+    counters_by_id: dict[Any, dict[str, Any]] = {
         reply.get("id"): next(
             (ep["data"] for ep in reply.get("endpoints", []) if isinstance(ep.get("data"), dict)),
             {},
