@@ -129,7 +129,7 @@ def dump_token(  # noqa: PLR0917 - the hot path takes plain values, not a model
 
 def dump_event(event: BaseModel, fmt: WireFormat) -> bytes:
     """Encode any event, token events through the fast path."""
-    if isinstance(event, TokenEvent):
+    if isinstance(event, TokenEvent) and event.logprobs is None:
         return dump_token(event.id, event.seq, event.text, event.attempt, fmt, event.n)
     return dump(event, fmt)
 
@@ -216,8 +216,8 @@ def decode_event(data: bytes, headers: Mapping[str, str] | None = None) -> Any:
 def _token_fast(raw: Any) -> TokenEvent | None:
     """A well-formed token event without pydantic's validation (the hot path); None when the map
     is anything else or anything looks off, so the full validation decides."""
-    if not isinstance(raw, dict) or raw.get("t") != "tok" or len(raw) > 7:
-        return None
+    if not isinstance(raw, dict) or raw.get("t") != "tok" or len(raw) > 6:
+        return None  # logprobs (a 7th field) take the validated path
     rid, seq, text = raw.get("id"), raw.get("seq"), raw.get("text")
     attempt, n = raw.get("attempt", 1), raw.get("n", 1)
     if (
@@ -235,7 +235,7 @@ def _token_fast(raw: Any) -> TokenEvent | None:
     return None
 
 
-_TOKEN_FIELDS = frozenset({"t", "id", "seq", "text", "attempt", "n", "logprobs"})
+_TOKEN_FIELDS = frozenset({"t", "id", "seq", "text", "attempt", "n"})
 
 
 def error_event(error: MeshError, request_id: str | None = None) -> ErrorEvent:

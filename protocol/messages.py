@@ -63,6 +63,27 @@ class RouteDecision(_Wire):
     the per-minute cap. Optional; older peers ignore it."""
 
 
+class ResponseFormat(_Wire):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+    """For ``json_schema``: ``{"name": ..., "schema": {...}, "strict": ...}`` as OpenAI has it."""
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and not (self.json_schema or {}).get("schema"):
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return self
+
+    def json_schema_of(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must follow (None: any JSON object, or free text)."""
+        if self.type != "json_schema" or self.json_schema is None:
+            return None
+        schema = self.json_schema.get("schema")
+        return schema if isinstance(schema, dict) else None
+
+
 class InferRequest(_Wire):
     """An inference request: what a client sends to an edge and what an edge queues for workers."""
 
@@ -93,6 +114,14 @@ class InferRequest(_Wire):
     """The edge's decision, carried to the worker for its logs."""
     stream: bool = False
     """Edge entry only: stream events to the reply inbox instead of one complete answer."""
+    raw: bool = False
+    """``prompt`` is the model's whole input, with no chat template (``/v1/completions``)."""
+    response_format: ResponseFormat | None = None
+    """Constrain the answer to JSON (``json_object``) or to a JSON schema (``json_schema``)."""
+    logprobs: bool = False
+    """Return each token's log probability."""
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    """With ``logprobs``: this many most likely alternatives per token."""
     cancel_key: str | None = Field(default=None, min_length=8, max_length=128)
     """A secret of the sender's. When set, a cancel acts on this request only if it carries the
     same key, so only the sender can cancel. The SDK and the edge always set one."""
@@ -162,6 +191,14 @@ class Timings(_Wire):
     tokens_per_s: float | None = None
 
 
+class TokenLogprob(_Wire):
+    """One engine token with its log probability and, if asked, the likeliest alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] | None = None
+
+
 class TokenEvent(_Wire):
     t: Literal["tok"] = "tok"
     id: str
@@ -173,7 +210,8 @@ class TokenEvent(_Wire):
     """Delivery attempt that produced this text (JetStream ``num_delivered``)."""
     n: int = Field(default=1, ge=0)
     """Engine tokens in ``text`` (a continuation subtracts them from ``max_tokens``)."""
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per engine token in ``text``, when the request asked for logprobs."""
 
 
 class StartEvent(_Wire):

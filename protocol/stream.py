@@ -46,6 +46,7 @@ from protocol.messages import (
     StartEvent,
     Timings,
     TokenEvent,
+    TokenLogprob,
     Usage,
     WireEvent,
 )
@@ -72,6 +73,9 @@ def request_fingerprint(request: InferRequest) -> str:
         "top_p": request.top_p,
         "stop": request.stop,
         "seed": request.seed,
+        "raw": request.raw,
+        "format": request.response_format.model_dump() if request.response_format else None,
+        "logprobs": [request.logprobs, request.top_logprobs],
     }
     blob = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
@@ -122,10 +126,18 @@ class AnswerWriter:
             reason=self.reason,
         )
 
-    def token(self, text: str, n: int = 1) -> TokenEvent:
+    def token(
+        self, text: str, n: int = 1, logprobs: list[TokenLogprob] | None = None
+    ) -> TokenEvent:
         """The next position; ``n`` is how many engine tokens ``text`` holds."""
         event = TokenEvent.model_construct(
-            t="tok", id=self.request_id, seq=self.seq, text=text, attempt=self.attempt, n=n
+            t="tok",
+            id=self.request_id,
+            seq=self.seq,
+            text=text,
+            attempt=self.attempt,
+            n=n,
+            logprobs=logprobs,
         )
         self.seq += 1
         self.digest = digest_of(text, self.digest)
@@ -193,6 +205,7 @@ class AnswerState:
         self.texts: list[str] = []
         self._digests: list[int] = []
         self._tokens: list[int] = []
+        self._logprobs: list[list[TokenLogprob] | None] = []
         self.outcome: EndEvent | ErrorEvent | None = None
         self.held: list[WireEvent] = []
         self._max_held = max_held
@@ -302,6 +315,7 @@ class AnswerState:
             self.texts.append(event.text)
             self._digests.append(digest_of(event.text, self._digests[-1] if self._digests else 0))
             self._tokens.append(event.n)
+            self._logprobs.append(event.logprobs)
             out.append(event)
         elif isinstance(event, StartEvent):
             self._start(event, out)
@@ -324,7 +338,7 @@ class AnswerState:
             return
         keep = event.seq
         passed_on_beyond = self.positions > keep
-        del self.texts[keep:], self._digests[keep:], self._tokens[keep:]
+        del self.texts[keep:], self._digests[keep:], self._tokens[keep:], self._logprobs[keep:]
         self.attempt = event.attempt
         self.node = event.node
         if not passed_on_beyond:
@@ -342,10 +356,18 @@ class AnswerState:
                 reason=event.reason,
             )
         )
-        for seq, (text, n) in enumerate(zip(self.texts, self._tokens, strict=True)):
+        for seq, (text, n, logprobs) in enumerate(
+            zip(self.texts, self._tokens, self._logprobs, strict=True)
+        ):
             out.append(
                 TokenEvent.model_construct(
-                    t="tok", id=self.request_id, seq=seq, text=text, attempt=event.attempt, n=n
+                    t="tok",
+                    id=self.request_id,
+                    seq=seq,
+                    text=text,
+                    attempt=event.attempt,
+                    n=n,
+                    logprobs=logprobs,
                 )
             )
 
