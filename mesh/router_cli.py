@@ -31,8 +31,9 @@ def router_train(data_dir: str | None, out: str | None) -> int:
     model.save(path)
     size = len(model.to_json().encode())
     print(
-        f"wrote {path} ({size / 1024:.0f} KiB, {len(model.buckets)} n-gram weights, "
-        f"{len(model.scalar_weights)} scalar weights) in {time.perf_counter() - started:.1f}s"
+        f"wrote {path} ({size / 1024:.0f} KiB, {len(model.buckets)} n-grams and "
+        f"{len(model.scalar_weights)} scalars x {len(model.bias)} heads) "
+        f"in {time.perf_counter() - started:.1f}s"
     )
     return 0
 

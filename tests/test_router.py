@@ -3,6 +3,7 @@ and a real-mesh check that decisions and their reasons reach the client."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -58,6 +59,17 @@ def test_features_read_prompt_structure() -> None:
     assert plain["multiple choice"] == 0.0 and plain["numbers"] == 0.0
     chat = dict(zip(SCALAR_NAMES, extract("a b", turns=4).scalars, strict=True))
     assert chat["conversation turns"] == pytest.approx(math.log(4))
+    law = extract(
+        "Is the defendant liable?\nA. Yes, because he consented.\nB. Yes, unless he was warned."
+        "\nC. No, because he did not consent.\nD. No, since the statute bars the claim."
+    )
+    named = dict(zip(SCALAR_NAMES, law.scalars, strict=True))
+    assert named["parallel options (same first word)"] == 1.0  # Yes/Yes, No/No
+    assert named["conditional options (because/if/unless)"] == 1.0
+    assert 0.1 < named["similar options"] < 0.5
+    distinct = dict(zip(SCALAR_NAMES, mc.scalars, strict=True))
+    assert distinct["similar options"] == 0.0
+    assert distinct["parallel options (same first word)"] == 0.0
 
 
 def test_feature_hashing_is_the_same_in_every_process() -> None:
@@ -171,11 +183,45 @@ def test_weights_round_trip(shipped: RouterModel, tmp_path: Path) -> None:
     assert WEIGHTS_PATH.stat().st_size < 256 * 1024  # small enough to ship
 
 
+def test_weights_of_the_one_head_format_still_load(shipped: RouterModel, tmp_path: Path) -> None:
+    """mesh-router/1 files (one logistic head, flat lists) load and score as that head."""
+    body = json.loads(shipped.to_json())
+    head = 1  # keep the "escalation helps" head alone, as a v1 file would hold one head
+    v1 = {
+        **body,
+        "format": "mesh-router/1",
+        "bucket_weights": body["bucket_weights"][head],
+        "scalar_weights": body["scalar_weights"][head],
+        "bias": body["bias"][head],
+    }
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    old = RouterModel.load(tmp_path / "v1.json")
+    assert old.bucket_weights.shape == (len(old.buckets), 1)
+    features = extract(MATH)
+    z = shipped.head_logits(features)[head]
+    a, b = shipped.platt
+    assert old.probability(MATH) == pytest.approx(1 / (1 + math.exp(-(a * z + b))))
+    assert isinstance(old.explain(MATH)[1], list)
+
+
 # -- training: determinism, reproducibility, calibration -----------------------------------
 @needs_data
 def test_training_is_deterministic(data: Dataset) -> None:
     subset = data.subset(np.arange(0, len(data.prompts), 4))
     assert train_on(subset).to_json() == train_on(subset).to_json()
+
+
+@needs_data
+def test_both_targets_train_a_probability_of_local_failure(data: Dataset) -> None:
+    subset = data.subset(np.arange(0, len(data.prompts), 4))
+    binary = train_on(subset, TrainConfig(target="local_wrong"))
+    three = train_on(subset, TrainConfig(target="three_class"))
+    assert binary.bucket_weights.shape[1] == 1 and three.bucket_weights.shape[1] == 2
+    assert three.meta["classes"] == ["local right", "both wrong", "escalation helps"]
+    for model in (binary, three):
+        assert model.probability(MATH) > model.probability(SIMPLE)
+    with pytest.raises(ValueError, match="unknown router target"):
+        train_on(subset, TrainConfig(target="nonsense"))
 
 
 @needs_data

@@ -209,7 +209,7 @@ def test_the_budget_survives_a_restart(tmp_path: Path, shipped: RouterModel) -> 
     # Other weights score differently: their saved state is not reused.
     other = tmp_path / "other.json"
     body = json.loads(WEIGHTS_PATH.read_text())
-    body["bias"] += 0.5
+    body["bias"] = [b + 0.5 for b in body["bias"]]
     other.write_text(json.dumps(body))
     elsewhere = create_router(RouterSettings(budget_state=str(state), weights=str(other)))
     assert isinstance(elsewhere, LearnedRouter) and elsewhere.budget is not None

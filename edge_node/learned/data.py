@@ -46,6 +46,15 @@ class Dataset:
         """The local model is wrong and the cloud is right: the label AUC is reported against."""
         return ((self.weak == 0) & (self.strong == 1)).astype(np.int8)
 
+    def classes(self, target: str) -> tuple[np.ndarray, int]:
+        """Training classes and their number; class 0 is always "the local model is right".
+        ``three_class``: 1 both wrong, 2 escalation helps; ``local_wrong``: 1 local wrong."""
+        if target == "local_wrong":
+            return self.local_fails.astype(np.int64), 2
+        if target == "three_class":
+            return (self.local_fails + self.escalation_helps).astype(np.int64), 3
+        raise ValueError(f"unknown router target {target!r}")
+
     @property
     def outcome(self) -> np.ndarray:
         """The four (local, cloud) outcomes as 0..3, for stratified folds."""

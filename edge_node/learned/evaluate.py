@@ -103,11 +103,11 @@ def out_of_fold(
 ) -> np.ndarray:
     """Calibrated probabilities for every row from a model that never saw its fold."""
     scores = np.empty(len(rows))
+    y, classes = data.classes(cfg.target)
     for fold in np.unique(folds):
         train_idx, test_idx = np.flatnonzero(folds != fold), np.flatnonzero(folds == fold)
-        model = train(
-            [rows[i] for i in train_idx], data.local_fails[train_idx], data.outcome[train_idx], cfg
-        )
+        subset = [rows[i] for i in train_idx]
+        model = train(subset, y[train_idx], data.outcome[train_idx], cfg, classes=classes)
         dense = model.standardise(np.array([rows[i].scalars for i in test_idx]))
         logits = np.array([model.logit(rows[i], d) for i, d in zip(test_idx, dense, strict=True)])
         scores[test_idx] = sigmoid(model.platt[0] * logits + model.platt[1])

@@ -22,6 +22,8 @@ _MASK = (1 << HASH_BITS) - 1
 _TOKEN = re.compile(r"[a-z]+|\d+|[^\sa-z\d]")
 _OPTION = re.compile(r"^\s*([A-J])[.)]\s*(.*)$", re.MULTILINE)
 _NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*")
+_WORD = re.compile(r"[a-z]+")
+_CONDITIONS = frozenset(("because", "unless", "if", "since", "only"))
 _MULTI_STEP = (
     "each",
     "per",
@@ -72,6 +74,9 @@ SCALAR_NAMES = (
     "judgement wording",
     "numbers in the question",
     "true/false options",
+    "similar options",
+    "parallel options (same first word)",
+    "conditional options (because/if/unless)",
 )
 # Words too common to explain a decision on their own.
 _STOPWORD_TEXT = """a an the of to in on at by for with from as into is are was were be been it
@@ -181,8 +186,25 @@ def _scalars(text: str, low: str, tokens: list[str], turns: int, full_length: in
         float(counts["best"] + sum(low.count(p) for p in _JUDGEMENT) > 0),
         math.log1p(max(0, numbers - option_numbers)),
         true_false / n_options if multiple_choice else 0.0,
+        *(_option_likeness([o[1] for o in options]) if multiple_choice else (0.0, 0.0, 0.0)),
     )
     return np.array(values, dtype=float)
+
+
+def _option_likeness(options: list[str]) -> tuple[float, float, float]:
+    """How finely the options must be told apart: mean word overlap (Jaccard) of option pairs,
+    share of options whose first word another option shares ("Yes, because" / "No, because"
+    counts once the reasons differ), and share of options that argue a condition."""
+    words = [_WORD.findall(o.lower()) for o in options]
+    sets = [set(w) for w in words]
+    overlaps = [
+        len(a & b) / len(a | b) if a | b else 0.0 for i, a in enumerate(sets) for b in sets[i + 1 :]
+    ]
+    firsts = [w[0] if w else "" for w in words]
+    parallel = sum(1 for f in firsts if f and firsts.count(f) > 1)
+    conditional = sum(1 for w in sets if w & _CONDITIONS)
+    n = len(options)
+    return sum(overlaps) / len(overlaps), parallel / n, conditional / n
 
 
 def ngram_text(tokens: tuple[str, ...], bucket: int) -> str | None:

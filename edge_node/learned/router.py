@@ -82,18 +82,28 @@ def budget_from_settings(
     )
 
 
+CLASS_NAMES = {
+    "three_class": ["local right", "both wrong", "escalation helps"],
+    "local_wrong": ["local right", "local wrong"],
+}
+
+
 def train_on(data: Dataset, cfg: TrainConfig | None = None) -> RouterModel:
     """The shipped model: trained on every row of the routing data."""
+    cfg = cfg or TrainConfig()
     rows = [extract(p) for p in data.prompts]
     subjects = sorted(set(data.subject.tolist()))
+    y, classes = data.classes(cfg.target)
     return train(
         rows,
-        data.local_fails,
+        y,
         data.outcome,
         cfg,
         meta={
             "label": "local model fails (weak model wrong)",
+            "classes": CLASS_NAMES[cfg.target],
             "subjects": len(subjects),
             "base_rate": round(float(np.mean(data.local_fails)), 4),
         },
+        classes=classes,
     )

@@ -21,6 +21,9 @@ class TrainConfig:
     max_iter: int = 100
     calib_folds: int = 3
     seed: int = 0
+    target: str = "three_class"
+    """``three_class``: local right / both wrong / escalation helps (a head for each of the last
+    two); ``local_wrong``: one logistic head. Either way the score is P(local model wrong)."""
 
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
@@ -76,16 +79,27 @@ def lbfgs(
 class _Head:
     buckets: np.ndarray
     bucket_weights: np.ndarray
+    """(buckets, heads): one column per class other than class 0 ("local right")."""
     scalar_weights: np.ndarray
-    bias: float
+    bias: np.ndarray
 
     def logits(self, rows: Sequence[Features], dense: np.ndarray) -> np.ndarray:
-        ngrams = [bucket_score(self.buckets, self.bucket_weights, r.buckets) for r in rows]
-        return np.array(ngrams) + dense @ self.scalar_weights + self.bias
+        """Log-odds that the local model fails: log P(any class but 0) / P(class 0)."""
+        weights = self.bucket_weights
+        ngrams = np.array([bucket_score(self.buckets, weights, r.buckets) for r in rows])
+        return fail_logit(ngrams + dense @ self.scalar_weights + self.bias)
 
 
-def fit_head(rows: Sequence[Features], dense: np.ndarray, y: np.ndarray, cfg: TrainConfig) -> _Head:
-    """One logistic-regression head; the bucket vocabulary comes from these rows only."""
+def fail_logit(z: np.ndarray) -> np.ndarray:
+    """Class 0 has logit 0, so log P(not 0) / P(0) is the log-sum-exp of the other logits."""
+    return np.logaddexp.reduce(z, axis=-1) if z.shape[-1] > 1 else z[..., 0]
+
+
+def fit_head(
+    rows: Sequence[Features], dense: np.ndarray, y: np.ndarray, cfg: TrainConfig, classes: int = 2
+) -> _Head:
+    """Multinomial logistic regression with class 0 as reference (two classes: the plain
+    logistic one); the bucket vocabulary comes from these rows only."""
     lengths = np.array([len(r.buckets) for r in rows])
     flat = np.concatenate([r.buckets for r in rows]) if lengths.sum() else np.zeros(0, np.int64)
     vocab, inverse, doc_freq = np.unique(flat, return_inverse=True, return_counts=True)
@@ -93,19 +107,31 @@ def fit_head(rows: Sequence[Features], dense: np.ndarray, y: np.ndarray, cfg: Tr
     column = (np.cumsum(keep) - 1)[inverse][keep[inverse]]
     row = np.repeat(np.arange(len(rows)), lengths)[keep[inverse]]
     value = (1.0 / np.sqrt(np.maximum(lengths, 1)))[row]
-    n, n_cols, n_dense = len(y), int(keep.sum()), dense.shape[1]
-    l2 = np.r_[np.full(n_cols, cfg.l2_buckets), np.full(n_dense, cfg.l2_scalars), 0.0]
-    target = y.astype(float)
+    n, n_cols, n_dense, heads = len(y), int(keep.sum()), dense.shape[1], classes - 1
+    l2 = np.r_[np.full(n_cols, cfg.l2_buckets), np.full(n_dense, cfg.l2_scalars), 0.0][:, None]
+    target = np.eye(classes)[np.asarray(y, int)][:, 1:]
 
-    def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
-        z = np.bincount(row, weights=value * x[column], minlength=n) + dense @ x[n_cols:-1] + x[-1]
-        loss = float(np.mean(np.logaddexp(0.0, z) - target * z) + 0.5 * np.sum(l2 * x * x))
-        residual = (sigmoid(z) - target) / n
-        grad_buckets = np.bincount(column, weights=value * residual[row], minlength=n_cols)
-        return loss, np.r_[grad_buckets, dense.T @ residual, residual.sum()] + l2 * x
+    def objective(flat_x: np.ndarray) -> tuple[float, np.ndarray]:
+        x = flat_x.reshape(-1, heads)
+        sparse = np.stack(
+            [np.bincount(row, weights=value * x[column, k], minlength=n) for k in range(heads)], 1
+        )
+        z = sparse + dense @ x[n_cols:-1] + x[-1]
+        total = np.logaddexp.reduce(np.c_[np.zeros(n), z], axis=1)
+        loss = float(np.mean(total - (target * z).sum(1)) + 0.5 * np.sum(l2 * x * x))
+        residual = (np.exp(z - total[:, None]) - target) / n
+        grad_buckets = np.stack(
+            [
+                np.bincount(column, weights=value * residual[row, k], minlength=n_cols)
+                for k in range(heads)
+            ],
+            1,
+        )
+        grad = np.r_[grad_buckets, dense.T @ residual, residual.sum(0, keepdims=True)] + l2 * x
+        return loss, grad.ravel()
 
-    x = lbfgs(objective, np.zeros(n_cols + n_dense + 1), cfg.max_iter)
-    return _Head(vocab[keep], x[:n_cols], x[n_cols:-1], float(x[-1]))
+    x = lbfgs(objective, np.zeros((n_cols + n_dense + 1) * heads), cfg.max_iter).reshape(-1, heads)
+    return _Head(vocab[keep], x[:n_cols], x[n_cols:-1], x[-1].copy())
 
 
 def platt(logits: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -150,21 +176,27 @@ def train(
     strata: np.ndarray,
     cfg: TrainConfig | None = None,
     meta: dict[str, object] | None = None,
+    *,
+    classes: int = 2,
 ) -> RouterModel:
-    """Fit the head on all rows; calibrate on inner out-of-fold logits (``strata`` keeps each
-    fold's outcome mix); record the out-of-fold probability quantiles for share targets."""
+    """Fit the head on all rows (``y``: class ids, 0 meaning the local model is right);
+    calibrate P(class != 0) on inner out-of-fold logits (``strata`` keeps each fold's outcome
+    mix); record the out-of-fold probability quantiles for share targets."""
     cfg = cfg or TrainConfig()
     scalars = np.array([r.scalars for r in rows])
     mean, std = scalars.mean(0), np.maximum(scalars.std(0), 1e-3)
     dense = np.clip((scalars - mean) / std, -5.0, 5.0)
-    head = fit_head(rows, dense, y, cfg)
+    head = fit_head(rows, dense, y, cfg, classes)
     folds = stratified_folds(strata, cfg.calib_folds, cfg.seed)
     oof = np.empty(len(y))
     for fold in range(cfg.calib_folds):
         train_idx, held = np.flatnonzero(folds != fold), np.flatnonzero(folds == fold)
-        inner = fit_head([rows[int(i)] for i in train_idx], dense[train_idx], y[train_idx], cfg)
+        inner = fit_head(
+            [rows[int(i)] for i in train_idx], dense[train_idx], y[train_idx], cfg, classes
+        )
         oof[held] = inner.logits([rows[int(i)] for i in held], dense[held])
-    a, b = platt(oof, y)
+    fails = (np.asarray(y) != 0).astype(int)
+    a, b = platt(oof, fails)
     calibrated = sigmoid(a * oof + b)
     return RouterModel(
         mean=mean,
@@ -175,5 +207,10 @@ def train(
         bias=head.bias,
         platt=(a, b),
         quantiles=np.quantile(calibrated, np.linspace(0, 1, 101)),
-        meta={"config": asdict(cfg), "rows": len(rows), "positives": int(y.sum()), **(meta or {})},
+        meta={
+            "config": asdict(cfg),
+            "rows": len(rows),
+            "positives": int(fails.sum()),
+            **(meta or {}),
+        },
     )
