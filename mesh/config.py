@@ -206,7 +206,7 @@ class RouterSettings(_Section):
     weights: str | None = None
     """Router weights file; the ones shipped with the project when unset."""
     data_dir: str | None = None
-    """Labelled routing data for `mesh router train/eval`; ../shared/routing when unset."""
+    """Labelled routing data for `mesh router train/eval/score`; ../shared/routing when unset."""
 
 
 class EdgeSettings(_Section):
