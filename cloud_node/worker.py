@@ -490,7 +490,9 @@ class Worker(Lifecycle):
     def _continue_or_restart(
         self, request: InferRequest, history: AnswerState, attempt: int
     ) -> AnswerWriter:
-        resume = history.resume() if self.backend.continues else Resume()
+        # A constrained answer (JSON, a schema) cannot resume mid-text: its grammar starts over.
+        constrained = request.response_format is not None and request.response_format.type != "text"
+        resume = history.resume() if self.backend.continues and not constrained else Resume()
         if resume.seq > 0:
             self.stats.continued += 1
             self.metrics.takeovers.labels(kind="continued").inc()

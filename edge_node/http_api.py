@@ -1,15 +1,17 @@
 """The edge's OpenAI-compatible HTTP API (aiohttp): point any OpenAI client at an edge.
 
     POST /v1/chat/completions   stream or not; routes like any other request
+    POST /v1/completions        a raw prompt, no chat template; stream or not
     GET  /v1/models             the local model and the cloud model
     GET  /health                liveness: the process serves HTTP
     GET  /ready                 readiness: model loaded, NATS connected, cloud reachable
     GET  /metrics               Prometheus metrics of every node in this process
 
-Extensions: a ``route`` field (``auto|local|cloud``) or an ``X-Mesh-Route`` header forces a
-path; every answer carries a ``mesh`` object (path, served_by, routing, fallback, timings) and
-``X-Mesh-Path`` / ``X-Mesh-Served-By`` headers. Errors use OpenAI's ``{"error": {...}}`` shape
-with the mesh's stable code and an HTTP status derived from it.
+Request bodies are validated by :mod:`edge_node.openai_api`. Extensions: a ``route`` field
+(``auto|local|cloud``) or an ``X-Mesh-Route`` header forces a path; every answer carries a
+``mesh`` object (path, served_by, routing, fallback, timings) and ``X-Mesh-Path`` /
+``X-Mesh-Served-By`` headers. Errors use OpenAI's ``{"error": {...}}`` shape with the mesh's
+stable code and an HTTP status derived from it.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
+from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
 from mesh.logs import get_logger
 from mesh.metrics import exposition
 from mesh.queue import trace_headers
-from protocol.codec import error_event, invalid_request_error, to_exception
+from protocol.codec import error_event, to_exception
 from protocol.errors import (
     BadPayloadError,
     IncompleteAnswerError,
@@ -35,7 +37,14 @@ from protocol.errors import (
     PayloadTooLargeError,
     status_of,
 )
-from protocol.messages import EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent, WireEvent
+from protocol.messages import (
+    EndEvent,
+    ErrorEvent,
+    InferRequest,
+    StartEvent,
+    TokenEvent,
+    WireEvent,
+)
 from protocol.stream import AnswerState
 from protocol.subjects import is_token
 
@@ -43,7 +52,6 @@ if TYPE_CHECKING:
     from edge_node.node import EdgeNode
 
 log = get_logger(__name__)
-_UNSUPPORTED = ("tools", "functions", "tool_choice", "logit_bias", "response_format")
 
 
 def error_response(err: MeshError) -> web.Response:
@@ -60,25 +68,8 @@ def error_response(err: MeshError) -> web.Response:
     return web.json_response(body, status=status_of(err.code), headers=headers)
 
 
-def _mesh_fields(end: EndEvent) -> dict[str, Any]:
-    return end.model_dump(
-        mode="json",
-        include={"path", "served_by", "routing", "fallback", "timings"},
-        exclude_none=True,
-    )
-
-
-def _usage(end: EndEvent) -> dict[str, int]:
-    usage = end.usage
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-    }
-
-
 class _CollectSink:
-    """Gathers a whole answer for a non-streaming HTTP request."""
+    """Gathers a whole answer (and its logprobs) for a non-streaming HTTP request."""
 
     streaming = False
 
@@ -90,31 +81,21 @@ class _CollectSink:
 
 
 class _SSESink:
-    """Streams ``chat.completion.chunk`` events. The HTTP response starts with the first event,
+    """Streams the OpenAI chunks of one answer. The HTTP response starts with the first event,
     so an error before any token is still a proper HTTP status. SSE cannot take text back: an
     answer that starts over after text went out ends this stream in a typed error."""
 
     streaming = True
 
-    def __init__(self, request: web.Request, req: InferRequest, model: str, usage: bool) -> None:
+    def __init__(self, request: web.Request, req: InferRequest, shaper: Shaper, usage: bool):
         self._request = request
         self._req = req
-        self._model = model
+        self._shaper = shaper
         self._usage = usage
-        self._created = int(time.time())
         self.response: web.StreamResponse | None = None
         self.sent = 0
         self.closed = False
         self.last_error: ErrorEvent | None = None
-
-    def _chunk(self, delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
-        return {
-            "id": f"chatcmpl-{self._req.id}",
-            "object": "chat.completion.chunk",
-            "created": self._created,
-            "model": self._model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        }
 
     async def _send(self, payload: dict[str, Any] | str) -> None:
         if self.response is None:
@@ -137,11 +118,9 @@ class _SSESink:
         if self.closed:
             return
         if isinstance(event, TokenEvent):
-            delta = {"content": event.text}
-            if self.sent == 0:
-                delta = {"role": "assistant", **delta}
+            chunk = self._shaper.chunk(event.text, first=self.sent == 0, logprobs=event.logprobs)
             self.sent += 1
-            await self._send(self._chunk(delta))
+            await self._send(chunk)
         elif isinstance(event, StartEvent):
             if event.seq < self.sent:
                 why = event.reason or "a worker stopped"
@@ -152,14 +131,11 @@ class _SSESink:
                     )
                 )
         elif isinstance(event, EndEvent):
-            final = self._chunk({}, event.finish_reason)
-            final["mesh"] = _mesh_fields(event)
+            final = self._shaper.chunk(None, first=self.sent == 0, finish=event.finish_reason)
+            final["mesh"] = mesh_fields(event)
             await self._send(final)
             if self._usage:
-                usage_chunk = self._chunk({})
-                usage_chunk["choices"] = []
-                usage_chunk["usage"] = _usage(event)
-                await self._send(usage_chunk)
+                await self._send(self._shaper.usage_chunk(event))
             await self._send("[DONE]")
             self.closed = True
         else:
@@ -200,6 +176,7 @@ class EdgeHTTP:
         limits = self.edge.settings.limits
         app = web.Application(client_max_size=limits.max_payload_bytes)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
@@ -244,17 +221,23 @@ class EdgeHTTP:
         return web.Response(body=exposition.text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, "completion")
+
+    async def _answer(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         received = time.perf_counter()
         try:
-            req, model, include_usage = await self._parse(request)
+            req, model, include_usage = await self._parse(request, kind)
         except MeshError as err:
             self.edge.metrics.inc(f"error.{err.code.value}")
             return error_response(err)
-        headers = {"X-Request-Id": req.id}
+        shaper = Shaper(kind, req.id, model)
         scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other
         trace = trace_headers(request.headers)
         if req.stream:
-            sink = _SSESink(request, req, model, include_usage)
+            sink = _SSESink(request, req, shaper, include_usage)
             await self.edge.serve(req, sink, scope=scope, received=received, trace=trace)
             if sink.response is None:
                 error = to_exception(sink.last_error) if sink.last_error else None
@@ -266,27 +249,17 @@ class EdgeHTTP:
         if not isinstance(end, EndEvent):
             error = to_exception(end) if isinstance(end, ErrorEvent) else None
             return error_response(error or MeshError("no answer was produced"))
-        headers.update({"X-Mesh-Path": end.path, "X-Mesh-Served-By": end.served_by})
+        logprobs = collected.answer.logprobs() if req.logprobs else None
+        headers = {
+            "X-Request-Id": req.id,
+            "X-Mesh-Path": end.path,
+            "X-Mesh-Served-By": end.served_by,
+        }
         return web.json_response(
-            {
-                "id": f"chatcmpl-{req.id}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "finish_reason": end.finish_reason,
-                        "message": {"role": "assistant", "content": collected.answer.text()},
-                    }
-                ],
-                "usage": _usage(end),
-                "mesh": _mesh_fields(end),
-            },
-            headers=headers,
+            shaper.answer(collected.answer.text(), end, logprobs), headers=headers
         )
 
-    async def _parse(self, request: web.Request) -> tuple[InferRequest, str, bool]:
+    async def _parse(self, request: web.Request, kind: Kind) -> tuple[InferRequest, str, bool]:
         limits = self.edge.settings.limits
         try:
             raw = await request.read()
@@ -295,48 +268,31 @@ class EdgeHTTP:
                 f"body over this edge's limit of {limits.max_payload_bytes} bytes"
             ) from None
         try:
-            body = json.loads(raw)
+            data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BadPayloadError(f"invalid JSON: {exc}") from None
-        if not isinstance(body, dict):
+        if not isinstance(data, dict):
             raise InvalidRequestError("the body must be a JSON object")
-        for name in _UNSUPPORTED:
-            if body.get(name):
-                raise InvalidRequestError(f"{name!r} is not supported by this edge")
-        if body.get("n", 1) != 1:
-            raise InvalidRequestError("only n=1 is supported")
+        body = parse(kind, data)
         edge = self.edge
-        model = body.get("model") or edge.backend.model
+        model = body.model or edge.backend.model
         routed = model in (edge.backend.model, "auto")  # naming the local model lets it route
-        route = (
-            request.headers.get("X-Mesh-Route")
-            or body.get("route")
-            or ("auto" if routed else "cloud")
-        )
+        route = request.headers.get("X-Mesh-Route") or body.route or ("auto" if routed else "cloud")
+        if route not in ("auto", "local", "cloud"):
+            raise InvalidRequestError(f"route must be auto, local or cloud, not {route!r}")
         request_id = request.headers.get("X-Request-Id")
-        fields = {
-            "messages": body.get("messages"),
-            "max_tokens": body.get("max_completion_tokens") or body.get("max_tokens"),
-            "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"),
-            "stop": body.get("stop"),
-            "seed": body.get("seed"),
-            "stream": bool(body.get("stream", False)),
-            "route": route,
+        req = to_request(
+            body,
             # Naming the local model (or "auto") lets the router choose; any other model is a
             # cloud model, and the request goes to it.
-            "model": None if routed else model,
-            "origin": "http",
-            "id": request_id if request_id and is_token(request_id) else None,
-        }
-        try:
-            req = InferRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-        except ValidationError as exc:
-            raise invalid_request_error(exc, None) from None
+            model=None if routed else model,
+            route=route,  # type: ignore[arg-type]
+            request_id=request_id if request_id and is_token(request_id) else None,
+        )
         if req.max_tokens > limits.max_tokens:
             raise InvalidRequestError(
                 f"max_tokens {req.max_tokens} is over this edge's limit of {limits.max_tokens}",
                 details=[{"loc": "max_tokens", "msg": f"must be <= {limits.max_tokens}"}],
             )
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return req, model, include_usage

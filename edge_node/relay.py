@@ -81,6 +81,7 @@ def with_id(event: WireEvent, request_id: str) -> WireEvent:
             text=event.text,
             attempt=event.attempt,
             n=event.n,
+            logprobs=event.logprobs,
         )
     return event.model_copy(update={"id": request_id})
 

@@ -136,6 +136,9 @@ class ModelSettings(_Section):
     """Seconds to wait for the HTTP server's headers or for its next streamed chunk."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """vLLM: share of GPU memory the engine may take."""
+    logprobs: bool = False
+    """llama_cpp: keep every position's logits so that requests may ask for logprobs (prompt
+    processing gets slower); vllm and openai serve logprobs whatever this says."""
     continuation: Literal["auto", "vllm", "off"] = "auto"
     """openai backend: how to continue an answer another worker began. vllm: vLLM's
     continue_final_message; auto: that, when the server says it is vLLM; off: start over."""

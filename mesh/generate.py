@@ -72,6 +72,7 @@ async def coalesce(
                 await asyncio.sleep(linger)
             parts = [item.text]
             n = item.n
+            logprobs = list(item.logprobs) if item.logprobs is not None else None
             while len(parts) < max_parts and not queue.empty():
                 nxt = queue.get_nowait()
                 if nxt is done or isinstance(nxt, BaseException) or nxt.finish_reason is not None:
@@ -79,7 +80,9 @@ async def coalesce(
                     break
                 parts.append(nxt.text)
                 n += nxt.n
-            yield Chunk(text="".join(parts), n=n)
+                if logprobs is not None and nxt.logprobs is not None:
+                    logprobs.extend(nxt.logprobs)
+            yield Chunk(text="".join(parts), n=n, logprobs=logprobs)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -144,7 +147,7 @@ async def generate_into(
                 break
             first = first or time.perf_counter()
             new_tokens += chunk.n
-            await emit(writer.token(chunk.text, chunk.n))
+            await emit(writer.token(chunk.text, chunk.n, chunk.logprobs))
     usage = final.usage if final and final.usage else Usage(completion_tokens=new_tokens)
     if resume.tokens:  # the engine counted the kept text as prompt; the client asked for it
         usage = Usage(

@@ -226,6 +226,10 @@ class AnswerState:
     def text(self) -> str:
         return "".join(self.texts)
 
+    def logprobs(self) -> list[TokenLogprob]:
+        """The answer's per-token logprobs (empty when none were asked for)."""
+        return [entry for entries in self._logprobs for entry in entries or []]
+
     def digest_at(self, seq: int) -> int:
         """Digest of the text of the first ``seq`` positions."""
         return self._digests[seq - 1] if seq > 0 else 0

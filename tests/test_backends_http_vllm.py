@@ -13,7 +13,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 
-import aiohttp
 import pytest
 
 from cloud_node.worker import Worker
@@ -215,11 +214,11 @@ async def test_vllm_backend_streams_and_aborts() -> None:
         await backend.close()
 
 
-async def test_aiohttp_is_the_http_client() -> None:
-    # The HTTP backend must not leak sessions: a closed backend has no session left.
+async def test_a_closed_backend_leaves_no_client_open() -> None:
+    # The HTTP backend must not leak connections: closing it closes its openai client.
     backend = OpenAIHTTPBackend(ModelSettings(backend="openai"))
     await backend.start()
-    session = backend._session
-    assert isinstance(session, aiohttp.ClientSession)
+    client = backend._client
+    assert client is not None and not client.is_closed()
     await backend.close()
-    assert session.closed
+    assert client.is_closed()

@@ -6,7 +6,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from protocol.messages import InferRequest, Usage
+from protocol.messages import InferRequest, TokenLogprob, Usage
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class Chunk:
     usage: Usage | None = None
     n: int = 1
     """Engine tokens in ``text``."""
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per engine token, when the request asked for logprobs."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,10 @@ class Backend(Protocol):
     ``prefix``: text the assistant already said (``prefix_tokens`` engine tokens of it): generate
     what follows it, as one answer, with at most ``max_tokens - prefix_tokens`` more tokens. Only
     backends whose ``continues`` is true accept a prefix; the others raise ``ValueError``.
+
+    Requests may be ``raw`` (no chat template), ask for ``logprobs`` (chunks then carry one
+    :class:`TokenLogprob` per token) and constrain output with ``response_format``; a backend
+    that cannot do one of these raises :class:`protocol.errors.InvalidRequestError`.
     """
 
     model: str

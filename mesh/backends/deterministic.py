@@ -18,6 +18,8 @@ Directives in the prompt shape its behaviour, for fault tests:
 
 ``prefill_delay_ms`` and ``token_delay_ms`` in the model settings pace it like an engine;
 ``faults=false`` makes it ignore the fault directives (an edge's local engine in fault tests).
+Asked for logprobs, token i gets log probability ``-(i % 10 + 1) / 10`` (alternatives: the
+same stem with a ``*``, each 1 lower). It ignores ``response_format``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from mesh.backends.base import Capacity, Chunk, Health
 from mesh.config import ModelSettings
 from protocol.errors import BackendError
-from protocol.messages import InferRequest, Usage
+from protocol.messages import InferRequest, TokenLogprob, Usage
 
 _DIRECTIVE = re.compile(
     r"\[(tag|hang|hang-after|fail-after|stop-after|sse-error-after)(?::([\w-]+))?\]"
@@ -79,6 +81,13 @@ class Script:
         return "".join(self.token(i) for i in range(last))
 
 
+def token_logprob(text: str, index: int, top: int) -> TokenLogprob:
+    """The deterministic log probability of token ``index`` and its ``top`` alternatives."""
+    logprob = -((index % 10) + 1) / 10
+    alternatives = [(text, logprob)] + [(f"{text}{'*' * k}", logprob - k) for k in range(1, top)]
+    return TokenLogprob(token=text, logprob=logprob, top=alternatives[:top] if top else None)
+
+
 def prompt_tokens(request: InferRequest) -> int:
     return sum(len(m["content"].split()) + 3 for m in request.chat())
 
@@ -118,7 +127,9 @@ class DeterministicBackend:
         self.started += 1
         try:
             async for index in tokens(script, request.max_tokens, prefix_tokens, self.settings):
-                yield Chunk(text=script.token(index))
+                text = script.token(index)
+                logprobs = [token_logprob(text, index, request.top_logprobs)]
+                yield Chunk(text=text, logprobs=logprobs if request.logprobs else None)
             last = request.max_tokens if script.stop_after is None else script.stop_after
             produced = max(0, min(request.max_tokens, last) - prefix_tokens)
             yield Chunk(

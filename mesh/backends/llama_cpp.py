@@ -11,6 +11,7 @@ model's own chat template, appends the text already said, and completes from the
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -23,8 +24,8 @@ from mesh.backends.base import Capacity, Chunk, Health
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from mesh.models import resolve_model_path
-from protocol.errors import BackendError, ContextTooLongError, MeshError
-from protocol.messages import InferRequest, Usage
+from protocol.errors import BackendError, ContextTooLongError, InvalidRequestError, MeshError
+from protocol.messages import InferRequest, ResponseFormat, TokenLogprob, Usage
 
 log = get_logger(__name__)
 _DONE = object()
@@ -83,6 +84,7 @@ class LlamaCppBackend:
                 n_ctx=self.settings.n_ctx,
                 n_threads=threads,
                 n_threads_batch=threads,
+                logits_all=self.settings.logprobs,
                 verbose=False,
             )
 
@@ -114,6 +116,12 @@ class LlamaCppBackend:
             raise BackendError("llama.cpp backend is not started", retryable=True)
         if prefix and not self.continues:
             raise ValueError("this GGUF has no chat template: it cannot continue an answer")
+        if request.logprobs and not self.settings.logprobs:
+            raise InvalidRequestError(
+                f"model {self.model!r} was loaded without logprobs (set logprobs=true in its "
+                "model settings, e.g. MESH_EDGE_MODEL_LOGPROBS=true)",
+                request_id=request.id,
+            )
         instances = self._instances
         llama = await instances.get()
         self._busy += 1
@@ -151,34 +159,113 @@ class LlamaCppBackend:
             stop.set()  # cancelled or closed early: the thread stops at its next token
 
 
-def _continuation(llama: Any, request: InferRequest, prefix: str, left: int) -> Any:
-    """A completion stream that continues the assistant's ``prefix`` in the chat template."""
+def _formatter(llama: Any) -> Any:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     eos_id = llama.token_eos()
     bos_id = llama.token_bos()
-    formatter = Jinja2ChatFormatter(
+    return Jinja2ChatFormatter(
         template=llama.metadata["tokenizer.chat_template"],
         eos_token=llama._model.token_get_text(eos_id) if eos_id != -1 else "",
         bos_token=llama._model.token_get_text(bos_id) if bos_id != -1 else "",
         stop_token_ids=[eos_id],
     )
-    messages: Any = request.chat()
-    formatted = formatter(messages=messages)
-    template_stop = formatted.stop or []
+
+
+def _grammar(response_format: ResponseFormat | None) -> Any:
+    """A llama.cpp grammar for a raw completion that must be JSON (None: free text)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
+
+    schema = response_format.json_schema_of()
+    if schema is not None:
+        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+    return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+
+
+def _open(llama: Any, request: InferRequest, prefix: str, prefix_tokens: int) -> tuple[Any, bool]:
+    """The completion stream for ``request`` and whether it yields chat chunks.
+
+    Chat requests go through llama-cpp-python's chat completion (the GGUF's template, its JSON
+    grammar for ``response_format``); raw prompts, and a chat answer being continued (rendered
+    with the template, the kept text appended), through the plain completion.
+    """
+    top = request.top_logprobs or 1
+    if not request.raw and not prefix:
+        response_format: dict[str, Any] | None = None
+        if request.response_format is not None and request.response_format.type != "text":
+            response_format = {"type": "json_object"}
+            schema = request.response_format.json_schema_of()
+            if schema is not None:
+                response_format["schema"] = schema
+        return llama.create_chat_completion(
+            messages=request.chat(),
+            stream=True,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop=request.stop or [],
+            seed=request.seed,
+            response_format=response_format,
+            logprobs=request.logprobs or None,
+            top_logprobs=request.top_logprobs if request.logprobs else None,
+        ), True
+    stop = list(request.stop or [])
+    stopping = None
+    if request.raw:
+        prompt = (request.prompt or "") + prefix
+        grammar = None if prefix else _grammar(request.response_format)
+    else:
+        messages: Any = request.chat()
+        formatted = _formatter(llama)(messages=messages)
+        template_stop = formatted.stop or []
+        stop += [template_stop] if isinstance(template_stop, str) else template_stop
+        stopping = formatted.stopping_criteria
+        prompt = formatted.prompt + prefix
+        grammar = None
     return llama.create_completion(
-        prompt=formatted.prompt + prefix,
+        prompt=prompt,
         stream=True,
-        max_tokens=left,
+        max_tokens=max(1, request.max_tokens - prefix_tokens),
         temperature=request.temperature,
         top_p=request.top_p,
-        stop=[
-            *(request.stop or []),
-            *([template_stop] if isinstance(template_stop, str) else template_stop),
-        ],
-        stopping_criteria=formatted.stopping_criteria,
+        stop=stop,
+        stopping_criteria=stopping,
         seed=request.seed,
-    )
+        grammar=grammar,
+        logprobs=top if request.logprobs else None,
+    ), False
+
+
+def _logprobs(choice: dict[str, Any], chat: bool, top: int) -> list[TokenLogprob] | None:
+    """Per-token logprobs of one chunk, from either llama-cpp-python format."""
+    found = choice.get("logprobs")
+    if not found:
+        return None
+    if chat:
+        return [
+            TokenLogprob(
+                token=entry["token"],
+                logprob=float(entry["logprob"]),
+                top=[(t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or []]
+                if top
+                else None,
+            )
+            for entry in found.get("content") or []
+        ]
+    tops = found.get("top_logprobs") or [None] * len(found.get("tokens") or [])
+    return [
+        TokenLogprob(
+            token=token,
+            logprob=float(logprob),
+            top=[(t, float(lp)) for t, lp in (alts or {}).items()][:top] if top else None,
+        )
+        for token, logprob, alts in zip(
+            found.get("tokens") or [], found.get("token_logprobs") or [], tops, strict=False
+        )
+        if logprob is not None
+    ]
 
 
 def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_executor
@@ -189,34 +276,24 @@ def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_exe
     prefix: str,
     prefix_tokens: int,
 ) -> None:
-    """Runs on a worker thread: stream one chat completion (or its continuation) into ``emit``."""
+    """Runs on a worker thread: stream one completion (or its continuation) into ``emit``."""
     completion_tokens = 0
     finish_reason: str | None = None
     try:
-        if prefix:
-            stream = _continuation(
-                llama, request, prefix, max(1, request.max_tokens - prefix_tokens)
-            )
-        else:
-            stream = llama.create_chat_completion(
-                messages=request.chat(),
-                stream=True,
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                stop=request.stop or [],
-                seed=request.seed,
-            )
+        stream, chat = _open(llama, request, prefix, prefix_tokens)
         try:
             for part in stream:
                 if stop.is_set():
                     finish_reason = "cancelled"
                     break
                 choice = part["choices"][0]
-                text = choice["text"] if prefix else choice.get("delta", {}).get("content")
+                text = choice.get("delta", {}).get("content") if chat else choice.get("text")
                 if text:
                     completion_tokens += 1
-                    emit(Chunk(text=text))
+                    logprobs = (
+                        _logprobs(choice, chat, request.top_logprobs) if request.logprobs else None
+                    )
+                    emit(Chunk(text=text, logprobs=logprobs))
                 if choice.get("finish_reason"):
                     finish_reason = choice["finish_reason"]
         finally:

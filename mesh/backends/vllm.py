@@ -16,7 +16,7 @@ from mesh.backends.base import Capacity, Chunk, Health
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from protocol.errors import BackendError, ContextTooLongError, MeshError
-from protocol.messages import InferRequest, Usage
+from protocol.messages import InferRequest, TokenLogprob, Usage
 
 log = get_logger(__name__)
 
@@ -88,6 +88,8 @@ class VLLMBackend:
             await self._engine.abort(request_id)
 
     def _prompt(self, request: InferRequest, prefix: str) -> str:
+        if request.raw:
+            return (request.prompt or "") + prefix
         messages: list[dict[str, str]] = request.chat()
         if not prefix:
             prompt: str = self._tokenizer.apply_chat_template(
@@ -108,6 +110,10 @@ class VLLMBackend:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+        options: dict[str, Any] = {}
+        if request.logprobs:
+            options["logprobs"] = max(1, request.top_logprobs)
+        options.update(_structured(request))
         params = SamplingParams(
             max_tokens=max(1, request.max_tokens - prefix_tokens),
             temperature=request.temperature,
@@ -115,6 +121,7 @@ class VLLMBackend:
             stop=request.stop or None,
             seed=request.seed,
             output_kind=RequestOutputKind.DELTA,
+            **options,
         )
         prompt = await asyncio.to_thread(self._prompt, request, prefix)  # templating is CPU work
         self._busy += 1
@@ -131,7 +138,16 @@ class VLLMBackend:
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
                     if completion.text:
-                        yield Chunk(text=completion.text, n=max(1, len(completion.token_ids)))
+                        logprobs = (
+                            _logprobs(completion, request.top_logprobs)
+                            if request.logprobs
+                            else None
+                        )
+                        yield Chunk(
+                            text=completion.text,
+                            n=max(1, len(completion.token_ids)),
+                            logprobs=logprobs,
+                        )
                     if completion.finish_reason:
                         finish_reason = completion.finish_reason
             finished = True
@@ -156,3 +172,43 @@ class VLLMBackend:
             ) from None
         finally:
             self._busy -= 1
+
+
+def _structured(request: InferRequest) -> dict[str, Any]:
+    """Sampling options that constrain the answer to JSON (vLLM's structured outputs; the
+    parameter was called guided decoding before vLLM 0.10)."""
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return {}
+    schema = response_format.json_schema_of()
+    spec: dict[str, Any] = {"json": schema} if schema is not None else {"json_object": True}
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(**spec)}
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(**spec)}
+
+
+def _logprobs(completion: Any, top: int) -> list[TokenLogprob]:
+    """One entry per new token: its log probability and the ``top`` likeliest alternatives."""
+    found: list[TokenLogprob] = []
+    for token_id, alternatives in zip(
+        completion.token_ids, completion.logprobs or [], strict=False
+    ):
+        chosen = alternatives.get(token_id)
+        if chosen is None:
+            continue
+        ranked = sorted(alternatives.values(), key=lambda lp: lp.rank or 0)
+        found.append(
+            TokenLogprob(
+                token=chosen.decoded_token or "",
+                logprob=float(chosen.logprob),
+                top=[(lp.decoded_token or "", float(lp.logprob)) for lp in ranked[:top]]
+                if top
+                else None,
+            )
+        )
+    return found

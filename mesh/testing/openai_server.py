@@ -21,20 +21,22 @@ from typing import Any
 
 from aiohttp import web
 
-from mesh.backends.deterministic import Script, prompt_tokens, tokens
+from mesh.backends.deterministic import Script, prompt_tokens, token_logprob, tokens
 from mesh.config import ModelSettings
 from protocol.errors import BackendError
 from protocol.messages import InferRequest
 
 
-def _request(body: dict[str, Any]) -> tuple[InferRequest, str]:
+def _request(body: dict[str, Any], chat: bool) -> tuple[InferRequest, str]:
+    max_tokens = int(body.get("max_tokens") or 16)
+    if not chat:  # a raw prompt; a continuation is the prompt with the kept text appended
+        prompt = str(body.get("prompt") or "")
+        return InferRequest(prompt=prompt, raw=True, max_tokens=max_tokens), ""
     messages = list(body.get("messages") or [])
     prefix = ""
     if body.get("continue_final_message") and messages and messages[-1]["role"] == "assistant":
         prefix = messages.pop()["content"]
-    request = InferRequest(
-        messages=messages, max_tokens=int(body.get("max_tokens") or 16), model=body.get("model")
-    )
+    request = InferRequest(messages=messages, max_tokens=max_tokens, model=body.get("model"))
     return request, prefix
 
 
@@ -50,6 +52,7 @@ class DeterministicServer:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
         return app
 
     async def models(self, _request: web.Request) -> web.Response:
@@ -58,17 +61,26 @@ class DeterministicServer:
         )
 
     async def chat(self, http: web.Request) -> web.StreamResponse:
+        return await self._answer(http, chat=True)
+
+    async def completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._answer(http, chat=False)
+
+    async def _answer(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
         self.requests += 1
         body = await http.json()
-        request, prefix = _request(body)
+        request, prefix = _request(body, chat)
         script = Script.of(request)
+        if not chat:
+            prefix = "".join(script.token(i) for i in range(_kept(request.text(), script)))
+        top = _top(body, chat)
         start = len(prefix.split())  # the prefix is tokens " <tag>0 ... <tag>k-1"
         total = start + request.max_tokens  # max_tokens counts only what is still to come
         if not body.get("stream"):
             text = "".join(
                 [script.token(i) async for i in tokens(script, total, start, self.settings)]
             )
-            return web.json_response(self._completion(text, request, total - start))
+            return web.json_response(self._completion(text, request, total - start, chat))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(http)
         produced = 0
@@ -81,49 +93,104 @@ class DeterministicServer:
                     await response.write(b"data: [DONE]\n\n")
                     return response
                 produced += 1
-                delta = {"content": script.token(index)}
-                await self._event(response, self._chunk(created, delta, None))
+                token = script.token(index)
+                logprobs = _logprobs(token, index, top, chat) if top is not None else None
+                await self._event(response, self._chunk(created, token, None, chat, logprobs))
         except BackendError as exc:
             await self._event(response, {"error": {"message": exc.message}})
             await response.write(b"data: [DONE]\n\n")
             return response
         last = total if script.stop_after is None else min(total, script.stop_after)
         finish = "length" if last >= total else "stop"
-        await self._event(response, self._chunk(created, {}, finish))
+        await self._event(response, self._chunk(created, None, finish, chat))
         usage = {"prompt_tokens": prompt_tokens(request), "completion_tokens": produced}
-        await self._event(
-            response, {**self._chunk(created, {}, None), "choices": [], "usage": usage}
-        )
+        final = {**self._chunk(created, None, None, chat), "choices": [], "usage": usage}
+        await self._event(response, final)
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    def _chunk(self, created: int, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+    def _chunk(
+        self,
+        created: int,
+        text: str | None,
+        finish: str | None,
+        chat: bool,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        if chat:
+            choice["delta"] = {} if text is None else {"content": text}
+        else:
+            choice["text"] = text or ""
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:8]}",
-            "object": "chat.completion.chunk",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:8]}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
             "model": self.name,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "choices": [choice],
         }
 
-    def _completion(self, text: str, request: InferRequest, produced: int) -> dict[str, Any]:
+    def _completion(
+        self, text: str, request: InferRequest, produced: int, chat: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:8]}",
-            "object": "chat.completion",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:8]}",
+            "object": "chat.completion" if chat else "text_completion",
             "model": self.name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "length",
-                }
-            ],
+            "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens(request), "completion_tokens": produced},
         }
 
     @staticmethod
     async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
         await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+
+def _kept(text: str, script: Script) -> int:
+    """How many tokens of the script end a raw prompt: a continuation appends the kept text
+    (`` <tag>0 ... <tag>k-1``) to the prompt."""
+    words = text.split()
+    for k in range(len(words), 0, -1):
+        if words[-k:] == [script.token(i).strip() for i in range(k)]:
+            return k
+    return 0
+
+
+def _top(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives per token the body asks for (None: no logprobs)."""
+    if chat:
+        return int(body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    value = body.get("logprobs")
+    return None if value is None else int(value)
+
+
+def _logprobs(token: str, index: int, top: int, chat: bool) -> dict[str, Any]:
+    entry = token_logprob(token, index, top)
+    alternatives = entry.top or []
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": token,
+                    "logprob": entry.logprob,
+                    "bytes": None,
+                    "top_logprobs": [
+                        {"token": t, "logprob": lp, "bytes": None} for t, lp in alternatives
+                    ],
+                }
+            ]
+        }
+    return {
+        "tokens": [token],
+        "token_logprobs": [entry.logprob],
+        "top_logprobs": [dict(alternatives)] if top else None,
+        "text_offset": [0],
+    }
 
 
 async def serve(port: int, name: str, prefill_ms: float, token_ms: float) -> None:

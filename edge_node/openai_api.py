@@ -1,0 +1,264 @@
+"""The OpenAI API's request bodies (pydantic) and response shapes, for the edge's HTTP API.
+
+Chat completions and (legacy) text completions, streamed or not, with ``logprobs``,
+``response_format`` and ``stream_options.include_usage``. Fields the mesh cannot honour
+(``tools``, ``logit_bias``, ``n`` > 1, ``echo``, ``suffix``) are refused with a 400 naming the
+field, never silently ignored; fields that do not change the answer (``user``, ``metadata``...)
+are accepted. Two mesh extensions: ``route`` (``auto|local|cloud``) and the ``mesh`` object in
+every answer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protocol.codec import invalid_request_error
+from protocol.errors import InvalidRequestError
+from protocol.messages import (
+    EndEvent,
+    InferRequest,
+    ResponseFormat,
+    RouteChoice,
+    TokenLogprob,
+)
+
+Kind = Literal["chat", "completion"]
+# Fields that would change the answer in ways the mesh does not support.
+_REFUSED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(part.text for part in self.content)
+        )
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    response_format: ResponseFormat | None = None
+    route: RouteChoice | None = None
+    """Mesh extension: force the local model or the cloud."""
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+def parse(kind: Kind, raw: dict[str, Any]) -> ChatBody | CompletionBody:
+    """Validate an OpenAI request body; :class:`InvalidRequestError` names the bad field."""
+    for name in _REFUSED:
+        if raw.get(name):
+            raise InvalidRequestError(
+                f"{name!r} is not supported by this edge",
+                details=[{"loc": name, "msg": "not supported"}],
+            )
+    try:
+        body = (ChatBody if kind == "chat" else CompletionBody).model_validate(raw)
+    except ValidationError as exc:
+        raise invalid_request_error(exc, None) from None
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            raise InvalidRequestError("'echo' is not supported by this edge")
+        if isinstance(body.prompt, list) and len(body.prompt) != 1:
+            raise InvalidRequestError("give exactly one prompt")
+    return body
+
+
+def to_request(
+    body: ChatBody | CompletionBody,
+    *,
+    model: str | None,
+    route: RouteChoice,
+    request_id: str | None,
+) -> InferRequest:
+    """The mesh request an OpenAI body stands for."""
+    fields: dict[str, Any] = {
+        "max_tokens": body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stop": body.stop,
+        "seed": body.seed,
+        "stream": body.stream,
+        "route": route,
+        "model": model,
+        "origin": "http",
+        "id": request_id,
+        "response_format": body.response_format,
+    }
+    if isinstance(body, ChatBody):
+        fields["messages"] = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in body.messages
+        ]
+        fields["max_tokens"] = body.max_completion_tokens or body.max_tokens
+        fields["logprobs"] = body.logprobs
+        fields["top_logprobs"] = body.top_logprobs if body.logprobs else None
+    else:
+        fields["prompt"] = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        fields["raw"] = True
+        fields["logprobs"] = body.logprobs is not None
+        fields["top_logprobs"] = body.logprobs or None
+    try:
+        return InferRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise invalid_request_error(exc, None) from None
+
+
+# -- responses ----------------------------------------------------------------------------
+def usage_of(end: EndEvent) -> dict[str, int]:
+    usage = end.usage
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def mesh_fields(end: EndEvent) -> dict[str, Any]:
+    return end.model_dump(
+        mode="json",
+        include={"path", "served_by", "routing", "fallback", "timings"},
+        exclude_none=True,
+    )
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.token.encode("utf-8", "surrogatepass")),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "surrogatepass"))}
+                    for t, lp in e.top or []
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
+def text_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) if e.top else None for e in entries],
+        "text_offset": offsets,
+    }
+
+
+class Shaper:
+    """Builds one request's OpenAI objects (chunks and the whole answer), chat or text."""
+
+    def __init__(self, kind: Kind, request_id: str, model: str) -> None:
+        self.kind = kind
+        self.model = model
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
+        self._offset = 0
+
+    def _object(self, chunk: bool) -> str:
+        if self.kind == "chat":
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+    def chunk(
+        self,
+        text: str | None,
+        *,
+        first: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if self.kind == "chat":
+            delta: dict[str, str] = {} if text is None else {"content": text}
+            if first:
+                delta = {"role": "assistant", **delta}
+            choice["delta"] = delta
+            choice["logprobs"] = chat_logprobs(logprobs) if logprobs else None
+        else:
+            choice["text"] = text or ""
+            choice["logprobs"] = text_logprobs(logprobs, self._offset) if logprobs else None
+            self._offset += len(text or "")
+        return {
+            "id": self.id,
+            "object": self._object(chunk=True),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def usage_chunk(self, end: EndEvent) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self._object(chunk=True),
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_of(end),
+        }
+
+    def answer(
+        self, text: str, end: EndEvent, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": end.finish_reason}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = chat_logprobs(logprobs) if logprobs is not None else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = text_logprobs(logprobs, 0) if logprobs is not None else None
+        return {
+            "id": self.id,
+            "object": self._object(chunk=False),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage_of(end),
+            "mesh": mesh_fields(end),
+        }
