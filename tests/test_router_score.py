@@ -50,7 +50,7 @@ M = (
 
 def score(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "mesh.cli", "router", "score", "--data", str(FIXTURE), *args],
+        [sys.executable, "-m", "mesh_app.cli", "router", "score", "--data", str(FIXTURE), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -122,7 +122,7 @@ def test_score_prints_a_readable_table() -> None:
 
 def test_score_fails_clearly_without_data(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "mesh.cli", "router", "score", "--data", str(tmp_path)],
+        [sys.executable, "-m", "mesh_app.cli", "router", "score", "--data", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -169,7 +169,7 @@ class MeshProcess:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "mesh.cli",
+            "mesh_app.cli",
             self.role,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,

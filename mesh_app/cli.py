@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import signal
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 from mesh import __version__
 from mesh.config import MeshSettings, describe_settings, load_settings
 from mesh.logs import configure_logging
-from protocol.errors import MeshError
+from protocol.errors import ErrorCode, MeshError
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
 
 DEMO_PROMPTS = (
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "provision":
             return _run(lambda: _provision(_settings(args), args.models))
         if args.command == "router":
-            from mesh.router_cli import router_eval, router_score, router_train
+            from mesh_app.router_cli import router_eval, router_score, router_train
 
             router_settings = _settings(args, quiet=True).edge.router
             data_dir = router_settings.data_dir
@@ -246,7 +247,7 @@ async def _until_signal() -> None:
 
 
 async def _up(settings: MeshSettings) -> int:
-    from mesh.local import LocalMesh
+    from mesh_app.local import LocalMesh
 
     async with LocalMesh(settings) as mesh:
         assert mesh.edge is not None
@@ -263,7 +264,7 @@ async def _up(settings: MeshSettings) -> int:
 
 async def _demo(settings: MeshSettings, args: argparse.Namespace) -> int:
     from mesh.client import MeshClient
-    from mesh.local import LocalMesh
+    from mesh_app.local import LocalMesh
 
     prompts = args.prompts or list(DEMO_PROMPTS)
     print("starting a local mesh: nats-server, one cloud worker, one edge node ...", flush=True)
@@ -336,12 +337,35 @@ def _summary(end: EndEvent) -> str:
     return line
 
 
+_ENGINE_EXTRAS = {
+    "llama_cpp": ("llama_cpp", "edge"),
+    "openai": ("openai", "worker"),
+    "vllm": ("vllm", "vllm"),
+}
+
+
+def _require(module: str, extra: str, what: str) -> None:
+    """A clear error naming the extra to install, instead of an ImportError deep inside."""
+    if importlib.util.find_spec(module) is None:
+        raise MeshError(
+            f"{what} needs {module!r}, which this install lacks: "
+            f"pip install 'nats-llm-mesh[{extra}]'",
+            code=ErrorCode.UNAVAILABLE,
+            retryable=False,
+        )
+
+
 async def _serve_role(settings: MeshSettings, role: str) -> int:
     from mesh.backends import create_backend
     from mesh.connection import Connection
     from mesh.metrics import exposition
 
     model_settings = settings.worker.model if role == "worker" else settings.edge.model
+    if model_settings.backend in _ENGINE_EXTRAS:
+        module, extra = _ENGINE_EXTRAS[model_settings.backend]
+        _require(module, extra, f"the {role}'s {model_settings.backend} backend")
+    if role == "edge":
+        _require("numpy", "edge", "the edge's router")
     metrics_port = settings.worker.metrics_port if role == "worker" else settings.edge.metrics_port
     backend = create_backend(model_settings)
     await backend.start()
