@@ -106,6 +106,8 @@ class EdgeNode(Lifecycle):
         self.http: EdgeHTTP | None = None
         self.prom.in_flight.set_function(self.records.in_flight)
         self.prom.workers_live.set_function(lambda: len(self.nodes.live()))
+        self.prom.cloud_share.set_function(self._budget_share)
+        self.prom.cloud_threshold.set_function(lambda: float(self.router.threshold))
 
     @property
     def subject(self) -> str:
@@ -178,9 +180,17 @@ class EdgeNode(Lifecycle):
             with contextlib.suppress(nats.errors.Error):
                 await self._service.stop()
         await self.nodes.stop()
+        budget = getattr(self.router, "budget", None)
+        if budget is not None:
+            budget.save()  # the decisions since the last periodic save
         for registry in (self.prom.registry, self._nats_metrics.registry):
             exposition.remove(registry)
         log.info("edge stopped", edge_id=self.edge_id, **self.metrics.snapshot())
+
+    def _budget_share(self) -> float:
+        budget = getattr(self.router, "budget", None)
+        realized = budget.snapshot().get("realized") if budget is not None else None
+        return float(realized) if isinstance(realized, (int, float)) else float("nan")
 
     async def readiness(self) -> dict[str, Any]:
         """Whether the edge can answer, and how: ``status`` is ready, degraded (answers, but
@@ -451,10 +461,14 @@ class EdgeNode(Lifecycle):
         router thinks (unless the client insists on local)."""
         if req.route != "auto" or not self._too_long(req):
             return None
+        budget = getattr(self.router, "budget", None)
+        if budget is not None:  # not the router's choice: counted as forced, outside the share
+            budget.record_forced("cloud")
         return RouteDecision(
             decision="cloud",
             reason=f"prompt too long for the local model "
             f"(~{estimate_prompt_tokens(req)} tokens, context {self._es.model.n_ctx})",
+            budget=budget.snapshot() if budget is not None else None,
         )
 
     def _too_long(self, req: InferRequest) -> bool:

@@ -139,3 +139,33 @@ async def test_workers_and_edges_are_discoverable_micro_services(
     edge_info = json.loads((await conn.nc.request("$SRV.INFO.mesh-edge", b"", timeout=5)).data)
     assert edge_info["metadata"]["edge_id"] == ops_edge.edge_id
     assert edge_info["metadata"]["status"] in {"ready", "degraded"}
+
+
+async def test_the_edge_keeps_and_exports_its_cloud_budget(
+    settings: MeshSettings, conn: Connection, tmp_path: object
+) -> None:
+    from pathlib import Path
+
+    from edge_node.routing import create_router
+
+    state = Path(str(tmp_path)) / "budget.json"
+    settings.edge.router.budget_state = str(state)
+    settings.edge.http_port = -1
+    router = create_router(settings.edge.router)
+    long_prompt = "Please summarise this note. " + "The meeting is on Tuesday. " * 300
+    async with (
+        Worker(settings, conn, deterministic()),
+        EdgeNode(settings, conn, deterministic(), router),
+        MeshClient(settings=settings, connection=conn) as client,
+    ):
+        for prompt in ("[tag:b] hello", "[tag:b] what is 2+2?", "[tag:b] thanks"):
+            await client.complete(prompt, max_tokens=4)
+        # Too long for the local model: escalated whatever the router says, counted apart.
+        too_long = await client.complete(long_prompt, max_tokens=4)
+        page = exposition.text().decode()
+    assert too_long.end.routing is not None and too_long.end.routing.budget is not None
+    assert too_long.end.routing.budget["forced_cloud"] == 1
+    assert 0.0 <= sample(page, "mesh_edge_cloud_budget_share") <= 1.0
+    assert sample(page, "mesh_edge_cloud_budget_threshold") == pytest.approx(router.threshold)
+    saved = json.loads(state.read_text())  # written when the edge stopped
+    assert saved["totals"]["auto"] == 3 and saved["totals"]["forced_cloud"] == 1
