@@ -38,12 +38,13 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import Generation, generate_into
 from mesh.lifecycle import Lifecycle
-from mesh.logs import get_logger, log_unknown_fields
+from mesh.logs import get_logger, log_unknown_fields, trace_id
 from mesh.metrics import NatsMetrics, WorkerMetrics, exposition
 from mesh.provision import provision
 from mesh.queue import trace_headers
 from mesh.registry import Heartbeat, NodeInfo
 from mesh.tasks import TaskSet
+from mesh.tracing import Tracing
 from protocol.codec import decode_request, reply_target, sniff
 from protocol.errors import (
     CancelledByClientError,
@@ -105,6 +106,7 @@ class Worker(Lifecycle):
         self._nats_metrics = NatsMetrics()
         self._nats_metrics.watch(conn)
         self.store = AnswerStore(conn, settings.stream)
+        self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
         self._inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
@@ -352,15 +354,23 @@ class Worker(Lifecycle):
         task = asyncio.current_task()
         assert task is not None
         self._inflight[request.id] = (task, request)
+        traced = trace_headers(msg.headers)
+        traced_id = trace_id(traced.get("traceparent"))
         with structlog.contextvars.bound_contextvars(
             request_id=request.id,
             node_id=self.node_id,
             subject=msg.subject,
             attempt=attempt,
-            **trace_headers(msg.headers),
+            **traced,
+            **({"trace_id": traced_id} if traced_id else {}),
         ):
             try:
-                await self._serve(msg, request, fmt.reply_format, attempt)
+                with self.tracing.span(
+                    "mesh.worker.request",
+                    msg.headers,
+                    **{"mesh.request_id": request.id, "mesh.attempt": attempt},
+                ):
+                    await self._serve(msg, request, fmt.reply_format, attempt)
             finally:
                 self._inflight.pop(request.id, None)
 

@@ -39,12 +39,13 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import generate_into
 from mesh.lifecycle import Lifecycle
-from mesh.logs import get_logger, log_unknown_fields
+from mesh.logs import get_logger, log_unknown_fields, trace_id
 from mesh.metrics import Counters, EdgeMetrics, NatsMetrics, exposition
 from mesh.provision import model_is_served
 from mesh.queue import trace_headers
 from mesh.registry import NodeView
 from mesh.tasks import TaskSet
+from mesh.tracing import Tracing
 from protocol.codec import decode_request, load, sniff
 from protocol.errors import (
     CancelledByClientError,
@@ -93,6 +94,7 @@ class EdgeNode(Lifecycle):
         self._nats_metrics = NatsMetrics()
         self._nats_metrics.watch(conn)
         self.records = Records(settings.edge.replay_window)
+        self.tracing = Tracing(settings.log.otel)
         self._es = settings.edge
         self._gate = LocalGate(backend, self._es.local_queue)
         self._tasks = TaskSet("edge")
@@ -132,7 +134,7 @@ class EdgeNode(Lifecycle):
             version=__version__,
             description="mesh edge node: local inference with cloud escalation",
             metadata=self._metadata,  # the service keeps this dict: INFO shows its updates
-            stats_handler=lambda _endpoint: self.metrics.snapshot(),
+            stats_handler=lambda _endpoint: self.stats(),
         )
         group = f"mesh-edge-{self.edge_id}"
         await self._service.add_endpoint(
@@ -186,6 +188,16 @@ class EdgeNode(Lifecycle):
         for registry in (self.prom.registry, self._nats_metrics.registry):
             exposition.remove(registry)
         log.info("edge stopped", edge_id=self.edge_id, **self.metrics.snapshot())
+
+    def stats(self) -> dict[str, Any]:
+        """What ``nats micro stats mesh-edge`` and ``mesh status`` show: counters and the
+        router's cloud budget."""
+        budget = getattr(self.router, "budget", None)
+        return {
+            **self.metrics.snapshot(),
+            "in_flight": self.records.in_flight(),
+            "budget": budget.snapshot() if budget is not None else None,
+        }
 
     def _budget_share(self) -> float:
         budget = getattr(self.router, "budget", None)
@@ -302,9 +314,17 @@ class EdgeNode(Lifecycle):
         record.sinks.append(sink)
         record.task = asyncio.current_task()
         received = time.perf_counter() if received is None else received
-        with structlog.contextvars.bound_contextvars(request_id=req.id, node_id=self.node_name):
+        traced = trace_id((trace or {}).get("traceparent"))
+        with structlog.contextvars.bound_contextvars(
+            request_id=req.id, node_id=self.node_name, **({"trace_id": traced} if traced else {})
+        ):
             try:
-                await self._answer(req, record, received, trace)
+                with self.tracing.span(
+                    "mesh.edge.request", trace, **{"mesh.request_id": req.id}
+                ) as span:
+                    await self._answer(req, record, received, trace)
+                    if span is not None and isinstance(record.state.outcome, EndEvent):
+                        span.set_attribute("mesh.path", record.state.outcome.path)
                 if not record.done:  # never silence: a path that returned without an outcome
                     log.error("answer ended without an outcome", positions=record.state.positions)
                     await record.fail(

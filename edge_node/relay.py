@@ -152,7 +152,10 @@ class CloudRelay:
                 "stream": True,
             }
         )
-        call = CloudCall(edge.conn, edge.settings.stream, queued, headers=self.trace)
+        # The worker's span continues this edge's (when tracing is on), else the client's.
+        call = CloudCall(
+            edge.conn, edge.settings.stream, queued, headers=edge.tracing.inject(self.trace)
+        )
         try:
             await call.open()
         except MeshError as err:

@@ -257,6 +257,8 @@ class LogSettings(_Section):
     """Lowest level written."""
     format: Literal["auto", "json", "console"] = "auto"
     """auto: console on a terminal, JSON otherwise."""
+    otel: bool = False
+    """Record an OpenTelemetry span per request, exported over OTLP (the otel extra)."""
 
 
 class MeshSettings(_Section):

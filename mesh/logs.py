@@ -1,6 +1,8 @@
 """structlog setup, once per entry point: console on a terminal, JSON lines otherwise.
 
-Request-scoped fields (``request_id``, ``node_id``, ``subject``) are bound with
+Every line goes through one renderer, the standard library's too (nats-py, aiohttp, asyncio):
+their records pass through structlog's ``ProcessorFormatter``. Request-scoped fields
+(``request_id``, ``node_id``, ``subject``, ``trace_id``) are bound with
 ``structlog.contextvars.bound_contextvars`` and appear on every line logged inside.
 """
 
@@ -22,8 +24,14 @@ _LEVELS = {
 }
 
 
-def configure_logging(settings: LogSettings, stream: TextIO | None = None) -> None:
-    """Configure structlog for this process; logs go to ``stream`` (stderr by default)."""
+def configure_logging(
+    settings: LogSettings, stream: TextIO | None = None, *, cache: bool = False
+) -> None:
+    """Configure structlog and the standard library's logging for this process.
+
+    ``cache``: cache each logger on first use (faster; entry points set it, tests that
+    reconfigure logging or capture logs must not).
+    """
     stream = stream or sys.stderr
     use_console = settings.format == "console" or (settings.format == "auto" and stream.isatty())
     renderer: Any = (
@@ -31,25 +39,48 @@ def configure_logging(settings: LogSettings, stream: TextIO | None = None) -> No
         if use_console
         else structlog.processors.JSONRenderer()
     )
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    level = _LEVELS[settings.level]
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
+            *shared,
             structlog.processors.format_exc_info,
-            renderer,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[settings.level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
-        cache_logger_on_first_use=False,
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        cache_logger_on_first_use=cache,
     )
-    # llama.cpp and nats-py log through the standard library; keep them at our level.
-    logging.basicConfig(level=max(_LEVELS[settings.level], logging.WARNING), stream=stream)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    # Our own lines at the chosen level; other libraries' at warning and above.
+    root.setLevel(level)
+    for name in ("nats", "aiohttp", "asyncio", "llama_cpp", "httpx", "openai"):
+        logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
 def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id of a W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``)."""
+    if not traceparent:
+        return None
+    parts = traceparent.split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
 
 
 _seen_unknown: set[tuple[str, frozenset[str]]] = set()

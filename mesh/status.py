@@ -133,8 +133,16 @@ def render(status: dict[str, Any]) -> list[str]:
         routes = {k: v for k, v in counters.items() if k.startswith(("route.", "fallback"))}
         lines.append(
             f"  {e.get('edge_id', '?'):<32} status={e.get('status', '?')} "
-            f"cloud={e.get('cloud', '?')} {' '.join(f'{k}={v}' for k, v in routes.items())}"
+            f"cloud={e.get('cloud', '?')} in_flight={counters.get('in_flight', '?')} "
+            f"{' '.join(f'{k}={v}' for k, v in routes.items())}"
         )
+        budget = counters.get("budget")
+        if isinstance(budget, dict):
+            lines.append(
+                f"    cloud budget: {budget.get('policy')} target={budget.get('target')} "
+                f"realized={budget.get('realized')} over {budget.get('window')} "
+                f"cap={budget.get('cap_per_minute')} capped={budget.get('capped')}"
+            )
     queue = status["queue"]
     if queue is None:
         lines.append("queue: not provisioned")

@@ -177,7 +177,12 @@ def _settings(args: argparse.Namespace, *, quiet: bool = False) -> MeshSettings:
     if quiet and getattr(args, "log_level", None) is None:
         overrides.setdefault(("log", "level"), "warning")
     settings = load_settings(overrides)
-    configure_logging(settings.log)
+    configure_logging(settings.log, cache=True)
+    if settings.log.otel:
+        from mesh.tracing import install_provider
+
+        _require("opentelemetry.exporter.otlp.proto.http", "otel", "MESH_LOG_OTEL=true")
+        install_provider(service=f"mesh-{getattr(args, 'command', 'cli')}")
     return settings
 
 
@@ -346,7 +351,11 @@ _ENGINE_EXTRAS = {
 
 def _require(module: str, extra: str, what: str) -> None:
     """A clear error naming the extra to install, instead of an ImportError deep inside."""
-    if importlib.util.find_spec(module) is None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        found = False
+    if not found:
         raise MeshError(
             f"{what} needs {module!r}, which this install lacks: "
             f"pip install 'nats-llm-mesh[{extra}]'",

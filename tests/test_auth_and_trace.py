@@ -14,6 +14,7 @@ from mesh.connection import Connection
 from mesh.logs import configure_logging
 from mesh.nats_server import NatsServer
 from protocol.errors import UnavailableError
+from tests.helpers import stat_reaches
 from tests.nats_wire import RawNatsClient
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -55,3 +56,72 @@ async def test_traceparent_reaches_the_worker(
     assert reply.json()["path"] == "cloud"
     done = [e for e in logs if e["event"] == "request done"]
     assert done and done[0]["traceparent"] == TRACEPARENT
+    trace = TRACEPARENT.split("-")[1]
+    assert done[0]["trace_id"] == trace
+    canonical = [e for e in logs if e["event"] == "request" and e.get("node_id") == edge.node_name]
+    assert canonical and canonical[0]["trace_id"] == trace  # one line per request, traced
+
+
+def test_library_logs_go_through_the_same_json_renderer() -> None:
+    import io
+    import json
+    import logging
+
+    out = io.StringIO()
+    configure_logging(LogSettings(level="info", format="json"), stream=out)
+    try:
+        logging.getLogger("nats.aio.client").warning("nats said %s", "something")
+        logging.getLogger("nats.aio.client").info("below the libraries' level")
+        structlog.get_logger("mesh.test").info("ours", answer=42)
+    finally:
+        configure_logging(LogSettings(level="warning"))
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(line["event"], line["level"]) for line in lines] == [
+        ("nats said something", "warning"),
+        ("ours", "info"),
+    ]
+    assert lines[0]["logger"] == "nats.aio.client" and lines[1]["answer"] == 42
+    assert all("timestamp" in line for line in lines)
+
+
+async def test_with_otel_on_the_worker_span_is_a_child_of_the_edge_span(
+    settings: MeshSettings, conn: object, worker_backend: object
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from edge_node.node import EdgeNode
+    from edge_node.router import HeuristicRouter
+    from mesh.backends.deterministic import DeterministicBackend
+    from mesh.config import ModelSettings
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    settings.log.otel = True
+    backend = DeterministicBackend(ModelSettings(backend="deterministic"))
+    async with (
+        Worker(settings, conn, backend) as worker,  # type: ignore[arg-type]
+        EdgeNode(settings, conn, backend, HeuristicRouter()) as edge,  # type: ignore[arg-type]
+    ):
+        cli = await RawNatsClient().connect(settings.nats.url or "")
+        try:
+            reply = await cli.request(
+                edge.subject,
+                b'{"prompt": "Hi", "route": "cloud", "max_tokens": 4}',
+                headers={"traceparent": TRACEPARENT},
+            )
+        finally:
+            await cli.close()
+        await stat_reaches(worker.stats, "completed", 1)
+    assert reply.json()["path"] == "cloud"
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    edge_span, worker_span = spans["mesh.edge.request"], spans["mesh.worker.request"]
+    client_trace = int(TRACEPARENT.split("-")[1], 16)
+    assert edge_span.context.trace_id == worker_span.context.trace_id == client_trace
+    assert worker_span.parent is not None
+    assert worker_span.parent.span_id == edge_span.context.span_id
+    assert edge_span.attributes["mesh.path"] == "cloud"

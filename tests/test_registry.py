@@ -63,6 +63,7 @@ async def test_mesh_status_shows_workers_edges_capacity_and_the_queue(
     assert status["capacity"] == {"slots": 1, "free": 1}
     assert [e["edge_id"] for e in status["edges"]] == [settings.edge.edge_id]
     assert status["edges"][0]["status"] in {"ready", "degraded", "starting"}
+    assert status["edges"][0]["counters"]["budget"]["policy"] == "share"  # the learned router
     queue = status["queue"]
     assert queue["stream"] == "MESH_INFER" and queue["waiting"] == 0
     assert queue["consumers"][0]["name"] == "workers_smollm2"

@@ -1,0 +1,77 @@
+"""OpenTelemetry spans per request: optional (the ``otel`` extra) and off by default.
+
+The W3C trace context (``traceparent``/``tracestate``) travels in NATS headers whatever this
+says: from a client to its edge, and from the edge to the worker with the queued request. With
+``MESH_LOG_OTEL=true``, the edge records a span ``mesh.edge.request`` under the client's context
+and the worker a span ``mesh.worker.request`` under the edge's, so one trace shows where the
+time went. Spans go to whatever ``TracerProvider`` the process has; :func:`install_provider`
+sets one up exporting over OTLP (``OTEL_EXPORTER_OTLP_ENDPOINT``...), the SDK's own settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from protocol.errors import ErrorCode, MeshError
+
+
+class Tracing:
+    """A node's spans; every method is a no-op when tracing is off."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._tracer: Any = None
+        if not enabled:
+            return
+        try:
+            from opentelemetry import trace
+        except ImportError:
+            raise MeshError(
+                "MESH_LOG_OTEL=true needs OpenTelemetry: pip install 'nats-llm-mesh[otel]'",
+                code=ErrorCode.UNAVAILABLE,
+                retryable=False,
+            ) from None
+        self._tracer = trace.get_tracer("nats-llm-mesh")
+
+    @property
+    def enabled(self) -> bool:
+        return self._tracer is not None
+
+    @contextlib.contextmanager
+    def span(
+        self, name: str, headers: Mapping[str, str] | None, **attributes: Any
+    ) -> Iterator[Any]:
+        """A span under the context in ``headers`` (W3C), current while the block runs."""
+        if self._tracer is None:
+            yield None
+            return
+        from opentelemetry.propagate import extract
+
+        parent = extract(dict(headers or {}))
+        with self._tracer.start_as_current_span(
+            name, context=parent, attributes={k: v for k, v in attributes.items() if v is not None}
+        ) as span:
+            yield span
+
+    def inject(self, headers: Mapping[str, str] | None) -> dict[str, str]:
+        """``headers`` with the current span's context: what the next hop continues."""
+        carrier = dict(headers or {})
+        if self._tracer is not None:
+            from opentelemetry.propagate import inject
+
+            inject(carrier)
+        return carrier
+
+
+def install_provider(service: str) -> None:
+    """Export spans over OTLP/HTTP from this process (needs the ``otel`` extra)."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
