@@ -36,6 +36,13 @@ async def fast(settings: MeshSettings, conn: Connection) -> MeshSettings:
     return settings
 
 
+async def stop_all(workers: list[tuple[Worker, Connection]]) -> None:
+    """Stop every worker a test started (in a finally: none may outlive its test)."""
+    for worker, wconn in workers:
+        await worker.stop()
+        await wconn.close()
+
+
 async def worker_on_own_connection(settings: MeshSettings, name: str) -> tuple[Worker, Connection]:
     own = settings.model_copy(deep=True)
     own.worker.node_id = name
@@ -48,45 +55,44 @@ async def worker_on_own_connection(settings: MeshSettings, name: str) -> tuple[W
 async def test_a_lost_ack_after_the_end_never_causes_a_second_generation(
     fast: MeshSettings, conn: Connection, client: MeshClient
 ) -> None:
-    first, first_conn = await worker_on_own_connection(fast, "first")
+    workers = [await worker_on_own_connection(fast, "first")]
+    first, first_conn = workers[0]
 
     async def ack_lost(*_args: object, **_kwargs: object) -> None:
         await first_conn.nc.close()  # the end is stored; the ack never reaches the server
 
     first._ack = ack_lost  # type: ignore[method-assign]
-    answer = await client.complete(PROMPT, via="cloud", max_tokens=12)
-    assert answer.text == Script(tag="ap").answer(12)
-    second, second_conn = await worker_on_own_connection(fast, "second")
     try:
+        answer = await client.complete(PROMPT, via="cloud", max_tokens=12)
+        assert answer.text == Script(tag="ap").answer(12)
+        workers.append(await worker_on_own_connection(fast, "second"))
+        second = workers[1][0]
         # After ack_wait the request is redelivered: the second worker finds its outcome stored
         # and acks it without generating.
         await stat_reaches(second.stats, "already_done", 1)
         assert second.backend.started == 0  # type: ignore[attr-defined]
         await eventually(lambda: queue_drained(conn, fast), what="redelivery acked")
     finally:
-        await second.stop()
-        await second_conn.close()
-        await first.stop()
+        await stop_all(workers)
 
 
 async def test_a_started_request_is_continued_after_its_start_by(
     fast: MeshSettings, conn: Connection
 ) -> None:
-    doomed, doomed_conn = await worker_on_own_connection(fast, "doomed")
+    workers = [await worker_on_own_connection(fast, "doomed")]
+    doomed_conn = workers[0][1]
     request = InferRequest(
         prompt=PROMPT, model="smollm2", max_tokens=60, stream=True, start_by=time.time() + 0.5
     )
     events: list[object] = []
-    survivor = None
-    async with CloudCall(conn, fast.stream, request) as call:
-        while not call.reader.state.done:
-            for event in await call.reader.next(10):
-                events.append(event)
-                if isinstance(event, TokenEvent) and event.seq == 3 and survivor is None:
-                    await doomed_conn.nc.close()
-                    survivor, survivor_conn = await worker_on_own_connection(fast, "survivor")
-    assert survivor is not None
     try:
+        async with CloudCall(conn, fast.stream, request) as call:
+            while not call.reader.state.done:
+                for event in await call.reader.next(10):
+                    events.append(event)
+                    if isinstance(event, TokenEvent) and event.seq == 3 and len(workers) == 1:
+                        await doomed_conn.nc.close()
+                        workers.append(await worker_on_own_connection(fast, "survivor"))
         starts = [e for e in events if isinstance(e, StartEvent)]
         assert [s.attempt for s in starts] == [1, 2]
         assert starts[1].seq > 0  # continued, not refused and not started over
@@ -95,9 +101,7 @@ async def test_a_started_request_is_continued_after_its_start_by(
         assert call.reader.state.text() == Script(tag="ap").answer(60)
         assert time.time() > request.start_by  # type: ignore[operator]
     finally:
-        await survivor.stop()
-        await survivor_conn.close()
-        await doomed.stop()
+        await stop_all(workers)
 
 
 async def test_exhausted_deliveries_reach_the_client_as_a_typed_error(
@@ -120,14 +124,14 @@ async def test_exhausted_deliveries_reach_the_client_as_a_typed_error(
         watcher, _ = await worker_on_own_connection(fast, "watcher")
 
     killer = asyncio.ensure_future(kill_each_attempt())
-    with pytest.raises(MaxDeliveriesError) as excinfo:
-        await client.complete(PROMPT, via="cloud", max_tokens=400)
-    await killer
-    assert "2 deliveries" in excinfo.value.message
-    assert watcher is not None and watcher.stats.max_deliveries == 1
-    await eventually(lambda: queue_drained(conn, fast), what="exhausted request removed")
-    await watcher.stop()
-    await watcher.conn.close()
-    for worker, wconn in dead:
-        await worker.stop()
-        await wconn.close()
+    try:
+        with pytest.raises(MaxDeliveriesError) as excinfo:
+            await client.complete(PROMPT, via="cloud", max_tokens=400)
+        await killer
+        assert "2 deliveries" in excinfo.value.message
+        assert watcher is not None
+        await stat_reaches(watcher.stats, "max_deliveries", 1)  # counted once it is stored
+        await eventually(lambda: queue_drained(conn, fast), what="exhausted request removed")
+    finally:  # a worker left running would serve the next tests' requests
+        killer.cancel()
+        await stop_all([*dead, *([(watcher, watcher.conn)] if watcher is not None else [])])

@@ -30,22 +30,22 @@ async def test_a_worker_that_dies_mid_answer_is_continued_by_another(
 
     events: list[TokenEvent | RestartEvent | EndEvent] = []
     survivor: Worker | None = None
-    async for event in client.stream(
-        "Write a long story about a cat who learns to sail.",
-        via="cloud",
-        max_tokens=40,
-        temperature=0,
-    ):
-        events.append(event)
-        if survivor is None and isinstance(event, TokenEvent) and len(events) == 3:
-            # Crash: the connection drops mid-generation, nothing is acked or nak'd.
-            await doomed_conn.nc.close()
-            survivor_settings = settings.model_copy(deep=True)
-            survivor_settings.worker.node_id = "survivor"
-            survivor = Worker(survivor_settings, conn, worker_backend)
-            await survivor.start()
-    assert survivor is not None
     try:
+        async for event in client.stream(
+            "Write a long story about a cat who learns to sail.",
+            via="cloud",
+            max_tokens=40,
+            temperature=0,
+        ):
+            events.append(event)
+            if survivor is None and isinstance(event, TokenEvent) and len(events) == 3:
+                # Crash: the connection drops mid-generation, nothing is acked or nak'd.
+                await doomed_conn.nc.close()
+                survivor_settings = settings.model_copy(deep=True)
+                survivor_settings.worker.node_id = "survivor"
+                survivor = Worker(survivor_settings, conn, worker_backend)
+                await survivor.start()
+        assert survivor is not None
         assert not any(isinstance(e, RestartEvent) for e in events), events
         tokens = [e for e in events if isinstance(e, TokenEvent)]
         end = events[-1]
@@ -59,8 +59,9 @@ async def test_a_worker_that_dies_mid_answer_is_continued_by_another(
         assert end.finish_reason == "length"
         assert survivor.stats.continued == 1 and survivor.stats.restarted == 0
         await eventually(lambda: queue_drained(conn, settings), what="redelivered request acked")
-    finally:
-        await survivor.stop()
+    finally:  # no worker may outlive its test
+        if survivor is not None:
+            await survivor.stop()
         await doomed.stop()
         await doomed_conn.close()
         await asyncio.sleep(0)
