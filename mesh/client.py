@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import nats.errors
-from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT
 from pydantic import ValidationError
 
 from mesh.config import MeshSettings, load_settings
@@ -204,9 +203,14 @@ class MeshClient(Lifecycle):
     async def _via_edge(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         nc = self.conn.nc
         inbox = self._inbox()
-        sub = await nc.subscribe(
-            inbox, pending_msgs_limit=self._pending_limit or DEFAULT_SUB_PENDING_MSGS_LIMIT
+        reader = AnswerReader(
+            self.conn,
+            AnswerState(request.id),
+            self._edge_repair(request.id, inbox),
+            what=f"edge {self.edge_id!r}",
+            pending_limit=self._pending_limit,
         )
+        await reader.subscribe(inbox)
         finished = False
         try:
             await nc.publish(
@@ -214,13 +218,6 @@ class MeshClient(Lifecycle):
                 dump(request, WireFormat.MSGPACK),
                 reply=inbox,
                 headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
-            )
-            reader = AnswerReader(
-                self.conn,
-                sub,
-                AnswerState(request.id),
-                self._edge_repair(request.id, inbox),
-                what=f"edge {self.edge_id!r}",
             )
             async for event in self._read(reader):
                 finished = isinstance(event, EndEvent)
@@ -238,8 +235,7 @@ class MeshClient(Lifecycle):
                         edge_cancel_subject(self.edge_id),
                         json.dumps({"id": request.id, "inbox": inbox}).encode(),
                     )
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+            await reader.close()
 
     def _edge_repair(self, request_id: str, inbox: str) -> Repair:
         """Ask the edge to send our inbox the events we lack; they arrive on the subscription."""

@@ -36,17 +36,31 @@ async def coalesce(
     """
     queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
+    loop = asyncio.get_running_loop()
+    progress = [loop.time()]
 
     async def pump() -> None:
         try:
             async for chunk in chunks:
+                progress[0] = loop.time()
                 queue.put_nowait(chunk)
         except Exception as exc:  # handed to the consumer, which raises it in order
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(done)
 
-    task = asyncio.get_running_loop().create_task(pump(), name="coalesce-pump")
+    async def watchdog(limit: float) -> None:
+        """One timer per generation, not one per token: a hung engine becomes an error."""
+        while True:
+            await asyncio.sleep(limit / 4)
+            if loop.time() - progress[0] > limit:
+                queue.put_nowait(
+                    BackendError(f"the engine produced nothing for {limit:g}s", retryable=True)
+                )
+                return
+
+    task = loop.create_task(pump(), name="coalesce-pump")
+    guard = loop.create_task(watchdog(stall), name="coalesce-stall") if stall else None
     first = True
     pending: Any = None
     try:
@@ -54,12 +68,7 @@ async def coalesce(
             if pending is not None:
                 item, pending = pending, None
             else:
-                try:
-                    item = await asyncio.wait_for(queue.get(), stall)
-                except asyncio.TimeoutError:
-                    raise BackendError(
-                        f"the engine produced nothing for {stall:g}s", retryable=True
-                    ) from None
+                item = await queue.get()
             if item is done:
                 return
             if isinstance(item, BaseException):
@@ -84,9 +93,11 @@ async def coalesce(
                     logprobs.extend(nxt.logprobs)
             yield Chunk(text="".join(parts), n=n, logprobs=logprobs)
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for helper in (task, guard):
+            if helper is not None:
+                helper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await helper
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:
             await aclose()

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 
 import msgpack
 import nats.errors
-from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError
 
@@ -122,7 +121,6 @@ class CloudCall(Lifecycle):
     ) -> None:
         self.conn = conn
         self.headers = dict(headers or {})
-        self._pending_limit = pending_limit or DEFAULT_SUB_PENDING_MSGS_LIMIT
         self.stream = stream
         self.request = request.model_copy(
             update={"reply": None, "cancel_key": request.cancel_key or new_cancel_key()}
@@ -130,20 +128,17 @@ class CloudCall(Lifecycle):
         self.fingerprint = request_fingerprint(self.request)
         self.store = AnswerStore(conn, stream)
         self.ack: api.PubAck | None = None
-        self._sub: Subscription | None = None
-        self._reader: AnswerReader | None = None
-
-    @property
-    def reader(self) -> AnswerReader:
-        if self._reader is None:
-            raise RuntimeError("CloudCall.open() first")
-        return self._reader
+        self.reader = AnswerReader(
+            conn,
+            AnswerState(self.request.id, fingerprint=self.fingerprint),
+            store_repair(self.store.replay, self.request.id),
+            what="the cloud",
+            pending_limit=pending_limit,
+        )
 
     async def open(self) -> CloudCall:
         nc = self.conn.nc
-        self._sub = await nc.subscribe(
-            token_subject(self.request.id), pending_msgs_limit=self._pending_limit
-        )
+        await self.reader.subscribe(token_subject(self.request.id))
         try:
             try:
                 await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
@@ -153,17 +148,10 @@ class CloudCall(Lifecycle):
         except BaseException:
             await self.close()
             raise
-        self._reader = AnswerReader(
-            self.conn,
-            self._sub,
-            AnswerState(self.request.id, fingerprint=self.fingerprint),
-            store_repair(self.store.replay, self.request.id),
-            what="the cloud",
-        )
         if self.ack.duplicate:
             # Queued before under this id: its answer may be complete already. Catch up now.
             log.info("request already queued (duplicate publish)", request_id=self.request.id)
-            self._reader.repair_now()
+            self.reader.repair_now()
         return self
 
     async def withdraw(self) -> None:
@@ -178,10 +166,7 @@ class CloudCall(Lifecycle):
                 await self.conn.jsm().delete_msg(self.ack.stream, self.ack.seq)
 
     async def close(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+        await self.reader.close()
 
     start = open
     stop = close

@@ -8,7 +8,8 @@ missing, it asks its *repair* for what was kept and feeds that too:
 - a reconnect or a slow-consumer drop on its connection (:attr:`Connection.losses` moved):
   whatever was published meanwhile never reached the subscription;
 - a quiet spell: nothing for a while (1 s, then 2, 4, up to 8 s), in case the tail was lost with
-  no later event to reveal the gap.
+  no later event to reveal the gap;
+- its own buffer overflowing (the reader's consumer is slower than the stream).
 
 A repair for a worker's events reads the answer store; a repair for an edge's events asks the
 edge to send again what the reader lacks. The reader never passes on a gap: it waits for the
@@ -18,11 +19,14 @@ repair, and its caller decides, on its own deadlines, when waiting is over.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import nats.errors
-from nats.aio.subscription import Subscription
+from nats.aio.msg import Msg
+from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
@@ -33,6 +37,7 @@ from protocol.stream import AnswerState
 
 log = get_logger(__name__)
 NO_RESPONDERS = "503"
+DEFAULT_PENDING = DEFAULT_SUB_PENDING_MSGS_LIMIT
 Repair = Callable[[AnswerState], Awaitable[list[WireEvent]]]
 """Fetch what was kept of the answer, given what the reader has; events in their stored order."""
 
@@ -42,20 +47,27 @@ _GAP_RETRY_FIRST_S = 0.2
 
 
 class AnswerReader:
+    """Reads one subject. Messages go from a subscription callback into a bounded buffer of the
+    reader's own (nats-py's ``next_msg`` costs a task per message); beyond ``pending_limit``
+    messages the reader drops them, as NATS does for a slow consumer, and fetches them again."""
+
     def __init__(
         self,
         conn: Connection,
-        sub: Subscription,
         state: AnswerState,
         repair: Repair | None,
         *,
         what: str,
+        pending_limit: int | None = None,
     ) -> None:
         self.conn = conn
-        self.sub = sub
         self.state = state
         self.what = what
         self._repair = repair
+        self._limit = pending_limit or DEFAULT_PENDING
+        self._buffer: deque[Msg] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._sub: Subscription | None = None
         self._losses = conn.losses
         self._repair_at: float | None = None
         self._gap_retry = _GAP_RETRY_FIRST_S
@@ -65,6 +77,29 @@ class AnswerReader:
         self._last_probe = self.last_event
         self.repairs = 0
         self.repaired_events = 0
+        self.dropped = 0
+        """Messages dropped because the buffer was full (a slow consumer)."""
+
+    async def subscribe(self, subject: str) -> None:
+        """Start receiving ``subject`` (before anything is published to it)."""
+        self._sub = await self.conn.nc.subscribe(subject, cb=self._on_msg)
+
+    async def close(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if len(self._buffer) >= self._limit:
+            self.dropped += 1  # a slow consumer: drop it now, fetch it again later
+            if self._repair_at is None:
+                self._repair_at = time.monotonic()
+        else:
+            self._buffer.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def repair_now(self) -> None:
         """Fetch what was kept before waiting for the next message."""
@@ -82,20 +117,39 @@ class AnswerReader:
                 if out:
                     return out
                 now = time.monotonic()
+            if self._buffer:
+                out = self._drain()
+                if out:
+                    return out
+                continue
             left = deadline - now
             if left <= 0:
                 return []
+            if self.conn.nc.is_closed:
+                raise UnavailableError(f"NATS connection closed while reading {self.what}")
             wait = left if self._repair is None else min(left, self._next_check(now) - now)
-            try:
-                msg = await self.sub.next_msg(timeout=max(0.001, wait))
-            except nats.errors.TimeoutError:
-                continue
-            except nats.errors.ConnectionClosedError:
-                raise UnavailableError(
-                    f"NATS connection closed while reading {self.what}"
-                ) from None
-            self.last_event = time.monotonic()
-            self._quiet = _QUIET_FIRST_S
+            await self._wait(max(0.001, wait))
+        return []
+
+    async def _wait(self, seconds: float) -> None:
+        """Until a message arrives or ``seconds`` pass (a future and a timer: cheap)."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(seconds, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _drain(self) -> list[WireEvent]:
+        """Feed every buffered message to the state; the events to pass on."""
+        out: list[WireEvent] = []
+        self.last_event = time.monotonic()
+        self._quiet = _QUIET_FIRST_S
+        while self._buffer and not self.state.done:
+            msg = self._buffer.popleft()
             if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
                 raise UnavailableError(f"nobody is serving {self.what}")
             if not msg.data:
@@ -110,9 +164,8 @@ class AnswerReader:
             step = self.state.feed(event)
             if step.gap and self._repair_at is None:
                 self._repair_at = time.monotonic()  # at once: NATS does not reorder, it loses
-            if step.out:
-                return step.out
-        return []
+            out.extend(step.out)
+        return out
 
     def _repair_due(self, now: float) -> bool:
         if self.conn.losses != self._losses:
@@ -165,8 +218,9 @@ class AnswerReader:
         return step.out
 
 
-async def never_repair(_state: AnswerState) -> list[WireEvent]:
-    return []
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def store_repair(replay: Callable[[str], Awaitable[list[WireEvent]]], request_id: str) -> Repair:
