@@ -1,8 +1,8 @@
 """The cloud worker: pulls escalated requests only as fast as it has free slots, streams each
 answer on its request's token subject, and acks a request only once its outcome is stored.
 
-Back-pressure is the pull itself: a worker never holds more unacked requests than it has slots,
-and ``max_ack_pending`` on the consumer caps the whole fleet.
+Back-pressure is the pull itself: a worker asks JetStream for no more requests than it has free
+slots (:mod:`cloud_node.puller`), and ``max_ack_pending`` on the consumer caps the whole fleet.
 
 Failover continues, not restarts: when a worker dies mid-answer, JetStream redelivers the
 request after ``ack_wait`` (workers report progress every second, so that is seconds, not
@@ -25,12 +25,12 @@ import structlog
 from nats import micro
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
 from nats.micro.request import Request
 from nats.micro.service import Service
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.publisher import AnswerPublisher
+from cloud_node.puller import Puller
 from mesh import __version__
 from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.backends.base import Backend
@@ -114,9 +114,7 @@ class Worker(Lifecycle):
         self._reserved = 0
         self._cancels = CancelBook(ttl=self._stream.ack_wait * self._stream.max_deliver + 60)
         self._tasks = TaskSet("worker")
-        self._wake = asyncio.Event()
         self._stopping = False
-        self._psub: JetStreamContext.PullSubscription | None = None
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
         self._undo_reconnect: Any = None
@@ -124,6 +122,15 @@ class Worker(Lifecycle):
             conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl
         )
         self._service: Service | None = None
+        self._puller = Puller(
+            conn,
+            self._stream.name,
+            self.consumer,
+            free_slots=self.free_slots,
+            total_slots=lambda: self.backend.capacity().total,
+            deliver=self._accept,
+            expires=self._ws.fetch_timeout,
+        )
         self.metrics.in_flight.set_function(lambda: len(self._inflight))
         self.metrics.free_slots.set_function(self.free_slots)
         self.metrics.slots.set_function(lambda: self.backend.capacity().total)
@@ -142,9 +149,6 @@ class Worker(Lifecycle):
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await self._provision()
-        self._psub = await self.conn.js.pull_subscribe_bind(
-            durable=self.consumer, stream=self._stream.name
-        )
         nc = self.conn.nc
         self._subs = [
             await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel),
@@ -172,7 +176,8 @@ class Worker(Lifecycle):
         self._undo_reconnect = self.conn.on_reconnect(self._after_reconnect)
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.add(registry)
-        self._loop_task = self._tasks.supervise(self._pull_loop, name="pull")
+        await self._puller.start()
+        self._loop_task = self._tasks.supervise(self._tick, name="pull")
         log.info(
             "worker started",
             node_id=self.node_id,
@@ -191,6 +196,8 @@ class Worker(Lifecycle):
         """Events written to the old socket may be lost: publish again what the store lacks of
         every answer in flight, so readers' gaps close now, not at the answer's end. A server
         restart may also have lost memory-stored state: put it back (idempotent)."""
+        self._puller.forget()  # pull requests may have gone with the old connection
+        await self._puller.top_up()
         publishers = list(self._publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)
         republished = sum(p.republished for p in publishers)
@@ -212,17 +219,14 @@ class Worker(Lifecycle):
         if self._stopping:
             return
         self._stopping = True
-        self._wake.set()
         if self._undo_reconnect is not None:
             self._undo_reconnect()
         await self._heartbeat.stop()  # edges stop counting on us before intake stops
+        await self._puller.stop()  # no new work; late deliveries are handed back at once
         if self._loop_task is not None:
-            # The loop checks the flag between fetches; a fetch lasts at most fetch_timeout.
-            done, _ = await asyncio.wait({self._loop_task}, timeout=self._ws.fetch_timeout + 2)
-            if not done:
-                self._loop_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._loop_task
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
         if self._inflight:
             log.info(
                 "draining in-flight requests",
@@ -230,7 +234,7 @@ class Worker(Lifecycle):
                 grace_s=self._ws.drain_grace,
             )
         await self._tasks.close(grace=self._ws.drain_grace)
-        for sub in (*self._subs, self._psub):
+        for sub in self._subs:
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
@@ -282,35 +286,22 @@ class Worker(Lifecycle):
         capacity = self.backend.capacity()
         return max(0, min(capacity.total - self._reserved, capacity.free))
 
-    async def _pull_loop(self) -> None:
-        assert self._psub is not None
+    async def _tick(self) -> None:
+        """Ask again for what free slots are not covered: slots freed by the engine itself,
+        requests that expired or were refused, a connection that came back."""
         while not self._stopping:
-            free = self.free_slots()
-            if free <= 0:
-                # Our own completions set _wake; engine-side capacity (another user of the engine,
-                # KV-cache pressure) changes silently, so look again shortly either way.
-                self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), CAPACITY_POLL_S)
-                continue
-            try:
-                msgs = await self._psub.fetch(
-                    batch=min(free, self._ws.fetch_batch), timeout=self._ws.fetch_timeout
-                )
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
-            except nats.errors.Error as exc:  # disconnected, reconnecting...: retry shortly
-                log.warning("fetch failed", error=repr(exc))
-                await asyncio.sleep(min(1.0, self._ws.fetch_timeout))
-                continue
-            for msg in msgs:
-                if self._stopping:
-                    with contextlib.suppress(nats.errors.Error):
-                        await msg.nak()  # hand it to another worker now, not after ack_wait
-                    continue
-                self.stats.fetched += 1
-                self._reserved += 1
-                self._tasks.spawn(self._handle(msg), name="request")
+            await asyncio.sleep(CAPACITY_POLL_S)
+            await self._puller.top_up()
+
+    async def _accept(self, msg: Msg) -> None:
+        """A delivery: reserve its slot and handle it at once."""
+        if self._stopping:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak()  # hand it to another worker now, not after ack_wait
+            return
+        self.stats.fetched += 1
+        self._reserved += 1
+        self._tasks.spawn(self._handle(msg), name="request")
 
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = request_id_of(msg.subject)
@@ -333,7 +324,7 @@ class Worker(Lifecycle):
             await self._handle_inner(msg)
         finally:
             self._reserved -= 1
-            self._wake.set()
+            await self._puller.top_up()
 
     async def _handle_inner(self, msg: Msg) -> None:
         attempt = msg.metadata.num_delivered

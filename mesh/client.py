@@ -26,6 +26,7 @@ import hmac
 import itertools
 import json
 import secrets
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -107,6 +108,7 @@ class MeshClient(Lifecycle):
         self.conn = connection or Connection(self.settings.nats, "mesh-client")
         self._pending_limit = pending_limit
         self._secret = secrets.token_bytes(16)
+        self._served: dict[str, float] = {}
         self._scope = ""
         self._inboxes = itertools.count()
 
@@ -196,6 +198,17 @@ class MeshClient(Lifecycle):
                 return Completion(text="".join(parts), end=event, restarts=restarts, events=events)
         raise RuntimeError("stream ended without an end event")  # _read guarantees one
 
+    async def _is_served(self, model: str) -> bool:
+        """Whether a worker pool exists for ``model``; a yes is trusted for 30 s (a JetStream
+        API round trip per request would cost ~1 ms of every answer's TTFT)."""
+        now = time.monotonic()
+        if self._served.get(model, 0.0) > now:
+            return True
+        served = await model_is_served(self.conn.jsm(), self.settings.stream, model)
+        if served:
+            self._served[model] = now + 30.0
+        return served
+
     def _cancel_key(self, request_id: str) -> str:
         """The same key for the same id from this client: a request sent again can cancel."""
         return hmac.new(self._secret, request_id.encode(), hashlib.sha256).hexdigest()[:32]
@@ -266,7 +279,7 @@ class MeshClient(Lifecycle):
 
     async def _via_cloud(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         model = request.model or self.settings.edge.cloud_model
-        if not await model_is_served(self.conn.jsm(), self.settings.stream, model):
+        if not await self._is_served(model):
             raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=request.id)
         request = request.model_copy(
             update={"model": model, "cancel_key": self._cancel_key(request.id)}

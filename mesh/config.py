@@ -139,6 +139,8 @@ class ModelSettings(_Section):
     logprobs: bool = False
     """llama_cpp: keep every position's logits so that requests may ask for logprobs (prompt
     processing gets slower); vllm and openai serve logprobs whatever this says."""
+    metrics_interval: float = Field(default=1.0, gt=0)
+    """openai backend: seconds between reads of the server's vLLM /metrics (engine load)."""
     continuation: Literal["auto", "vllm", "off"] = "auto"
     """openai backend: how to continue an answer another worker began. vllm: vLLM's
     continue_final_message; auto: that, when the server says it is vLLM; off: start over."""

@@ -1,9 +1,11 @@
 """Escalating one request through the JetStream work queue, as the edge and the SDK do.
 
-Order matters: subscribe to ``mesh.v1.tok.<id>`` and flush (the server now knows the
-subscription), then publish with ``Nats-Msg-Id = id`` and wait for the publish ack: from then on
-the request is durable. A publish JetStream reports as a duplicate (the same id sent again within
-the duplicate window) is not queued twice; its sender reads the answer from the answer store.
+Order matters: subscribe to ``mesh.v1.tok.<id>``, then publish with ``Nats-Msg-Id = id`` on the
+same connection and wait for the publish ack: from then on the request is durable. NATS handles
+one connection's commands in order, so the subscription is in place before the request can reach
+a worker; no flush (a round trip) is needed in between. A publish JetStream reports as a
+duplicate (the same id sent again within the duplicate window) is not queued twice; its sender
+reads the answer from the answer store.
 """
 
 from __future__ import annotations
@@ -137,13 +139,8 @@ class CloudCall(Lifecycle):
         )
 
     async def open(self) -> CloudCall:
-        nc = self.conn.nc
         await self.reader.subscribe(token_subject(self.request.id))
         try:
-            try:
-                await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
-            except nats.errors.TimeoutError:
-                raise MeshTimeoutError("NATS did not confirm the token subscription") from None
             self.ack = await publish_request(self.conn, self.stream, self.request, self.headers)
         except BaseException:
             await self.close()

@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         "--model", help="GGUF path (llama_cpp) or model id (vllm); default: bundled SmolLM2-135M"
     )
     model.add_argument("--model-name", help="model name on the queue subject (default smollm2)")
-    model.add_argument("--backend", choices=["llama_cpp", "openai", "vllm"])
+    model.add_argument("--backend", choices=["llama_cpp", "openai", "vllm", "deterministic"])
     model.add_argument("--base-url", help="OpenAI-compatible server base URL (openai backend)")
     model.add_argument("--slots", type=int, help="concurrent generations")
     edge = argparse.ArgumentParser(add_help=False)
@@ -342,9 +342,8 @@ def _summary(end: EndEvent) -> str:
     return line
 
 
-_ENGINE_EXTRAS = {
+_ENGINE_EXTRAS = {  # backends whose engine is an extra (the openai backend needs only aiohttp)
     "llama_cpp": ("llama_cpp", "edge"),
-    "openai": ("openai", "worker"),
     "vllm": ("vllm", "vllm"),
 }
 

@@ -214,11 +214,53 @@ async def test_vllm_backend_streams_and_aborts() -> None:
         await backend.close()
 
 
-async def test_a_closed_backend_leaves_no_client_open() -> None:
-    # The HTTP backend must not leak connections: closing it closes its openai client.
+async def test_a_closed_backend_leaves_no_session_open() -> None:
+    # The HTTP backend must not leak connections: closing it closes its aiohttp session.
     backend = OpenAIHTTPBackend(ModelSettings(backend="openai"))
     await backend.start()
-    client = backend._client
-    assert client is not None and not client.is_closed()
+    session = backend._session
+    assert session is not None and not session.closed
     await backend.close()
-    assert client.is_closed()
+    assert session.closed
+
+
+async def test_an_engine_at_its_batch_limit_takes_no_more_work() -> None:
+    """The HTTP backend reads the server's vLLM /metrics: while the engine queues requests,
+    the worker's free slots are 0, so new work waits in JetStream for any worker."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mesh.testing.openai_server",
+        "--engine-slots",
+        "1",
+        "--token-ms",
+        "50",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        port = int((await asyncio.wait_for(proc.stdout.readline(), 30)).split()[-1])
+        url = f"http://127.0.0.1:{port}/v1"
+        backend = OpenAIHTTPBackend(
+            ModelSettings(backend="openai", base_url=url, slots=8, metrics_interval=0.1)
+        )
+        await backend.start()
+        assert backend.capacity().free == 8 and backend.engine["waiting"] == 0
+        # Three requests straight to the engine: it runs one and queues two.
+        streams = [backend.generate(InferRequest(prompt="x", max_tokens=40)) for _ in range(3)]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+
+        async def saturated() -> bool:
+            return backend.engine.get("waiting") == 2 and backend.capacity().free == 0
+
+        await eventually(saturated, timeout=5, what="the engine's queue to show in capacity")
+        assert backend.engine["running"] == 1
+        for first in firsts:
+            first.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        await backend.close()
+    finally:
+        proc.kill()
+        await proc.wait()

@@ -1,11 +1,20 @@
-"""Backend for any OpenAI-compatible HTTP server (``vllm serve``, ``llama_cpp.server``, ...),
-through the official ``openai`` client (the ``worker`` extra).
+"""Backend for any OpenAI-compatible HTTP server (``vllm serve``, ``llama_cpp.server``, ...).
 
-Chat requests stream from ``/chat/completions``, raw prompts from ``/completions``; closing the
-generator closes the HTTP response, which vLLM and llama_cpp.server take as an abort. An
-``error`` event in the stream, or a stream that ends before its finish reason, fails the
-generation: it is never passed on as a complete answer. ``response_format``, ``logprobs`` and
-``top_logprobs`` pass through to the server.
+Chat requests stream from ``/chat/completions``, raw prompts from ``/completions``, over
+server-sent events with aiohttp. Closing the generator closes the HTTP response, which vLLM
+and llama_cpp.server take as an abort. An ``error`` event in the stream, or a stream that ends
+before its finish reason, fails the generation: it is never passed on as a complete answer.
+``response_format``, ``logprobs`` and ``top_logprobs`` pass through to the server.
+
+Why not the official ``openai`` client: measured against the same server, it took 1.45 ms to the
+first token where aiohttp took 0.31 ms, 5.2 ms for a whole 32-token stream against 0.65 ms, and
+at 32 concurrent streams 80 ms to the first token against 12 ms (it validates every chunk into
+a pydantic model on top of its own HTTP stack). The SSE parsing needed here is a few lines.
+
+Capacity: when the server exposes vLLM's Prometheus ``/metrics``, the backend reads the engine's
+running and waiting requests and its KV-cache use every ``metrics_interval`` seconds, and takes
+no new work while the engine already queues requests or its cache is nearly full: the work
+waits in JetStream, where any worker can take it, not in one engine's queue.
 
 Continuing an answer another worker began uses vLLM's chat extension (the assistant's text so
 far as the last message, ``continue_final_message``); with ``continuation=auto`` it is used when
@@ -14,24 +23,25 @@ the server's model list says vLLM owns the model, and other servers start the an
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-import openai
+import aiohttp
 
 from mesh.backends.base import Capacity, Chunk, Health
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
-from protocol.errors import (
-    BackendError,
-    ContextTooLongError,
-    MeshError,
-    MeshTimeoutError,
-    UnavailableError,
-)
+from protocol.errors import BackendError, ContextTooLongError, MeshTimeoutError, UnavailableError
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
 log = get_logger(__name__)
+KV_CACHE_FULL = 0.95
+"""Take no new work while the engine's KV cache is at least this full."""
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
 
 class OpenAIHTTPBackend:
@@ -42,52 +52,106 @@ class OpenAIHTTPBackend:
         self.model = settings.name
         self._remote_model = settings.remote_model or settings.name
         self._base = settings.base_url.rstrip("/")
-        self._client: openai.AsyncOpenAI | None = None
+        self._session: aiohttp.ClientSession | None = None
         self._busy = 0
+        self.engine: dict[str, float] = {}
+        """The engine's own load from its /metrics (empty when it exposes none)."""
+        self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        if self._client is not None:
+        if self._session is not None:
             return
-        timeout = openai.Timeout(self.settings.http_timeout)  # connect, read, write, pool
-        self._client = openai.AsyncOpenAI(
-            base_url=self._base,
-            api_key=self.settings.api_key or "unused",
+        headers = (
+            {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.settings.http_timeout,
+            sock_read=self.settings.http_timeout,
+        )
+        self._session = aiohttp.ClientSession(
+            headers=headers,
             timeout=timeout,
-            max_retries=0,  # retrying is the mesh's job (redelivery, with continuation)
+            connector=aiohttp.TCPConnector(limit=0),  # the mesh limits concurrency (slots)
         )
         mode = self.settings.continuation
         self.continues = mode == "vllm" or (mode == "auto" and await self._is_vllm())
+        if await self._read_engine_metrics():
+            self._poller = asyncio.get_running_loop().create_task(
+                self._poll_engine(), name="engine-metrics"
+            )
 
     async def _is_vllm(self) -> bool:
-        assert self._client is not None
+        assert self._session is not None
         try:
-            models = await self._client.models.list()
-        except openai.OpenAIError:
+            async with self._session.get(f"{self._base}/models") as resp:
+                models = (await resp.json()).get("data") or []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return False  # cannot tell now: start answers over, never splice blindly
-        return any(getattr(m, "owned_by", None) == "vllm" for m in models.data)
+        return any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in models)
+
+    async def _read_engine_metrics(self) -> bool:
+        """Read vLLM's load from ``/metrics``; False when the server has none."""
+        assert self._session is not None
+        url = self._base.removesuffix("/v1") + "/metrics"
+        try:
+            async with self._session.get(url) as resp:
+                if resp.status != 200:
+                    return False
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+        found: dict[str, float] = {}
+        for name, value in _METRIC.findall(text):
+            found[name] = found.get(name, 0.0) + float(value)  # summed over label sets
+        if not found:
+            return False
+        self.engine = {
+            "running": found.get("vllm:num_requests_running", 0.0),
+            "waiting": found.get("vllm:num_requests_waiting", 0.0),
+            "kv_cache": found.get(
+                "vllm:kv_cache_usage_perc", found.get("vllm:gpu_cache_usage_perc", 0.0)
+            ),
+        }
+        return True
+
+    async def _poll_engine(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.metrics_interval)
+            if not await self._read_engine_metrics():
+                self.engine = {}  # stale figures would starve the worker: go by slots alone
 
     async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.close()
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
     def capacity(self) -> Capacity:
-        return Capacity(total=self.settings.slots, free=max(0, self.settings.slots - self._busy))
+        free = max(0, self.settings.slots - self._busy)
+        if self.engine.get("waiting", 0.0) > 0 or self.engine.get("kv_cache", 0.0) >= KV_CACHE_FULL:
+            free = 0  # the engine is saturated: leave the work in the queue
+        return Capacity(total=self.settings.slots, free=free)
 
     async def health(self) -> Health:
-        if self._client is None:
+        if self._session is None:
             return Health(ok=False, detail="not started")
         try:
-            await self._client.models.list()
-        except openai.OpenAIError as exc:
+            async with self._session.get(f"{self._base}/models") as resp:
+                return Health(ok=resp.status == 200, detail=f"GET /models -> {resp.status}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return Health(ok=False, detail=f"{type(exc).__name__}: {exc}")
-        return Health(ok=True, detail=f"{self._base}: {self._busy}/{self.settings.slots} busy")
 
     async def abort(self, request_id: str) -> None:
         return None  # closing the generator closes the response, which aborts on the server
 
-    def _common(self, request: InferRequest, prefix_tokens: int) -> dict[str, Any]:
-        options: dict[str, Any] = {
+    def _body(
+        self, request: InferRequest, prefix: str, prefix_tokens: int
+    ) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {
             "model": self._remote_model,
             "max_tokens": max(1, request.max_tokens - prefix_tokens),
             "temperature": request.temperature,
@@ -96,64 +160,71 @@ class OpenAIHTTPBackend:
             "stream_options": {"include_usage": True},
         }
         if request.stop:
-            options["stop"] = request.stop
+            body["stop"] = request.stop
         if request.seed is not None:
-            options["seed"] = request.seed
-        return options
-
-    async def _open(self, request: InferRequest, prefix: str, prefix_tokens: int) -> Any:
-        assert self._client is not None
-        options = self._common(request, prefix_tokens)
+            body["seed"] = request.seed
+        if request.response_format is not None and request.response_format.type != "text":
+            body["response_format"] = request.response_format.model_dump(exclude_none=True)
         if request.raw:
+            body["prompt"] = (request.prompt or "") + prefix
             if request.logprobs:
-                options["logprobs"] = request.top_logprobs or 1
-            if request.response_format is not None and request.response_format.type != "text":
-                options["extra_body"] = {
-                    "response_format": request.response_format.model_dump(exclude_none=True)
-                }
-            return await self._client.completions.create(
-                prompt=(request.prompt or "") + prefix, **options
-            )
+                body["logprobs"] = request.top_logprobs or 1
+            return "/completions", body
         messages: list[dict[str, str]] = request.chat()
         if prefix:
             messages.append({"role": "assistant", "content": prefix})
-            options["extra_body"] = {"continue_final_message": True, "add_generation_prompt": False}
+            body.update(continue_final_message=True, add_generation_prompt=False)
+        body["messages"] = messages
         if request.logprobs:
-            options.update(logprobs=True, top_logprobs=request.top_logprobs or None)
-        if request.response_format is not None and request.response_format.type != "text":
-            options["response_format"] = request.response_format.model_dump(exclude_none=True)
-        return await self._client.chat.completions.create(messages=messages, **options)  # type: ignore[arg-type]
+            body["logprobs"] = True
+            if request.top_logprobs:
+                body["top_logprobs"] = request.top_logprobs
+        return "/chat/completions", body
 
     async def generate(
         self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
     ) -> AsyncGenerator[Chunk, None]:
-        if self._client is None:
+        if self._session is None:
             raise BackendError("HTTP backend is not started", retryable=True)
         if prefix and not self.continues:
             raise ValueError("this server cannot continue an answer (continuation is off)")
+        path, body = self._body(request, prefix, prefix_tokens)
         self._busy += 1
         produced = 0
         finish_reason: str | None = None
         usage: Usage | None = None
         try:
-            stream = await self._open(request, prefix, prefix_tokens)
-            try:
-                async for event in stream:
-                    if event.usage:
-                        usage = Usage(
-                            prompt_tokens=event.usage.prompt_tokens or 0,
-                            completion_tokens=event.usage.completion_tokens or 0,
+            async with self._session.post(self._base + path, json=body) as resp:
+                if resp.status != 200:
+                    raise _http_error(resp.status, await resp.text(), request.id)
+                async for data in _sse_data(resp):
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if not isinstance(event, dict):
+                        raise BackendError(f"{self._base} sent a non-object event")
+                    if event.get("error") or event.get("object") == "error":
+                        raise BackendError(
+                            f"{self._base} reported an error mid-stream: {_error_text(event)}",
+                            request_id=request.id,
                         )
-                    for choice in event.choices or []:
-                        text = choice.text if request.raw else choice.delta.content
+                    if event.get("usage"):
+                        usage = Usage(
+                            prompt_tokens=event["usage"].get("prompt_tokens") or 0,
+                            completion_tokens=event["usage"].get("completion_tokens") or 0,
+                        )
+                    for choice in event.get("choices") or []:
+                        text = (
+                            choice.get("text")
+                            if request.raw
+                            else (choice.get("delta") or {}).get("content")
+                        )
                         if text:
                             produced += 1
                             logprobs = _logprobs(choice, request) if request.logprobs else None
                             yield Chunk(text=text, logprobs=logprobs)
-                        if choice.finish_reason:
-                            finish_reason = choice.finish_reason
-            finally:
-                await stream.close()
+                        if choice.get("finish_reason"):
+                            finish_reason = choice["finish_reason"]
             if finish_reason is None:
                 # Cut off mid-answer (the server restarted, or interrupted us for another
                 # request, as llama_cpp.server does): never pass a truncated answer as complete.
@@ -164,57 +235,83 @@ class OpenAIHTTPBackend:
             yield Chunk(
                 finish_reason=finish_reason, usage=usage or Usage(completion_tokens=produced)
             )
-        except openai.APITimeoutError:
+        except asyncio.TimeoutError:
             raise MeshTimeoutError(
                 f"{self._base} sent nothing for {self.settings.http_timeout:g}s",
                 request_id=request.id,
             ) from None
-        except openai.APIConnectionError as exc:
-            raise UnavailableError(f"{self._base} failed: {exc}", request_id=request.id) from None
-        except openai.APIStatusError as exc:
-            raise _status_error(exc, request.id) from None
-        except openai.APIError as exc:  # an error event in the stream
+        except aiohttp.ClientError as exc:
+            raise UnavailableError(
+                f"{self._base} failed: {type(exc).__name__}: {exc}", request_id=request.id
+            ) from None
+        except json.JSONDecodeError as exc:
             raise BackendError(
-                f"{self._base} reported an error mid-stream: {exc.message}", request_id=request.id
+                f"{self._base} sent a malformed event: {exc}", request_id=request.id
             ) from None
         finally:
             self._busy -= 1
 
 
-def _logprobs(choice: Any, request: InferRequest) -> list[TokenLogprob] | None:
-    found = getattr(choice, "logprobs", None)
-    if found is None:
+async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent event stream, one per event (multi-line data
+    joined with newlines, as the SSE spec has it)."""
+    buffer: list[str] = []
+    async for raw in resp.content:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if buffer:
+                yield "\n".join(buffer)
+                buffer = []
+        elif line.startswith("data:"):
+            buffer.append(line[5:].removeprefix(" "))
+    if buffer:
+        yield "\n".join(buffer)
+
+
+def _logprobs(choice: dict[str, Any], request: InferRequest) -> list[TokenLogprob] | None:
+    found = choice.get("logprobs")
+    if not isinstance(found, dict):
         return None
     top = request.top_logprobs
     if request.raw:  # completions: parallel lists
-        tokens = found.tokens or []
-        tops = found.top_logprobs or [None] * len(tokens)
+        tokens = found.get("tokens") or []
+        tops = found.get("top_logprobs") or [None] * len(tokens)
         return [
             TokenLogprob(
                 token=token,
                 logprob=float(lp),
                 top=[(t, float(v)) for t, v in (alts or {}).items()][:top] if top else None,
             )
-            for token, lp, alts in zip(tokens, found.token_logprobs or [], tops, strict=False)
+            for token, lp, alts in zip(
+                tokens, found.get("token_logprobs") or [], tops, strict=False
+            )
             if lp is not None
         ]
     return [
         TokenLogprob(
-            token=entry.token,
-            logprob=float(entry.logprob),
-            top=[(t.token, float(t.logprob)) for t in entry.top_logprobs or []] if top else None,
+            token=entry["token"],
+            logprob=float(entry["logprob"]),
+            top=[(t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or []]
+            if top
+            else None,
         )
-        for entry in found.content or []
+        for entry in found.get("content") or []
     ]
 
 
-def _status_error(exc: openai.APIStatusError, request_id: str) -> MeshError:
-    body = str(exc.body or exc.message)[:300]
-    status = exc.status_code
+def _error_text(event: dict[str, Any]) -> str:
+    error = event.get("error")
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:300]
+    return str(error or event.get("message") or event)[:300]
+
+
+def _http_error(status: int, body: str, request_id: str) -> BackendError | ContextTooLongError:
+    snippet = body[:300]
     if status == 400 and ("context" in body.lower() or "too long" in body.lower()):
-        return ContextTooLongError(f"server rejected the prompt: {body}", request_id=request_id)
+        return ContextTooLongError(f"server rejected the prompt: {snippet}", request_id=request_id)
     return BackendError(
-        f"server answered HTTP {status}: {body}",
+        f"server answered HTTP {status}: {snippet}",
         request_id=request_id,
         retryable=status >= 500 or status == 429,
     )

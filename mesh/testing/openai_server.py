@@ -7,7 +7,9 @@ It answers ``POST /v1/chat/completions`` (streamed or not) with the script of
 same prompt directives for hangs and failures, plus ``[sse-error-after:K]`` (an SSE ``error``
 event after K tokens, then ``[DONE]``, as some servers do). Like vLLM, it continues an answer
 when the last message is the assistant's and ``continue_final_message`` is set. It prints
-``listening on <port>`` once it accepts connections.
+``listening on <port>`` once it accepts connections. ``/metrics`` reports its load the way
+vLLM's Prometheus metrics name it; ``--engine-slots N`` makes requests beyond N wait, as an
+engine at its batch limit does.
 """
 
 from __future__ import annotations
@@ -41,19 +43,34 @@ def _request(body: dict[str, Any], chat: bool) -> tuple[InferRequest, str]:
 
 
 class DeterministicServer:
-    def __init__(self, name: str, prefill_ms: float, token_ms: float) -> None:
+    def __init__(
+        self, name: str, prefill_ms: float, token_ms: float, engine_slots: int = 0
+    ) -> None:
         self.name = name
         self.settings = ModelSettings(
             name=name, prefill_delay_ms=prefill_ms, token_delay_ms=token_ms
         )
         self.requests = 0
+        self.running = 0
+        self.waiting = 0
+        self._slots = asyncio.Semaphore(engine_slots) if engine_slots else None
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        """The engine's load, named as vLLM's Prometheus metrics are."""
+        lines = [
+            f'vllm:num_requests_running{{model_name="{self.name}"}} {self.running}',
+            f'vllm:num_requests_waiting{{model_name="{self.name}"}} {self.waiting}',
+            f'vllm:kv_cache_usage_perc{{model_name="{self.name}"}} 0.0',
+        ]
+        return web.Response(text="\n".join(lines) + "\n")
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response(
@@ -68,6 +85,26 @@ class DeterministicServer:
 
     async def _answer(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
         self.requests += 1
+        if self._slots is None:
+            return await self._generate(http, chat=chat)
+        self.waiting += 1  # like an engine at its batch limit: queue until a slot is free
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            return await self._generate(http, chat=chat)
+        finally:
+            self._slots.release()
+
+    async def _generate(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
+        self.running += 1
+        try:
+            return await self._stream(http, chat=chat)
+        finally:
+            self.running -= 1
+
+    async def _stream(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await http.json()
         request, prefix = _request(body, chat)
         script = Script.of(request)
@@ -193,8 +230,10 @@ def _logprobs(token: str, index: int, top: int, chat: bool) -> dict[str, Any]:
     }
 
 
-async def serve(port: int, name: str, prefill_ms: float, token_ms: float) -> None:
-    server = DeterministicServer(name, prefill_ms, token_ms)
+async def serve(
+    port: int, name: str, prefill_ms: float, token_ms: float, engine_slots: int = 0
+) -> None:
+    server = DeterministicServer(name, prefill_ms, token_ms, engine_slots)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
@@ -213,8 +252,11 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--prefill-ms", type=float, default=0.0)
     parser.add_argument("--token-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--engine-slots", type=int, default=0, help="generate at most this many at once (0: any)"
+    )
     args = parser.parse_args()
-    asyncio.run(serve(args.port, args.model, args.prefill_ms, args.token_ms))
+    asyncio.run(serve(args.port, args.model, args.prefill_ms, args.token_ms, args.engine_slots))
 
 
 if __name__ == "__main__":
