@@ -136,6 +136,16 @@ class ModelSettings(_Section):
     """Seconds to wait for the HTTP server's headers or for its next streamed chunk."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """vLLM: share of GPU memory the engine may take."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """vLLM: GPUs one model replica is split over."""
+    enable_prefix_caching: bool | None = None
+    """vLLM: reuse the KV cache of shared prompt prefixes (vLLM's default when unset)."""
+    quantization: str | None = None
+    """vLLM: weight quantization method (awq, gptq, fp8, ...); from the model when unset."""
+    speculative_config: dict[str, Any] | None = None
+    """vLLM: speculative decoding, as vLLM's speculative_config (JSON in the env var)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """vLLM: any other AsyncEngineArgs, as JSON (e.g. {"max_num_batched_tokens": 8192})."""
     logprobs: bool = False
     """llama_cpp: keep every position's logits so that requests may ask for logprobs (prompt
     processing gets slower); vllm and openai serve logprobs whatever this says."""

@@ -6,6 +6,7 @@ mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
 mesh worker | mesh edge        run one role against MESH_NATS_URL
 mesh provision                 create/update the stream and consumers
 mesh status [--json]           workers, edges, capacity, queue depth and pending acks
+mesh bench [PART] [--json F]   paths, relay, model, overload: what the mesh costs and carries
 mesh router train | eval       rebuild the shipped router weights / evaluate the router
 mesh router score --data DIR   score labelled data with the shipped weights [--json]
 mesh config                    list every setting with its env var and default
@@ -54,6 +55,11 @@ _MODEL_FLAGS = {
     "backend": "backend",
     "base_url": "base_url",
     "slots": "slots",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "quantization": "quantization",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "speculative_config": "speculative_config",
 }
 
 
@@ -71,7 +77,19 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--model-name", help="model name on the queue subject (default smollm2)")
     model.add_argument("--backend", choices=["llama_cpp", "openai", "vllm", "deterministic"])
     model.add_argument("--base-url", help="OpenAI-compatible server base URL (openai backend)")
-    model.add_argument("--slots", type=int, help="concurrent generations")
+    model.add_argument("--slots", type=int, help="concurrent generations (vLLM: max_num_seqs)")
+    model.add_argument("--tensor-parallel-size", type=int, help="vLLM: GPUs per replica")
+    model.add_argument("--quantization", help="vLLM: awq, gptq, fp8, ...")
+    model.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM: reuse the KV cache of shared prompt prefixes",
+    )
+    model.add_argument("--gpu-memory-utilization", type=float, help="vLLM: share of GPU memory")
+    model.add_argument(
+        "--speculative-config", type=json.loads, help="vLLM: speculative decoding, as JSON"
+    )
     edge = argparse.ArgumentParser(add_help=False)
     edge.add_argument("--edge-id", help="edge id (subject mesh.v1.edge.<id>.infer)")
     edge.add_argument("--cloud-model", help="cloud model escalations go to")
@@ -160,6 +178,13 @@ def _parser() -> argparse.ArgumentParser:
         default=500,
         help="prompts per window for the realized cloud share (default 500)",
     )
+    bench = sub.add_parser(
+        "bench", parents=[common], help="measure paths, relay, model and overload; table + JSON"
+    )
+    bench.add_argument(
+        "part", nargs="?", default="all", choices=["paths", "relay", "model", "overload", "all"]
+    )
+    bench.add_argument("--json", dest="json_path", help="also write the figures to this file")
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
 
@@ -218,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.router_command == "score":
                 return router_score(router_settings, max(1, args.window), args.json)
             return router_eval(data_dir, args.group_seeds, args.latency_n)
+        if args.command == "bench":
+            from mesh_app.bench import PARTS
+            from mesh_app.bench import run as run_bench
+
+            _settings(args, quiet=True)
+            parts = list(PARTS) if args.part == "all" else [args.part]
+            return _run(lambda: run_bench(parts, args.json_path))
         if args.command == "status":
             return _run(lambda: _status(_settings(args, quiet=True), args.json))
     except MeshError as err:

@@ -264,3 +264,56 @@ async def test_an_engine_at_its_batch_limit_takes_no_more_work() -> None:
     finally:
         proc.kill()
         await proc.wait()
+
+
+def test_vllm_engine_options_come_from_config_and_cli() -> None:
+    """Engine options pass through to vLLM's AsyncEngineArgs (checked without a GPU)."""
+    import argparse
+    import json as _json
+
+    from mesh.backends.vllm import VLLMBackend
+    from mesh_app.cli import _parser, _settings
+
+    args = _parser().parse_args(
+        [
+            "worker",
+            "--backend",
+            "vllm",
+            "--model",
+            "Qwen/Qwen2.5-1.5B-Instruct",
+            "--slots",
+            "64",
+            "--tensor-parallel-size",
+            "2",
+            "--quantization",
+            "awq",
+            "--enable-prefix-caching",
+            "--gpu-memory-utilization",
+            "0.9",
+            "--speculative-config",
+            _json.dumps({"method": "ngram", "num_speculative_tokens": 4}),
+        ]
+    )
+    assert isinstance(args, argparse.Namespace)
+    settings = _settings(args)
+    settings.worker.model.engine_args = {"max_num_batched_tokens": 8192}
+    options = VLLMBackend(settings.worker.model).engine_options()
+    assert options["model"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert options["max_num_seqs"] == 64 and options["tensor_parallel_size"] == 2
+    assert options["quantization"] == "awq" and options["enable_prefix_caching"] is True
+    assert options["gpu_memory_utilization"] == 0.9
+    assert options["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    assert options["max_num_batched_tokens"] == 8192
+
+
+def test_an_engine_that_queues_or_fills_its_cache_takes_no_more_work() -> None:
+    from mesh.backends.vllm import VLLMBackend
+
+    backend = VLLMBackend(ModelSettings(backend="vllm", path="some/model", slots=16))
+    assert backend.capacity().free == 16  # no figures yet: slots alone
+    backend.engine = {"running": 10.0, "waiting": 0.0, "kv_cache": 0.5}
+    assert backend.capacity().free == 16
+    backend.engine = {"running": 16.0, "waiting": 3.0, "kv_cache": 0.5}
+    assert backend.capacity().free == 0  # the engine queues: the work waits in JetStream
+    backend.engine = {"running": 4.0, "waiting": 0.0, "kv_cache": 0.97}
+    assert backend.capacity().free == 0  # its KV cache is nearly full

@@ -147,3 +147,18 @@ def test_mesh_config_lists_env_vars() -> None:
     result = _mesh("config", timeout=30)
     assert result.returncode == 0, result.stderr
     assert "MESH_NATS_URL" in result.stdout and "MESH_EDGE_CLOUD_START_TIMEOUT" in result.stdout
+
+
+@pytest.mark.slow
+def test_mesh_bench_overload_loses_nothing_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    result = _mesh("bench", "overload", "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "overload:" in result.stdout and "lost" in result.stdout
+    figures = json.loads(out.read_text())["overload"]
+    for load in ("1x", "4x", "10x"):
+        row = figures[load]
+        assert row["lost"] == 0 and row["errors"] == 0
+        assert row["completed"] + row["rejected"] == row["offered"]
+    assert figures["10x"]["rejected"] > 0  # the bounded queue said no, with a retry-after
+    assert figures["10x"]["rejected_with_retry_after"] == figures["10x"]["rejected"]

@@ -30,6 +30,17 @@ class Capacity:
     """Of those, how many it can take now (may reflect engine load, e.g. KV-cache use)."""
 
 
+KV_CACHE_FULL = 0.95
+"""An engine whose KV cache is at least this full takes no new work."""
+
+
+def engine_saturated(load: dict[str, float]) -> bool:
+    """True when an engine's own figures say it cannot take more now: it already queues
+    requests, or its KV cache is nearly full. The work then waits in JetStream, where any
+    worker can take it, not in this engine's queue."""
+    return load.get("waiting", 0.0) > 0 or load.get("kv_cache", 0.0) >= KV_CACHE_FULL
+
+
 @dataclass(frozen=True)
 class Health:
     ok: bool

@@ -32,15 +32,13 @@ from typing import Any
 
 import aiohttp
 
-from mesh.backends.base import Capacity, Chunk, Health
+from mesh.backends.base import Capacity, Chunk, Health, engine_saturated
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from protocol.errors import BackendError, ContextTooLongError, MeshTimeoutError, UnavailableError
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
 log = get_logger(__name__)
-KV_CACHE_FULL = 0.95
-"""Take no new work while the engine's KV cache is at least this full."""
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
 
@@ -131,9 +129,7 @@ class OpenAIHTTPBackend:
             await session.close()
 
     def capacity(self) -> Capacity:
-        free = max(0, self.settings.slots - self._busy)
-        if self.engine.get("waiting", 0.0) > 0 or self.engine.get("kv_cache", 0.0) >= KV_CACHE_FULL:
-            free = 0  # the engine is saturated: leave the work in the queue
+        free = 0 if engine_saturated(self.engine) else max(0, self.settings.slots - self._busy)
         return Capacity(total=self.settings.slots, free=free)
 
     async def health(self) -> Health:

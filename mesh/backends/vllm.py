@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from mesh.backends.base import Capacity, Chunk, Health
+from mesh.backends.base import Capacity, Chunk, Health, engine_saturated
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from protocol.errors import BackendError, ContextTooLongError, MeshError
@@ -36,6 +36,8 @@ class VLLMBackend:
         self._engine: Any = None
         self._tokenizer: Any = None
         self._busy = 0
+        self.engine: dict[str, float] = {}
+        """The engine's own load, from its scheduler stats (empty until the first step)."""
 
     async def start(self) -> None:
         if self._engine is not None:
@@ -49,14 +51,8 @@ class VLLMBackend:
                 "'nats-llm-mesh[vllm]' on a CUDA host, or use MESH_WORKER_MODEL_BACKEND=llama_cpp",
                 retryable=False,
             ) from None
-        args = AsyncEngineArgs(
-            model=self.settings.path,
-            served_model_name=[self.settings.name],
-            max_model_len=self.settings.n_ctx,
-            max_num_seqs=self.settings.slots,
-            gpu_memory_utilization=self.settings.gpu_memory_utilization,
-        )
-        self._engine = AsyncLLM.from_engine_args(args)
+        args = AsyncEngineArgs(**self.engine_options())
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._load_logger()])
         self._tokenizer = await self._engine.get_tokenizer()
         log.info(
             "vllm engine started",
@@ -65,14 +61,62 @@ class VLLMBackend:
             max_num_seqs=self.settings.slots,
         )
 
+    def engine_options(self) -> dict[str, Any]:
+        """vLLM's AsyncEngineArgs from the model settings (explicit options, then
+        ``engine_args``, which win)."""
+        options: dict[str, Any] = {
+            "model": self.settings.path,
+            "served_model_name": [self.settings.name],
+            "max_model_len": self.settings.n_ctx,
+            "max_num_seqs": self.settings.slots,
+            "gpu_memory_utilization": self.settings.gpu_memory_utilization,
+            "tensor_parallel_size": self.settings.tensor_parallel_size,
+        }
+        for name in ("enable_prefix_caching", "quantization", "speculative_config"):
+            value = getattr(self.settings, name)
+            if value is not None:
+                options[name] = value
+        options.update(self.settings.engine_args)
+        return options
+
     async def close(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
 
+    def _load_logger(self) -> Any:
+        """A vLLM stat logger that keeps the engine's own load (running and waiting requests,
+        KV-cache use) where capacity() reads it, at every scheduler step."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        backend = self
+
+        class EngineLoad(StatLoggerBase):  # type: ignore[misc]
+            def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, *_args: Any, **_kwargs: Any) -> None:
+                if scheduler_stats is None:
+                    return
+                usage = getattr(scheduler_stats, "kv_cache_usage", None)
+                if usage is None:
+                    usage = getattr(scheduler_stats, "gpu_cache_usage", 0.0)
+                backend.engine = {
+                    "running": float(scheduler_stats.num_running_reqs),
+                    "waiting": float(scheduler_stats.num_waiting_reqs),
+                    "kv_cache": float(usage or 0.0),
+                }
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return EngineLoad
+
     def capacity(self) -> Capacity:
-        # vLLM batches continuously: every slot up to max_num_seqs is real concurrency.
-        return Capacity(total=self.settings.slots, free=max(0, self.settings.slots - self._busy))
+        # vLLM batches continuously: every slot up to max_num_seqs is real concurrency, unless
+        # the engine's own figures say it queues requests or its KV cache is nearly full.
+        free = 0 if engine_saturated(self.engine) else max(0, self.settings.slots - self._busy)
+        return Capacity(total=self.settings.slots, free=free)
 
     async def health(self) -> Health:
         if self._engine is None:
