@@ -548,11 +548,13 @@ class Worker(Lifecycle):
         m.tokens.labels(direction="out").inc(gen.usage.completion_tokens)
 
     async def _ack(self, msg: Msg) -> None:
+        """Ack without waiting for the server's confirmation: the outcome is stored already, so
+        a lost ack only means a redelivery, which finds the outcome and acks it without
+        generating again. (Waiting cost a round trip and ~10% of the worker's CPU per request.)"""
         try:
-            await msg.ack_sync(timeout=self._ws.publish_timeout)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            # The outcome is stored: a redelivery finds it and acks without generating again.
-            log.warning("ack not confirmed", error=repr(exc))
+            await msg.ack()
+        except nats.errors.Error as exc:
+            log.warning("ack not sent", error=repr(exc))
 
     async def _reject(self, msg: Msg, err: MeshError, attempt: int) -> None:
         """Answer a request that will never run, where its sender listens, and drop it for good.

@@ -459,7 +459,10 @@ class EdgeNode(Lifecycle):
         self.prom.decisions.labels(
             decision=decision.decision, forced=str(decision.forced).lower()
         ).inc()
-        log.info("routed", decision=decision.decision, score=decision.score, reason=decision.reason)
+        # The canonical line carries the decision; this one is for following a request live.
+        log.debug(
+            "routed", decision=decision.decision, score=decision.score, reason=decision.reason
+        )
         fallback: str | None = None
         if decision.decision == "cloud":
             local_fits = not self._too_long(req)
@@ -573,6 +576,7 @@ def _canonical_line(record: Record, received: float, *, streaming: bool) -> None
                 route=outcome.routing.decision,
                 score=outcome.routing.score,
                 forced=outcome.routing.forced,
+                reason=outcome.routing.reason,
             )
     elif isinstance(outcome, ErrorEvent):
         fields.update(outcome="error", code=outcome.code)

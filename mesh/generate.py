@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,63 +29,99 @@ Emit = Callable[[TokenEvent], Awaitable[None]]
 async def coalesce(
     chunks: AsyncIterator[Chunk], *, max_parts: int, linger: float, stall: float | None = None
 ) -> AsyncGenerator[Chunk, None]:
-    """Re-chunk a backend stream: the first token goes out at once; later ones are batched,
-    waiting at most ``linger`` seconds for up to ``max_parts`` tokens per chunk. The final chunk
-    (with ``finish_reason``) is passed through as it is. Closing this generator closes ``chunks``.
+    """Re-chunk a backend stream: the first token goes out at once; later ones are batched, up
+    to ``max_parts`` tokens per chunk and at most one chunk per ``linger`` seconds. A token that
+    arrives more than ``linger`` after the last chunk went out goes at once: a stream slower than
+    that (50 tokens/s against 5 ms) is never delayed. The final chunk (with ``finish_reason``) is
+    passed through as it is. Closing this generator closes ``chunks``.
 
     ``stall``: seconds the backend may go without a chunk before a retryable
     :class:`BackendError` (a hung engine).
+
+    The first chunk is awaited in the caller's own task: a burst of requests then reaches the
+    engine in arrival order, each as soon as its handler runs, instead of behind every other
+    handler's turn on the loop (32 at once: 3.2 ms less to the engine, p50). A pump task reads
+    the rest, so that tokens gather while the caller sends the previous batch.
     """
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    done = object()
     loop = asyncio.get_running_loop()
-    progress = [loop.time()]
-
-    async def pump() -> None:
-        try:
-            async for chunk in chunks:
-                progress[0] = loop.time()
-                queue.put_nowait(chunk)
-        except Exception as exc:  # handed to the consumer, which raises it in order
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(done)
-
-    async def watchdog(limit: float) -> None:
-        """One timer per generation, not one per token: a hung engine becomes an error."""
-        while True:
-            await asyncio.sleep(limit / 4)
-            if loop.time() - progress[0] > limit:
-                queue.put_nowait(
-                    BackendError(f"the engine produced nothing for {limit:g}s", retryable=True)
-                )
-                return
-
-    task = loop.create_task(pump(), name="coalesce-pump")
-    guard = loop.create_task(watchdog(stall), name="coalesce-stall") if stall else None
-    first = True
-    pending: Any = None
+    task: asyncio.Task[None] | None = None
+    guard: asyncio.Task[None] | None = None
     try:
+        try:
+            async with _deadline(stall):
+                first = await chunks.__anext__()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise BackendError(
+                f"the engine produced nothing for {stall:g}s", retryable=True
+            ) from None
+        sent = loop.time()
+        yield first
+        if first.finish_reason is not None:
+            return
+        # A deque and one waiter, not an asyncio.Queue, and a count rather than a clock read:
+        # these run per engine token (relay, 4 x 4,000 tokens: 366k -> 400k tok/s).
+        queue: deque[Any] = deque()
+        waiting: list[asyncio.Future[None]] = []
+        done = object()
+        produced = [0]
+
+        def put(item: Any) -> None:
+            queue.append(item)
+            if waiting and not waiting[0].done():
+                waiting[0].set_result(None)
+
+        async def pump() -> None:
+            try:
+                async for chunk in chunks:
+                    produced[0] += 1
+                    put(chunk)
+            except Exception as exc:  # handed to the consumer, which raises it in order
+                put(exc)
+            finally:
+                put(done)
+
+        async def watchdog(limit: float) -> None:
+            """One timer per generation, not one per token: a hung engine becomes an error."""
+            seen, since = produced[0], loop.time()
+            while True:
+                await asyncio.sleep(limit / 4)
+                if produced[0] != seen:
+                    seen, since = produced[0], loop.time()
+                elif loop.time() - since > limit:
+                    put(BackendError(f"the engine produced nothing for {limit:g}s", retryable=True))
+                    return
+
+        task = loop.create_task(pump(), name="coalesce-pump")
+        guard = loop.create_task(watchdog(stall), name="coalesce-stall") if stall else None
+        pending: Any = None
         while True:
             if pending is not None:
                 item, pending = pending, None
             else:
-                item = await queue.get()
+                while not queue:
+                    waiting.append(loop.create_future())
+                    try:
+                        await waiting[0]
+                    finally:
+                        waiting.clear()
+                item = queue.popleft()
             if item is done:
                 return
             if isinstance(item, BaseException):
                 raise item
-            if item.finish_reason is not None or first:
-                first = first and item.finish_reason is not None
+            if item.finish_reason is not None:
                 yield item
                 continue
-            if linger > 0 and queue.qsize() < max_parts - 1:
-                await asyncio.sleep(linger)
+            wait = sent + linger - loop.time()
+            if wait > 0 and len(queue) < max_parts - 1:
+                await asyncio.sleep(wait)
             parts = [item.text]
             n = item.n
             logprobs = list(item.logprobs) if item.logprobs is not None else None
-            while len(parts) < max_parts and not queue.empty():
-                nxt = queue.get_nowait()
+            while len(parts) < max_parts and queue:
+                nxt = queue.popleft()
                 if nxt is done or isinstance(nxt, BaseException) or nxt.finish_reason is not None:
                     pending = nxt
                     break
@@ -91,6 +129,7 @@ async def coalesce(
                 n += nxt.n
                 if logprobs is not None and nxt.logprobs is not None:
                     logprobs.extend(nxt.logprobs)
+            sent = loop.time()
             yield Chunk(text="".join(parts), n=n, logprobs=logprobs)
     finally:
         for helper in (task, guard):
@@ -98,9 +137,42 @@ async def coalesce(
                 helper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await helper
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await _close(chunks)
+
+
+async def _close(chunks: AsyncIterator[Chunk]) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+if sys.version_info >= (3, 11):
+    _deadline = asyncio.timeout
+else:  # pragma: no cover - Python 3.10
+
+    @contextlib.asynccontextmanager
+    async def _deadline(seconds: float | None) -> AsyncIterator[None]:
+        """Cancel the current task after ``seconds`` (``asyncio.timeout`` before 3.11)."""
+        if seconds is None:
+            yield
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        fired: list[bool] = []
+
+        def fire() -> None:
+            fired.append(True)
+            task.cancel()
+
+        handle = asyncio.get_running_loop().call_later(seconds, fire)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if fired:
+                raise TimeoutError from None
+            raise
+        finally:
+            handle.cancel()
 
 
 @dataclass

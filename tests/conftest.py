@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from nats.js.errors import NotFoundError
@@ -21,6 +22,20 @@ from mesh.logs import configure_logging
 from mesh.nats_server import NatsServer
 
 configure_logging(load_settings(environ={}).log.model_copy(update={"level": "warning"}))
+
+
+@pytest.fixture(autouse=True)
+def _loggers_stay_reconfigurable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI caches each logger on first use (faster); a test that runs the CLI in-process
+    would freeze the loggers of every test after it, log capture included."""
+    import mesh_app.cli
+
+    real = mesh_app.cli.configure_logging
+
+    def uncached(settings: Any, stream: Any = None, *, cache: bool = False) -> None:
+        real(settings, stream)
+
+    monkeypatch.setattr(mesh_app.cli, "configure_logging", uncached)
 
 
 @pytest.fixture(scope="session")

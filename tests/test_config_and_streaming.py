@@ -10,7 +10,7 @@ import pytest
 from mesh.backends.base import Chunk
 from mesh.config import describe_settings, env_name, load_settings
 from mesh.generate import coalesce
-from protocol.errors import InvalidRequestError
+from protocol.errors import BackendError, InvalidRequestError
 
 
 def test_env_vars_map_onto_nested_fields() -> None:
@@ -74,6 +74,55 @@ async def test_coalesce_sends_first_token_alone_then_batches() -> None:
 async def test_coalesce_without_linger_keeps_slow_tokens_separate() -> None:
     out = [c async for c in coalesce(_chunks(list("abc"), delay=0.02), max_parts=8, linger=0)]
     assert [c.text for c in out[:-1]] == ["a", "b", "c"]
+
+
+async def test_coalesce_never_holds_back_a_token_of_a_slow_stream() -> None:
+    """Tokens further apart than the linger go out as they come: the linger batches fast
+    streams; it must not add latency to slow ones (each token here would otherwise wait 0.5 s)."""
+    linger = 0.5
+    received = asyncio.Event()
+    late: list[str] = []
+
+    async def slow() -> AsyncIterator[Chunk]:
+        for text in "abc":
+            await asyncio.sleep(linger * 1.2)  # longer apart than the linger
+            received.clear()
+            yield Chunk(text=text)
+            try:  # the consumer must have it well before a linger has passed
+                await asyncio.wait_for(received.wait(), linger * 0.8)
+            except asyncio.TimeoutError:
+                late.append(text)
+        yield Chunk(finish_reason="stop")
+
+    out = []
+    async for chunk in coalesce(slow(), max_parts=16, linger=linger):
+        out.append(chunk.text)
+        received.set()
+    assert out[:3] == ["a", "b", "c"]
+    assert late == []
+
+
+async def test_coalesce_hung_engine_is_a_retryable_error() -> None:
+    async def hangs_after_one() -> AsyncIterator[Chunk]:
+        yield Chunk(text="x")
+        await asyncio.Event().wait()
+        yield Chunk(text="never")
+
+    async def hangs_at_once() -> AsyncIterator[Chunk]:
+        await asyncio.Event().wait()
+        yield Chunk(text="never")
+
+    for source, before in ((hangs_after_one(), ["x"]), (hangs_at_once(), [])):
+        got: list[str] = []
+
+        async def consume(src: AsyncIterator[Chunk] = source, out: list[str] = got) -> None:
+            async for chunk in coalesce(src, max_parts=4, linger=0, stall=0.2):
+                out.append(chunk.text)
+
+        with pytest.raises(BackendError) as excinfo:
+            await consume()
+        assert excinfo.value.retryable
+        assert got == before
 
 
 async def test_coalesce_raises_backend_errors_in_order() -> None:

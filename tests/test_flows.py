@@ -259,7 +259,12 @@ async def test_one_canonical_log_line_per_request(edge: EdgeNode, client: MeshCl
     try:
         with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs:
             answer = await client.complete(SIMPLE, max_tokens=6, temperature=0)
-            await asyncio.sleep(0.05)  # the edge logs right after sending the end
+
+            async def logged() -> bool:  # the edge logs right after sending the end
+                return any(entry["event"] == "request" for entry in logs)
+
+            await eventually(logged, timeout=5, what="the canonical line")
+            await asyncio.sleep(0.2)  # a second line, if any, would come at once
     finally:
         configure_logging(LogSettings(level="warning"))
     lines = [entry for entry in logs if entry["event"] == "request"]

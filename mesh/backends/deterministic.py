@@ -128,8 +128,11 @@ class DeterministicBackend:
         try:
             async for index in tokens(script, request.max_tokens, prefix_tokens, self.settings):
                 text = script.token(index)
-                logprobs = [token_logprob(text, index, request.top_logprobs)]
-                yield Chunk(text=text, logprobs=logprobs if request.logprobs else None)
+                if request.logprobs:
+                    logprobs = [token_logprob(text, index, request.top_logprobs)]
+                    yield Chunk(text=text, logprobs=logprobs)
+                else:
+                    yield Chunk(text=text)
             last = request.max_tokens if script.stop_after is None else script.stop_after
             produced = max(0, min(request.max_tokens, last) - prefix_tokens)
             yield Chunk(
