@@ -162,3 +162,17 @@ def test_mesh_bench_overload_loses_nothing_and_writes_json(tmp_path: Path) -> No
         assert row["completed"] + row["rejected"] == row["offered"]
     assert figures["10x"]["rejected"] > 0  # the bounded queue said no, with a retry-after
     assert figures["10x"]["rejected_with_retry_after"] == figures["10x"]["rejected"]
+
+
+@pytest.mark.slow
+async def test_bench_paths_compares_every_path_on_complete_answers() -> None:
+    """Every path's answers arrive whole, so the TTFT figures compare like with like."""
+    from mesh_app.bench import paths
+
+    results = await paths.run(concurrency=(3,), rounds=2, tokens=5, prefill_ms=5, token_ms=2)
+    rows = results["3"]
+    for path in paths.PATHS:
+        assert rows[path]["n"] == 6 and rows[path]["complete"] == 6, (path, rows[path])
+        assert rows[path]["ttft_p50_ms"] >= 5  # the backend's prefill is in every path
+    text = paths.render(results)
+    assert "bare relay" in text and "over the bare relay" in text

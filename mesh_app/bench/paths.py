@@ -5,24 +5,35 @@ a benchmark backend, not a model: 50 ms prefill, 50 tokens/s per stream by defau
 
 - direct: HTTP SSE straight to the server, what a vLLM user would do instead;
 - via cloud: SDK -> JetStream -> worker -> token subject -> SDK;
-- via edge: SDK -> edge -> JetStream -> worker -> edge -> SDK (route=cloud).
+- via edge: SDK -> edge -> JetStream -> worker -> edge -> SDK (route=cloud);
+- bare relay: the floor for any relay over NATS on this machine, not an alternative: a
+  request on a core subject to a bare nats-py process that calls the same server and publishes
+  each token to the reply inbox. No queue, no store, no checks: what the hops alone cost.
 
-At each concurrency the three paths take turns, round after round, so they see the same load.
+At each concurrency the paths take turns, round after round, so they see the same load.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
+import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from mesh.client import MeshClient
 from mesh_app.bench.common import Timed, bench_mesh, pct, table, timed_stream
 
-PATHS = ("direct", "via cloud", "via edge")
+PATHS = ("direct", "bare relay", "via cloud", "via edge")
+BARE_SUBJECT = "bench.bare.request"
 
 
 async def direct(session: aiohttp.ClientSession, url: str, prompt: str, tokens: int) -> Timed:
@@ -37,15 +48,75 @@ async def direct(session: aiohttp.ClientSession, url: str, prompt: str, tokens: 
     got = 0
     async with session.post(f"{url}/chat/completions", json=body) as resp:
         async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    first = first or time.perf_counter()
-                    got += 1
+            for _text in _deltas(raw):
+                first = first or time.perf_counter()
+                got += 1
     done = time.perf_counter()
     return Timed(ttft=(first or done) - began, total=done - began, tokens=got)
+
+
+def _deltas(line: bytes) -> list[str]:
+    """The content deltas of one SSE line of a chat completion stream."""
+    line = line.strip()
+    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        return []
+    choices = json.loads(line[6:]).get("choices") or []
+    return [text for c in choices if (text := (c.get("delta") or {}).get("content"))]
+
+
+async def bare(nc: NATS, prompt: str, tokens: int) -> Timed:
+    """One request through the bare relay: tokens on the reply inbox, an empty message last."""
+    arrived: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_msg(msg: Msg) -> None:
+        arrived.put_nowait(msg.data)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_msg)
+    began = time.perf_counter()
+    first: float | None = None
+    got = 0
+    try:
+        body = json.dumps({"prompt": prompt, "max_tokens": tokens}).encode()
+        await nc.publish(BARE_SUBJECT, body, reply=inbox)
+        while await asyncio.wait_for(arrived.get(), 60):
+            first = first or time.perf_counter()
+            got += 1
+    finally:
+        await sub.unsubscribe()
+    done = time.perf_counter()
+    return Timed(ttft=(first or done) - began, total=done - began, tokens=got)
+
+
+async def _serve_bare(nats_url: str, backend_url: str) -> None:
+    """The bare relay process (``python -m mesh_app.bench.paths --bare URL BACKEND``)."""
+    nc = await nats.connect(nats_url)
+    running: set[asyncio.Task[None]] = set()
+    async with aiohttp.ClientSession() as session:
+
+        async def handle(msg: Msg) -> None:
+            ask = json.loads(msg.data)
+            body = {
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": ask["prompt"]}],
+                "max_tokens": ask["max_tokens"],
+                "stream": True,
+            }
+            async with session.post(f"{backend_url}/chat/completions", json=body) as resp:
+                async for raw in resp.content:
+                    for text in _deltas(raw):
+                        await nc.publish(msg.reply, text.encode())
+            await nc.publish(msg.reply, b"")
+
+        async def on_msg(msg: Msg) -> None:
+            task = asyncio.create_task(handle(msg))
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+        await nc.subscribe(BARE_SUBJECT, queue="bare", cb=on_msg)
+        await nc.flush()
+        print("ready", flush=True)
+        await asyncio.Event().wait()
 
 
 async def run(
@@ -59,14 +130,18 @@ async def run(
     results: dict[str, Any] = {"backend": {"prefill_ms": prefill_ms, "token_ms": token_ms}}
     async with (
         bench_mesh(prefill_ms=prefill_ms, token_ms=token_ms, slots=max(concurrency)) as mesh,
+        _bare_relay(mesh.server.url, mesh.backend_url),
         MeshClient(settings=mesh.settings, first_event_timeout=60, idle_timeout=60) as client,
         aiohttp.ClientSession() as session,
     ):
         prompt = "[tag:b] benchmark"
+        nc = client.conn.nc
 
         async def one(path: str) -> Timed:
             if path == "direct":
                 return await direct(session, mesh.backend_url, prompt, tokens)
+            if path == "bare relay":
+                return await bare(nc, prompt, tokens)
             if path == "via cloud":
                 return await timed_stream(client, prompt, via="cloud", max_tokens=tokens)
             return await timed_stream(client, prompt, route="cloud", max_tokens=tokens)
@@ -77,11 +152,32 @@ async def run(
         for streams in concurrency:
             samples: dict[str, list[Timed]] = {p: [] for p in PATHS}
             for r in range(rounds):
-                order = PATHS[r % 3 :] + PATHS[: r % 3]
+                order = PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]
                 for path in order:
                     samples[path] += await asyncio.gather(*(one(path) for _ in range(streams)))
             results[str(streams)] = _summarize(samples, tokens)
     return results
+
+
+@contextlib.asynccontextmanager
+async def _bare_relay(nats_url: str, backend_url: str) -> AsyncIterator[None]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mesh_app.bench.paths",
+        "--bare",
+        nats_url,
+        backend_url,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        await asyncio.wait_for(proc.stdout.readline(), 30)
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
 
 
 def _summarize(samples: dict[str, list[Timed]], tokens: int) -> dict[str, Any]:
@@ -101,6 +197,10 @@ def _summarize(samples: dict[str, list[Timed]], tokens: int) -> dict[str, Any]:
         out[path]["added_ttft_p50_ms"] = out[path]["ttft_p50_ms"] - out["direct"]["ttft_p50_ms"]
         out[path]["added_ttft_p99_ms"] = out[path]["ttft_p99_ms"] - out["direct"]["ttft_p99_ms"]
         out[path]["added_total_p50_ms"] = out[path]["total_p50_ms"] - out["direct"]["total_p50_ms"]
+    for path in ("via cloud", "via edge"):
+        floor = out["bare relay"]
+        out[path]["over_bare_ttft_p50_ms"] = out[path]["ttft_p50_ms"] - floor["ttft_p50_ms"]
+        out[path]["over_bare_ttft_p99_ms"] = out[path]["ttft_p99_ms"] - floor["ttft_p99_ms"]
     out["direct"]["n_base"] = len(base)
     return out
 
@@ -130,6 +230,16 @@ def render(results: dict[str, Any]) -> str:
         f"paths: deterministic backend, {b['prefill_ms']:g} ms prefill, "
         f"{1000 / b['token_ms']:g} tokens/s per stream; milliseconds"
     )
+    notes = [
+        f"{streams} stream(s), over the bare relay (TTFT p50 / p99): "
+        + ", ".join(
+            f"{path} {by_path[path]['over_bare_ttft_p50_ms']:+.2f} / "
+            f"{by_path[path]['over_bare_ttft_p99_ms']:+.2f}"
+            for path in ("via cloud", "via edge")
+        )
+        for streams, by_path in results.items()
+        if streams != "backend"
+    ]
     return (
         head
         + "\n"
@@ -147,4 +257,13 @@ def render(results: dict[str, Any]) -> str:
             ],
             rows,
         )
+        + "\n"
+        + "\n".join(notes)
     )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bare", nargs=2, metavar=("NATS_URL", "BACKEND_URL"), required=True)
+    args = parser.parse_args()
+    asyncio.run(_serve_bare(*args.bare))
