@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
@@ -81,3 +81,32 @@ class Backend(Protocol):
     def capacity(self) -> Capacity: ...
 
     async def health(self) -> Health: ...
+
+
+def openai_logprobs(found: dict[str, Any], *, chat: bool, top: int) -> list[TokenLogprob]:
+    """Per-token logprobs of one streamed choice in OpenAI's wire formats (llama-cpp-python
+    uses them too): chat's ``content`` entries, or the completions API's parallel lists."""
+    if chat:
+        return [
+            TokenLogprob(
+                token=entry["token"],
+                logprob=float(entry["logprob"]),
+                top=[(t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or []]
+                if top
+                else None,
+            )
+            for entry in found.get("content") or []
+        ]
+    tokens = found.get("tokens") or []
+    tops = found.get("top_logprobs") or [None] * len(tokens)
+    return [
+        TokenLogprob(
+            token=token,
+            logprob=float(logprob),
+            top=[(t, float(lp)) for t, lp in (alts or {}).items()][:top] if top else None,
+        )
+        for token, logprob, alts in zip(
+            tokens, found.get("token_logprobs") or [], tops, strict=False
+        )
+        if logprob is not None
+    ]

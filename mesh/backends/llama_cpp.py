@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mesh.backends.base import Capacity, Chunk, Health
+from mesh.backends.base import Capacity, Chunk, Health, openai_logprobs
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from mesh.models import resolve_model_path
@@ -243,29 +243,7 @@ def _logprobs(choice: dict[str, Any], chat: bool, top: int) -> list[TokenLogprob
     found = choice.get("logprobs")
     if not found:
         return None
-    if chat:
-        return [
-            TokenLogprob(
-                token=entry["token"],
-                logprob=float(entry["logprob"]),
-                top=[(t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or []]
-                if top
-                else None,
-            )
-            for entry in found.get("content") or []
-        ]
-    tops = found.get("top_logprobs") or [None] * len(found.get("tokens") or [])
-    return [
-        TokenLogprob(
-            token=token,
-            logprob=float(logprob),
-            top=[(t, float(lp)) for t, lp in (alts or {}).items()][:top] if top else None,
-        )
-        for token, logprob, alts in zip(
-            found.get("tokens") or [], found.get("token_logprobs") or [], tops, strict=False
-        )
-        if logprob is not None
-    ]
+    return openai_logprobs(found, chat=chat, top=top)
 
 
 def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_executor

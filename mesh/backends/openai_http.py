@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from mesh.backends.base import Capacity, Chunk, Health, engine_saturated
+from mesh.backends.base import Capacity, Chunk, Health, engine_saturated, openai_logprobs
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from protocol.errors import BackendError, ContextTooLongError, MeshTimeoutError, UnavailableError
@@ -268,31 +268,7 @@ def _logprobs(choice: dict[str, Any], request: InferRequest) -> list[TokenLogpro
     found = choice.get("logprobs")
     if not isinstance(found, dict):
         return None
-    top = request.top_logprobs
-    if request.raw:  # completions: parallel lists
-        tokens = found.get("tokens") or []
-        tops = found.get("top_logprobs") or [None] * len(tokens)
-        return [
-            TokenLogprob(
-                token=token,
-                logprob=float(lp),
-                top=[(t, float(v)) for t, v in (alts or {}).items()][:top] if top else None,
-            )
-            for token, lp, alts in zip(
-                tokens, found.get("token_logprobs") or [], tops, strict=False
-            )
-            if lp is not None
-        ]
-    return [
-        TokenLogprob(
-            token=entry["token"],
-            logprob=float(entry["logprob"]),
-            top=[(t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or []]
-            if top
-            else None,
-        )
-        for entry in found.get("content") or []
-    ]
+    return openai_logprobs(found, chat=not request.raw, top=request.top_logprobs)
 
 
 def _error_text(event: dict[str, Any]) -> str:
