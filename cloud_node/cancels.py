@@ -1,4 +1,4 @@
-"""Cancels a worker has heard of: which request ids, with which keys, for a while.
+"""Cancels a worker has heard of: which requests (by token subject), with which keys, for a while.
 
 A cancel may arrive before the request is fetched, so it is remembered. It acts on a request only
 if the request set no ``cancel_key`` or the cancel carries the same key: only a request's sender
@@ -43,24 +43,25 @@ class CancelBook:
         self._max = max_size
         self._ids: OrderedDict[str, tuple[float, set[str]]] = OrderedDict()
 
-    def add(self, request_id: str, key: str = NO_KEY) -> None:
+    def add(self, address: str, key: str = NO_KEY) -> None:
         self._expire()
-        keys = self._ids.pop(request_id, (0.0, set()))[1]
+        keys = self._ids.pop(address, (0.0, set()))[1]
         if len(keys) < 8:
             keys.add(key)
-        self._ids[request_id] = (time.monotonic() + self._ttl, keys)
+        self._ids[address] = (time.monotonic() + self._ttl, keys)
         while len(self._ids) > self._max:
             self._ids.popitem(last=False)
 
-    def cancels(self, request: InferRequest) -> bool:
-        """True when a remembered cancel acts on ``request``."""
+    def cancels(self, address: str, request: InferRequest) -> bool:
+        """True when a remembered cancel for ``address`` (the request's token subject) acts on
+        ``request``."""
         self._expire()
-        entry = self._ids.get(request.id)
+        entry = self._ids.get(address)
         return entry is not None and any(allows(request, key) for key in entry[1])
 
-    def __contains__(self, request_id: object) -> bool:
+    def __contains__(self, address: object) -> bool:
         self._expire()
-        return request_id in self._ids
+        return address in self._ids
 
     def _expire(self) -> None:
         now = time.monotonic()

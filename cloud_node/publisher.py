@@ -31,14 +31,16 @@ class AnswerPublisher:
         self,
         conn: Connection,
         store: AnswerStore,
+        scope: str,
         request_id: str,
         fmt: WireFormat,
+        *,
         timeout: float,
     ) -> None:
         self.conn = conn
         self.store = store
         self.request_id = request_id
-        self.subject = token_subject(request_id)
+        self.subject = token_subject(scope, request_id)
         self.fmt = fmt
         self.timeout = timeout
         self._headers = {CONTENT_TYPE: fmt.content_type}
@@ -76,7 +78,7 @@ class AnswerPublisher:
     async def _catch_up(self) -> bool:
         self._reconnects = self.conn.reconnects
         try:
-            kept = await self.store.replay(self.request_id, timeout=self.timeout)
+            kept = await self.store.replay(self.subject, timeout=self.timeout)
         except MeshError as err:
             log.warning("cannot check the answer store", error=err.message)
             return False

@@ -59,10 +59,11 @@ from protocol.messages import ErrorEvent, InferRequest, Timings
 from protocol.stream import AnswerState, AnswerWriter, Resume, request_fingerprint
 from protocol.subjects import (
     CANCEL_WILDCARD,
+    address_of,
     consumer_name,
     is_token,
     model_token,
-    request_id_of,
+    scope_of,
     token_subject,
     worker_status_subject,
 )
@@ -105,7 +106,8 @@ class Worker(Lifecycle):
         self.metrics = WorkerMetrics()
         self._nats_metrics = NatsMetrics()
         self._nats_metrics.watch(conn)
-        self.store = AnswerStore(conn, settings.stream)
+        # Workers may read any answer (they continue each other's); direct get is their right.
+        self.store = AnswerStore(conn, settings.stream, filtered=False)
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
@@ -304,10 +306,13 @@ class Worker(Lifecycle):
         self._tasks.spawn(self._handle(msg), name="request")
 
     async def _on_cancel(self, msg: Msg) -> None:
-        request_id = request_id_of(msg.subject)
+        scope, request_id = address_of(msg.subject)
+        if not (is_token(scope) and is_token(request_id)):
+            return
+        address = token_subject(scope, request_id)
         key = cancel_key_of(msg.data, msg.headers)
-        self._cancels.add(request_id, key)
-        entry = self._inflight.get(request_id)
+        self._cancels.add(address, key)
+        entry = self._inflight.get(address)
         if entry is None:
             return
         task, request = entry
@@ -338,13 +343,20 @@ class Worker(Lifecycle):
                 strict=self.settings.strict_decode,
                 on_unknown=log_unknown_fields,
             )
-            self._check(request)
+            scope = scope_of(msg.subject)
+            if scope is None:
+                raise InvalidRequestError(
+                    f"queued on {msg.subject!r}: requests go to mesh.v1.infer.<model>.<scope>",
+                    request_id=request.id,
+                )
+            address = token_subject(scope, request.id)
+            self._check(request, address)
         except MeshError as err:
             await self._reject(msg, err, attempt)
             return
         task = asyncio.current_task()
         assert task is not None
-        self._inflight[request.id] = (task, request)
+        self._inflight[address] = (task, request)
         traced = trace_headers(msg.headers)
         traced_id = trace_id(traced.get("traceparent"))
         with structlog.contextvars.bound_contextvars(
@@ -361,11 +373,11 @@ class Worker(Lifecycle):
                     msg.headers,
                     **{"mesh.request_id": request.id, "mesh.attempt": attempt},
                 ):
-                    await self._serve(msg, request, fmt.reply_format, attempt)
+                    await self._serve(msg, request, scope, fmt.reply_format, attempt)
             finally:
-                self._inflight.pop(request.id, None)
+                self._inflight.pop(address, None)
 
-    def _check(self, request: InferRequest) -> None:
+    def _check(self, request: InferRequest, address: str) -> None:
         if request.model is not None and model_token(request.model) != model_token(
             self.backend.model
         ):
@@ -373,10 +385,10 @@ class Worker(Lifecycle):
                 f"this worker serves {self.backend.model!r}, not {request.model!r}",
                 request_id=request.id,
             )
-        if request.reply is not None and request.reply != token_subject(request.id):
+        if request.reply is not None and request.reply != address:
             raise InvalidRequestError(
-                f"reply must be absent or {token_subject(request.id)!r}: answers go only to the "
-                "request's own token subject",
+                f"reply must be absent or {address!r}: answers go only to the request's own "
+                "token subject, in the scope it was queued under",
                 request_id=request.id,
                 details=[{"loc": "reply", "msg": "not this request's token subject"}],
             )
@@ -384,16 +396,18 @@ class Worker(Lifecycle):
             raise DeadlineExceededError(
                 "the request's deadline passed before it could start", request_id=request.id
             )
-        if self._cancels.cancels(request):
+        if self._cancels.cancels(address, request):
             raise CancelledByClientError("cancelled before it started", request_id=request.id)
 
-    async def _history(self, request: InferRequest, attempt: int) -> AnswerState | None:
+    async def _history(
+        self, request: InferRequest, publisher: AnswerPublisher, attempt: int
+    ) -> AnswerState | None:
         """What earlier attempts left in the answer store (None on a first delivery, or when the
         store cannot be read: then the answer starts over)."""
         if attempt == 1 or not self.store.enabled:
             return None
         try:
-            events = await self.store.replay(request.id)
+            events = await self.store.replay(publisher.subject)
         except MeshError as err:
             log.warning("cannot read the answer store; starting over", error=err.message)
             return None
@@ -401,12 +415,15 @@ class Worker(Lifecycle):
         state.feed_all(events)
         return state
 
-    async def _serve(self, msg: Msg, request: InferRequest, fmt: Any, attempt: int) -> None:
+    async def _serve(
+        self, msg: Msg, request: InferRequest, scope: str, fmt: Any, attempt: int
+    ) -> None:
         queued_ms = max(0.0, (time.time() - msg.metadata.timestamp.timestamp()) * 1000)
         publisher = AnswerPublisher(
-            self.conn, self.store, request.id, fmt, timeout=self._ws.publish_timeout
+            self.conn, self.store, scope, request.id, fmt, timeout=self._ws.publish_timeout
         )
-        history = await self._history(request, attempt)
+        address = publisher.subject
+        history = await self._history(request, publisher, attempt)
         writer = AnswerWriter(
             request.id,
             attempt=attempt,
@@ -430,7 +447,7 @@ class Worker(Lifecycle):
         if history is not None and history.started:
             writer = self._continue_or_restart(request, history, attempt)
         keepalive = self._tasks.spawn(self._keep_alive(msg), name="in-progress")
-        self._publishers[request.id] = publisher
+        self._publishers[address] = publisher
         try:
             await publisher.send(writer.start())
             gen = await generate_into(self.backend, request, writer, publisher.send, self._ws)
@@ -459,7 +476,7 @@ class Worker(Lifecycle):
                 stored=stored,
             )
         except asyncio.CancelledError:
-            if self._cancels.cancels(request):
+            if self._cancels.cancels(address, request):
                 self._count("cancelled")
                 log.info("request cancelled by client")
                 with contextlib.suppress(MeshError, nats.errors.Error):
@@ -486,7 +503,7 @@ class Worker(Lifecycle):
             )
         finally:
             keepalive.cancel()
-            self._publishers.pop(request.id, None)
+            self._publishers.pop(address, None)
 
     def _continue_or_restart(
         self, request: InferRequest, history: AnswerState, attempt: int
@@ -570,12 +587,14 @@ class Worker(Lifecycle):
                 error=err.message,
                 request_id=request_id,
                 subject=msg.subject,
-                answered=request_id is not None,
+                answered=request_id is not None and scope_of(msg.subject) is not None,
             )
-            if request_id is not None:
+            scope = scope_of(msg.subject)
+            if request_id is not None and scope is not None:
                 publisher = AnswerPublisher(
                     self.conn,
                     self.store,
+                    scope,
                     request_id,
                     sniff(msg.data, msg.headers).reply_format,
                     timeout=self._ws.publish_timeout,
@@ -629,14 +648,20 @@ class Worker(Lifecycle):
             jsm = self.conn.jsm()
             queued = await jsm.get_msg(self._stream.name, stream_seq)
             request_id, _ = reply_target(queued.data or b"", queued.headers)
-            if request_id is not None:
-                events = await self.store.replay(request_id)
+            scope = scope_of(queued.subject or "")
+            if request_id is not None and scope is not None:
+                events = await self.store.replay(token_subject(scope, request_id))
                 state = AnswerState(request_id)
                 state.feed_all(events)
                 if not state.done:
                     fmt = sniff(queued.data or b"", queued.headers).reply_format
                     publisher = AnswerPublisher(
-                        self.conn, self.store, request_id, fmt, self._ws.publish_timeout
+                        self.conn,
+                        self.store,
+                        scope,
+                        request_id,
+                        fmt,
+                        timeout=self._ws.publish_timeout,
                     )
                     writer = AnswerWriter(request_id, attempt=max(1, deliveries))
                     await publisher.finish(

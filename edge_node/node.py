@@ -86,6 +86,7 @@ class EdgeNode(Lifecycle):
         self.backend = backend
         self.router = router
         self.edge_id = settings.edge.edge_id
+        self.scope = settings.nats.scope_or(self.edge_id)
         self.node_name = f"edge:{self.edge_id}"
         self.metrics = Counters()
         """Counters for ``nats micro stats mesh-edge``."""

@@ -154,7 +154,11 @@ class CloudRelay:
         )
         # The worker's span continues this edge's (when tracing is on), else the client's.
         call = CloudCall(
-            edge.conn, edge.settings.stream, queued, headers=edge.tracing.inject(self.trace)
+            edge.conn,
+            edge.settings.stream,
+            queued,
+            scope=edge.scope,
+            headers=edge.tracing.inject(self.trace),
         )
         try:
             await call.open()

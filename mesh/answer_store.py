@@ -1,7 +1,7 @@
 """The answer store: stream ``MESH_TOK`` keeps every request's events a short while.
 
-Workers publish events with a plain (core) publish on ``mesh.v1.tok.<id>``; the stream captures
-them as they pass, so the hot path waits for nothing. What the store is for:
+Workers publish events with a plain (core) publish on ``mesh.v1.tok.<scope>.<id>``; the stream
+captures them as they pass, so the hot path waits for nothing. What the store is for:
 
 - a reader that missed events (a dropped connection, a slow consumer, a server restart) reads
   them back by subject instead of ending with a gap (:meth:`TokenStore.replay`);
@@ -12,6 +12,9 @@ them as they pass, so the hot path waits for nothing. What the store is for:
 - a request sent again with the same id gets its stored answer.
 
 Reads use batch direct get (``$JS.API.DIRECT.GET``), served by any replica without a consumer.
+A sender under ``mesh creds`` permissions may not use direct get (its request body, not its
+subject, names what to read, so a server cannot limit it to the sender's own answers): it reads
+through a short-lived consumer whose filter, written in the API subject, is its own token subject.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 
 import nats.errors
 from nats.js import api
@@ -31,7 +35,7 @@ from mesh.logs import get_logger
 from protocol.codec import decode_event
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.messages import Answer, WireEvent
-from protocol.subjects import TOKEN_WILDCARD, token_subject
+from protocol.subjects import TOKEN_WILDCARD
 
 log = get_logger(__name__)
 BATCH = 1024
@@ -81,13 +85,18 @@ async def ensure_answer_stream(jsm: JetStreamManager, settings: StreamSettings) 
 class AnswerStore:
     """Reads one request's kept events back, in the order the stream stored them."""
 
-    def __init__(self, conn: Connection, settings: StreamSettings) -> None:
+    def __init__(
+        self, conn: Connection, settings: StreamSettings, *, filtered: bool | None = None
+    ) -> None:
         self.conn = conn
         self.settings = settings
         self.enabled = settings.answer_storage != "off"
+        self.filtered = conn.settings.least_privilege if filtered is None else filtered
+        """Read through a filtered consumer instead of direct get (see the module's note)."""
 
-    async def replay(self, request_id: str, timeout: float | None = None) -> list[WireEvent]:
-        """Every stored event of ``request_id`` (empty when none are kept or the store is off).
+    async def replay(self, subject: str, timeout: float | None = None) -> list[WireEvent]:
+        """Every stored event of one answer, by its token ``subject`` (empty when none are kept
+        or the store is off).
 
         Raises :class:`MeshTimeoutError` or :class:`UnavailableError` when the store cannot be
         read now: a caller cannot tell "nothing kept" from "cannot look".
@@ -96,7 +105,8 @@ class AnswerStore:
             return []
         timeout = self.conn.settings.request_timeout if timeout is None else timeout
         events: list[WireEvent] = []
-        for data in await self._fetch(token_subject(request_id), timeout):
+        fetch = self._fetch_filtered if self.filtered else self._fetch
+        for data in await fetch(subject, timeout):
             with contextlib.suppress(MeshError):  # a malformed event is dropped, as live
                 event = decode_event(data)
                 if not isinstance(event, Answer):
@@ -146,6 +156,63 @@ class AnswerStore:
                     raise UnavailableError(f"the answer store answered status {status}")
                 if pending <= 0:
                     return found
+        except nats.errors.ConnectionClosedError:
+            raise UnavailableError(
+                "NATS connection closed while reading the answer store"
+            ) from None
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def _fetch_filtered(self, subject: str, timeout: float) -> list[bytes]:
+        """Every kept message on ``subject``, pushed by an ephemeral consumer filtered to it."""
+        nc = self.conn.nc
+        stream = self.settings.answer_stream
+        name = f"repair_{secrets.token_hex(8)}"
+        inbox = nc.new_inbox()
+        config = {
+            "name": name,
+            "deliver_subject": inbox,
+            "filter_subject": subject,
+            "deliver_policy": "all",
+            "ack_policy": "none",
+            "max_ack_pending": 0,
+            "inactive_threshold": int(max(timeout, 5.0) * 1e9),
+            "mem_storage": True,
+        }
+        body = json.dumps({"stream_name": stream, "config": config, "action": "create"})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            sub = await nc.subscribe(inbox)
+        except nats.errors.Error as exc:
+            raise UnavailableError(f"cannot read the answer store: {type(exc).__name__}") from None
+        try:
+            reply = await nc.request(
+                f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{subject}", body.encode(), timeout
+            )
+            info = json.loads(reply.data)
+            if "error" in info:
+                raise UnavailableError(
+                    f"the answer store refused a reader: {info['error'].get('description')}"
+                )
+            found: list[bytes] = []
+            if int(info.get("num_pending", 0)) == 0:
+                return found
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s")
+                msg = await sub.next_msg(timeout=left)
+                if (msg.headers or {}).get("Status"):
+                    continue  # a heartbeat or flow-control message, not an event
+                found.append(msg.data)
+                if msg.metadata.num_pending == 0:
+                    return found
+        except nats.errors.TimeoutError:
+            raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s") from None
+        except nats.errors.NoRespondersError:
+            raise UnavailableError("no responders: the answer store is not there") from None
         except nats.errors.ConnectionClosedError:
             raise UnavailableError(
                 "NATS connection closed while reading the answer store"

@@ -60,7 +60,12 @@ from protocol.messages import (
     WireEvent,
 )
 from protocol.stream import AnswerState
-from protocol.subjects import edge_cancel_subject, edge_infer_subject, edge_resend_subject
+from protocol.subjects import (
+    DEFAULT_SCOPE,
+    edge_cancel_subject,
+    edge_infer_subject,
+    edge_resend_subject,
+)
 
 Via = Literal["edge", "cloud"]
 StreamItem = TokenEvent | RestartEvent | EndEvent
@@ -286,7 +291,11 @@ class MeshClient(Lifecycle):
         )
         finished = False
         async with CloudCall(
-            self.conn, self.settings.stream, request, pending_limit=self._pending_limit
+            self.conn,
+            self.settings.stream,
+            request,
+            scope=self.settings.nats.scope_or(DEFAULT_SCOPE),
+            pending_limit=self._pending_limit,
         ) as call:
             try:
                 async for event in self._read(call.reader):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from protocol.codec import RequestLimits
 from protocol.errors import InvalidRequestError
+from protocol.subjects import TOKEN_PATTERN
 
 ENV_PREFIX = "MESH_"
 DEFAULT_MODEL_NAME = "smollm2"
@@ -44,6 +45,17 @@ class NatsSettings(_Section):
     """Client certificate for mutual TLS (with tls_key_file)."""
     tls_key_file: str | None = None
     """Client private key for mutual TLS."""
+    scope: str | None = Field(default=None, pattern=TOKEN_PATTERN)
+    """Who this process queues requests as: the <scope> in mesh.v1.infer.<model>.<scope> and in
+    its token subjects mesh.v1.tok.<scope>.<id>. Unset: an edge uses its edge_id, other senders
+    'anon'. Under `mesh creds` permissions it must be the user's own scope."""
+    inbox_prefix: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+    """Prefix of this connection's reply inboxes (default _INBOX). Under `mesh creds` each user
+    may only subscribe below its own prefix, so no one reads another's replies."""
+    least_privilege: bool = False
+    """This process runs under `mesh creds` permissions: use only the JetStream calls its role
+    is allowed (answer repairs through a consumer filtered to its own token subjects, no queue
+    deletes when a request is withdrawn: its cancel covers that)."""
     connect_timeout: float = Field(default=5.0, gt=0)
     """Seconds to wait for the first connection."""
     request_timeout: float = Field(default=5.0, gt=0)
@@ -59,6 +71,9 @@ class NatsSettings(_Section):
     """Port of the nats-server that `mesh up` starts (-1 picks a free one)."""
     store_dir: str | None = None
     """JetStream store of the local nats-server; a temporary directory when unset."""
+
+    def scope_or(self, default: str) -> str:
+        return self.scope or default
 
     def servers(self) -> list[str]:
         return [s.strip() for s in (self.url or "nats://127.0.0.1:4222").split(",") if s.strip()]

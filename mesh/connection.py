@@ -21,9 +21,10 @@ from nats.js import JetStreamContext
 from nats.js.manager import JetStreamManager
 
 from mesh.config import NatsSettings
+from mesh.credentials import check_creds_file
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
-from protocol.errors import UnavailableError
+from protocol.errors import UnauthorizedError, UnavailableError
 
 log = get_logger(__name__)
 
@@ -87,11 +88,16 @@ class Connection(Lifecycle):
 
     async def connect(self) -> Connection:
         servers = self.settings.servers()
+        if self.settings.creds_file:
+            check_creds_file(self.settings.creds_file)
         client = Client()
+        refused: list[str] = []
 
         async def on_error(exc: Exception) -> None:
             if isinstance(exc, nats.errors.SlowConsumerError):
                 self._lost()
+            if _is_auth_error(exc):
+                refused.append(str(exc))
             log.warning("nats error", connection=self.name, error=repr(exc))
 
         async def on_disconnected() -> None:
@@ -127,6 +133,12 @@ class Connection(Lifecycle):
             )
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(client)
+            if _is_auth_error(exc) or refused:
+                raise UnauthorizedError(
+                    f"NATS at {', '.join(servers)} refused this process's credentials "
+                    f"({(refused or [str(exc)])[0]}): wrong, expired or revoked, or none were "
+                    "given (MESH_NATS_CREDS_FILE)"
+                ) from None
             raise UnavailableError(
                 f"cannot connect to NATS at {', '.join(servers)} within "
                 f"{self.settings.connect_timeout:g}s ({type(exc).__name__}); is nats-server "
@@ -156,11 +168,20 @@ class Connection(Lifecycle):
     stop = close
 
 
+def _is_auth_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.AuthorizationError) or (
+        "authorization violation" in text or "authentication" in text
+    )
+
+
 def _auth(settings: NatsSettings) -> dict[str, Any]:
     """Credentials and TLS options for nats-py, from the settings that are set."""
     options: dict[str, Any] = {}
     if settings.creds_file:
         options["user_credentials"] = settings.creds_file
+    if settings.inbox_prefix:
+        options["inbox_prefix"] = settings.inbox_prefix
     if settings.token:
         options["token"] = settings.token
     if settings.user:

@@ -15,7 +15,7 @@ from nats.js.manager import JetStreamManager
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
-from protocol.subjects import INFER_WILDCARD, consumer_name, infer_subject
+from protocol.subjects import INFER_WILDCARD, consumer_name, model_infer_filter
 
 log = get_logger(__name__)
 
@@ -41,7 +41,7 @@ def consumer_config(settings: StreamSettings, model: str) -> api.ConsumerConfig:
         name=name,
         durable_name=name,
         description=f"mesh: workers serving {model}",
-        filter_subject=infer_subject(model),
+        filter_subject=model_infer_filter(model),
         deliver_policy=api.DeliverPolicy.ALL,
         ack_policy=api.AckPolicy.EXPLICIT,
         ack_wait=settings.ack_wait,

@@ -1,9 +1,10 @@
 """Escalating one request through the JetStream work queue, as the edge and the SDK do.
 
-Order matters: subscribe to ``mesh.v1.tok.<id>``, then publish with ``Nats-Msg-Id = id`` on the
-same connection and wait for the publish ack: from then on the request is durable. NATS handles
-one connection's commands in order, so the subscription is in place before the request can reach
-a worker; no flush (a round trip) is needed in between. A publish JetStream reports as a
+Order matters: subscribe to ``mesh.v1.tok.<scope>.<id>``, then publish on
+``mesh.v1.infer.<model>.<scope>`` with ``Nats-Msg-Id = <scope>.<id>`` on the same connection and
+wait for the publish ack: from then on the request is durable. NATS handles one connection's
+commands in order, so the subscription is in place before the request can reach a worker; no
+flush (a round trip) is needed in between. A publish JetStream reports as a
 duplicate (the same id sent again within the duplicate window) is not queued twice; its sender
 reads the answer from the answer store.
 """
@@ -58,20 +59,23 @@ async def publish_request(
     conn: Connection,
     stream: StreamSettings,
     request: InferRequest,
+    scope: str,
     extra_headers: Mapping[str, str] | None = None,
 ) -> api.PubAck:
-    """Publish ``request`` to its model's queue subject; typed errors for every failure."""
+    """Publish ``request`` to its model's queue subject under ``scope``; typed errors for every
+    failure."""
     model = request.model
     if model is None:
         raise ValueError("request.model must be set before it is queued")
+    subject = infer_subject(model, scope)
     headers = {
         **(extra_headers or {}),
-        MSG_ID_HEADER: request.id,
+        MSG_ID_HEADER: f"{scope}.{request.id}",
         CONTENT_TYPE: WireFormat.MSGPACK.content_type,
     }
     try:
         return await conn.js.publish(
-            infer_subject(model),
+            subject,
             dump(request, WireFormat.MSGPACK),
             timeout=conn.settings.request_timeout,
             stream=stream.name,
@@ -89,7 +93,7 @@ async def publish_request(
         ) from None
     except NoStreamResponseError:
         raise UnavailableError(
-            f"no JetStream stream answers {infer_subject(model)}: is JetStream enabled and "
+            f"no JetStream stream answers {subject}: is JetStream enabled and "
             "provisioned (`mesh provision`)?",
             request_id=request.id,
         ) from None
@@ -118,6 +122,7 @@ class CloudCall(Lifecycle):
         stream: StreamSettings,
         request: InferRequest,
         *,
+        scope: str,
         headers: Mapping[str, str] | None = None,
         pending_limit: int | None = None,
     ) -> None:
@@ -127,21 +132,25 @@ class CloudCall(Lifecycle):
         self.request = request.model_copy(
             update={"reply": None, "cancel_key": request.cancel_key or new_cancel_key()}
         )
+        self.scope = scope
+        self.subject = token_subject(scope, self.request.id)
         self.fingerprint = request_fingerprint(self.request)
         self.store = AnswerStore(conn, stream)
         self.ack: api.PubAck | None = None
         self.reader = AnswerReader(
             conn,
             AnswerState(self.request.id, fingerprint=self.fingerprint),
-            store_repair(self.store.replay, self.request.id),
+            store_repair(self.store.replay, self.subject),
             what="the cloud",
             pending_limit=pending_limit,
         )
 
     async def open(self) -> CloudCall:
-        await self.reader.subscribe(token_subject(self.request.id))
+        await self.reader.subscribe(self.subject)
         try:
-            self.ack = await publish_request(self.conn, self.stream, self.request, self.headers)
+            self.ack = await publish_request(
+                self.conn, self.stream, self.request, self.scope, self.headers
+            )
         except BaseException:
             await self.close()
             raise
@@ -155,9 +164,11 @@ class CloudCall(Lifecycle):
         """Take the request back: delete it from the queue if still there, and cancel it."""
         with contextlib.suppress(Exception):
             await self.conn.nc.publish(
-                cancel_subject(self.request.id), cancel_payload(self.request.cancel_key)
+                cancel_subject(self.scope, self.request.id),
+                cancel_payload(self.request.cancel_key),
             )
-        if self.ack is not None and not self.ack.duplicate:
+        deletable = not self.conn.settings.least_privilege  # else its cancel alone takes it back
+        if self.ack is not None and not self.ack.duplicate and deletable:
             # Fails when already delivered (the cancel covers that) or already gone: both fine.
             with contextlib.suppress(APIError, asyncio.TimeoutError, nats.errors.Error):
                 await self.conn.jsm().delete_msg(self.ack.stream, self.ack.seq)

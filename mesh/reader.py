@@ -223,12 +223,12 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def store_repair(replay: Callable[[str], Awaitable[list[WireEvent]]], request_id: str) -> Repair:
-    """A repair that reads everything the answer store kept of ``request_id``."""
+def store_repair(replay: Callable[[str], Awaitable[list[WireEvent]]], subject: str) -> Repair:
+    """A repair that reads everything the answer store kept on token ``subject``."""
 
     async def repair(_state: AnswerState) -> list[WireEvent]:
         try:
-            return await replay(request_id)
+            return await replay(subject)
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(f"answer store unreadable: {type(exc).__name__}") from None
 

@@ -9,6 +9,8 @@ mesh status [--json]           workers, edges, capacity, queue depth and pending
 mesh bench [PART] [--json F]   paths, relay, model, overload: what the mesh costs and carries
 mesh router train | eval       rebuild the shipped router weights / evaluate the router
 mesh router score --data DIR   score labelled data with the shipped weights [--json]
+mesh creds --out DIR --edge ID... --worker ID... [--expires-in 30d]
+                               hub auth config + per-edge/worker credentials (least privilege)
 mesh config                    list every setting with its env var and default
 """
 
@@ -185,6 +187,14 @@ def _parser() -> argparse.ArgumentParser:
         "part", nargs="?", default="all", choices=["paths", "relay", "model", "overload", "all"]
     )
     bench.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    creds = sub.add_parser(
+        "creds", help="write the hub's auth config and credentials for edges, workers, operator"
+    )
+    creds.add_argument("--out", required=True, help="directory for auth.conf, *.creds, *.env")
+    creds.add_argument("--edge", action="append", default=[], help="an edge id (repeatable)")
+    creds.add_argument("--worker", action="append", default=[], help="a worker id (repeatable)")
+    creds.add_argument("--expires-in", help="user credentials expire after this (90s, 12h, 30d)")
+    creds.add_argument("--mount", help="where processes will see --out (a container volume)")
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
 
@@ -217,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         for env, default, doc in describe_settings():
             print(f"{env:<38} {default!s:<28} {doc}")
         return 0
+    if args.command == "creds":
+        return _creds(args)
     try:
         if args.command == "ask":
             return _run(lambda: _ask(_settings(args, quiet=True), args))
@@ -256,6 +268,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mesh: error: {err}", file=sys.stderr)
         return 2
     return 1
+
+
+def _creds(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mesh_app.creds import describe, mint, parse_duration
+
+    try:
+        expires = parse_duration(args.expires_in) if args.expires_in else None
+        minted = mint(
+            Path(args.out),
+            edges=args.edge,
+            workers=args.worker,
+            expires_in=expires,
+            mount=args.mount,
+        )
+    except ValueError as exc:
+        print(f"mesh: error: {exc}", file=sys.stderr)
+        return 2
+    print(describe(minted))
+    print(
+        f"# Add `include {minted.auth_conf.name}` to the hub's nats-server config (same "
+        "directory); give each process its .creds and .env; keep keys/ offline.",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _run(factory: Callable[[], Awaitable[int]]) -> int:

@@ -43,6 +43,8 @@ class ErrorCode(str, Enum):
     longer kept."""
     INCOMPLETE = "incomplete"
     """Part of the answer was lost on the way and could not be recovered; retry."""
+    UNAUTHORIZED = "unauthorized"
+    """The NATS server refused the process's credentials: wrong, expired or revoked."""
     INTERNAL = "internal"
     """A bug: an unexpected failure inside a node."""
 
@@ -120,6 +122,10 @@ class UnavailableError(MeshError):
     code = ErrorCode.UNAVAILABLE
 
 
+class UnauthorizedError(MeshError):
+    code = ErrorCode.UNAUTHORIZED
+
+
 class DeadlineExceededError(MeshError):
     code = ErrorCode.DEADLINE_EXCEEDED
 
@@ -167,6 +173,7 @@ _BY_CODE: dict[ErrorCode, type[MeshError]] = {
         MaxDeliveriesError,
         DuplicateRequestError,
         IncompleteAnswerError,
+        UnauthorizedError,
     )
 }
 

@@ -104,8 +104,9 @@ class InferRequest(_Wire):
     start_by: float | None = Field(default=None, gt=0)
     """Absolute time (Unix seconds) after which a worker must not start this request."""
     reply: str | None = None
-    """Subject for token events. Workers publish only on ``mesh.v1.tok.<id>``: a queued request
-    may leave this out or name exactly that subject, and is refused otherwise."""
+    """Subject for token events. Workers publish only on ``mesh.v1.tok.<scope>.<id>``, the scope
+    being the one the request was queued under: a queued request may leave this out or name
+    exactly that subject, and is refused otherwise."""
     origin: str | None = None
     """The edge id (or client name) that sent the request."""
     route: RouteChoice = "auto"

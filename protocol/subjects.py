@@ -1,12 +1,18 @@
 """Subject, stream and consumer names of protocol v1.
 
-- ``mesh.v1.infer.<model>``: stream ``MESH_INFER`` (work queue), escalated requests
-- ``mesh.v1.tok.<request_id>``: start / tok / end / err events, also kept a while in stream
-  ``MESH_TOK`` so a reader can fetch what it missed and a new worker can continue the answer
-- ``mesh.v1.cancel.<request_id>``: core NATS, cancel one queued request (workers listen)
+- ``mesh.v1.infer.<model>.<scope>``: stream ``MESH_INFER`` (work queue), escalated requests
+- ``mesh.v1.tok.<scope>.<request_id>``: start / tok / end / err events, also kept a while in
+  stream ``MESH_TOK`` so a reader can fetch what it missed and a new worker can continue the answer
+- ``mesh.v1.cancel.<scope>.<request_id>``: core NATS, cancel one queued request (workers listen)
 - ``mesh.v1.edge.<edge_id>.infer``: core NATS request-reply (micro service), an edge's entry;
   ``.cancel`` and ``.resend`` beside it let the sender cancel or fetch missed events
 - ``mesh.v1.worker.<node_id>.status``: a worker's status (micro service ``mesh-worker``)
+
+The *scope* names who queued a request: an edge's id, or the sender's own name. Request ids are
+unique within a scope. A worker answers on the token subject of the scope the request arrived
+under, so a server that permits each sender only ``mesh.v1.infer.*.<own scope>``, and lets it
+subscribe only to ``mesh.v1.tok.<own scope>.>``, keeps senders out of each other's answers and
+cancels (see ``mesh creds``).
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import re
 
 PREFIX = "mesh.v1"
 INFER_STREAM = "MESH_INFER"
-INFER_WILDCARD = f"{PREFIX}.infer.>"
-CANCEL_WILDCARD = f"{PREFIX}.cancel.*"
-TOKEN_WILDCARD = f"{PREFIX}.tok.*"
+INFER_WILDCARD = f"{PREFIX}.infer.*.*"
+CANCEL_WILDCARD = f"{PREFIX}.cancel.*.*"
+TOKEN_WILDCARD = f"{PREFIX}.tok.*.*"
+DEFAULT_SCOPE = "anon"
+"""The scope of a sender that names none (the SDK and CLI on an open server)."""
 NODES_BUCKET = "mesh_nodes"
 
 # A request id, edge id or model token is one subject token: no dots, wildcards or spaces.
@@ -68,18 +76,35 @@ def model_token(model: str) -> str:
     return _UNSAFE_RE.sub("_", model)[:128]
 
 
-def infer_subject(model: str) -> str:
-    return f"{PREFIX}.infer.{model_token(model)}"
+def infer_subject(model: str, scope: str) -> str:
+    _check_token(scope, "scope")
+    return f"{PREFIX}.infer.{model_token(model)}.{scope}"
 
 
-def token_subject(request_id: str) -> str:
+def model_infer_filter(model: str) -> str:
+    """Every scope's requests for ``model``: the filter of its workers' consumer."""
+    return f"{PREFIX}.infer.{model_token(model)}.*"
+
+
+def token_subject(scope: str, request_id: str) -> str:
+    _check_token(scope, "scope")
     _check_token(request_id, "request id")
-    return f"{PREFIX}.tok.{request_id}"
+    return f"{PREFIX}.tok.{scope}.{request_id}"
 
 
-def cancel_subject(request_id: str) -> str:
+def cancel_subject(scope: str, request_id: str) -> str:
+    _check_token(scope, "scope")
     _check_token(request_id, "request id")
-    return f"{PREFIX}.cancel.{request_id}"
+    return f"{PREFIX}.cancel.{scope}.{request_id}"
+
+
+def scope_of(subject: str) -> str | None:
+    """The scope a queued request arrived under (the last token of ``mesh.v1.infer.<m>.<s>``),
+    or None when ``subject`` is not such a subject."""
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[:3] != ["mesh", "v1", "infer"] or not is_token(parts[4]):
+        return None
+    return parts[4]
 
 
 def edge_infer_subject(edge_id: str) -> str:
@@ -109,9 +134,10 @@ def consumer_name(model: str) -> str:
     return f"workers_{model_token(model)}"
 
 
-def request_id_of(subject: str) -> str:
-    """The last token of a ``tok`` or ``cancel`` subject."""
-    return subject.rsplit(".", 1)[-1]
+def address_of(subject: str) -> tuple[str, str]:
+    """(scope, request id): the last two tokens of a ``tok`` or ``cancel`` subject."""
+    head, _, request_id = subject.rpartition(".")
+    return head.rpartition(".")[2], request_id
 
 
 def _check_token(value: str, what: str) -> None:

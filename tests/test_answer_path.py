@@ -86,7 +86,7 @@ async def test_a_started_request_is_continued_after_its_start_by(
     )
     events: list[object] = []
     try:
-        async with CloudCall(conn, fast.stream, request) as call:
+        async with CloudCall(conn, fast.stream, request, scope="tests") as call:
             while not call.reader.state.done:
                 for event in await call.reader.next(10):
                     events.append(event)

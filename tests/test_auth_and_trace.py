@@ -13,7 +13,7 @@ from mesh.config import LogSettings, MeshSettings, NatsSettings
 from mesh.connection import Connection
 from mesh.logs import configure_logging
 from mesh.nats_server import NatsServer
-from protocol.errors import UnavailableError
+from protocol.errors import UnauthorizedError
 from tests.helpers import stat_reaches
 from tests.nats_wire import RawNatsClient
 
@@ -29,9 +29,9 @@ async def test_token_auth(tmp_path: Path) -> None:
     async with NatsServer(config=str(conf)) as server:
         async with Connection(NatsSettings(url=server.url, token="s3cret-token"), "ok") as conn:
             assert conn.nc.is_connected
-        with pytest.raises(UnavailableError) as excinfo:
+        with pytest.raises(UnauthorizedError) as excinfo:
             await Connection(NatsSettings(url=server.url, connect_timeout=2), "no-auth").connect()
-        assert "cannot connect to NATS" in str(excinfo.value)
+        assert "refused this process's credentials" in str(excinfo.value)
 
 
 async def test_traceparent_reaches_the_worker(

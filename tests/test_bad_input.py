@@ -82,7 +82,7 @@ async def _publish_raw(
     conn: Connection, settings: MeshSettings, payload: bytes, msg_id: str
 ) -> None:
     await conn.js.publish(
-        infer_subject("smollm2"),
+        infer_subject("smollm2", "tests"),
         payload,
         stream=settings.stream.name,
         headers={MSG_ID_HEADER: msg_id},
@@ -106,7 +106,7 @@ async def test_worker_rejects_bad_queued_requests_typed_and_keeps_the_good_ones(
             "invalid_request",
         ),
     }
-    subs = {rid: await conn.nc.subscribe(token_subject(rid)) for rid in cases}
+    subs = {rid: await conn.nc.subscribe(token_subject("tests", rid)) for rid in cases}
     # A good request queued before the bad ones, one after: both must complete.
     before = asyncio.create_task(
         client.complete("Name a fruit.", via="cloud", max_tokens=8, temperature=0)

@@ -45,7 +45,7 @@ async def test_local_path_streams_tokens_then_end(edge: EdgeNode, client: MeshCl
 async def test_escalated_path_relays_in_order_acks_and_empties_queue(
     worker: Worker, edge: EdgeNode, client: MeshClient, conn: Connection, settings: MeshSettings
 ) -> None:
-    # Watch the token subjects as `nats sub 'mesh.v1.tok.*'` would: what the worker published.
+    # Watch the token subjects as `nats sub 'mesh.v1.tok.>'` would: what the worker published.
     # The edge queues under an id of its own, so the client's id never names a queue subject.
     published: list[TokenEvent] = []
     queued_ids: set[str] = set()
@@ -56,7 +56,7 @@ async def test_escalated_path_relays_in_order_acks_and_empties_queue(
         if isinstance(event, TokenEvent):
             published.append(event)
 
-    watcher = await conn.nc.subscribe("mesh.v1.tok.*", cb=watch)
+    watcher = await conn.nc.subscribe("mesh.v1.tok.>", cb=watch)
     events = [
         e
         async for e in client.stream(COMPLEX, max_tokens=32, temperature=0, request_id="escalated1")
@@ -203,12 +203,12 @@ async def test_cancel_before_start_is_honoured(
     request = InferRequest(
         id="early-cancel", model="smollm2", prompt=SIMPLE, max_tokens=8, cancel_key=key
     )
-    sub = await conn.nc.subscribe(token_subject(request.id))
+    sub = await conn.nc.subscribe(token_subject("tests", request.id))
     async with Worker(settings, conn, worker_backend) as running:  # type: ignore[arg-type]
         # cancel first (the worker remembers it), then queue
-        await conn.nc.publish(f"mesh.v1.cancel.{request.id}", cancel_payload(key))
+        await conn.nc.publish(f"mesh.v1.cancel.tests.{request.id}", cancel_payload(key))
         await conn.nc.flush()
-        async with CloudCall(conn, settings.stream, request):
+        async with CloudCall(conn, settings.stream, request, scope="tests"):
             msg = await sub.next_msg(timeout=10)
         await eventually(lambda: queue_drained(conn, settings), what="cancelled request dropped")
         assert running.stats.completed == 0

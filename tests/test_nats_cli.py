@@ -75,11 +75,11 @@ async def test_nats_req_error_is_json_with_micro_error_headers(
 async def test_nats_pub_to_the_queue_and_nats_sub_on_the_token_subject(
     worker: Worker, cli: RawNatsClient, conn: Connection, settings: MeshSettings
 ) -> None:
-    # nats sub 'mesh.v1.tok.cli-42'  (in one terminal)
-    # nats req mesh.v1.infer.smollm2 '{"id": "cli-42", "prompt": "Say hi", "max_tokens": 8}'
-    await cli.subscribe("mesh.v1.tok.cli-42")
+    # nats sub 'mesh.v1.tok.ops.cli-42'  (in one terminal)
+    # nats req mesh.v1.infer.smollm2.ops '{"id": "cli-42", "prompt": "Say hi", "max_tokens": 8}'
+    await cli.subscribe("mesh.v1.tok.ops.cli-42")
     ack = await cli.request(
-        "mesh.v1.infer.smollm2",
+        "mesh.v1.infer.smollm2.ops",
         b'{"id": "cli-42", "prompt": "Say hi", "max_tokens": 8}',
         timeout=10,
     )
@@ -87,7 +87,7 @@ async def test_nats_pub_to_the_queue_and_nats_sub_on_the_token_subject(
     events = []
     while not events or events[-1]["t"] not in ("end", "err"):
         msg = await cli.next_msg(timeout=30)
-        assert msg.subject == "mesh.v1.tok.cli-42"
+        assert msg.subject == "mesh.v1.tok.ops.cli-42"
         events.append(json.loads(msg.data))  # JSON in, JSON out: readable in a terminal
     assert events[-1]["t"] == "end" and events[-1]["path"] == "cloud"
     tokens = [e for e in events if e["t"] == "tok"]

@@ -30,11 +30,14 @@ from protocol.errors import (
 )
 from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
 from protocol.subjects import (
+    address_of,
+    cancel_subject,
     consumer_name,
     edge_infer_subject,
     infer_subject,
     is_subject,
     model_token,
+    scope_of,
     token_subject,
 )
 
@@ -189,11 +192,17 @@ def test_expiry_uses_deadline_and_start_by() -> None:
 
 
 def test_subject_names() -> None:
-    assert infer_subject("Qwen/Qwen2.5-7B") == "mesh.v1.infer.Qwen_Qwen2_5-7B"
+    assert infer_subject("Qwen/Qwen2.5-7B", "site1") == "mesh.v1.infer.Qwen_Qwen2_5-7B.site1"
     assert model_token("a.b*c>d e") == "a_b_c_d_e"
     assert consumer_name("smollm2") == "workers_smollm2"
-    assert token_subject("abc") == "mesh.v1.tok.abc"
+    assert token_subject("site1", "abc") == "mesh.v1.tok.site1.abc"
+    assert cancel_subject("site1", "abc") == "mesh.v1.cancel.site1.abc"
+    assert address_of("mesh.v1.cancel.site1.abc") == ("site1", "abc")
+    assert scope_of("mesh.v1.infer.smollm2.site1") == "site1"
+    assert scope_of("mesh.v1.infer.smollm2") is None
     assert edge_infer_subject("jetson-1") == "mesh.v1.edge.jetson-1.infer"
     with pytest.raises(ValueError, match="subject token"):
-        token_subject("a.b")
+        token_subject("site1", "a.b")
+    with pytest.raises(ValueError, match="scope"):
+        infer_subject("smollm2", "a.*")
     assert is_subject("_INBOX.abc.def") and not is_subject("a.>") and not is_subject("a..b")

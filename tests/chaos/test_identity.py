@@ -89,24 +89,25 @@ async def test_hostile_reply_id_and_cancel_traffic(cluster: Cluster) -> None:
         ),
     ]
     await asyncio.sleep(0.3)  # the victims are mid-answer
-    watch = {rid: await nc.subscribe(token_subject(rid)) for rid in ("h1", "h2", "h3")}
+    watch = {rid: await nc.subscribe(token_subject("attacker", rid)) for rid in ("h1", "h2", "h3")}
 
     def queued(body: dict[str, object]) -> bytes:
         return json.dumps({"prompt": prompt("h"), "max_tokens": 8, **body}).encode()
 
-    # Straight into the queue, as `nats pub mesh.v1.infer.smollm2 '...'` would.
+    # Straight into the queue, as `nats pub mesh.v1.infer.smollm2.attacker '...'` would (on an
+    # open server; `mesh creds` permissions would stop the attacker from naming another scope).
     hostile = [
-        queued({"id": "h1", "reply": token_subject("victim-1")}),  # another request's events
+        queued({"id": "h1", "reply": token_subject("anon", "victim-1")}),  # a victim's events
         queued({"id": "h2", "reply": "$JS.API.STREAM.PURGE.MESH_INFER"}),  # JetStream's API
-        queued({"id": "h3", "reply": "mesh.v1.infer.smollm2"}),  # the work queue itself
+        queued({"id": "h3", "reply": "mesh.v1.infer.smollm2.anon"}),  # the work queue itself
         queued({"id": "not.a.token"}),  # an id that is no subject token
         b"\x85\xa2garbage",  # not msgpack at all
     ]
     for payload in hostile:
-        await nc.publish("mesh.v1.infer.smollm2", payload)
-    # Cancels by someone who knows the victims' ids but not their keys or inboxes.
-    await nc.publish("mesh.v1.cancel.victim-1", b"")
-    await nc.publish("mesh.v1.cancel.victim-1", cancel_payload("guessed-wrong-key"))
+        await nc.publish("mesh.v1.infer.smollm2.attacker", payload)
+    # Cancels by someone who knows the victims' ids and scope but not their keys or inboxes.
+    await nc.publish("mesh.v1.cancel.anon.victim-1", b"")
+    await nc.publish("mesh.v1.cancel.anon.victim-1", cancel_payload("guessed-wrong-key"))
     await nc.publish(
         edge_cancel_subject(cluster.edge_id),
         json.dumps({"id": "victim-2", "inbox": "_INBOX.attacker.1"}).encode(),

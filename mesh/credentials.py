@@ -1,0 +1,53 @@
+"""Reading a NATS ``.creds`` file before connecting, so a bad one fails with a clear reason.
+
+nats-server answers every refused login with the same ``Authorization Violation``: an expired
+JWT, a wrong seed and an unknown account look alike from the client. What can be told from the
+file itself (missing, unreadable, not a creds file, expired) is told here, before connecting.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import UnauthorizedError
+
+_JWT = re.compile(r"-----BEGIN NATS USER JWT-----\s*([A-Za-z0-9_.=-]+)\s*-+END NATS USER JWT")
+
+
+def jwt_claims(token: str) -> dict[str, Any]:
+    """The claims of a JWT, unverified (the server verifies; this is for messages)."""
+    try:
+        payload = token.split(".")[1]
+        return dict(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))))
+    except (IndexError, ValueError) as exc:
+        raise ValueError(f"not a JWT: {exc}") from None
+
+
+def check_creds_file(path: str, now: float | None = None) -> dict[str, Any]:
+    """The user claims of a creds file; :class:`UnauthorizedError` when it cannot work."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise UnauthorizedError(f"cannot read NATS credentials {path}: {exc.strerror}") from None
+    match = _JWT.search(text)
+    if match is None:
+        raise UnauthorizedError(f"{path} is not a NATS .creds file (no user JWT in it)")
+    try:
+        claims = jwt_claims(match.group(1))
+    except ValueError as exc:
+        raise UnauthorizedError(f"{path}: the user JWT cannot be read ({exc})") from None
+    expires = claims.get("exp")
+    if isinstance(expires, (int, float)) and expires <= (now or time.time()):
+        when = datetime.fromtimestamp(expires, tz=timezone.utc).isoformat(timespec="seconds")
+        raise UnauthorizedError(
+            f"NATS credentials {path} (user {claims.get('name', '?')!r}) expired at {when}; "
+            "mint new ones with `mesh creds`"
+        )
+    return claims

@@ -1,0 +1,261 @@
+"""``mesh creds``: the hub's auth config and one credential per edge, worker and operator.
+
+Each role gets exactly the subjects its process uses (see the README's threat model):
+
+- an **edge** (or an edge site's leaf node) publishes only its own requests
+  (``mesh.v1.infer.*.<edge>``) and cancels, reads only its own answers (``mesh.v1.tok.<edge>.*``
+  and a repair consumer filtered to them), and reaches JetStream's API only to read the node
+  registry and whether a model is served;
+- a **client** of an edge may only call that edge's entry subjects;
+- a **worker** pulls from the work queue, publishes only on token subjects, announces only its
+  own registry key, and may provision the mesh's own streams, nothing else;
+- the **operator** may do anything (``mesh provision``, ``mesh status``, the ``nats`` CLI).
+
+Every user has its own inbox prefix, so no one can subscribe to another's replies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mesh_app import nats_jwt
+from mesh_app.nats_jwt import Key, Permissions
+from protocol.subjects import (
+    CANCEL_WILDCARD,
+    NODES_BUCKET,
+    PREFIX,
+    TOKEN_WILDCARD,
+    is_token,
+)
+
+INFER_STREAM = "MESH_INFER"
+TOKEN_STREAM = "MESH_TOK"  # noqa: S105 - a stream name
+KV_STREAM = f"KV_{NODES_BUCKET}"
+EDGE_RESPONSES = 1_000_000
+"""Events an edge may send to one client's reply inbox (a streamed answer is many messages)."""
+RESPONSE_TTL_S = 3600.0
+
+
+def inbox_prefix(role: str, name: str) -> str:
+    return f"_INBOX.{role}.{name}"
+
+
+def edge_permissions(edge: str) -> Permissions:
+    inbox = inbox_prefix("edge", edge)
+    return Permissions(
+        pub_allow=(
+            f"{PREFIX}.infer.*.{edge}",
+            f"{PREFIX}.cancel.{edge}.*",
+            # Answer repairs: a consumer on MESH_TOK whose filter (in the subject) is its own.
+            f"$JS.API.CONSUMER.CREATE.{TOKEN_STREAM}.*.{PREFIX}.tok.{edge}.*",
+            f"$JS.API.CONSUMER.INFO.{INFER_STREAM}.*",
+            *_registry_reader(),
+        ),
+        sub_allow=(
+            f"{PREFIX}.tok.{edge}.*",
+            f"{PREFIX}.edge.{edge}.*",
+            f"{inbox}.>",
+            *_micro("mesh-edge"),
+        ),
+        responses=EDGE_RESPONSES,
+        response_ttl_s=RESPONSE_TTL_S,
+    )
+
+
+def client_permissions(edge: str, name: str) -> Permissions:
+    return Permissions(
+        pub_allow=(f"{PREFIX}.edge.{edge}.*",),
+        sub_allow=(f"{inbox_prefix('client', name)}.>",),
+    )
+
+
+def worker_permissions(node: str) -> Permissions:
+    inbox = inbox_prefix("worker", node)
+    streams = (INFER_STREAM, TOKEN_STREAM, KV_STREAM)
+    return Permissions(
+        pub_allow=(
+            TOKEN_WILDCARD,
+            *(f"$JS.API.STREAM.{op}.{s}" for op in ("INFO", "CREATE", "UPDATE") for s in streams),
+            f"$JS.API.CONSUMER.CREATE.{INFER_STREAM}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{INFER_STREAM}.>",
+            f"$JS.API.CONSUMER.INFO.{INFER_STREAM}.*",
+            f"$JS.API.CONSUMER.MSG.NEXT.{INFER_STREAM}.*",
+            f"$JS.ACK.{INFER_STREAM}.>",
+            f"$JS.API.STREAM.MSG.GET.{INFER_STREAM}",
+            f"$JS.API.STREAM.MSG.DELETE.{INFER_STREAM}",
+            f"$JS.API.DIRECT.GET.{TOKEN_STREAM}",
+            f"$KV.{NODES_BUCKET}.worker.{node}",
+            *_registry_reader(),
+        ),
+        sub_allow=(
+            CANCEL_WILDCARD,
+            f"{PREFIX}.worker.{node}.status",
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{INFER_STREAM}.*",
+            f"{inbox}.>",
+            *_micro("mesh-worker"),
+        ),
+        responses=1,
+        response_ttl_s=60.0,
+    )
+
+
+OPERATOR = Permissions(pub_allow=(">",), sub_allow=(">",))
+
+
+def _registry_reader() -> tuple[str, ...]:
+    return (
+        f"$JS.API.STREAM.INFO.{KV_STREAM}",
+        f"$JS.API.CONSUMER.CREATE.{KV_STREAM}",
+        f"$JS.API.CONSUMER.CREATE.{KV_STREAM}.>",
+        f"$JS.API.CONSUMER.INFO.{KV_STREAM}.*",
+        f"$JS.API.CONSUMER.DELETE.{KV_STREAM}.*",
+        f"$JS.API.DIRECT.GET.{KV_STREAM}.>",
+        f"$JS.FC.{KV_STREAM}.>",
+    )
+
+
+def _micro(service: str) -> tuple[str, ...]:
+    """What ``nats micro ls/info/stats`` asks of a NATS micro service."""
+    return ("$SRV.*", f"$SRV.*.{service}", f"$SRV.*.{service}.*")
+
+
+@dataclass(frozen=True)
+class Minted:
+    out: Path
+    auth_conf: Path
+    users: dict[str, Path]
+    """Credential file per user name (``operator``, ``edge-<id>``, ``worker-<id>``, ...)."""
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``12h``, ``30d`` -> seconds."""
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a duration like 90s, 30m, 12h or 30d")
+    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+def mint(
+    out: Path,
+    *,
+    edges: list[str],
+    workers: list[str],
+    expires_in: float | None = None,
+    now: float | None = None,
+    mount: str | None = None,
+) -> Minted:
+    """Write ``auth.conf`` (include it in the hub's nats-server config) and a ``.creds`` plus an
+    ``.env`` per user into ``out``. Keys already in ``out/keys`` are reused, so running it again
+    adds users without invalidating the ones handed out. ``mount`` is the directory where the
+    processes will find the files (a container's volume), written into the ``.env`` files."""
+    for name in [*edges, *workers]:
+        if not is_token(name):
+            raise ValueError(f"{name!r} is not a valid edge or worker id ([A-Za-z0-9_-])")
+    out.mkdir(parents=True, exist_ok=True)
+    keys = _keys(out / "keys")
+    expires = int((now or time.time()) + expires_in) if expires_in else 0
+    users: dict[str, Path] = {}
+
+    def user(file: str, name: str, permissions: Permissions, env: dict[str, str]) -> None:
+        key = nats_jwt.user_key()
+        jwt = nats_jwt.user_jwt(keys["account"], key, name, permissions, expires)
+        path = out / f"{file}.creds"
+        _write_secret(path, nats_jwt.creds(jwt, key))
+        seen_at = f"{mount.rstrip('/')}/{path.name}" if mount else str(path.resolve())
+        env = {"MESH_NATS_CREDS_FILE": seen_at, **env}
+        (out / f"{file}.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+        users[file] = path
+
+    user("operator", "operator", OPERATOR, {})
+    for edge in edges:
+        user(
+            f"edge-{edge}",
+            f"edge {edge}",
+            edge_permissions(edge),
+            {
+                "MESH_EDGE_EDGE_ID": edge,
+                "MESH_NATS_SCOPE": edge,
+                "MESH_NATS_INBOX_PREFIX": inbox_prefix("edge", edge),
+                "MESH_NATS_LEAST_PRIVILEGE": "true",
+            },
+        )
+        user(
+            f"client-{edge}",
+            f"client of edge {edge}",
+            client_permissions(edge, f"{edge}-apps"),
+            {
+                "MESH_EDGE_EDGE_ID": edge,
+                "MESH_NATS_INBOX_PREFIX": inbox_prefix("client", f"{edge}-apps"),
+                "MESH_NATS_LEAST_PRIVILEGE": "true",
+            },
+        )
+    for worker in workers:
+        user(
+            f"worker-{worker}",
+            f"worker {worker}",
+            worker_permissions(worker),
+            {
+                "MESH_WORKER_NODE_ID": worker,
+                "MESH_NATS_INBOX_PREFIX": inbox_prefix("worker", worker),
+                "MESH_NATS_LEAST_PRIVILEGE": "true",
+            },
+        )
+    auth = out / "auth.conf"
+    auth.write_text(_auth_conf(keys))
+    return Minted(out=out, auth_conf=auth, users=users)
+
+
+def _keys(directory: Path) -> dict[str, Key]:
+    """The operator, system account and mesh account keys: read, or made once."""
+    directory.mkdir(parents=True, exist_ok=True)
+    made = {"operator": nats_jwt.operator_key, "system": nats_jwt.account_key}
+    made["account"] = nats_jwt.account_key
+    keys: dict[str, Key] = {}
+    for name, new in made.items():
+        path = directory / f"{name}.nk"
+        if path.exists():
+            keys[name] = Key.from_seed(path.read_text().strip())
+        else:
+            keys[name] = new()
+            _write_secret(path, keys[name].seed + "\n")
+    return keys
+
+
+def _auth_conf(keys: dict[str, Key]) -> str:
+    operator, system, account = keys["operator"], keys["system"], keys["account"]
+    preload = {
+        system.public: nats_jwt.account_jwt(operator, system, "SYS", jetstream=False),
+        account.public: nats_jwt.account_jwt(operator, account, "MESH", jetstream=True),
+    }
+    lines = [
+        "# Written by `mesh creds`: operator-mode auth for the mesh hub. Include it from the",
+        "# server config (include auth.conf). Users are not listed here: each one proves a JWT",
+        "# signed by the MESH account key, which `mesh creds` keeps in keys/.",
+        f"operator: {nats_jwt.operator_jwt(operator, 'mesh', system.public)}",
+        f"system_account: {system.public}",
+        "resolver: MEMORY",
+        "resolver_preload: {",
+        *(f"  {pub}: {jwt}" for pub, jwt in preload.items()),
+        "}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _write_secret(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+
+
+def describe(minted: Minted) -> str:
+    rows = {name: str(path) for name, path in minted.users.items()}
+    return json.dumps({"auth_conf": str(minted.auth_conf), "creds": rows}, indent=2)
