@@ -92,12 +92,15 @@ class Connection(Lifecycle):
             check_creds_file(self.settings.creds_file)
         client = Client()
         refused: list[str] = []
+        failures: list[str] = []
 
         async def on_error(exc: Exception) -> None:
             if isinstance(exc, nats.errors.SlowConsumerError):
                 self._lost()
             if _is_auth_error(exc):
                 refused.append(str(exc))
+            elif isinstance(exc, ssl.SSLError) and not self.connected:
+                failures.append(_reason(exc))
             log.warning("nats error", connection=self.name, error=repr(exc))
 
         async def on_disconnected() -> None:
@@ -139,6 +142,10 @@ class Connection(Lifecycle):
                     f"({(refused or [str(exc)])[0]}): wrong, expired or revoked, or none were "
                     "given (MESH_NATS_CREDS_FILE)"
                 ) from None
+            if failures:  # the server answered, but TLS failed: say so
+                raise UnavailableError(
+                    f"cannot connect to NATS at {', '.join(servers)}: {failures[-1]}"
+                ) from None
             raise UnavailableError(
                 f"cannot connect to NATS at {', '.join(servers)} within "
                 f"{self.settings.connect_timeout:g}s ({type(exc).__name__}); is nats-server "
@@ -166,6 +173,10 @@ class Connection(Lifecycle):
 
     start = connect
     stop = close
+
+
+def _reason(exc: ssl.SSLError) -> str:
+    return f"TLS handshake failed ({exc.reason or exc}); check MESH_NATS_TLS_CA_FILE"
 
 
 def _is_auth_error(exc: BaseException) -> bool:

@@ -130,6 +130,8 @@ class Minted:
     auth_conf: Path
     users: dict[str, Path]
     """Credential file per user name (``operator``, ``edge-<id>``, ``worker-<id>``, ...)."""
+    leaf_confs: dict[str, Path]
+    """An edge site's leaf-node nats-server config per edge id."""
 
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -151,11 +153,17 @@ def mint(
     expires_in: float | None = None,
     now: float | None = None,
     mount: str | None = None,
+    hub_leaf_url: str = "nats-leaf://nats-hub:7422",
+    leaf_tls_ca: str | None = None,
 ) -> Minted:
     """Write ``auth.conf`` (include it in the hub's nats-server config) and a ``.creds`` plus an
     ``.env`` per user into ``out``. Keys already in ``out/keys`` are reused, so running it again
     adds users without invalidating the ones handed out. ``mount`` is the directory where the
-    processes will find the files (a container's volume), written into the ``.env`` files."""
+    processes will find the files (a container's volume), written into the ``.env`` files.
+
+    Each edge also gets ``leaf-<edge>.conf``: its site's nats-server, a leaf node that dials
+    ``hub_leaf_url`` with the edge's credentials (and verifies the hub's TLS certificate against
+    ``leaf_tls_ca`` when given), so the hub holds the whole site to the edge's permissions."""
     for name in [*edges, *workers]:
         if not is_token(name):
             raise ValueError(f"{name!r} is not a valid edge or worker id ([A-Za-z0-9_-])")
@@ -163,6 +171,7 @@ def mint(
     keys = _keys(out / "keys")
     expires = int((now or time.time()) + expires_in) if expires_in else 0
     users: dict[str, Path] = {}
+    leaf_confs: dict[str, Path] = {}
 
     def user(file: str, name: str, permissions: Permissions, env: dict[str, str]) -> None:
         key = nats_jwt.user_key()
@@ -197,6 +206,14 @@ def mint(
                 "MESH_NATS_LEAST_PRIVILEGE": "true",
             },
         )
+    for edge in edges:
+        creds_path = (
+            f"{mount.rstrip('/')}/edge-{edge}.creds"
+            if mount
+            else str(users[f"edge-{edge}"].resolve())
+        )
+        leaf_confs[edge] = out / f"leaf-{edge}.conf"
+        leaf_confs[edge].write_text(_leaf_conf(edge, hub_leaf_url, creds_path, leaf_tls_ca))
     for worker in workers:
         user(
             f"worker-{worker}",
@@ -210,7 +227,27 @@ def mint(
         )
     auth = out / "auth.conf"
     auth.write_text(_auth_conf(keys))
-    return Minted(out=out, auth_conf=auth, users=users)
+    return Minted(out=out, auth_conf=auth, users=users, leaf_confs=leaf_confs)
+
+
+def _leaf_conf(edge: str, hub_url: str, creds_path: str, tls_ca: str | None) -> str:
+    tls = f'\n      tls {{ ca_file: "{tls_ca}" }}' if tls_ca else ""
+    return f"""# Edge site {edge}: the nats-server its edge daemon and local apps use, written by
+# `mesh creds`. A leaf node of the hub: it dials out (no inbound port at the site), and the hub
+# holds everything crossing the link to edge {edge}'s permissions.
+server_name: leaf-{edge}
+port: 4222
+
+leafnodes {{
+  reconnect: 1
+  remotes: [
+    {{
+      url: "{hub_url}"
+      credentials: "{creds_path}"{tls}
+    }}
+  ]
+}}
+"""
 
 
 def _keys(directory: Path) -> dict[str, Key]:

@@ -323,3 +323,66 @@ def test_mesh_creds_command_writes_every_file_and_refuses_bad_ids(
     assert main(["creds", "--out", str(tmp_path / "x"), "--edge", "a.b"]) == 2
     assert "not a valid edge or worker id" in capsys.readouterr().err
     assert main([*args[:3], "--expires-in", "soon"]) == 2
+
+
+@dataclass
+class Certs:
+    ca: Path
+    cert: Path
+    key: Path
+    other_ca: Path
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Certs:
+    """A test CA and a server certificate for 127.0.0.1, made now (trustme), plus an unrelated
+    CA a client might wrongly trust."""
+    import trustme
+
+    ca, other = trustme.CA(), trustme.CA()
+    issued = ca.issue_cert("127.0.0.1", "localhost")
+    paths = Certs(
+        tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "x.pem"
+    )
+    ca.cert_pem.write_to_path(str(paths.ca))
+    other.cert_pem.write_to_path(str(paths.other_ca))
+    issued.cert_chain_pems[0].write_to_path(str(paths.cert))
+    issued.private_key_pem.write_to_path(str(paths.key))
+    return paths
+
+
+async def test_tls_client_connections_with_credentials(tmp_path: Path, certs: Certs) -> None:
+    minted = mint(tmp_path, edges=["site-a"], workers=["w1"])
+    conf = hub_conf(tmp_path, minted)
+    conf.write_text(
+        conf.read_text()
+        + f'tls {{ cert_file: "{certs.cert}"\n key_file: "{certs.key}"\n timeout: 2 }}\n'
+    )
+    async with NatsServer(config=str(conf)) as server:
+        hub = Hub(server, minted)
+        worker_settings = hub.settings("worker-w1", MESH_NATS_TLS_CA_FILE=str(certs.ca))
+        edge_settings = hub.settings("edge-site-a", MESH_NATS_TLS_CA_FILE=str(certs.ca))
+        client_settings = hub.settings("client-site-a", MESH_NATS_TLS_CA_FILE=str(certs.ca))
+        async with contextlib.AsyncExitStack() as stack:
+            wconn = await stack.enter_async_context(Connection(worker_settings.nats, "w1"))
+            assert wconn.nc.connected_url is not None
+            backend = DeterministicBackend(worker_settings.worker.model)
+            await stack.enter_async_context(Worker(worker_settings, wconn, backend))
+            econn = await stack.enter_async_context(Connection(edge_settings.nats, "edge"))
+            local = DeterministicBackend(edge_settings.edge.model)
+            await stack.enter_async_context(
+                EdgeNode(edge_settings, econn, local, HeuristicRouter())
+            )
+            async with MeshClient(settings=client_settings) as client:
+                answer = await client.complete("[tag:s] hi", route="cloud", max_tokens=20)
+            assert answer.text == "".join(f" s{i}" for i in range(20))
+            writer = econn.nc._transport._io_writer  # type: ignore[union-attr]
+            assert writer.get_extra_info("ssl_object") is not None  # the link is TLS
+        # A client trusting another CA is refused at start, with the reason, not a hang.
+        wrong = hub.settings("edge-site-a", MESH_NATS_TLS_CA_FILE=str(certs.other_ca))
+        began = time.monotonic()
+        with pytest.raises(MeshError) as excinfo:
+            await Connection(wrong.nats, "wrong-ca").connect()
+        assert time.monotonic() - began < 5
+        assert "TLS" in str(excinfo.value) or "certificate" in str(excinfo.value).lower()
+        assert hub.violations() == []
