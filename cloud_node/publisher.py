@@ -49,6 +49,10 @@ class AnswerPublisher:
         self._lock = asyncio.Lock()
         self.republished = 0
 
+    def sent(self) -> list[WireEvent]:
+        """This attempt's events, in the order they were published."""
+        return [event for event, _data in self._sent]
+
     async def send(self, event: WireEvent) -> None:
         data = dump_event(event, self.fmt)
         self._sent.append((event, data))

@@ -29,9 +29,10 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
+from cloud_node.keeper import Keeper
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.puller import Puller
-from mesh import __version__
+from mesh import __version__, kept
 from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -45,7 +46,7 @@ from mesh.queue import trace_headers
 from mesh.registry import Heartbeat, NodeInfo
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
-from protocol.codec import decode_request, reply_target, sniff
+from protocol.codec import decode_request, error_event, reply_target, sniff
 from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
@@ -108,6 +109,7 @@ class Worker(Lifecycle):
         self._nats_metrics.watch(conn)
         # Workers may read any answer (they continue each other's); direct get is their right.
         self.store = AnswerStore(conn, settings.stream, filtered=False)
+        self.keeper = Keeper(conn, self.store, settings.worker.publish_timeout)
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
@@ -193,6 +195,7 @@ class Worker(Lifecycle):
         jsm = self.conn.jsm()
         await provision(jsm, self._stream, [self.backend.model])
         await ensure_answer_stream(jsm, self._stream)
+        await kept.ensure(jsm, kept.answers_config(self._stream))
 
     async def _after_reconnect(self) -> None:
         """Events written to the old socket may be lost: publish again what the store lacks of
@@ -335,6 +338,8 @@ class Worker(Lifecycle):
         attempt = msg.metadata.num_delivered
         if attempt > 1:
             self.metrics.redeliveries.inc()
+        request: InferRequest | None = None
+        scope: str | None = None
         try:
             request, fmt = decode_request(
                 msg.data,
@@ -353,6 +358,9 @@ class Worker(Lifecycle):
             self._check(request, address)
         except MeshError as err:
             await self._reject(msg, err, attempt)
+            if request is not None and request.deferrable and scope is not None:
+                with contextlib.suppress(MeshError):
+                    await self.keeper.keep(scope, request.id, None, error_event(err, request.id))
             return
         task = asyncio.current_task()
         assert task is not None
@@ -431,7 +439,13 @@ class Worker(Lifecycle):
             fingerprint=request_fingerprint(request),
         )
         if history is not None and history.done:
-            await self._already_done(msg, publisher, history)
+            await self._already_done(msg, publisher, history, request, scope)
+            return
+        if request.deferrable and await self.keeper.exists(scope, request.id):
+            # Forwarded again after its answer was kept (a flap outlived the dedupe window).
+            self._count("already_done")
+            log.info("answer already kept; acking without generating")
+            await self._ack(msg)
             return
         started_before = history is not None and history.started
         if not started_before and request.start_by is not None and time.time() >= request.start_by:
@@ -460,6 +474,8 @@ class Worker(Lifecycle):
                 routing=request.routing,
             )
             stored = await publisher.finish(end)
+            if request.deferrable:
+                await self.keeper.keep(scope, request.id, publisher)
             await self._ack(msg)
             self._count("completed")
             self._observe(gen, timings)
@@ -491,7 +507,7 @@ class Worker(Lifecycle):
                 await msg.nak()
             raise
         except MeshError as err:
-            await self._failed(msg, publisher, writer, err, attempt)
+            await self._failed(msg, publisher, writer, err, attempt, deferrable=request.deferrable)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
             await self._failed(
@@ -500,6 +516,7 @@ class Worker(Lifecycle):
                 writer,
                 MeshError(f"worker failure: {type(exc).__name__}", retryable=True),
                 attempt,
+                deferrable=request.deferrable,
             )
         finally:
             keepalive.cancel()
@@ -536,7 +553,12 @@ class Worker(Lifecycle):
         )
 
     async def _already_done(
-        self, msg: Msg, publisher: AnswerPublisher, history: AnswerState
+        self,
+        msg: Msg,
+        publisher: AnswerPublisher,
+        history: AnswerState,
+        request: InferRequest,
+        scope: str,
     ) -> None:
         """The answer's outcome is stored: an earlier attempt finished but its ack was lost.
         Never generate a second answer; just make the outcome final."""
@@ -551,6 +573,11 @@ class Worker(Lifecycle):
                 await msg.term()
             return
         log.info("outcome already stored; acking without generating")
+        if request.deferrable:
+            with contextlib.suppress(MeshError):  # else the next delivery keeps it
+                await self.keeper.keep(scope, request.id, publisher)
+                await self._ack(msg)
+            return
         await self._ack(msg)
 
     def _observe(self, gen: Generation, timings: Timings) -> None:
@@ -617,6 +644,8 @@ class Worker(Lifecycle):
         writer: AnswerWriter,
         err: MeshError,
         attempt: int,
+        *,
+        deferrable: bool = False,
     ) -> None:
         self._count("failed", err.code.value)
         if err.retryable and attempt < self._stream.max_deliver:
@@ -636,6 +665,10 @@ class Worker(Lifecycle):
         log.warning("generation failed", code=err.code.value, error=err.message)
         with contextlib.suppress(MeshError):
             await publisher.finish(writer.error(err))
+        if deferrable:
+            scope, request_id = address_of(publisher.subject)
+            with contextlib.suppress(MeshError):
+                await self.keeper.keep(scope, request_id, None, error_event(err, request_id))
         with contextlib.suppress(nats.errors.Error):
             await msg.term()
 

@@ -33,6 +33,7 @@ from edge_node.local_gate import LocalGate
 from edge_node.records import NatsSink, Record, Records, Sink
 from edge_node.relay import CloudRelay, Fallback, estimate_prompt_tokens
 from edge_node.router import Router, decide
+from edge_node.site import SiteStore
 from mesh import __version__
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -46,12 +47,13 @@ from mesh.queue import trace_headers
 from mesh.registry import NodeView
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
-from protocol.codec import decode_request, load, sniff
+from protocol.codec import CONTENT_TYPE, decode_request, dump, load, sniff
 from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
     DuplicateRequestError,
     ErrorCode,
+    InvalidRequestError,
     MeshError,
     OverloadedError,
     UnavailableError,
@@ -60,10 +62,12 @@ from protocol.errors import (
 from protocol.messages import EndEvent, ErrorEvent, InferRequest, RouteDecision, TokenEvent
 from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import (
+    edge_answer_subject,
     edge_cancel_subject,
     edge_infer_subject,
     edge_resend_subject,
     is_reply_inbox,
+    is_token,
     sender_scope,
 )
 
@@ -106,6 +110,8 @@ class EdgeNode(Lifecycle):
         self._metadata: dict[str, str] = {}
         self._accepting = False
         self.nodes = NodeView(conn, settings.stream.node_ttl)
+        self.site = SiteStore(self) if settings.nats.hub_domain else None
+        """The site's own JetStream (on a leaf node): requests that can wait, held."""
         self.http: EdgeHTTP | None = None
         self.prom.in_flight.set_function(self.records.in_flight)
         self.prom.workers_live.set_function(lambda: len(self.nodes.live()))
@@ -123,6 +129,8 @@ class EdgeNode(Lifecycle):
             await self.nodes.start()
         except MeshError as err:  # degrade: without the registry, the start timeout decides
             log.warning("node registry unavailable", error=err.message)
+        if self.site is not None:
+            await self.site.start()
         self._metadata = {
             "edge_id": self.edge_id,
             "local_model": self.backend.model,
@@ -153,6 +161,12 @@ class EdgeNode(Lifecycle):
             handler=self._on_resend,
             queue_group=group,
         )
+        await self._service.add_endpoint(
+            name="answer",
+            subject=edge_answer_subject(self.edge_id),
+            handler=self._on_answer,
+            queue_group=group,
+        )
         # Once start() returns, the server knows our subscriptions: clients can reach us.
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self._accepting = True
@@ -179,6 +193,8 @@ class EdgeNode(Lifecycle):
         if self.http is not None:
             await self.http.stop()  # stops accepting; in-flight HTTP answers finish first
         await self._tasks.close(grace=grace)
+        if self.site is not None:
+            await self.site.stop()
         if self._service is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._service.stop()
@@ -396,6 +412,34 @@ class EdgeNode(Lifecycle):
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(json.dumps({"cancelled": cancelled}).encode())
 
+    async def _on_answer(self, request: Request) -> None:
+        """The kept answer of a request that could wait, by its id: an ``answer``, its typed
+        ``err``, or ``unavailable`` while it is not answered yet."""
+        fmt = sniff(request.data, request.headers).reply_format
+        outcome: Any = None
+        try:
+            raw = load(request.data, sniff(request.data, request.headers))
+            request_id = raw.get("id") if isinstance(raw, dict) else None
+            if not isinstance(request_id, str) or not is_token(request_id):
+                raise InvalidRequestError('send {"id": "<request id>"}')
+            if self.site is None:
+                raise UnavailableError("this edge keeps no answers (its site has no JetStream)")
+            outcome = await self.site.kept(request_id)
+            if outcome is None:
+                raise UnavailableError(
+                    f"no answer kept for {request_id!r} yet: held at the site, in the cloud, "
+                    "or unknown",
+                    request_id=request_id,
+                    retry_after=30.0,
+                )
+        except MeshError as err:
+            outcome = _error(err, err.request_id)
+        if reply_of(request):
+            with contextlib.suppress(nats.errors.Error):
+                await self.conn.nc.publish(
+                    reply_of(request), dump(outcome, fmt), headers={CONTENT_TYPE: fmt.content_type}
+                )
+
     async def _on_resend(self, request: Request) -> None:
         record, inbox = self._own_record(request)
         sent = 0
@@ -465,6 +509,9 @@ class EdgeNode(Lifecycle):
             "routed", decision=decision.decision, score=decision.score, reason=decision.reason
         )
         fallback: str | None = None
+        if decision.decision == "cloud" and req.deferrable and self.site is not None:
+            await self.site.relay(req, decision, record)
+            return
         if decision.decision == "cloud":
             local_fits = not self._too_long(req)
             try:

@@ -128,7 +128,7 @@ class AnswerStore:
             while True:
                 request = {"next_by_subj": subject, "seq": seq, "batch": BATCH}
                 await nc.publish(
-                    f"$JS.API.DIRECT.GET.{self.settings.answer_stream}",
+                    f"{self.conn.api_prefix}.DIRECT.GET.{self.settings.answer_stream}",
                     json.dumps(request).encode(),
                     reply=inbox,
                 )
@@ -189,7 +189,9 @@ class AnswerStore:
             raise UnavailableError(f"cannot read the answer store: {type(exc).__name__}") from None
         try:
             reply = await nc.request(
-                f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{subject}", body.encode(), timeout
+                f"{self.conn.api_prefix}.CONSUMER.CREATE.{stream}.{name}.{subject}",
+                body.encode(),
+                timeout,
             )
             info = json.loads(reply.data)
             if "error" in info:

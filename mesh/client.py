@@ -40,7 +40,14 @@ from mesh.lifecycle import Lifecycle
 from mesh.provision import model_is_served
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader, Repair
-from protocol.codec import CONTENT_TYPE, WireFormat, dump, invalid_request_error, to_exception
+from protocol.codec import (
+    CONTENT_TYPE,
+    WireFormat,
+    decode_event,
+    dump,
+    invalid_request_error,
+    to_exception,
+)
 from protocol.errors import (
     IncompleteAnswerError,
     MeshError,
@@ -49,6 +56,7 @@ from protocol.errors import (
     UnknownModelError,
 )
 from protocol.messages import (
+    Answer,
     ChatMessage,
     EndEvent,
     ErrorEvent,
@@ -62,6 +70,7 @@ from protocol.messages import (
 from protocol.stream import AnswerState
 from protocol.subjects import (
     DEFAULT_SCOPE,
+    edge_answer_subject,
     edge_cancel_subject,
     edge_infer_subject,
     edge_resend_subject,
@@ -161,11 +170,16 @@ class MeshClient(Lifecycle):
         seed: int | None = None,
         deadline: float | None = None,
         request_id: str | None = None,
+        deferrable: bool = False,
     ) -> AsyncGenerator[StreamItem, None]:
         """Token events (and a restart event if the answer had to start over), then the end.
 
         ``deadline`` is absolute (Unix seconds): a request past it is never started, and an
         edge answers locally when too little time is left for the cloud.
+
+        ``deferrable``: the request can wait for the cloud (up to its deadline) instead of being
+        answered locally. An edge on a site with its own JetStream holds it through uplink
+        outages; if this call ends first, :meth:`answer` fetches the answer later by id.
         """
         request = self.build_request(
             prompt,
@@ -181,6 +195,7 @@ class MeshClient(Lifecycle):
             id=request_id,
             stream=True,
             origin="sdk",
+            deferrable=deferrable or None,
         )
         source = self._via_cloud(request) if via == "cloud" else self._via_edge(request)
         async with contextlib.aclosing(source):
@@ -202,6 +217,28 @@ class MeshClient(Lifecycle):
             else:
                 return Completion(text="".join(parts), end=event, restarts=restarts, events=events)
         raise RuntimeError("stream ended without an end event")  # _read guarantees one
+
+    async def answer(self, request_id: str) -> Answer:
+        """The kept answer of an earlier ``deferrable`` request, from the edge's site.
+
+        Raises the request's typed error if it failed, and :class:`UnavailableError` (retryable,
+        with ``retry_after``) while it has no answer yet."""
+        try:
+            reply = await self.conn.nc.request(
+                edge_answer_subject(self.edge_id),
+                json.dumps({"id": request_id}).encode(),
+                timeout=self.conn.settings.request_timeout,
+            )
+        except nats.errors.NoRespondersError:
+            raise UnavailableError(f"edge {self.edge_id!r} is not reachable") from None
+        except (nats.errors.TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError(f"asking for the answer failed: {type(exc).__name__}") from None
+        event = decode_event(reply.data)
+        if isinstance(event, ErrorEvent):
+            raise to_exception(event)
+        if not isinstance(event, Answer):
+            raise UnavailableError(f"the edge answered {event.t!r}, not an answer")
+        return event
 
     async def _is_served(self, model: str) -> bool:
         """Whether a worker pool exists for ``model``; a yes is trusted for 30 s (a JetStream

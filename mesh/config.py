@@ -52,6 +52,10 @@ class NatsSettings(_Section):
     inbox_prefix: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
     """Prefix of this connection's reply inboxes (default _INBOX). Under `mesh creds` each user
     may only subscribe below its own prefix, so no one reads another's replies."""
+    hub_domain: str | None = Field(default=None, pattern=TOKEN_PATTERN)
+    """JetStream domain of the hub, for an edge on its site's leaf node that runs JetStream of
+    its own: hub calls go to $JS.<hub_domain>.API, and the site keeps requests that can wait
+    (outbox) and their answers in its own streams, across uplink outages."""
     least_privilege: bool = False
     """This process runs under `mesh creds` permissions: use only the JetStream calls its role
     is allowed (answer repairs through a consumer filtered to its own token subjects, no queue
@@ -116,6 +120,11 @@ class StreamSettings(_Section):
     never meets an older answer's events."""
     answer_max_bytes: int = Field(default=512 * 1024 * 1024, ge=1024 * 1024)
     """Bytes MESH_TOK keeps at most (oldest events go first)."""
+    kept_max_age: float = Field(default=7 * 86400.0, gt=0)
+    """Seconds the answers of requests that can wait are kept, on the hub (MESH_ANSWERS, until
+    their site collects them) and at the site (MESH_KEPT, for clients asking again by id)."""
+    outbox_max_age: float = Field(default=7 * 86400.0, gt=0)
+    """Seconds an edge site holds a request that can wait while its uplink is down."""
 
     @model_validator(mode="after")
     def _consistent(self) -> StreamSettings:

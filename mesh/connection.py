@@ -65,6 +65,20 @@ class Connection(Lifecycle):
         return self._nc is not None and self._nc.is_connected
 
     def jsm(self) -> JetStreamManager:
+        """The hub's JetStream (through ``hub_domain`` from an edge site's leaf node)."""
+        return self.nc.jsm(timeout=self.settings.request_timeout, prefix=self.api_prefix)
+
+    @property
+    def api_prefix(self) -> str:
+        """Where the hub's JetStream API answers: ``$JS.API``, or ``$JS.<hub_domain>.API``."""
+        domain = self.settings.hub_domain
+        return f"$JS.{domain}.API" if domain else "$JS.API"
+
+    def site_js(self) -> JetStreamContext:
+        """The JetStream of the server this process is connected to (an edge site's own)."""
+        return self.nc.jetstream(timeout=self.settings.request_timeout)
+
+    def site_jsm(self) -> JetStreamManager:
         return self.nc.jsm(timeout=self.settings.request_timeout)
 
     def on_reconnect(self, callback: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -152,7 +166,9 @@ class Connection(Lifecycle):
                 "running? `mesh up` starts a local one"
             ) from None
         self._nc = client
-        self._js = client.jetstream(timeout=self.settings.request_timeout)
+        self._js = client.jetstream(
+            timeout=self.settings.request_timeout, domain=self.settings.hub_domain
+        )
         log.debug("nats connected", connection=self.name, server=str(client.connected_url))
         return self
 

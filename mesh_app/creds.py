@@ -26,11 +26,15 @@ from pathlib import Path
 from mesh_app import nats_jwt
 from mesh_app.nats_jwt import Key, Permissions
 from protocol.subjects import (
+    ANSWER_WILDCARD,
+    ANSWERS_STREAM,
     CANCEL_WILDCARD,
     NODES_BUCKET,
     PREFIX,
     TOKEN_WILDCARD,
     is_token,
+    site_answers_filter,
+    site_consumer,
 )
 
 INFER_STREAM = "MESH_INFER"
@@ -39,22 +43,38 @@ KV_STREAM = f"KV_{NODES_BUCKET}"
 EDGE_RESPONSES = 1_000_000
 """Events an edge may send to one client's reply inbox (a streamed answer is many messages)."""
 RESPONSE_TTL_S = 3600.0
+HUB_DOMAIN = "hub"
+"""The hub's JetStream domain in the configs written here (``jetstream { domain: hub }``)."""
 
 
 def inbox_prefix(role: str, name: str) -> str:
     return f"_INBOX.{role}.{name}"
 
 
-def edge_permissions(edge: str) -> Permissions:
+def edge_permissions(edge: str, hub_domain: str | None = HUB_DOMAIN) -> Permissions:
+    """``hub_domain``: the hub's JetStream domain, which an edge on its site's leaf node (with
+    JetStream of its own) names in every hub API call (``$JS.<domain>.API``)."""
     inbox = inbox_prefix("edge", edge)
+    site = site_consumer(edge)
+    api = (
+        # Answer repairs: a consumer on MESH_TOK whose filter (in the subject) is its own.
+        f"CONSUMER.CREATE.{TOKEN_STREAM}.*.{PREFIX}.tok.{edge}.*",
+        f"CONSUMER.INFO.{INFER_STREAM}.*",
+        # Collecting the answers of requests that could wait: its own durable, filtered.
+        f"CONSUMER.CREATE.{ANSWERS_STREAM}.{site}.{site_answers_filter(edge)}",
+        f"CONSUMER.INFO.{ANSWERS_STREAM}.{site}",
+        f"CONSUMER.MSG.NEXT.{ANSWERS_STREAM}.{site}",
+        *_registry_reader(),
+    )
+    prefixes = ["$JS.API"] + ([f"$JS.{hub_domain}.API"] if hub_domain else [])
     return Permissions(
         pub_allow=(
             f"{PREFIX}.infer.*.{edge}",
             f"{PREFIX}.cancel.{edge}.*",
-            # Answer repairs: a consumer on MESH_TOK whose filter (in the subject) is its own.
-            f"$JS.API.CONSUMER.CREATE.{TOKEN_STREAM}.*.{PREFIX}.tok.{edge}.*",
-            f"$JS.API.CONSUMER.INFO.{INFER_STREAM}.*",
-            *_registry_reader(),
+            *(f"{prefix}.{call}" for prefix in prefixes for call in api),
+            f"$JS.ACK.{ANSWERS_STREAM}.{site}.>",
+            f"$JS.ACK.*.*.{ANSWERS_STREAM}.{site}.>",
+            *_flow_control(),
         ),
         sub_allow=(
             f"{PREFIX}.tok.{edge}.*",
@@ -76,7 +96,7 @@ def client_permissions(edge: str, name: str) -> Permissions:
 
 def worker_permissions(node: str) -> Permissions:
     inbox = inbox_prefix("worker", node)
-    streams = (INFER_STREAM, TOKEN_STREAM, KV_STREAM)
+    streams = (INFER_STREAM, TOKEN_STREAM, KV_STREAM, ANSWERS_STREAM)
     return Permissions(
         pub_allow=(
             TOKEN_WILDCARD,
@@ -89,8 +109,11 @@ def worker_permissions(node: str) -> Permissions:
             f"$JS.API.STREAM.MSG.GET.{INFER_STREAM}",
             f"$JS.API.STREAM.MSG.DELETE.{INFER_STREAM}",
             f"$JS.API.DIRECT.GET.{TOKEN_STREAM}",
+            f"$JS.API.DIRECT.GET.{ANSWERS_STREAM}.>",
+            ANSWER_WILDCARD,
             f"$KV.{NODES_BUCKET}.worker.{node}",
-            *_registry_reader(),
+            *(f"$JS.API.{call}" for call in _registry_reader()),
+            *_flow_control(),
         ),
         sub_allow=(
             CANCEL_WILDCARD,
@@ -108,15 +131,19 @@ OPERATOR = Permissions(pub_allow=(">",), sub_allow=(">",))
 
 
 def _registry_reader() -> tuple[str, ...]:
+    """JetStream API calls (after the ``$JS.API.`` prefix) that read the node registry."""
     return (
-        f"$JS.API.STREAM.INFO.{KV_STREAM}",
-        f"$JS.API.CONSUMER.CREATE.{KV_STREAM}",
-        f"$JS.API.CONSUMER.CREATE.{KV_STREAM}.>",
-        f"$JS.API.CONSUMER.INFO.{KV_STREAM}.*",
-        f"$JS.API.CONSUMER.DELETE.{KV_STREAM}.*",
-        f"$JS.API.DIRECT.GET.{KV_STREAM}.>",
-        f"$JS.FC.{KV_STREAM}.>",
+        f"STREAM.INFO.{KV_STREAM}",
+        f"CONSUMER.CREATE.{KV_STREAM}",
+        f"CONSUMER.CREATE.{KV_STREAM}.>",
+        f"CONSUMER.INFO.{KV_STREAM}.*",
+        f"CONSUMER.DELETE.{KV_STREAM}.*",
+        f"DIRECT.GET.{KV_STREAM}.>",
     )
+
+
+def _flow_control() -> tuple[str, ...]:
+    return (f"$JS.FC.{KV_STREAM}.>",)
 
 
 def _micro(service: str) -> tuple[str, ...]:
@@ -155,6 +182,7 @@ def mint(
     mount: str | None = None,
     hub_leaf_url: str = "nats-leaf://nats-hub:7422",
     leaf_tls_ca: str | None = None,
+    leaf_store_dir: str = "/data/jetstream",
 ) -> Minted:
     """Write ``auth.conf`` (include it in the hub's nats-server config) and a ``.creds`` plus an
     ``.env`` per user into ``out``. Keys already in ``out/keys`` are reused, so running it again
@@ -192,6 +220,7 @@ def mint(
             {
                 "MESH_EDGE_EDGE_ID": edge,
                 "MESH_NATS_SCOPE": edge,
+                "MESH_NATS_HUB_DOMAIN": HUB_DOMAIN,
                 "MESH_NATS_INBOX_PREFIX": inbox_prefix("edge", edge),
                 "MESH_NATS_LEAST_PRIVILEGE": "true",
             },
@@ -213,7 +242,9 @@ def mint(
             else str(users[f"edge-{edge}"].resolve())
         )
         leaf_confs[edge] = out / f"leaf-{edge}.conf"
-        leaf_confs[edge].write_text(_leaf_conf(edge, hub_leaf_url, creds_path, leaf_tls_ca))
+        leaf_confs[edge].write_text(
+            _leaf_conf(edge, hub_leaf_url, creds_path, leaf_tls_ca, leaf_store_dir)
+        )
     for worker in workers:
         user(
             f"worker-{worker}",
@@ -230,13 +261,20 @@ def mint(
     return Minted(out=out, auth_conf=auth, users=users, leaf_confs=leaf_confs)
 
 
-def _leaf_conf(edge: str, hub_url: str, creds_path: str, tls_ca: str | None) -> str:
+def _leaf_conf(edge: str, hub_url: str, creds_path: str, tls_ca: str | None, store: str) -> str:
     tls = f'\n      tls {{ ca_file: "{tls_ca}" }}' if tls_ca else ""
     return f"""# Edge site {edge}: the nats-server its edge daemon and local apps use, written by
 # `mesh creds`. A leaf node of the hub: it dials out (no inbound port at the site), and the hub
 # holds everything crossing the link to edge {edge}'s permissions.
 server_name: leaf-{edge}
 port: 4222
+
+# The site's own JetStream (domain {edge}): requests that can wait are held here while the
+# uplink is down, and their answers are kept here. The hub is domain {HUB_DOMAIN}.
+jetstream {{
+  store_dir: "{store}"
+  domain: {edge}
+}}
 
 leafnodes {{
   reconnect: 1

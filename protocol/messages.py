@@ -123,6 +123,11 @@ class InferRequest(_Wire):
     """Return each token's log probability."""
     top_logprobs: int = Field(default=0, ge=0, le=20)
     """With ``logprobs``: this many most likely alternatives per token."""
+    deferrable: bool = False
+    """The request can wait (until its ``deadline``, which may be hours away) rather than be
+    answered locally when the cloud is out of reach. An edge whose site runs its own JetStream
+    holds it durably while the uplink is down and forwards it when the link returns; its answer
+    is kept at the site, where the client can fetch it again by id."""
     cancel_key: str | None = Field(default=None, min_length=8, max_length=128)
     """A secret of the sender's. When set, a cancel acts on this request only if it carries the
     same key, so only the sender can cancel. The SDK and the edge always set one."""

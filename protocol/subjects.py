@@ -7,6 +7,11 @@
 - ``mesh.v1.edge.<edge_id>.infer``: core NATS request-reply (micro service), an edge's entry;
   ``.cancel`` and ``.resend`` beside it let the sender cancel or fetch missed events
 - ``mesh.v1.worker.<node_id>.status``: a worker's status (micro service ``mesh-worker``)
+- ``mesh.v1.ans.<scope>.<request_id>``: stream ``MESH_ANSWERS`` on the hub, the whole answer
+  (or typed error) of a request that could wait, kept for its site to collect
+- an edge site's own JetStream (its leaf node): stream ``MESH_OUTBOX``
+  (``mesh.v1.outbox.<model>.<scope>``) holds requests that can wait until the uplink carries
+  them to the hub; stream ``MESH_KEPT`` (``mesh.v1.kept.<request_id>``) keeps their answers
 
 The *scope* names who queued a request: an edge's id, or the sender's own name. Request ids are
 unique within a scope. A worker answers on the token subject of the scope the request arrived
@@ -24,6 +29,12 @@ INFER_STREAM = "MESH_INFER"
 INFER_WILDCARD = f"{PREFIX}.infer.*.*"
 CANCEL_WILDCARD = f"{PREFIX}.cancel.*.*"
 TOKEN_WILDCARD = f"{PREFIX}.tok.*.*"
+ANSWERS_STREAM = "MESH_ANSWERS"
+ANSWER_WILDCARD = f"{PREFIX}.ans.*.*"
+OUTBOX_STREAM = "MESH_OUTBOX"
+OUTBOX_WILDCARD = f"{PREFIX}.outbox.*.*"
+KEPT_STREAM = "MESH_KEPT"
+KEPT_WILDCARD = f"{PREFIX}.kept.*"
 DEFAULT_SCOPE = "anon"
 """The scope of a sender that names none (the SDK and CLI on an open server)."""
 NODES_BUCKET = "mesh_nodes"
@@ -96,6 +107,39 @@ def cancel_subject(scope: str, request_id: str) -> str:
     _check_token(scope, "scope")
     _check_token(request_id, "request id")
     return f"{PREFIX}.cancel.{scope}.{request_id}"
+
+
+def answer_subject(scope: str, request_id: str) -> str:
+    _check_token(scope, "scope")
+    _check_token(request_id, "request id")
+    return f"{PREFIX}.ans.{scope}.{request_id}"
+
+
+def outbox_subject(model: str, scope: str) -> str:
+    _check_token(scope, "scope")
+    return f"{PREFIX}.outbox.{model_token(model)}.{scope}"
+
+
+def kept_subject(request_id: str) -> str:
+    _check_token(request_id, "request id")
+    return f"{PREFIX}.kept.{request_id}"
+
+
+def site_answers_filter(scope: str) -> str:
+    _check_token(scope, "scope")
+    return f"{PREFIX}.ans.{scope}.*"
+
+
+def site_consumer(scope: str) -> str:
+    """The hub consumer through which a site collects its answers (filtered to its scope)."""
+    _check_token(scope, "scope")
+    return f"site_{scope}"
+
+
+def edge_answer_subject(edge_id: str) -> str:
+    """Where a client asks an edge for the kept answer of a request that could wait."""
+    _check_token(edge_id, "edge id")
+    return f"{PREFIX}.edge.{edge_id}.answer"
 
 
 def scope_of(subject: str) -> str | None:

@@ -4,8 +4,11 @@ the worker on the hub. Real nats-server processes, no mocks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +24,7 @@ from mesh.client import MeshClient
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
+from mesh.testing.chaos import TcpProxy
 from mesh_app.creds import Minted, mint
 from tests.helpers import eventually
 from tests.test_security import Certs, certs, read_env  # noqa: F401 - certs is a fixture
@@ -42,10 +46,13 @@ class Topology:
     hub: NatsServer
     leaf_port: int
     leaves: dict[str, NatsServer] = field(default_factory=dict)
+    uplinks: dict[str, TcpProxy] = field(default_factory=dict)
+    edges: dict[str, EdgeNode] = field(default_factory=dict)
+    backend: DeterministicBackend | None = None
 
-    def hub_settings(self, user: str) -> MeshSettings:
+    def hub_settings(self, user: str, **extra: str) -> MeshSettings:
         env = read_env(self.minted.out / f"{user}.env")
-        return _settings(env, self.hub.url, MESH_NATS_TLS_CA_FILE=str(self.certs.ca))
+        return _settings(env, self.hub.url, MESH_NATS_TLS_CA_FILE=str(self.certs.ca), **extra)
 
     def site_settings(self, site: str, user: str = "edge") -> MeshSettings:
         """A process at the site: on the leaf, without credentials (the leaf carries them)."""
@@ -53,10 +60,21 @@ class Topology:
         env.pop("MESH_NATS_CREDS_FILE")
         return _settings(env, self.leaves[site].url)
 
-    async def start_leaf(self, site: str) -> NatsServer:
+    async def start_leaf(self, site: str, *, cuttable: bool = False) -> NatsServer:
+        """Start the site's leaf from its minted config; ``cuttable``: through a proxy whose
+        cut stands for the uplink going down."""
         port = free_port()
         conf = self.tmp / f"leaf-{site}.local.conf"
-        text = self.minted.leaf_confs[site].read_text().replace("port: 4222", f"port: {port}")
+        text = (
+            self.minted.leaf_confs[site]
+            .read_text()
+            .replace("port: 4222", f"port: {port}")
+            .replace('store_dir: "/data/jetstream"', f'store_dir: "{self.tmp / site}"')
+        )
+        if cuttable:
+            proxy = await TcpProxy(self.leaf_port).start()
+            self.uplinks[site] = proxy
+            text = text.replace(f"127.0.0.1:{self.leaf_port}", f"127.0.0.1:{proxy.port}")
         conf.write_text(text)
         leaf = await NatsServer(config=str(conf), port=port).start()
         self.leaves[site] = leaf
@@ -99,7 +117,7 @@ async def topology(tmp_path: Path, certs: Certs) -> AsyncIterator[Topology]:  # 
     tls = f'tls {{ cert_file: "{certs.cert}"\n key_file: "{certs.key}"\n timeout: 2 }}'
     hub_conf = tmp_path / "hub.conf"
     hub_conf.write_text(
-        f'port: -1\njetstream {{ store_dir: "{tmp_path / "hub-js"}" }}\n'
+        f'port: -1\njetstream {{ store_dir: "{tmp_path / "hub-js"}", domain: hub }}\n'
         f'include "{minted.auth_conf.name}"\n{tls}\n'
         f"leafnodes {{ port: {leaf_port}\n {tls} }}\n"
     )
@@ -107,25 +125,31 @@ async def topology(tmp_path: Path, certs: Certs) -> AsyncIterator[Topology]:  # 
         topo = Topology(tmp_path, minted, certs, hub, leaf_port)
         try:
             for site in SITES:
-                await topo.start_leaf(site)
+                await topo.start_leaf(site, cuttable=site == "site-a")
             yield topo
         finally:
             for leaf in topo.leaves.values():
                 await leaf.stop()
+            for proxy in topo.uplinks.values():
+                await proxy.stop()
 
 
 @contextlib.asynccontextmanager
 async def running_mesh(topo: Topology) -> AsyncIterator[None]:
-    worker_settings = topo.hub_settings("worker-w1")
+    # A one-slot worker taking 150 ms per answer: answers keep landing for a while.
+    worker_settings = topo.hub_settings("worker-w1", MESH_WORKER_MODEL_PREFILL_DELAY_MS="150")
     async with contextlib.AsyncExitStack() as stack:
         wconn = await stack.enter_async_context(Connection(worker_settings.nats, "w1"))
         backend = DeterministicBackend(worker_settings.worker.model)
+        topo.backend = backend
         await stack.enter_async_context(Worker(worker_settings, wconn, backend))
         for site in topo.leaves:
             settings = topo.site_settings(site)
             econn = await stack.enter_async_context(Connection(settings.nats, f"edge-{site}"))
             local = DeterministicBackend(settings.edge.model)
-            await stack.enter_async_context(EdgeNode(settings, econn, local, HeuristicRouter()))
+            topo.edges[site] = await stack.enter_async_context(
+                EdgeNode(settings, econn, local, HeuristicRouter())
+            )
         yield
 
 
@@ -153,3 +177,90 @@ async def test_edges_on_their_leaf_nodes_escalate_to_the_hub_over_tls(topology: 
         # B's own answer reached B's leaf; nothing of A's ever crossed into it.
         assert any(s.startswith("mesh.v1.tok.site-b.") for s in seen)
         assert not any("site-a" in s for s in seen)
+
+
+def expected(tag: str, n: int) -> str:
+    return "".join(f" {tag}{i}" for i in range(n))
+
+
+async def test_an_offline_site_holds_requests_that_can_wait_and_loses_none(
+    topology: Topology,
+) -> None:
+    site = "site-a"
+    uplink = topology.uplinks[site]
+    async with running_mesh(topology):
+        edge = topology.edges[site]
+        assert edge.site is not None and topology.backend is not None
+        async with MeshClient(settings=topology.site_settings(site, "client")) as client:
+            # Link up: a request that can wait is answered through the cloud, and kept.
+            first = await client.complete(
+                "[tag:w] x", route="cloud", max_tokens=12, deferrable=True, request_id="warm-1"
+            )
+            assert first.path == "cloud" and first.text == expected("w", 12)
+            assert (await client.answer("warm-1")).text == expected("w", 12)
+
+            # The uplink goes down.
+            uplink.cut(3600)
+
+            async def no_live_worker() -> bool:
+                return edge.nodes.serves("smollm2") is False
+
+            await eventually(no_live_worker, timeout=15, what="the edge to see the cloud gone")
+            # Interactive: answered locally at once, saying why.
+            local = await client.complete("[tag:i] x", route="cloud", max_tokens=6)
+            assert local.path == "local" and local.end.fallback, local.end
+            assert "worker" in local.end.fallback
+
+            # Requests that can wait are held at the site, in the order they came.
+            ids = [f"held-{i}" for i in range(10)]
+            waits = []
+            for i, rid in enumerate(ids):
+                waits.append(
+                    asyncio.ensure_future(
+                        client.complete(
+                            f"[tag:h{i}] x",
+                            route="cloud",
+                            max_tokens=20,
+                            deferrable=True,
+                            request_id=rid,
+                            deadline=time.time() + 3600,
+                        )
+                    )
+                )
+                await eventually(
+                    functools.partial(_held, edge, i + 1), timeout=10, what=f"{i + 1} held"
+                )
+            assert edge.site.forwarded == 1  # only the warm-up went out
+            started_before = topology.backend.started
+
+            # The uplink comes back: everything held flows to the hub, in order.
+            uplink.restore()
+            await eventually(lambda: _forwarded(edge, 11), timeout=30, what="held forwarded")
+            assert list(edge.site.forward_order)[1:] == ids
+            # ... and the link drops again at once, while the worker is still answering: those
+            # answers wait on the hub, and the site collects them when the link returns.
+            uplink.cut(2)
+            collected_in_outage = edge.site.collected
+            answers = await asyncio.wait_for(asyncio.gather(*waits), timeout=60)
+            for i, answer in enumerate(answers):
+                assert answer.path == "cloud" and answer.text == expected(f"h{i}", 20)
+            assert collected_in_outage < len(ids)  # the flap did fall mid-way
+            # Asked again by id, each answer comes from the site's own store.
+            for i, rid in enumerate(ids):
+                assert (await client.answer(rid)).text == expected(f"h{i}", 20)
+        generated = topology.backend.started - started_before
+        print(
+            f"\nheld 10, forwarded {edge.site.forwarded - 1}, answered {len(answers)}, "
+            f"generated {generated}, lost 0, duplicated {generated - len(ids)}"
+        )
+        assert generated == len(ids)  # no request was generated twice
+
+
+async def _held(edge: EdgeNode, n: int) -> bool:
+    assert edge.site is not None
+    return await edge.site.held() >= n
+
+
+async def _forwarded(edge: EdgeNode, n: int) -> bool:
+    assert edge.site is not None
+    return edge.site.forwarded >= n

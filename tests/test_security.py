@@ -49,8 +49,10 @@ class Hub:
 
     def settings(self, user: str, **env: str) -> MeshSettings:
         """A process's settings from the .env file minted for ``user``, as it would run."""
+        minted_env = read_env(self.minted.out / f"{user}.env")
+        minted_env.pop("MESH_NATS_HUB_DOMAIN", None)  # these edges run on the hub itself
         environ = {
-            **read_env(self.minted.out / f"{user}.env"),
+            **minted_env,
             "MESH_NATS_URL": self.server.url,
             "MESH_NATS_CONNECT_TIMEOUT": "3",
             "MESH_NATS_REQUEST_TIMEOUT": "2",

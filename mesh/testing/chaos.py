@@ -107,6 +107,10 @@ class TcpProxy:
         self._cut_until = time.monotonic() + seconds
         self._drop()
 
+    def restore(self) -> None:
+        """End a cut now: new connections go through again."""
+        self._cut_until = 0.0
+
     def _drop(self) -> None:
         for writer in list(self._writers):
             with contextlib.suppress(Exception):

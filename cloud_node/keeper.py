@@ -1,0 +1,74 @@
+"""Keeping the whole answer of a request that could wait, where its edge site collects it.
+
+Before it acks a ``deferrable`` request, the worker stores its outcome (the verified text, or
+the typed error) on ``mesh.v1.ans.<scope>.<id>`` in the hub's stream ``MESH_ANSWERS``, under a
+message id, so a retried keep is stored once. A request forwarded again after its answer was
+kept (a site's forward retried past the queue's dedupe window) is acked without generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+from nats.js.errors import APIError, NotFoundError
+
+from cloud_node.publisher import AnswerPublisher
+from mesh import kept
+from mesh.answer_store import AnswerStore
+from mesh.connection import Connection
+from protocol.errors import MeshError
+from protocol.messages import Answer, ErrorEvent
+from protocol.subjects import ANSWERS_STREAM, answer_subject
+
+
+class Keeper:
+    def __init__(self, conn: Connection, store: AnswerStore, timeout: float) -> None:
+        self.conn = conn
+        self.store = store
+        self.timeout = timeout
+
+    async def exists(self, scope: str, request_id: str) -> bool:
+        """True when the request's answer is kept already (False when that cannot be told:
+        answering again is safe, the site keeps one answer per id)."""
+        try:
+            await self.conn.jsm().get_msg(
+                ANSWERS_STREAM, subject=answer_subject(scope, request_id), direct=True
+            )
+        except NotFoundError:
+            return False
+        except (asyncio.TimeoutError, nats.errors.Error, APIError):
+            return False
+        return True
+
+    async def keep(
+        self,
+        scope: str,
+        request_id: str,
+        publisher: AnswerPublisher | None,
+        outcome: Answer | ErrorEvent | None = None,
+    ) -> None:
+        """Store ``outcome``, or the outcome of what ``publisher``'s answer store holds (every
+        attempt's events, so a continued answer is kept whole). Raises a retryable
+        :class:`MeshError` when it cannot: the request is then not acked."""
+        if outcome is None and publisher is not None:
+            events = (
+                await self.store.replay(publisher.subject)
+                if self.store.enabled
+                else publisher.sent()
+            )
+            outcome = kept.whole_answer(events, request_id)
+        if outcome is None:
+            raise MeshError("the answer's stored events hold no outcome", retryable=True)
+        try:
+            await self.conn.js.publish(
+                answer_subject(scope, request_id),
+                kept.encode_outcome(outcome),
+                stream=ANSWERS_STREAM,
+                headers={kept.MSG_ID_HEADER: f"{scope}.{request_id}"},
+                timeout=self.timeout,
+            )
+        except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
+            raise MeshError(
+                f"cannot keep the answer: {type(exc).__name__}", retryable=True
+            ) from None

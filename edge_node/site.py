@@ -1,0 +1,316 @@
+"""An edge site's own JetStream: requests that can wait survive an uplink that comes and goes.
+
+The edge daemon talks only to its site's leaf-node nats-server, which runs JetStream of its own
+(domain = the site). For a ``deferrable`` request routed to the cloud:
+
+1. ``hold``: the request goes into the site's stream ``MESH_OUTBOX`` (file, message id = the
+   request id); once that write is acked the request survives the daemon, the leaf and the link.
+2. The *forwarder* takes the outbox one request at a time, in order, and publishes each to the
+   hub's work queue through the leaf link (message id ``<scope>.<id>``: the hub drops a repeat).
+   Only after the hub's ack does it ack the outbox copy; while the uplink is down it keeps the
+   request and tries again.
+3. The worker keeps the whole answer in the hub's ``MESH_ANSWERS`` before it acks the request.
+4. The *collector* reads the site's answers through a durable hub consumer filtered to its own
+   scope, writes each into the site's ``MESH_KEPT`` (message id = the request id), and only then
+   acks it on the hub. A flap at any point means a retry, never a loss or a second copy.
+5. The client's request waits for its answer in ``MESH_KEPT`` until its deadline; past that (or
+   after a disconnect) it asks again by id (``mesh.v1.edge.<edge>.answer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
+
+from mesh import kept
+from mesh.logs import get_logger
+from mesh.queue import MSG_ID_HEADER
+from mesh.tasks import TaskSet
+from protocol.codec import CONTENT_TYPE, WireFormat, decode_event, dump, to_exception
+from protocol.errors import MeshError, UnavailableError
+from protocol.messages import Answer, ErrorEvent, InferRequest, RouteDecision, WireEvent
+from protocol.stream import AnswerWriter
+from protocol.subjects import (
+    ANSWERS_STREAM,
+    KEPT_STREAM,
+    OUTBOX_STREAM,
+    infer_subject,
+    kept_subject,
+    outbox_subject,
+    site_answers_filter,
+    site_consumer,
+)
+
+if TYPE_CHECKING:
+    from edge_node.node import EdgeNode
+    from edge_node.records import Record
+
+log = get_logger(__name__)
+FORWARDER = "forwarder"
+RETRY_S = 1.0
+"""Pause between tries while the uplink is down."""
+OUTBOX_ACK_WAIT_S = 30.0
+
+
+class SiteStore:
+    def __init__(self, edge: EdgeNode) -> None:
+        self.edge = edge
+        self.conn = edge.conn
+        self.scope = edge.scope
+        self.settings = edge.settings
+        self._tasks = TaskSet("edge-site")
+        self._pulls: list[Any] = []
+        self.forwarded = 0
+        self.collected = 0
+        self.forward_order: deque[str] = deque(maxlen=1000)
+        """Ids of the latest forwarded requests, in the order they reached the hub."""
+        self.uplink = False
+        """Whether the last forward or collect reached the hub."""
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        jsm = self.conn.site_jsm()
+        await kept.ensure(jsm, kept.outbox_config(self.settings.stream))
+        await kept.ensure(jsm, kept.kept_config(self.settings.stream))
+        try:
+            await jsm.add_consumer(
+                OUTBOX_STREAM,
+                api.ConsumerConfig(
+                    durable_name=FORWARDER,
+                    ack_policy=api.AckPolicy.EXPLICIT,
+                    ack_wait=OUTBOX_ACK_WAIT_S,
+                    max_ack_pending=1,  # one at a time: forwarded in the order held
+                    max_deliver=-1,
+                ),
+            )
+        except (APIError, asyncio.TimeoutError) as exc:
+            raise UnavailableError(f"the site cannot hold requests: {exc!r}") from None
+        self._tasks.supervise(self._forward_loop, name="site-forward")
+        self._tasks.supervise(self._collect_loop, name="site-collect")
+
+    async def stop(self) -> None:
+        await self._tasks.close()
+        for psub in self._pulls:  # else the connection's drain waits on them
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await psub.unsubscribe()
+        self._pulls.clear()
+
+    async def held(self) -> int:
+        """Requests waiting in the outbox for the uplink."""
+        info = await self.conn.site_jsm().stream_info(OUTBOX_STREAM)
+        return int(info.state.messages)
+
+    # -- a request ---------------------------------------------------------------------------
+    async def relay(self, req: InferRequest, decision: RouteDecision, record: Record) -> None:
+        """Hold ``req``, then pass its kept answer on when it comes (or a typed error saying it
+        is still held when the client's wait ends first)."""
+        es = self.settings.edge
+        model = req.model or es.cloud_model
+        queued = req.model_copy(
+            update={
+                "model": model,
+                "origin": self.edge.edge_id,
+                "routing": decision,
+                "reply": None,
+                "stream": True,
+                "cancel_key": None,
+                "start_by": None,
+            }
+        )
+        wait_until = req.deadline if req.deadline is not None else time.time() + es.request_timeout
+        sub = await self.conn.nc.subscribe(kept_subject(req.id))
+        try:
+            outcome = await self.kept(req.id)
+            if outcome is None:
+                await self.hold(queued, model)
+                outcome = await self._wait(sub, wait_until)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        if outcome is None:
+            raise UnavailableError(
+                "held at the edge site until the cloud answers (the uplink may be down); ask "
+                "again later by id",
+                request_id=req.id,
+                retry_after=30.0,
+            )
+        await emit_outcome(record, outcome)
+
+    async def hold(self, req: InferRequest, model: str) -> None:
+        try:
+            ack = await self.conn.site_js().publish(
+                outbox_subject(model, self.scope),
+                dump(req, WireFormat.MSGPACK),
+                stream=OUTBOX_STREAM,
+                headers={MSG_ID_HEADER: req.id, CONTENT_TYPE: WireFormat.MSGPACK.content_type},
+            )
+        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError(
+                f"the site could not hold the request: {type(exc).__name__}", request_id=req.id
+            ) from None
+        log.info("request held at the site", request_id=req.id, duplicate=ack.duplicate)
+
+    async def kept(self, request_id: str) -> Answer | ErrorEvent | None:
+        """The kept answer of ``request_id`` at this site, if it came."""
+        try:
+            msg = await self.conn.site_jsm().get_msg(
+                KEPT_STREAM, subject=kept_subject(request_id), direct=True
+            )
+        except NotFoundError:
+            return None
+        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError(f"the site's answers cannot be read: {exc!r}") from None
+        return _outcome(msg.data or b"")
+
+    async def _wait(self, sub: object, until: float) -> Answer | ErrorEvent | None:
+        while (left := until - time.time()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=min(left, 5.0))  # type: ignore[attr-defined]
+            except nats.errors.TimeoutError:
+                continue
+            return _outcome(msg.data)
+        return None
+
+    # -- forwarder -----------------------------------------------------------------------------
+    async def _forward_loop(self) -> None:
+        psub = await self.conn.site_js().pull_subscribe_bind(FORWARDER, stream=OUTBOX_STREAM)
+        self._pulls.append(psub)
+        while True:
+            try:
+                msgs = await psub.fetch(1, timeout=5.0)
+            except nats.errors.TimeoutError:
+                continue
+            for msg in msgs:
+                await self._forward(msg)
+
+    async def _forward(self, msg: Msg) -> None:
+        """Publish one held request to the hub's queue, retrying until the hub acks it; then
+        let the outbox copy go."""
+        _, _, model, scope = _outbox_parts(msg.subject)
+        headers = {**(msg.headers or {}), MSG_ID_HEADER: f"{scope}.{_held_id(msg)}"}
+        last_progress = time.monotonic()
+        while True:
+            try:
+                await self.conn.js.publish(
+                    infer_subject(model, scope),
+                    msg.data,
+                    stream=self.settings.stream.name,
+                    headers=headers,
+                    timeout=self.conn.settings.request_timeout,
+                )
+                break
+            except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+                self.uplink = False
+                log.debug("forward failed; holding on", error=repr(exc))
+            await asyncio.sleep(RETRY_S)
+            if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.in_progress()
+                last_progress = time.monotonic()
+        self.uplink = True
+        self.forwarded += 1
+        self.forward_order.append(_held_id(msg))
+        with contextlib.suppress(nats.errors.Error):
+            await msg.ack_sync(timeout=self.conn.settings.request_timeout)
+        log.info("held request forwarded", request_id=_held_id(msg))
+
+    # -- collector -----------------------------------------------------------------------------
+    async def _collect_loop(self) -> None:
+        consumer = site_consumer(self.scope)
+        psub = None
+        while psub is None:
+            try:
+                await self.conn.jsm().add_consumer(
+                    ANSWERS_STREAM,
+                    api.ConsumerConfig(
+                        name=consumer,
+                        durable_name=consumer,
+                        filter_subject=site_answers_filter(self.scope),
+                        ack_policy=api.AckPolicy.EXPLICIT,
+                        ack_wait=OUTBOX_ACK_WAIT_S,
+                        max_deliver=-1,
+                    ),
+                )
+                psub = await self.conn.js.pull_subscribe_bind(consumer, stream=ANSWERS_STREAM)
+                self._pulls.append(psub)
+            except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
+                log.debug("answers not collectable yet", error=repr(exc))
+                await asyncio.sleep(RETRY_S)
+        while True:
+            try:
+                msgs = await psub.fetch(16, timeout=5.0)
+            except nats.errors.TimeoutError:
+                continue
+            except nats.errors.Error as exc:  # the uplink is down: no responders
+                log.debug("collect failed", error=repr(exc))
+                await asyncio.sleep(RETRY_S)
+                continue
+            self.uplink = True
+            for msg in msgs:
+                await self._collect(msg)
+
+    async def _collect(self, msg: Msg) -> None:
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        try:
+            await self.conn.site_js().publish(
+                kept_subject(request_id),
+                msg.data,
+                stream=KEPT_STREAM,
+                headers={MSG_ID_HEADER: request_id},
+            )
+        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            log.warning("answer not kept at the site; the hub redelivers it", error=repr(exc))
+            return
+        self.collected += 1
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await msg.ack()
+        log.info("answer collected", request_id=request_id)
+
+
+def _outbox_parts(subject: str) -> tuple[str, str, str, str]:
+    """(``mesh``, ``v1``, model, scope) of ``mesh.v1.outbox.<model>.<scope>``."""
+    parts = subject.split(".")
+    return parts[0], parts[1], parts[3], parts[4]
+
+
+def _held_id(msg: Msg) -> str:
+    return (msg.headers or {}).get(MSG_ID_HEADER, "")
+
+
+def _outcome(data: bytes) -> Answer | ErrorEvent | None:
+    try:
+        event = decode_event(data)
+    except MeshError:
+        return None
+    return event if isinstance(event, (Answer, ErrorEvent)) else None
+
+
+async def emit_outcome(record: Record, outcome: Answer | ErrorEvent) -> None:
+    """Pass a kept answer on as one attempt: start, the whole text at one position, end."""
+    if isinstance(outcome, ErrorEvent):
+        await record.fail(to_exception(outcome))
+        return
+    writer = AnswerWriter(outcome.id, attempt=record.state.attempt + 1, node=outcome.served_by)
+    events: list[WireEvent] = [writer.start()]
+    if outcome.text:
+        events.append(writer.token(outcome.text, n=outcome.usage.completion_tokens or 1))
+    events.append(
+        writer.end(
+            finish_reason=outcome.finish_reason,
+            usage=outcome.usage,
+            timings=outcome.timings,
+            served_by=outcome.served_by,
+            path=outcome.path,
+            routing=outcome.routing,
+            fallback=outcome.fallback,
+        )
+    )
+    await record.emit(events)

@@ -1,0 +1,116 @@
+"""Requests that can wait: their streams, and their answers kept whole.
+
+A request marked ``deferrable`` may outlive any connection: an edge site holds it in its own
+stream ``MESH_OUTBOX`` while the uplink is down, and forwards it in order when the link returns.
+The worker that answers it stores the whole answer (or its typed error) in the hub's stream
+``MESH_ANSWERS`` before it acks the request; the site collects it through a durable consumer
+filtered to its own scope into its stream ``MESH_KEPT``, where a client can fetch it by id.
+Every hop is a JetStream write acknowledged before the previous copy is let go, and every write
+carries a message id, so a link that flaps at any moment loses nothing and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
+from nats.js.manager import JetStreamManager
+
+from mesh.config import StreamSettings
+from mesh.logs import get_logger
+from protocol.codec import WireFormat, dump
+from protocol.errors import MeshTimeoutError, UnavailableError
+from protocol.messages import Answer, EndEvent, ErrorEvent, WireEvent
+from protocol.stream import AnswerState
+from protocol.subjects import (
+    ANSWER_WILDCARD,
+    ANSWERS_STREAM,
+    KEPT_STREAM,
+    KEPT_WILDCARD,
+    OUTBOX_STREAM,
+    OUTBOX_WILDCARD,
+)
+
+log = get_logger(__name__)
+MSG_ID_HEADER = "Nats-Msg-Id"
+DEDUPE_WINDOW_S = 3600.0
+"""How long a message id is remembered by these streams (a forward retried after a flap)."""
+
+
+def answers_config(settings: StreamSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=ANSWERS_STREAM,
+        description="mesh: whole answers of requests that could wait, until their site collects",
+        subjects=[ANSWER_WILDCARD],
+        storage=api.StorageType.FILE,
+        max_age=settings.kept_max_age,
+        max_msgs_per_subject=1,
+        duplicate_window=DEDUPE_WINDOW_S,
+        allow_direct=True,
+    )
+
+
+def outbox_config(settings: StreamSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=OUTBOX_STREAM,
+        description="mesh site: requests that can wait, held until the uplink carries them",
+        subjects=[OUTBOX_WILDCARD],
+        storage=api.StorageType.FILE,
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        max_age=settings.outbox_max_age,
+        duplicate_window=DEDUPE_WINDOW_S,
+        discard=api.DiscardPolicy.NEW,
+        max_msgs=settings.max_msgs,
+    )
+
+
+def kept_config(settings: StreamSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=KEPT_STREAM,
+        description="mesh site: answers of this site's requests that could wait",
+        subjects=[KEPT_WILDCARD],
+        storage=api.StorageType.FILE,
+        max_age=settings.kept_max_age,
+        max_msgs_per_subject=1,
+        duplicate_window=DEDUPE_WINDOW_S,
+        allow_direct=True,
+    )
+
+
+async def ensure(jsm: JetStreamManager, config: api.StreamConfig) -> None:
+    """Create the stream, or bring an existing one to ``config`` (idempotent)."""
+    try:
+        try:
+            await jsm.stream_info(config.name or "")
+        except NotFoundError:
+            log.info("creating stream", stream=config.name)
+            await jsm.add_stream(config)
+            return
+        await jsm.update_stream(config)
+    except asyncio.TimeoutError:
+        raise MeshTimeoutError(
+            f"JetStream did not answer while provisioning {config.name}"
+        ) from None
+    except APIError as exc:
+        raise UnavailableError(
+            f"JetStream refused stream {config.name}: {exc.description}"
+        ) from None
+
+
+def whole_answer(events: list[WireEvent], request_id: str) -> Answer | ErrorEvent | None:
+    """The outcome of ``events`` (an answer's stored events, in order) as one message: the whole
+    verified text, or the typed error. None when the events hold no outcome yet."""
+    state = AnswerState(request_id)
+    state.feed_all(events)
+    outcome = state.outcome
+    if isinstance(outcome, ErrorEvent):
+        return outcome
+    if isinstance(outcome, EndEvent) and state.done:
+        fields = outcome.model_dump(exclude={"t", "seq", "attempt", "digest"})
+        return Answer(**fields, text=state.text(), digest=outcome.digest)
+    return None
+
+
+def encode_outcome(outcome: Answer | ErrorEvent) -> bytes:
+    return dump(outcome, WireFormat.MSGPACK)
