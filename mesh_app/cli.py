@@ -195,6 +195,12 @@ def _parser() -> argparse.ArgumentParser:
     creds.add_argument("--worker", action="append", default=[], help="a worker id (repeatable)")
     creds.add_argument("--expires-in", help="user credentials expire after this (90s, 12h, 30d)")
     creds.add_argument("--mount", help="where processes will see --out (a container volume)")
+    creds.add_argument(
+        "--hub-leaf-url",
+        default="nats-leaf://nats-hub:7422",
+        help="the hub's leafnode URL, which edge sites dial",
+    )
+    creds.add_argument("--leaf-tls-ca", help="CA file edge sites verify the hub's TLS with")
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
 
@@ -283,6 +289,8 @@ def _creds(args: argparse.Namespace) -> int:
             workers=args.worker,
             expires_in=expires,
             mount=args.mount,
+            hub_leaf_url=args.hub_leaf_url,
+            leaf_tls_ca=args.leaf_tls_ca,
         )
     except ValueError as exc:
         print(f"mesh: error: {exc}", file=sys.stderr)

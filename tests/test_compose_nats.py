@@ -1,27 +1,36 @@
-"""The deployment's NATS configuration (compose/nats/*.conf), run for real: a JetStream hub and an
-edge site's leaf node. A worker on the hub serves an edge on the leaf through the leaf link."""
+"""The compose deployment, checked two ways:
+
+- the compose file itself, validated by a real compose implementation (Debian's docker-compose)
+  against credentials that `mesh creds` wrote, with each profile;
+- the same topology as real processes without containers: the hub from compose/nats/hub.conf,
+  the edge site's leaf from the config `mesh creds` wrote, `mesh worker` and `mesh edge` started
+  with the .env files and the environment the compose file gives them.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cloud_node.worker import Worker
-from edge_node.node import EdgeNode
-from edge_node.router import HeuristicRouter
-from mesh.backends.llama_cpp import LlamaCppBackend
 from mesh.client import MeshClient
+from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from tests.conftest import make_settings
+from mesh.testing.chaos import MeshProcess, wait_for_edge, wait_for_worker
+from mesh_app.creds import mint
 from tests.helpers import eventually
+from tests.test_security import read_env
 
 COMPOSE = Path(__file__).resolve().parent.parent / "compose"
+SERVICES = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["services"]
+CREDS = ["--edge", "site1", "--worker", "gpu-1", "--worker", "cpu-1"]
 
 
 def _free_port() -> int:
@@ -32,22 +41,78 @@ def _free_port() -> int:
 
 def _localize(conf: str, replacements: dict[str, str]) -> str:
     for old, new in replacements.items():
-        assert old in conf, f"compose config no longer contains {old!r}"
+        assert old in conf, f"config no longer contains {old!r}"
         conf = conf.replace(old, new)
     return conf
 
 
+def test_compose_file_is_valid_for_each_profile(tmp_path: Path) -> None:
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.skip("docker-compose is not installed (scripts/test.sh installs Debian's)")
+    from mesh_app.cli import main
+
+    copy = tmp_path / "compose"
+    shutil.copytree(COMPOSE, copy, ignore=shutil.ignore_patterns("creds"))
+    assert main(["creds", "--out", str(copy / "creds"), "--mount", "/etc/mesh/creds", *CREDS]) == 0
+    for profile in ("gpu", "cpu", "tools"):
+        result = subprocess.run(
+            [tool, "-f", str(copy / "docker-compose.yml"), "--profile", profile, "config"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        services = yaml.safe_load(result.stdout)["services"]
+        assert {"nats-hub", "edge-nats", "edge"} <= set(services)
+        assert {"gpu": "vllm", "cpu": "worker-cpu", "tools": "client"}[profile] in services
+        # The .env files reach the services, with the paths the containers see.
+        edge_env = services["edge"]["environment"]
+        assert edge_env["MESH_NATS_CREDS_FILE"] == "/etc/mesh/creds/edge-site1.creds"
+        assert edge_env["MESH_NATS_HUB_DOMAIN"] == "hub"
+
+
+def test_compose_environment_names_real_settings() -> None:
+    from mesh.config import describe_settings
+
+    known = {env for env, _d, _doc in describe_settings()}
+    for name, service in SERVICES.items():
+        for var in service.get("environment", {}):
+            if var.startswith("MESH_"):  # other images (Grafana...) have settings of their own
+                assert var in known, f"{name}: {var} is not a mesh setting"
+    assert (
+        SERVICES["edge"]["environment"]["MESH_EDGE_CLOUD_MODEL"]
+        == (SERVICES["worker-cpu"]["environment"]["MESH_WORKER_MODEL_NAME"])
+    )
+    assert SERVICES["worker"]["environment"]["MESH_WORKER_MODEL_BASE_URL"] == "http://vllm:8000/v1"
+
+
+def _env(service: str, creds: Path, **overrides: str) -> dict[str, str]:
+    """What the compose file gives ``service``: its env_file, then its environment."""
+    env_file = SERVICES[service]["env_file"].replace("./creds", str(creds))
+    return {**read_env(Path(env_file)), **SERVICES[service]["environment"], **overrides}
+
+
 @pytest.fixture
-async def hub_and_leaf(tmp_path: Path) -> AsyncIterator[tuple[NatsServer, NatsServer]]:
-    client_port, leaf_port, leaf_client_port = _free_port(), _free_port(), _free_port()
+async def deployed(tmp_path: Path) -> AsyncIterator[tuple[NatsServer, NatsServer, Path]]:
+    creds = tmp_path / "creds"
+    leaf_port = _free_port()
+    mint(
+        creds,
+        edges=["site1"],
+        workers=["gpu-1", "cpu-1"],
+        hub_leaf_url=f"nats-leaf://127.0.0.1:{leaf_port}",
+    )
+    hub_port, site_port = _free_port(), _free_port()
     hub_conf = tmp_path / "hub.conf"
     hub_conf.write_text(
         _localize(
             (COMPOSE / "nats/hub.conf").read_text(),
             {
-                "port: 4222": f"port: {client_port}",
+                "port: 4222": f"port: {hub_port}",
                 "http_port: 8222": "http_port: -1",
-                "store_dir: /data/jetstream": f"store_dir: {tmp_path / 'js'}",
+                "store_dir: /data/jetstream": f"store_dir: {tmp_path / 'hub'}",
                 "port: 7422": f"port: {leaf_port}",
             },
         )
@@ -55,69 +120,64 @@ async def hub_and_leaf(tmp_path: Path) -> AsyncIterator[tuple[NatsServer, NatsSe
     leaf_conf = tmp_path / "leaf.conf"
     leaf_conf.write_text(
         _localize(
-            (COMPOSE / "nats/leaf.conf").read_text(),
+            (creds / "leaf-site1.conf").read_text(),
             {
-                "port: 4222": f"port: {leaf_client_port}",
-                "nats-leaf://nats-hub:7422": f"nats-leaf://127.0.0.1:{leaf_port}",
+                "port: 4222": f"port: {site_port}",
+                'store_dir: "/data/jetstream"': f'store_dir: "{tmp_path / "site"}"',
             },
         )
     )
-    hub = await NatsServer(config=str(hub_conf), port=client_port).start()
-    leaf = await NatsServer(config=str(leaf_conf), port=leaf_client_port).start()
+    hub = await NatsServer(config=str(hub_conf), port=hub_port).start()
+    leaf = await NatsServer(config=str(leaf_conf), port=site_port).start()
     try:
         assert leaf.log_path is not None
+        log_path = leaf.log_path
 
         async def linked() -> bool:
-            return "Leafnode connection created" in leaf.log_path.read_text()  # type: ignore[union-attr]
+            return "Leafnode connection created" in log_path.read_text()
 
         await eventually(linked, timeout=10, what="leaf node to connect to the hub")
-        yield hub, leaf
+        yield hub, leaf, creds
     finally:
         await leaf.stop()
         await hub.stop()
 
 
-async def test_edge_on_a_leaf_escalates_to_a_worker_on_the_hub(
-    hub_and_leaf: tuple[NatsServer, NatsServer],
-    worker_backend: LlamaCppBackend,
-    edge_backend: LlamaCppBackend,
+async def test_the_compose_topology_runs_as_processes(
+    deployed: tuple[NatsServer, NatsServer, Path], tmp_path: Path
 ) -> None:
-    hub, leaf = hub_and_leaf
-    hub_settings = make_settings(hub.url)
-    leaf_settings = make_settings(leaf.url)
-    leaf_settings.edge.edge_id = "site1"
-    async with (
-        Connection(hub_settings.nats, "hub") as hub_conn,
-        Connection(leaf_settings.nats, "leaf") as leaf_conn,
-        Worker(hub_settings, hub_conn, worker_backend) as worker,
-        EdgeNode(leaf_settings, leaf_conn, edge_backend, HeuristicRouter()),
-        MeshClient(settings=leaf_settings) as client,
-    ):
-        await asyncio.sleep(0.2)  # let subscription interest propagate over the leaf link
-        cloud = await client.complete("Say hi.", route="cloud", max_tokens=8, temperature=0)
-        local = await client.complete("Say hi.", max_tokens=8, temperature=0)
-    assert cloud.path == "cloud" and cloud.end.served_by == f"cloud:{worker.node_id}"
-    assert cloud.end.fallback is None and cloud.text.strip()
-    assert local.path == "local" and local.end.served_by == "edge:site1"
-
-
-def test_compose_file_wires_the_services() -> None:
-    compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
-    services = compose["services"]
-    assert {"nats-hub", "vllm", "worker", "edge-nats", "edge"} <= set(services)
-    worker_env = services["worker"]["environment"]
-    assert worker_env["MESH_NATS_URL"] == "nats://nats-hub:4222"
-    assert worker_env["MESH_WORKER_MODEL_BASE_URL"] == "http://vllm:8000/v1"
-    assert services["edge"]["environment"]["MESH_NATS_URL"] == "nats://edge-nats:4222"
-    assert (
-        services["edge"]["environment"]["MESH_EDGE_CLOUD_MODEL"]
-        == worker_env["MESH_WORKER_MODEL_NAME"]
+    hub, leaf, creds = deployed
+    worker = MeshProcess(
+        "worker",
+        "cpu-1",
+        _env("worker-cpu", creds, MESH_NATS_URL=hub.url, MESH_WORKER_METRICS_PORT="-1"),
+        tmp_path / "worker.log",
     )
-    # Every MESH_* variable the compose file sets is a real setting.
-    from mesh.config import describe_settings
-
-    known = {env for env, _d, _doc in describe_settings()}
-    for service in services.values():
-        for name in service.get("environment", {}):
-            if name.startswith("MESH_"):  # other images (Grafana...) have settings of their own
-                assert name in known, f"{name} is not a mesh setting"
+    edge = MeshProcess(
+        "edge",
+        "site1",
+        _env("edge", creds, MESH_NATS_URL=leaf.url, MESH_EDGE_HTTP_PORT="-1"),
+        tmp_path / "edge.log",
+    )
+    client_settings = load_settings(environ=_env("client", creds, MESH_NATS_URL=leaf.url))
+    operator = load_settings(environ={**read_env(creds / "operator.env"), "MESH_NATS_URL": hub.url})
+    try:
+        await worker.start()
+        await edge.start()
+        async with Connection(operator.nats, "operator") as op:
+            await wait_for_worker(op, "cpu-1", timeout=60)
+        async with Connection(client_settings.nats, "probe") as probe:
+            await wait_for_edge(probe, "site1", timeout=60)
+        async with MeshClient(settings=client_settings) as client:
+            await asyncio.sleep(0.5)  # the edge's registry view sees the worker's heartbeat
+            cloud = await client.complete("Say hi.", route="cloud", max_tokens=8, temperature=0)
+            local = await client.complete("Say hi.", route="local", max_tokens=8, temperature=0)
+            held = await client.complete(
+                "Say hi.", route="cloud", max_tokens=8, temperature=0, deferrable=True
+            )
+    finally:
+        await edge.stop()
+        await worker.stop()
+    assert cloud.path == "cloud" and cloud.end.served_by == "cloud:cpu-1" and cloud.text.strip()
+    assert local.path == "local" and local.end.served_by == "edge:site1"
+    assert held.path == "cloud" and held.text == cloud.text  # greedy: the same answer

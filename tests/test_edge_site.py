@@ -55,9 +55,10 @@ class Topology:
         return _settings(env, self.hub.url, MESH_NATS_TLS_CA_FILE=str(self.certs.ca), **extra)
 
     def site_settings(self, site: str, user: str = "edge") -> MeshSettings:
-        """A process at the site: on the leaf, without credentials (the leaf carries them)."""
+        """A process at the site, on the leaf, with its minted .env (the leaf carries the hub
+        credentials; it has no auth of its own)."""
         env = read_env(self.minted.out / f"{user}-{site}.env")
-        env.pop("MESH_NATS_CREDS_FILE")
+        # The minted .env as it is: a leaf without auth of its own ignores the credentials.
         return _settings(env, self.leaves[site].url)
 
     async def start_leaf(self, site: str, *, cuttable: bool = False) -> NatsServer:
