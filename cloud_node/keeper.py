@@ -18,7 +18,8 @@ from mesh import kept
 from mesh.answer_store import AnswerStore
 from mesh.connection import Connection
 from protocol.errors import MeshError
-from protocol.messages import Answer, ErrorEvent
+from protocol.messages import Answer, ErrorEvent, InferRequest
+from protocol.stream import request_fingerprint
 from protocol.subjects import ANSWERS_STREAM, answer_subject
 
 
@@ -44,13 +45,15 @@ class Keeper:
     async def keep(
         self,
         scope: str,
-        request_id: str,
+        request: InferRequest,
         publisher: AnswerPublisher | None,
         outcome: Answer | ErrorEvent | None = None,
     ) -> None:
         """Store ``outcome``, or the outcome of what ``publisher``'s answer store holds (every
-        attempt's events, so a continued answer is kept whole). Raises a retryable
-        :class:`MeshError` when it cannot: the request is then not acked."""
+        attempt's events, so a continued answer is kept whole), with the request's fingerprint
+        (header ``Mesh-Req``), so the site never hands it to another request under the same id.
+        Raises a retryable :class:`MeshError` when it cannot: the request is then not acked."""
+        request_id = request.id
         if outcome is None and publisher is not None:
             events = (
                 await self.store.replay(publisher.subject)
@@ -65,7 +68,10 @@ class Keeper:
                 answer_subject(scope, request_id),
                 kept.encode_outcome(outcome),
                 stream=ANSWERS_STREAM,
-                headers={kept.MSG_ID_HEADER: f"{scope}.{request_id}"},
+                headers={
+                    kept.MSG_ID_HEADER: f"{scope}.{request_id}",
+                    kept.FINGERPRINT_HEADER: request_fingerprint(request),
+                },
                 timeout=self.timeout,
             )
         except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:

@@ -360,7 +360,7 @@ class Worker(Lifecycle):
             await self._reject(msg, err, attempt)
             if request is not None and request.deferrable and scope is not None:
                 with contextlib.suppress(MeshError):
-                    await self.keeper.keep(scope, request.id, None, error_event(err, request.id))
+                    await self.keeper.keep(scope, request, None, error_event(err, request.id))
             return
         task = asyncio.current_task()
         assert task is not None
@@ -475,7 +475,7 @@ class Worker(Lifecycle):
             )
             stored = await publisher.finish(end)
             if request.deferrable:
-                await self.keeper.keep(scope, request.id, publisher)
+                await self.keeper.keep(scope, request, publisher)
             await self._ack(msg)
             self._count("completed")
             self._observe(gen, timings)
@@ -507,7 +507,7 @@ class Worker(Lifecycle):
                 await msg.nak()
             raise
         except MeshError as err:
-            await self._failed(msg, publisher, writer, err, attempt, deferrable=request.deferrable)
+            await self._failed(msg, publisher, writer, err, attempt, request=request)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
             await self._failed(
@@ -516,7 +516,7 @@ class Worker(Lifecycle):
                 writer,
                 MeshError(f"worker failure: {type(exc).__name__}", retryable=True),
                 attempt,
-                deferrable=request.deferrable,
+                request=request,
             )
         finally:
             keepalive.cancel()
@@ -575,7 +575,7 @@ class Worker(Lifecycle):
         log.info("outcome already stored; acking without generating")
         if request.deferrable:
             with contextlib.suppress(MeshError):  # else the next delivery keeps it
-                await self.keeper.keep(scope, request.id, publisher)
+                await self.keeper.keep(scope, request, publisher)
                 await self._ack(msg)
             return
         await self._ack(msg)
@@ -645,7 +645,7 @@ class Worker(Lifecycle):
         err: MeshError,
         attempt: int,
         *,
-        deferrable: bool = False,
+        request: InferRequest | None = None,
     ) -> None:
         self._count("failed", err.code.value)
         if err.retryable and attempt < self._stream.max_deliver:
@@ -665,10 +665,10 @@ class Worker(Lifecycle):
         log.warning("generation failed", code=err.code.value, error=err.message)
         with contextlib.suppress(MeshError):
             await publisher.finish(writer.error(err))
-        if deferrable:
-            scope, request_id = address_of(publisher.subject)
+        if request is not None and request.deferrable:
+            scope, _ = address_of(publisher.subject)
             with contextlib.suppress(MeshError):
-                await self.keeper.keep(scope, request_id, None, error_event(err, request_id))
+                await self.keeper.keep(scope, request, None, error_event(err, request.id))
         with contextlib.suppress(nats.errors.Error):
             await msg.term()
 

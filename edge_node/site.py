@@ -35,9 +35,9 @@ from mesh.logs import get_logger
 from mesh.queue import MSG_ID_HEADER
 from mesh.tasks import TaskSet
 from protocol.codec import CONTENT_TYPE, WireFormat, decode_event, dump, to_exception
-from protocol.errors import MeshError, UnavailableError
+from protocol.errors import DuplicateRequestError, MeshError, UnavailableError
 from protocol.messages import Answer, ErrorEvent, InferRequest, RouteDecision, WireEvent
-from protocol.stream import AnswerWriter
+from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import (
     ANSWERS_STREAM,
     KEPT_STREAM,
@@ -58,6 +58,8 @@ FORWARDER = "forwarder"
 RETRY_S = 1.0
 """Pause between tries while the uplink is down."""
 OUTBOX_ACK_WAIT_S = 30.0
+HELD_ID_HEADER = "Mesh-Id"
+"""A held request's id (its outbox message id also carries its fingerprint)."""
 
 
 class SiteStore:
@@ -126,15 +128,22 @@ class SiteStore:
             }
         )
         wait_until = req.deadline if req.deadline is not None else time.time() + es.request_timeout
+        fingerprint = request_fingerprint(queued)
         sub = await self.conn.nc.subscribe(kept_subject(req.id))
         try:
-            outcome = await self.kept(req.id)
-            if outcome is None:
-                await self.hold(queued, model)
-                outcome = await self._wait(sub, wait_until)
+            found = await self.kept_with_fingerprint(req.id)
+            if found is None:
+                await self.hold(queued, model, fingerprint)
+                found = await self._wait(sub, wait_until)
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+        outcome, kept_for = found if found is not None else (None, None)
+        if kept_for is not None and kept_for != fingerprint:
+            raise DuplicateRequestError(
+                f"request id {req.id!r} is in use at this site by a different request",
+                request_id=req.id,
+            )
         if outcome is None:
             raise UnavailableError(
                 "held at the edge site until the cloud answers (the uplink may be down); ask "
@@ -144,13 +153,20 @@ class SiteStore:
             )
         await emit_outcome(record, outcome)
 
-    async def hold(self, req: InferRequest, model: str) -> None:
+    async def hold(self, req: InferRequest, model: str, fingerprint: str) -> None:
+        """Into the outbox, once per (id, content): the same request sent again is held once;
+        another under its id is held too, and told ``duplicate`` when the first one's answer
+        comes."""
         try:
             ack = await self.conn.site_js().publish(
                 outbox_subject(model, self.scope),
                 dump(req, WireFormat.MSGPACK),
                 stream=OUTBOX_STREAM,
-                headers={MSG_ID_HEADER: req.id, CONTENT_TYPE: WireFormat.MSGPACK.content_type},
+                headers={
+                    MSG_ID_HEADER: f"{req.id}.{fingerprint}",
+                    HELD_ID_HEADER: req.id,
+                    CONTENT_TYPE: WireFormat.MSGPACK.content_type,
+                },
             )
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(
@@ -160,6 +176,12 @@ class SiteStore:
 
     async def kept(self, request_id: str) -> Answer | ErrorEvent | None:
         """The kept answer of ``request_id`` at this site, if it came."""
+        found = await self.kept_with_fingerprint(request_id)
+        return found[0] if found is not None else None
+
+    async def kept_with_fingerprint(
+        self, request_id: str
+    ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
         try:
             msg = await self.conn.site_jsm().get_msg(
                 KEPT_STREAM, subject=kept_subject(request_id), direct=True
@@ -168,15 +190,17 @@ class SiteStore:
             return None
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(f"the site's answers cannot be read: {exc!r}") from None
-        return _outcome(msg.data or b"")
+        return _outcome(msg.data or b""), (msg.headers or {}).get(kept.FINGERPRINT_HEADER)
 
-    async def _wait(self, sub: object, until: float) -> Answer | ErrorEvent | None:
+    async def _wait(
+        self, sub: Any, until: float
+    ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
         while (left := until - time.time()) > 0:
             try:
-                msg = await sub.next_msg(timeout=min(left, 5.0))  # type: ignore[attr-defined]
+                msg = await sub.next_msg(timeout=min(left, 5.0))
             except nats.errors.TimeoutError:
                 continue
-            return _outcome(msg.data)
+            return _outcome(msg.data), (msg.headers or {}).get(kept.FINGERPRINT_HEADER)
         return None
 
     # -- forwarder -----------------------------------------------------------------------------
@@ -189,13 +213,22 @@ class SiteStore:
             except nats.errors.TimeoutError:
                 continue
             for msg in msgs:
-                await self._forward(msg)
+                try:
+                    await self._forward(msg)
+                except asyncio.CancelledError:
+                    # Stopping: hand it back now, so the next forwarder need not wait ack_wait.
+                    with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(msg.nak()), 1.0)
+                    raise
 
     async def _forward(self, msg: Msg) -> None:
         """Publish one held request to the hub's queue, retrying until the hub acks it; then
         let the outbox copy go."""
         _, _, model, scope = _outbox_parts(msg.subject)
-        headers = {**(msg.headers or {}), MSG_ID_HEADER: f"{scope}.{_held_id(msg)}"}
+        headers = {
+            k: v for k, v in (msg.headers or {}).items() if k not in (MSG_ID_HEADER, HELD_ID_HEADER)
+        }
+        headers[MSG_ID_HEADER] = f"{scope}.{_held_id(msg)}"
         last_progress = time.monotonic()
         while True:
             try:
@@ -260,11 +293,12 @@ class SiteStore:
     async def _collect(self, msg: Msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
         try:
+            fingerprint = (msg.headers or {}).get(kept.FINGERPRINT_HEADER, "")
             await self.conn.site_js().publish(
                 kept_subject(request_id),
                 msg.data,
                 stream=KEPT_STREAM,
-                headers={MSG_ID_HEADER: request_id},
+                headers={MSG_ID_HEADER: request_id, kept.FINGERPRINT_HEADER: fingerprint},
             )
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             log.warning("answer not kept at the site; the hub redelivers it", error=repr(exc))
@@ -282,7 +316,7 @@ def _outbox_parts(subject: str) -> tuple[str, str, str, str]:
 
 
 def _held_id(msg: Msg) -> str:
-    return (msg.headers or {}).get(MSG_ID_HEADER, "")
+    return (msg.headers or {}).get(HELD_ID_HEADER, "")
 
 
 def _outcome(data: bytes) -> Answer | ErrorEvent | None:

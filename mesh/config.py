@@ -148,6 +148,9 @@ class ModelSettings(_Section):
     """Context window in tokens (llama_cpp, vllm)."""
     n_threads: int | None = Field(default=None, ge=1)
     """CPU threads for llama_cpp; half the cores when unset (more stalls under contention)."""
+    n_gpu_layers: int = Field(default=0, ge=-1)
+    """Layers llama_cpp offloads to the GPU (-1: all); needs llama-cpp-python built with CUDA
+    or Metal. 0 runs on the CPU."""
     slots: int = Field(default=1, ge=1, le=1024)
     """Requests generated at once (llama_cpp: model instances; openai/vllm: concurrency)."""
     base_url: str = "http://127.0.0.1:8000/v1"

@@ -34,6 +34,8 @@ from protocol.subjects import (
 
 log = get_logger(__name__)
 MSG_ID_HEADER = "Nats-Msg-Id"
+FINGERPRINT_HEADER = "Mesh-Req"
+"""The kept answer's request fingerprint: what it answers, so no other request gets it."""
 DEDUPE_WINDOW_S = 3600.0
 """How long a message id is remembered by these streams (a forward retried after a flap)."""
 

@@ -20,12 +20,13 @@ from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
-from mesh.client import MeshClient
+from mesh.client import Completion, MeshClient
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import TcpProxy
 from mesh_app.creds import Minted, mint
+from protocol.errors import DuplicateRequestError, MeshError
 from tests.helpers import eventually
 from tests.test_security import Certs, certs, read_env  # noqa: F401 - certs is a fixture
 
@@ -265,3 +266,82 @@ async def _held(edge: EdgeNode, n: int) -> bool:
 async def _forwarded(edge: EdgeNode, n: int) -> bool:
     assert edge.site is not None
     return edge.site.forwarded >= n
+
+
+async def test_held_requests_survive_an_edge_restart_and_a_reused_id_gets_no_foreign_answer(
+    topology: Topology,
+) -> None:
+    site = "site-a"
+    uplink = topology.uplinks[site]
+    async with running_mesh(topology):
+        edge = topology.edges[site]
+
+        async def cloud_gone() -> bool:
+            return edge.nodes.serves("smollm2") is False
+
+        uplink.cut(3600)
+        await eventually(cloud_gone, timeout=15, what="the edge to see the cloud gone")
+        settings = topology.site_settings(site, "client")
+        async with MeshClient(settings=settings) as first, MeshClient(settings=settings) as other:
+
+            def ask(client: MeshClient, name: str) -> asyncio.Future[Completion]:
+                return asyncio.ensure_future(
+                    client.complete(
+                        f"[tag:{name}] x",
+                        route="cloud",
+                        max_tokens=10,
+                        deferrable=True,
+                        request_id="shared-id",
+                        deadline=time.time() + 3600,
+                    )
+                )
+
+            asks = {"first": ask(first, "first")}
+            await eventually(functools.partial(_held, edge, 1), timeout=10, what="first held")
+            asks["other"] = ask(other, "other")
+            await eventually(functools.partial(_held, edge, 2), timeout=10, what="other held")
+            uplink.restore()
+            done = await asyncio.wait_for(
+                asyncio.gather(*asks.values(), return_exceptions=True), timeout=60
+            )
+            results = dict(zip(asks, done, strict=True))
+            # The first gets its answer; the other, under the same id with other content, a
+            # typed duplicate error: never the first one's answer.
+            first_answer = results["first"]
+            assert not isinstance(first_answer, BaseException), first_answer
+            assert first_answer.text == expected("first", 10)
+            assert isinstance(results["other"], DuplicateRequestError), results["other"]
+            assert (await first.answer("shared-id")).text == expected("first", 10)
+
+        # Held while the edge daemon restarts: the site's streams keep it.
+        uplink.cut(3600)
+        await eventually(cloud_gone, timeout=15, what="the edge to see the cloud gone")
+        async with MeshClient(settings=settings) as client:
+            waiting = asyncio.ensure_future(
+                client.complete(
+                    "[tag:r] x",
+                    route="cloud",
+                    max_tokens=10,
+                    deferrable=True,
+                    request_id="across-restart",
+                    deadline=time.time() + 3600,
+                )
+            )
+            await eventually(functools.partial(_held, edge, 1), timeout=10, what="held")
+            await edge.stop(grace=0.5)
+            with pytest.raises(MeshError):
+                await waiting  # the daemon went away: a typed error, the request still held
+            restarted = EdgeNode(
+                topology.site_settings(site), edge.conn, edge.backend, HeuristicRouter()
+            )
+            await restarted.start()
+            try:
+                uplink.restore()
+
+                async def answered() -> bool:
+                    return await restarted.site.kept("across-restart") is not None  # type: ignore[union-attr]
+
+                await eventually(answered, timeout=30, what="the held request to be answered")
+                assert (await client.answer("across-restart")).text == expected("r", 10)
+            finally:
+                await restarted.stop(grace=0.5)

@@ -171,7 +171,7 @@ async def test_edge_a_cannot_read_cancel_or_impersonate_edge_b(mesh: Hub) -> Non
         async def record(msg: Msg) -> None:
             seen.append(msg.subject)
 
-        for subject in ("mesh.v1.tok.site-b.*", "mesh.v1.tok.>", ">", "_INBOX.>"):
+        for subject in ("mesh.v1.tok.site-b.*", "mesh.v1.tok.>", "mesh.v1.ans.>", ">", "_INBOX.>"):
             await spy.nc.subscribe(subject, cb=record)
             await spy.refused("Subscription", subject)
         # B's request runs while A publishes cancels for every id it might guess, in B's scope.
@@ -190,6 +190,11 @@ async def test_edge_a_cannot_read_cancel_or_impersonate_edge_b(mesh: Hub) -> Non
             "$JS.API.DIRECT.GET.MESH_TOK",
             "$JS.API.STREAM.MSG.DELETE.MESH_INFER",
             "$JS.API.CONSUMER.CREATE.MESH_TOK.spy.mesh.v1.tok.site-b.*",
+            # B's kept answers: neither B's collector consumer nor one of A's own over them.
+            "$JS.API.CONSUMER.MSG.NEXT.MESH_ANSWERS.site_site-b",
+            "$JS.hub.API.CONSUMER.MSG.NEXT.MESH_ANSWERS.site_site-b",
+            "$JS.API.CONSUMER.CREATE.MESH_ANSWERS.site_site-a.mesh.v1.ans.site-b.*",
+            "$JS.API.DIRECT.GET.MESH_ANSWERS.mesh.v1.ans.site-b.x",
         ):
             await spy.nc.publish(api, b"{}")
             await spy.refused("Publish", api)

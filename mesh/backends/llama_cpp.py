@@ -84,6 +84,7 @@ class LlamaCppBackend:
                 n_ctx=self.settings.n_ctx,
                 n_threads=threads,
                 n_threads_batch=threads,
+                n_gpu_layers=self.settings.n_gpu_layers,
                 logits_all=self.settings.logprobs,
                 verbose=False,
             )
