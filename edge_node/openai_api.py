@@ -68,6 +68,9 @@ class _Body(BaseModel):
     response_format: ResponseFormat | None = None
     route: RouteChoice | None = None
     """Mesh extension: force the local model or the cloud."""
+    service_tier: str | None = None
+    """``flex``: the request can wait for the cloud (a ``deferrable`` mesh request: held at an
+    offline site until the uplink returns). Other tiers change nothing here."""
 
 
 class ChatBody(_Body):
@@ -123,6 +126,7 @@ def to_request(
         "origin": "http",
         "id": request_id,
         "response_format": body.response_format,
+        "deferrable": body.service_tier == "flex" or None,
     }
     if isinstance(body, ChatBody):
         fields["messages"] = [

@@ -267,3 +267,14 @@ async def test_an_openai_http_worker_serves_raw_prompts_and_logprobs(
         -0.5,
         -0.6,
     ]
+
+
+def test_flex_service_tier_is_a_request_that_can_wait() -> None:
+    from edge_node.openai_api import parse, to_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "service_tier": "flex"}
+    flex = to_request(parse("chat", body), model=None, route="cloud", request_id=None)
+    assert flex.deferrable is True
+    body["service_tier"] = "default"
+    plain = to_request(parse("chat", body), model=None, route="cloud", request_id=None)
+    assert plain.deferrable is False
