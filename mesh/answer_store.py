@@ -106,7 +106,13 @@ class AnswerStore:
         timeout = self.conn.settings.request_timeout if timeout is None else timeout
         events: list[WireEvent] = []
         fetch = self._fetch_filtered if self.filtered else self._fetch
-        for data in await fetch(subject, timeout):
+        try:
+            found = await fetch(subject, timeout)
+        except nats.errors.ConnectionClosedError:
+            raise UnavailableError(
+                "NATS connection closed while reading the answer store"
+            ) from None
+        for data in found:
             with contextlib.suppress(MeshError):  # a malformed event is dropped, as live
                 event = decode_event(data)
                 if not isinstance(event, Answer):
@@ -156,10 +162,6 @@ class AnswerStore:
                     raise UnavailableError(f"the answer store answered status {status}")
                 if pending <= 0:
                     return found
-        except nats.errors.ConnectionClosedError:
-            raise UnavailableError(
-                "NATS connection closed while reading the answer store"
-            ) from None
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
@@ -215,10 +217,6 @@ class AnswerStore:
             raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s") from None
         except nats.errors.NoRespondersError:
             raise UnavailableError("no responders: the answer store is not there") from None
-        except nats.errors.ConnectionClosedError:
-            raise UnavailableError(
-                "NATS connection closed while reading the answer store"
-            ) from None
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()

@@ -28,7 +28,7 @@ from mesh.testing.chaos import TcpProxy
 from mesh_app.creds import Minted, mint
 from protocol.errors import DuplicateRequestError, MeshError
 from tests.helpers import eventually
-from tests.test_security import Certs, certs, read_env  # noqa: F401 - certs is a fixture
+from tests.test_security import TEST_ENV, Certs, certs, read_env  # noqa: F401 - certs is a fixture
 
 SITES = ("site-a", "site-b")
 
@@ -95,12 +95,7 @@ def _settings(env: dict[str, str], url: str, **extra: str) -> MeshSettings:
         environ={
             **env,
             "MESH_NATS_URL": url,
-            "MESH_NATS_CONNECT_TIMEOUT": "3",
-            "MESH_NATS_REQUEST_TIMEOUT": "2",
-            "MESH_WORKER_MODEL_BACKEND": "deterministic",
-            "MESH_EDGE_MODEL_BACKEND": "deterministic",
-            "MESH_WORKER_FETCH_TIMEOUT": "0.5",
-            "MESH_EDGE_HTTP_PORT": "-1",
+            **TEST_ENV,
             **extra,
         }
     )

@@ -38,6 +38,17 @@ from tests.helpers import eventually
 EDGES = ("site-a", "site-b")
 
 
+TEST_ENV = {
+    "MESH_NATS_CONNECT_TIMEOUT": "3",
+    "MESH_NATS_REQUEST_TIMEOUT": "2",
+    "MESH_WORKER_MODEL_BACKEND": "deterministic",
+    "MESH_EDGE_MODEL_BACKEND": "deterministic",
+    "MESH_WORKER_FETCH_TIMEOUT": "0.5",
+    "MESH_EDGE_HTTP_PORT": "-1",
+}
+"""Short timeouts and the deterministic backend for every process these tests start."""
+
+
 def read_env(path: Path) -> dict[str, str]:
     return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
 
@@ -54,12 +65,7 @@ class Hub:
         environ = {
             **minted_env,
             "MESH_NATS_URL": self.server.url,
-            "MESH_NATS_CONNECT_TIMEOUT": "3",
-            "MESH_NATS_REQUEST_TIMEOUT": "2",
-            "MESH_WORKER_MODEL_BACKEND": "deterministic",
-            "MESH_EDGE_MODEL_BACKEND": "deterministic",
-            "MESH_WORKER_FETCH_TIMEOUT": "0.5",
-            "MESH_EDGE_HTTP_PORT": "-1",
+            **TEST_ENV,
             **env,
         }
         return load_settings(environ=environ)
