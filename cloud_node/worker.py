@@ -123,7 +123,7 @@ class Worker(Lifecycle):
         self._loop_task: asyncio.Task[Any] | None = None
         self._undo_reconnect: Any = None
         self._heartbeat = Heartbeat(
-            conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl
+            conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl, self._stream
         )
         self._service: Service | None = None
         self._puller = Puller(

@@ -32,6 +32,7 @@ from nats.js.manager import JetStreamManager
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.provision import placement
 from protocol.codec import decode_event
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.messages import Answer, WireEvent
@@ -56,6 +57,8 @@ def answer_stream_config(settings: StreamSettings) -> api.StreamConfig:
         discard=api.DiscardPolicy.OLD,
         allow_direct=True,
         duplicate_window=min(1.0, settings.answer_max_age),  # events carry no msg ids
+        num_replicas=settings.replicas,
+        placement=placement(settings),
     )
 
 
@@ -72,7 +75,7 @@ async def ensure_answer_stream(jsm: JetStreamManager, settings: StreamSettings) 
             await jsm.add_stream(wanted)
             return
         have = info.config
-        managed = ("subjects", "max_age", "max_bytes", "discard", "allow_direct")
+        managed = ("subjects", "max_age", "max_bytes", "discard", "allow_direct", "num_replicas")
         if any(getattr(have, f) != getattr(wanted, f) for f in managed):
             wanted.storage = have.storage
             await jsm.update_stream(wanted)

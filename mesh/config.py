@@ -88,6 +88,19 @@ class StreamSettings(_Section):
     """Work-queue stream holding escalated requests."""
     storage: Literal["file", "memory"] = "file"
     """Where the stream keeps messages."""
+    replicas: int = Field(default=1, ge=1, le=5)
+    """Copies of every hub stream and of the registry bucket (MESH_INFER, MESH_TOK,
+    MESH_ANSWERS, mesh_nodes), on as many servers of a JetStream cluster. 1 (the embedded
+    default): a lost server loses its queue. 3 on a 3-node cluster: any one server can die and
+    the queue, answers in flight and the registry carry on after a leader election (seconds);
+    each write then waits for a quorum (2 of 3), a few hundred microseconds more on a LAN.
+    Provisioning moves existing streams to a new count."""
+    placement_cluster: str | None = None
+    """Put the streams in this JetStream cluster (a supercluster's member); unset: the
+    provisioning server's own."""
+    placement_tags: list[str] = Field(default_factory=list)
+    """Put the streams only on servers with all these tags (server_tags in their config), for
+    example a zone or the servers with fast disks."""
     max_msgs: int = Field(default=10_000, ge=1)
     """Queued requests (all models) beyond which publishers get 'overloaded'."""
     max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)

@@ -19,6 +19,7 @@ from nats.js.manager import JetStreamManager
 
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
+from mesh.provision import placement
 from protocol.codec import WireFormat, dump
 from protocol.errors import MeshTimeoutError, UnavailableError
 from protocol.messages import Answer, EndEvent, ErrorEvent, WireEvent
@@ -50,6 +51,8 @@ def answers_config(settings: StreamSettings) -> api.StreamConfig:
         max_msgs_per_subject=1,
         duplicate_window=DEDUPE_WINDOW_S,
         allow_direct=True,
+        num_replicas=settings.replicas,
+        placement=placement(settings),
     )
 
 

@@ -137,6 +137,13 @@ class NatsServer(Lifecycle):
             f"nats-server not ready within {self.ready_timeout:g}s: {_tail(text)}"
         )
 
+    async def kill(self) -> None:
+        """kill -9, by PID (a crash, not a shutdown); the store is left as the crash left it."""
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
     async def stop(self, timeout: float = 10.0) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:

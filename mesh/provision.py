@@ -20,6 +20,15 @@ from protocol.subjects import INFER_WILDCARD, consumer_name, model_infer_filter
 log = get_logger(__name__)
 
 
+def placement(settings: StreamSettings) -> api.Placement | None:
+    """Where a cluster puts the hub's streams (None: the provisioning server's cluster)."""
+    if settings.placement_cluster is None and not settings.placement_tags:
+        return None
+    return api.Placement(
+        cluster=settings.placement_cluster, tags=list(settings.placement_tags) or None
+    )
+
+
 def stream_config(settings: StreamSettings) -> api.StreamConfig:
     return api.StreamConfig(
         name=settings.name,
@@ -32,6 +41,8 @@ def stream_config(settings: StreamSettings) -> api.StreamConfig:
         max_age=settings.max_age,
         discard=api.DiscardPolicy.NEW,
         duplicate_window=settings.duplicate_window,
+        num_replicas=settings.replicas,
+        placement=placement(settings),
     )
 
 
@@ -65,7 +76,15 @@ async def ensure_stream(jsm: JetStreamManager, settings: StreamSettings) -> api.
                 f"stream {settings.name} exists with retention {have.retention}, not workqueue; "
                 "delete it or configure another MESH_STREAM_NAME"
             )
-        managed = ("subjects", "max_msgs", "max_bytes", "max_age", "discard", "duplicate_window")
+        managed = (
+            "subjects",
+            "max_msgs",
+            "max_bytes",
+            "max_age",
+            "discard",
+            "duplicate_window",
+            "num_replicas",
+        )
         if any(getattr(have, f) != getattr(wanted, f) for f in managed):
             log.info("updating stream limits", stream=settings.name)
             wanted.storage = have.storage  # storage cannot change on a live stream

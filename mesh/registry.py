@@ -26,8 +26,10 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 
+from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.provision import placement
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.subjects import NODES_BUCKET, model_token
 
@@ -50,12 +52,16 @@ def node_key(role: str, node_id: str) -> str:
     return f"{role}.{_KEY_UNSAFE.sub('_', node_id)}"
 
 
-async def open_bucket(conn: Connection, ttl: float) -> KeyValue:
-    """The registry bucket, created on first use (idempotent)."""
+async def open_bucket(
+    conn: Connection, ttl: float, stream: StreamSettings | None = None
+) -> KeyValue:
+    """The registry bucket, created on first use (idempotent). A writer passes ``stream``: the
+    bucket is then created with its replicas and placement, and an existing one moved to its
+    replica count."""
     js = conn.js
     try:
         try:
-            return await js.key_value(NODES_BUCKET)
+            kv = await js.key_value(NODES_BUCKET)
         except BucketNotFoundError:
             return await js.create_key_value(
                 api.KeyValueConfig(
@@ -64,8 +70,17 @@ async def open_bucket(conn: Connection, ttl: float) -> KeyValue:
                     history=1,
                     ttl=ttl,
                     storage=api.StorageType.FILE,
+                    replicas=stream.replicas if stream else 1,
+                    placement=placement(stream) if stream else None,
                 )
             )
+        if stream is not None:
+            config = (await kv.status()).stream_info.config
+            if config.num_replicas != stream.replicas:
+                log.info("moving the registry", replicas=stream.replicas)
+                config.num_replicas = stream.replicas
+                await conn.jsm().update_stream(config)
+        return kv
     except asyncio.TimeoutError:
         raise MeshTimeoutError("JetStream did not answer while opening the node registry") from None
     except nats.js.errors.APIError as exc:
@@ -75,11 +90,19 @@ async def open_bucket(conn: Connection, ttl: float) -> KeyValue:
 class Heartbeat:
     """A worker's announcement loop: put now, then every ``interval``; delete on stop."""
 
-    def __init__(self, conn: Connection, info: Any, interval: float, ttl: float) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        info: Any,
+        interval: float,
+        ttl: float,
+        stream: StreamSettings | None = None,
+    ) -> None:
         self._conn = conn
         self._info = info  # a callable returning the current NodeInfo
         self._interval = interval
         self._ttl = ttl
+        self._stream = stream
         self._kv: KeyValue | None = None
         self._task: asyncio.Task[None] | None = None
         self._key = ""
@@ -87,13 +110,23 @@ class Heartbeat:
     async def start(self) -> None:
         info: NodeInfo = self._info()
         self._key = node_key(info.role, info.node_id)
-        await self.beat()
+        # The first announcement may meet a stream electing its leader (just created, or moved
+        # to another replica count): give it a few tries before giving up on starting.
+        deadline = time.monotonic() + 3 * self._conn.settings.request_timeout
+        while True:
+            try:
+                await self.beat()
+                break
+            except (asyncio.TimeoutError, nats.errors.Error) as exc:
+                if time.monotonic() > deadline:
+                    raise MeshTimeoutError(f"cannot announce this node: {exc!r}") from None
+                await asyncio.sleep(0.2)
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="heartbeat")
 
     async def beat(self) -> None:
         """Announce now; (re)open the bucket first when needed."""
         if self._kv is None:
-            self._kv = await open_bucket(self._conn, self._ttl)
+            self._kv = await open_bucket(self._conn, self._ttl, self._stream)
         try:
             await asyncio.wait_for(
                 self._kv.put(self._key, self._info().model_dump_json().encode()),

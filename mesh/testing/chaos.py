@@ -76,6 +76,52 @@ class Server:
         await self.start()
 
 
+class JsCluster:
+    """A JetStream cluster of ``size`` nats-servers on loopback, with routes between them. Each
+    node keeps its ports and store, so it can be killed by PID and started again as it was."""
+
+    def __init__(self, tmp: Path, size: int = 3, name: str = "mesh") -> None:
+        self.tmp = tmp
+        self.name = name
+        self.ports = {f"n{i + 1}": (free_port(), free_port()) for i in range(size)}
+        self.servers: dict[str, NatsServer] = {}
+
+    @property
+    def url(self) -> str:
+        """Every server's URL, comma-separated: what clients, workers and edges are given."""
+        return ",".join(f"nats://127.0.0.1:{client}" for client, _route in self.ports.values())
+
+    def _conf(self, node: str) -> Path:
+        client, route = self.ports[node]
+        routes = ", ".join(
+            f"nats-route://127.0.0.1:{r}" for name, (_c, r) in self.ports.items() if name != node
+        )
+        path = self.tmp / f"{node}.conf"
+        path.write_text(
+            f"server_name: {node}\nlisten: 127.0.0.1:{client}\n"
+            f'jetstream {{ store_dir: "{self.tmp / node}" }}\n'
+            f"cluster {{ name: {self.name}\n listen: 127.0.0.1:{route}\n routes: [{routes}] }}\n"
+        )
+        return path
+
+    async def start(self, node: str | None = None) -> None:
+        """Start every node (or one), concurrently: each waits for its peers' routes."""
+        names = [node] if node else list(self.ports)
+        servers = {n: NatsServer(config=str(self._conf(n)), port=self.ports[n][0]) for n in names}
+        await asyncio.gather(*(s.start() for s in servers.values()))
+        self.servers.update(servers)
+
+    async def kill(self, node: str) -> None:
+        """kill -9 ``node`` by its PID."""
+        server = self.servers.pop(node)
+        await server.kill()
+        await server.stop()  # only tidies up: the process is gone
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.servers.values()), return_exceptions=True)
+        self.servers.clear()
+
+
 # -- a cuttable link -----------------------------------------------------------------------
 class TcpProxy:
     def __init__(self, target_port: int) -> None:
@@ -238,12 +284,13 @@ def edge_env(url: str, edge_id: str, *, token_ms: float = 5) -> dict[str, str]:
 
 
 async def wait_for_worker(conn: Connection, node_id: str, timeout: float = 30.0) -> None:
-    from mesh.registry import node_key, open_bucket
+    from mesh.registry import node_key
+    from protocol.subjects import NODES_BUCKET
 
-    kv = await open_bucket(conn, 3.0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the worker creates the bucket: wait for it
+            kv = await conn.js.key_value(NODES_BUCKET)
             if await kv.get(node_key("worker", node_id)):
                 return
         await asyncio.sleep(0.1)
