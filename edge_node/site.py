@@ -35,7 +35,12 @@ from mesh.logs import get_logger
 from mesh.queue import MSG_ID_HEADER
 from mesh.tasks import TaskSet
 from protocol.codec import CONTENT_TYPE, WireFormat, decode_event, dump, to_exception
-from protocol.errors import DuplicateRequestError, MeshError, UnavailableError
+from protocol.errors import (
+    DuplicateRequestError,
+    MeshError,
+    UnavailableError,
+    UnknownModelError,
+)
 from protocol.messages import Answer, ErrorEvent, InferRequest, RouteDecision, WireEvent
 from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import (
@@ -58,6 +63,8 @@ FORWARDER = "forwarder"
 RETRY_S = 1.0
 """Pause between tries while the uplink is down."""
 OUTBOX_ACK_WAIT_S = 30.0
+SERVED_CHECK_S = 1.0
+"""How long a request that can wait waits to learn whether its model has a pool at all."""
 HELD_ID_HEADER = "Mesh-Id"
 """A held request's id (its outbox message id also carries its fingerprint)."""
 
@@ -116,6 +123,12 @@ class SiteStore:
         is still held when the client's wait ends first)."""
         es = self.settings.edge
         model = req.model or es.cloud_model
+        try:
+            served = await asyncio.wait_for(self.edge.is_served(model), SERVED_CHECK_S)
+        except asyncio.TimeoutError:
+            served = True  # the hub is out of reach: hold it, the pool is checked on arrival
+        if not served:
+            raise UnknownModelError(f"no worker pool serves {model!r}", request_id=req.id)
         queued = req.model_copy(
             update={
                 "model": model,
