@@ -126,7 +126,7 @@ class SiteStore:
         try:
             served = await asyncio.wait_for(self.edge.is_served(model), SERVED_CHECK_S)
         except asyncio.TimeoutError:
-            served = True  # the hub is out of reach: hold it, the pool is checked on arrival
+            served = True  # the hub is out of reach: hold it (an unknown model ends at deadline)
         if not served:
             raise UnknownModelError(f"no worker pool serves {model!r}", request_id=req.id)
         queued = req.model_copy(
