@@ -54,6 +54,7 @@ from protocol.errors import (
     InvalidRequestError,
     MaxDeliveriesError,
     MeshError,
+    MeshTimeoutError,
     UnknownModelError,
 )
 from protocol.messages import ErrorEvent, InferRequest, Timings
@@ -70,6 +71,7 @@ from protocol.subjects import (
 )
 
 log = get_logger(__name__)
+PROVISION_TRIES = 4
 CAPACITY_POLL_S = 0.25
 
 
@@ -192,10 +194,20 @@ class Worker(Lifecycle):
         )
 
     async def _provision(self) -> None:
-        jsm = self.conn.jsm()
-        await provision(jsm, self._stream, [self.backend.model])
-        await ensure_answer_stream(jsm, self._stream)
-        await kept.ensure(jsm, kept.answers_config(self._stream))
+        """Idempotent; tried again when JetStream is slow to answer (replicated streams being
+        created on a cluster, by several workers at once, can take longer than one call)."""
+        for attempt in range(1, PROVISION_TRIES + 1):
+            try:
+                jsm = self.conn.jsm()
+                await provision(jsm, self._stream, [self.backend.model])
+                await ensure_answer_stream(jsm, self._stream)
+                await kept.ensure(jsm, kept.answers_config(self._stream))
+                return
+            except MeshTimeoutError as err:
+                if attempt == PROVISION_TRIES:
+                    raise
+                log.warning("provisioning slow; trying again", error=err.message)
+                await asyncio.sleep(0.5 * attempt)
 
     async def _after_reconnect(self) -> None:
         """Events written to the old socket may be lost: publish again what the store lacks of

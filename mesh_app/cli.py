@@ -6,7 +6,7 @@ mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
 mesh worker | mesh edge        run one role against MESH_NATS_URL
 mesh provision                 create/update the stream and consumers
 mesh status [--json]           workers, edges, capacity, queue depth and pending acks
-mesh bench [PART] [--json F]   paths, relay, model, overload: what the mesh costs and carries
+mesh bench [PART] [--json F]   paths, relay, model, overload, fleet: what it costs and carries
 mesh router train | eval       rebuild the shipped router weights / evaluate the router
 mesh router score --data DIR   score labelled data with the shipped weights [--json]
 mesh creds --out DIR --edge ID... --worker ID... [--expires-in 30d]
@@ -184,7 +184,10 @@ def _parser() -> argparse.ArgumentParser:
         "bench", parents=[common], help="measure paths, relay, model and overload; table + JSON"
     )
     bench.add_argument(
-        "part", nargs="?", default="all", choices=["paths", "relay", "model", "overload", "all"]
+        "part",
+        nargs="?",
+        default="all",
+        choices=["paths", "relay", "model", "overload", "fleet", "all"],
     )
     bench.add_argument("--json", dest="json_path", help="also write the figures to this file")
     creds = sub.add_parser(

@@ -176,3 +176,17 @@ async def test_bench_paths_compares_every_path_on_complete_answers() -> None:
         assert rows[path]["ttft_p50_ms"] >= 5  # the backend's prefill is in every path
     text = paths.render(results)
     assert "bare relay" in text and "over the bare relay" in text
+
+
+@pytest.mark.slow
+async def test_bench_fleet_runs_one_server_and_a_cluster_with_every_answer_whole() -> None:
+    from mesh_app.bench import fleet
+
+    results = await fleet.run(workers=2, concurrency=(6,), duration=0.5)
+    for topology in ("one server", "cluster"):
+        (step,) = results[topology]
+        assert step["failed"] == 0 and step["completed"] >= 6, (topology, step)
+        assert step["tokens_per_s"] > 0 and step["ttft_p99_ms"] >= step["ttft_p50_ms"]
+        assert {"worker 0", "worker 1", "bench clients"} <= set(step["cpu_share"])
+    assert {"nats n1", "nats n2", "nats n3"} <= set(results["cluster"][0]["cpu_share"])
+    assert "3-node cluster" in fleet.render(results)
