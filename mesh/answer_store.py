@@ -57,7 +57,7 @@ def answer_stream_config(settings: StreamSettings) -> api.StreamConfig:
         discard=api.DiscardPolicy.OLD,
         allow_direct=True,
         duplicate_window=min(1.0, settings.answer_max_age),  # events carry no msg ids
-        num_replicas=settings.replicas,
+        num_replicas=settings.answer_replicas or settings.replicas,
         placement=placement(settings),
     )
 

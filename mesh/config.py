@@ -95,6 +95,11 @@ class StreamSettings(_Section):
     the queue, answers in flight and the registry carry on after a leader election (seconds);
     each write then waits for a quorum (2 of 3), a few hundred microseconds more on a LAN.
     Provisioning moves existing streams to a new count."""
+    answer_replicas: int | None = Field(default=None, ge=1, le=5)
+    """Copies of MESH_TOK alone (default: replicas). Every answer event is a write to it: at
+    3, each is a Raft round on 3 servers, several times the server CPU per token of 1 (see
+    `mesh bench fleet`). 1 keeps the queue and the kept answers replicated while answers in
+    flight on a lost server must start over instead of continuing."""
     placement_cluster: str | None = None
     """Put the streams in this JetStream cluster (a supercluster's member); unset: the
     provisioning server's own."""

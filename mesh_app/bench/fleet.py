@@ -36,6 +36,8 @@ TOKENS = 40
 TOKEN_MS = 25.0
 PREFILL_MS = 20.0
 CLIENTS = 4
+TOPOLOGIES = ("one server", "cluster", "cluster, MESH_TOK R1")
+"""One nats-server; 3 with every stream R3; 3 with the answer store alone R1."""
 
 
 @contextlib.asynccontextmanager
@@ -46,12 +48,14 @@ async def _fleet(
     cluster: JsCluster | None = None
     server: Server | None = None
     extra: dict[str, str] = {}
-    if topology == "cluster":
+    if topology.startswith("cluster"):
         cluster = JsCluster(tmp / "cluster")
         (tmp / "cluster").mkdir()
         await cluster.start()
         url = cluster.url
         extra = {"MESH_STREAM_REPLICAS": "3"}
+        if "R1" in topology:
+            extra["MESH_STREAM_ANSWER_REPLICAS"] = "1"
     else:
         server = Server(tmp / "store")
         await server.start()
@@ -163,9 +167,9 @@ async def run(
         "token_ms": TOKEN_MS,
         "prefill_ms": PREFILL_MS,
     }
-    for topology in ("one server", "cluster"):
+    for topology in TOPOLOGIES:
         tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-fleet-"))
-        async with _fleet("cluster" if topology == "cluster" else "single", tmp, workers) as (
+        async with _fleet(topology, tmp, workers) as (
             settings,
             pids,
         ):
@@ -186,7 +190,7 @@ async def run(
 
 def render(results: dict[str, Any]) -> str:
     rows = []
-    for topology in ("one server", "cluster"):
+    for topology in TOPOLOGIES:
         for step in results.get(topology, []):
             cpu = step["cpu_share"]
             rows.append(
@@ -205,7 +209,8 @@ def render(results: dict[str, Any]) -> str:
     head = (
         f"fleet: {results['workers']} worker processes (deterministic engine, "
         f"{1000 / results['token_ms']:g} tokens/s per stream, {results['tokens']} tokens), "
-        "clients in this process; one server vs a 3-node cluster with R3 streams"
+        "clients in this process; one server vs a 3-node cluster with R3 streams (and with the "
+        "answer store MESH_TOK alone at R1)"
     )
     return (
         head
