@@ -68,6 +68,7 @@ from protocol.subjects import (
     edge_resend_subject,
     is_reply_inbox,
     is_token,
+    model_token,
     sender_scope,
 )
 
@@ -109,7 +110,9 @@ class EdgeNode(Lifecycle):
         self._service: Service | None = None
         self._metadata: dict[str, str] = {}
         self._accepting = False
-        self.nodes = NodeView(conn, settings.stream.node_ttl)
+        self.nodes = NodeView(
+            conn, settings.stream.node_ttl, pool=model_token(settings.edge.cloud_model)
+        )
         self.site = SiteStore(self) if settings.nats.hub_domain else None
         """The site's own JetStream (on a leaf node): requests that can wait, held."""
         self.http: EdgeHTTP | None = None

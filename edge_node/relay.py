@@ -235,7 +235,7 @@ class CloudRelay:
                     f"worker {worker} produced no token within {first_token_wait:.1f}s",
                     "no_first_token",
                 )
-            live = self.edge.nodes.is_live(worker)
+            live = self.edge.nodes.is_live(worker, model)
             if live is False:
                 if gone_since is None:
                     gone_since = now

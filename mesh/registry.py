@@ -48,8 +48,16 @@ class NodeInfo(BaseModel):
     version: str = ""
 
 
-def node_key(role: str, node_id: str) -> str:
-    return f"{role}.{_KEY_UNSAFE.sub('_', node_id)}"
+def node_key(role: str, node_id: str, pool: str | None = None) -> str:
+    """``worker.<pool>.<node>`` (a worker announces itself under its model's pool, so an edge
+    can follow one pool only), or ``<role>.<node>``."""
+    node = _KEY_UNSAFE.sub("_", node_id)
+    return f"{role}.{pool}.{node}" if pool else f"{role}.{node}"
+
+
+def pool_of(info: NodeInfo) -> str | None:
+    """The pool a node announces itself under: its (first) model's subject token."""
+    return model_token(info.models[0]) if info.role == "worker" and info.models else None
 
 
 async def open_bucket(
@@ -109,7 +117,7 @@ class Heartbeat:
 
     async def start(self) -> None:
         info: NodeInfo = self._info()
-        self._key = node_key(info.role, info.node_id)
+        self._key = node_key(info.role, info.node_id, pool_of(info))
         # The first announcement may meet a stream electing its leader (just created, or moved
         # to another replica count): give it a few tries before giving up on starting.
         deadline = time.monotonic() + 3 * self._conn.settings.request_timeout
@@ -162,11 +170,16 @@ class Heartbeat:
 
 class NodeView:
     """An edge's live view of the registry. ``serves(model)`` is None until the first full
-    snapshot arrives (then callers cannot tell and should not guess), else True/False."""
+    snapshot arrives (then callers cannot tell and should not guess), else True/False.
 
-    def __init__(self, conn: Connection, ttl: float) -> None:
+    With ``pool`` (a model's subject token) it follows that pool's workers only: each worker's
+    heartbeat then reaches the edges of its own pool, not every edge of the mesh, and questions
+    about other models are answered None (cannot tell)."""
+
+    def __init__(self, conn: Connection, ttl: float, pool: str | None = None) -> None:
         self._conn = conn
         self._ttl = ttl
+        self.pool = pool
         self._nodes: dict[str, tuple[NodeInfo, float]] = {}
         self._ready = False
         self._watcher: Any = None
@@ -180,7 +193,7 @@ class NodeView:
 
     async def _watch(self) -> None:
         kv = await open_bucket(self._conn, self._ttl)
-        self._watcher = await kv.watchall()
+        self._watcher = await (kv.watch(f"worker.{self.pool}.>") if self.pool else kv.watchall())
         self._task = asyncio.get_running_loop().create_task(
             self._follow(self._watcher), name="registry-watch"
         )
@@ -230,18 +243,23 @@ class NodeView:
         ]
 
     def serves(self, model: str) -> bool | None:
-        if not self.ready:
-            return None
         token = model_token(model)
+        if not self.ready or (self.pool is not None and token != self.pool):
+            return None
         return any(token in {model_token(m) for m in info.models} for info in self.live())
 
-    def is_live(self, node_id: str) -> bool | None:
-        """Whether the worker ``node_id`` announced itself within ``node_ttl``; None when the
-        view cannot tell yet."""
+    def is_live(self, node_id: str, model: str | None = None) -> bool | None:
+        """Whether the worker ``node_id`` (serving ``model``) announced itself within
+        ``node_ttl``; None when the view cannot tell (yet, or not for that model's pool)."""
         if not self.ready:
             return None
-        entry = self._nodes.get(node_key("worker", node_id))
-        return entry is not None and time.monotonic() - entry[1] < self._ttl
+        if self.pool is not None and (model is None or model_token(model) != self.pool):
+            return None
+        now = time.monotonic()
+        return any(
+            info.node_id == node_id and now - seen < self._ttl
+            for info, seen in self._nodes.values()
+        )
 
     async def stop(self) -> None:
         if self._undo_reconnect is not None:

@@ -111,7 +111,7 @@ def worker_permissions(node: str) -> Permissions:
             f"$JS.API.DIRECT.GET.{TOKEN_STREAM}",
             f"$JS.API.DIRECT.GET.{ANSWERS_STREAM}.>",
             ANSWER_WILDCARD,
-            f"$KV.{NODES_BUCKET}.worker.{node}",
+            f"$KV.{NODES_BUCKET}.worker.*.{node}",  # its own key, in its model's pool
             *(f"$JS.API.{call}" for call in _registry_reader()),
             *_flow_control(),
         ),

@@ -71,3 +71,36 @@ async def test_mesh_status_shows_workers_edges_capacity_and_the_queue(
     text = "\n".join(render(status))
     assert worker.node_id in text and "queue MESH_INFER" in text and "workers_smollm2" in text
     assert settings.edge.edge_id in text
+
+
+async def test_an_edge_follows_its_own_pool_only(settings: MeshSettings, conn: Connection) -> None:
+    """Each worker's heartbeat reaches the edges of its model's pool, not every edge."""
+    from mesh.registry import Heartbeat, NodeInfo
+
+    def info(node: str, model: str) -> NodeInfo:
+        return NodeInfo(node_id=node, role="worker", models=[model], slots=2, free=2)
+
+    pool_a = NodeView(conn, 3.0, pool="big")
+    everyone = NodeView(conn, 3.0)
+    beats = [
+        Heartbeat(conn, lambda: info("wa", "big"), 0.3, 3.0),
+        Heartbeat(conn, lambda: info("wb", "small"), 0.3, 3.0),
+    ]
+    for beat in beats:
+        await beat.start()
+    await pool_a.start()
+    await everyone.start()
+    try:
+        await eventually(lambda: _serves(pool_a, "big", True), what="pool big seen")
+        await eventually(lambda: _serves(everyone, "small", True), what="pool small seen")
+        await asyncio.sleep(1.0)  # a few more heartbeats of both pools
+        assert [i.node_id for i in pool_a.live()] == ["wa"]  # wb's never reached it
+        assert sorted(i.node_id for i in everyone.live()) == ["wa", "wb"]
+        assert pool_a.serves("small") is None  # not its pool: it cannot tell, and says so
+        assert pool_a.is_live("wa", "big") is True and pool_a.is_live("wb", "small") is None
+        assert everyone.is_live("wb", "small") is True
+    finally:
+        for beat in beats:
+            await beat.stop()
+        await pool_a.stop()
+        await everyone.stop()

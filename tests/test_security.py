@@ -248,7 +248,7 @@ async def test_worker_cannot_publish_outside_token_subjects(mesh: Hub) -> None:
             "mesh.v1.cancel.site-a.x",
             "_INBOX.edge.site-a.x",
             "$JS.API.STREAM.DELETE.MESH_INFER",
-            "$KV.mesh_nodes.worker.w2",  # another worker's registry entry
+            "$KV.mesh_nodes.worker.smollm2.w2",  # another worker's registry entry
         ):
             await worker.nc.publish(subject, b"{}")
             await worker.refused("Publish", subject)

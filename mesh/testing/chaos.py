@@ -287,11 +287,12 @@ async def wait_for_worker(conn: Connection, node_id: str, timeout: float = 30.0)
     from mesh.registry import node_key
     from protocol.subjects import NODES_BUCKET
 
+    suffix = "." + node_key("worker", node_id).split(".", 1)[1]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):  # the worker creates the bucket: wait for it
             kv = await conn.js.key_value(NODES_BUCKET)
-            if await kv.get(node_key("worker", node_id)):
+            if any(key.endswith(suffix) for key in await kv.keys()):
                 return
         await asyncio.sleep(0.1)
     raise AssertionError(f"worker {node_id} did not announce itself within {timeout:g}s")
