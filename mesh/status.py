@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.registry import NodeView
+from protocol.subjects import model_token
 
 
 async def gather(conn: Connection, subject: str, wait: float = 0.3) -> list[dict[str, Any]]:
@@ -104,6 +105,7 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
                 for c in await jsm.consumers_info(settings.stream.name)
             ],
         }
+    status["pools"] = pools(workers, status["queue"])
     try:
         store = await jsm.stream_info(settings.stream.answer_stream)
     except NotFoundError:
@@ -115,6 +117,31 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
             "bytes": store.state.bytes,
         }
     return status
+
+
+def pools(workers: list[Any], queue: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Per model pool: its live workers, their slots and free slots, and its queue (requests
+    waiting for a worker, and delivered but not yet acked)."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def pool(token: str) -> dict[str, Any]:
+        return out.setdefault(
+            token, {"workers": 0, "slots": 0, "free": 0, "waiting": 0, "in_flight": 0}
+        )
+
+    for w in workers:
+        for model in w.models:
+            entry = pool(model_token(model))
+            entry["workers"] += 1
+            entry["slots"] += w.slots
+            entry["free"] += w.free
+    for consumer in (queue or {}).get("consumers", []):
+        name = consumer["name"]
+        if name.startswith("workers_"):
+            entry = pool(name.removeprefix("workers_"))
+            entry["waiting"] += consumer["pending"]
+            entry["in_flight"] += consumer["unacked"]
+    return out
 
 
 def render(status: dict[str, Any]) -> list[str]:
@@ -143,6 +170,11 @@ def render(status: dict[str, Any]) -> list[str]:
                 f"realized={budget.get('realized')} over {budget.get('window')} "
                 f"cap={budget.get('cap_per_minute')} capped={budget.get('capped')}"
             )
+    for name, p in sorted(status.get("pools", {}).items()):
+        lines.append(
+            f"pool {name}: {p['workers']} workers, slots {p['slots']} (free {p['free']}), "
+            f"{p['waiting']} waiting, {p['in_flight']} in flight"
+        )
     queue = status["queue"]
     if queue is None:
         lines.append("queue: not provisioned")

@@ -68,7 +68,11 @@ async def test_mesh_status_shows_workers_edges_capacity_and_the_queue(
     assert queue["stream"] == "MESH_INFER" and queue["waiting"] == 0
     assert queue["consumers"][0]["name"] == "workers_smollm2"
     assert queue["consumers"][0]["unacked"] == 0
+    assert status["pools"] == {
+        "smollm2": {"workers": 1, "slots": 1, "free": 1, "waiting": 0, "in_flight": 0}
+    }
     text = "\n".join(render(status))
+    assert "pool smollm2: 1 workers" in text
     assert worker.node_id in text and "queue MESH_INFER" in text and "workers_smollm2" in text
     assert settings.edge.edge_id in text
 
