@@ -517,17 +517,33 @@ class EdgeNode(Lifecycle):
             return
         if decision.decision == "cloud":
             local_fits = not self._too_long(req)
-            try:
-                relay = CloudRelay(
-                    self, req, decision, record, received, trace, local_fits=local_fits
-                )
-                await relay.run()
-                return
-            except Fallback as fb:
-                fallback = fb.reason
-                self.metrics.inc("fallback")
-                self.prom.fallbacks.labels(reason=fb.kind).inc()
-                log.warning("answering locally instead of the cloud", reason=fallback)
+            chain = [req.model or self._es.cloud_model]
+            if req.model is None:  # a client that names its model gets that model or nothing
+                chain += self._es.cloud_fallbacks
+            failed: list[str] = []
+            for step, model in enumerate(chain):
+                last = step == len(chain) - 1
+                try:
+                    relay = CloudRelay(
+                        self,
+                        req.model_copy(update={"model": model}),
+                        decision,
+                        record,
+                        received,
+                        trace,
+                        local_fits=local_fits or not last,
+                        tried="; ".join(failed) or None,
+                    )
+                    await relay.run()
+                    return
+                except Fallback as fb:
+                    failed.append(f"{model}: {fb.reason}" if len(chain) > 1 else fb.reason)
+                    self.metrics.inc("fallback")
+                    self.prom.fallbacks.labels(reason=fb.kind).inc()
+                    if not last:
+                        log.warning("trying the next cloud pool", failed=model, reason=fb.reason)
+            fallback = "; ".join(failed)
+            log.warning("answering locally instead of the cloud", reason=fallback)
         await self._run_local(req, decision, record, received, fallback)
 
     def _too_long_for_local(self, req: InferRequest) -> RouteDecision | None:

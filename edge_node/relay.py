@@ -105,6 +105,7 @@ class CloudRelay:
         trace: Mapping[str, str] | None,
         *,
         local_fits: bool = True,
+        tried: str | None = None,
     ) -> None:
         self.edge = edge
         self.req = req
@@ -113,6 +114,8 @@ class CloudRelay:
         self.received = received
         self.trace = trace
         self.local_fits = local_fits
+        self.tried = tried
+        """Earlier cloud pools of the edge's fallback chain that could not serve it, and why."""
         self.first_token: float | None = None
 
     def _give_up(self, reason: str, kind: str) -> Fallback:
@@ -263,6 +266,7 @@ class CloudRelay:
                 "total_ms": round((time.perf_counter() - self.received) * 1000, 2),
             }
         )
-        return end.model_copy(
-            update={"timings": timings, "routing": self.decision, "path": "cloud"}
-        )
+        update: dict[str, object] = {"timings": timings, "routing": self.decision, "path": "cloud"}
+        if self.tried:
+            update["fallback"] = f"served by the {self.req.model!r} pool after {self.tried}"
+        return end.model_copy(update=update)

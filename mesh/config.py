@@ -276,6 +276,11 @@ class EdgeSettings(_Section):
     """The on-device model."""
     cloud_model: str = DEFAULT_MODEL_NAME
     """Cloud model that escalated requests go to unless they name one."""
+    cloud_fallbacks: list[str] = Field(default_factory=list)
+    """Further cloud pools to try, in order, when the cloud model's pool cannot serve a
+    request that names no model (no pool, no live worker, not started in time, a cloud error
+    before any token): for example a smaller, less busy model. Each step's reason is kept; the
+    answer's end names them in ``fallback``. Past the last, the edge answers locally."""
     router: RouterSettings = Field(default_factory=RouterSettings)
     """The on-device classifier."""
     cloud_start_timeout: float = Field(default=10.0, gt=0)

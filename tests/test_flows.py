@@ -9,6 +9,8 @@ import pytest
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
+from edge_node.routing import create_router
+from mesh.backends.llama_cpp import LlamaCppBackend
 from mesh.client import MeshClient
 from mesh.config import MeshSettings
 from mesh.connection import Connection
@@ -329,3 +331,22 @@ async def test_sdk_timeout_cancels_the_edge_work(
 
 async def _no_inflight(edge: EdgeNode) -> bool:
     return edge.records.in_flight() == 0
+
+
+async def test_an_edge_tries_its_cloud_pools_in_order_before_answering_locally(
+    settings: MeshSettings, conn: Connection, worker: Worker, edge_backend: LlamaCppBackend
+) -> None:
+    # No pool serves "big"; the smaller pool (the worker's model) does.
+    settings.edge.cloud_model = "big"
+    settings.edge.cloud_fallbacks = [worker.backend.model]
+    async with (
+        EdgeNode(settings, conn, edge_backend, create_router(settings.edge.router)),
+        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+    ):
+        answer = await client.complete(COMPLEX, route="cloud", max_tokens=8, temperature=0)
+        assert answer.path == "cloud" and answer.end.served_by == f"cloud:{worker.node_id}"
+        assert answer.end.fallback is not None
+        assert "'smollm2' pool after big: no worker pool serves 'big'" in answer.end.fallback
+        # A client that names its model gets that model or a typed error: no chain.
+        with pytest.raises(UnknownModelError):
+            await client.complete(COMPLEX, route="cloud", model="big", max_tokens=8)
