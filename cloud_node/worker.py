@@ -67,6 +67,7 @@ from protocol.subjects import (
     model_token,
     scope_of,
     token_subject,
+    worker_cancels,
     worker_status_subject,
 )
 
@@ -158,6 +159,7 @@ class Worker(Lifecycle):
         nc = self.conn.nc
         self._subs = [
             await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel),
+            await nc.subscribe(worker_cancels(self.node_id), cb=self._on_cancel),
             # One worker of the pool answers each request whose last delivery died with its
             # worker: the consumer gives up on it, and JetStream says so in this advisory.
             await nc.subscribe(

@@ -31,7 +31,12 @@ from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.errors import MeshTimeoutError, OverloadedError, UnavailableError
 from protocol.messages import InferRequest
 from protocol.stream import AnswerState, request_fingerprint
-from protocol.subjects import cancel_subject, infer_subject, token_subject
+from protocol.subjects import (
+    cancel_subject,
+    infer_subject,
+    token_subject,
+    worker_cancel_subject,
+)
 
 log = get_logger(__name__)
 
@@ -162,11 +167,14 @@ class CloudCall(Lifecycle):
 
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
+        node = self.reader.state.node
+        subject = (
+            worker_cancel_subject(node.removeprefix("cloud:"), self.scope, self.request.id)
+            if node.startswith("cloud:")  # started: only the worker holding it needs to know
+            else cancel_subject(self.scope, self.request.id)  # queued: whoever takes it
+        )
         with contextlib.suppress(Exception):
-            await self.conn.nc.publish(
-                cancel_subject(self.scope, self.request.id),
-                cancel_payload(self.request.cancel_key),
-            )
+            await self.conn.nc.publish(subject, cancel_payload(self.request.cancel_key))
         deletable = not self.conn.settings.least_privilege  # else its cancel alone takes it back
         if self.ack is not None and not self.ack.duplicate and deletable:
             # Fails when already delivered (the cancel covers that) or already gone: both fine.

@@ -35,6 +35,7 @@ from protocol.subjects import (
     is_token,
     site_answers_filter,
     site_consumer,
+    worker_cancels,
 )
 
 INFER_STREAM = "MESH_INFER"
@@ -71,6 +72,7 @@ def edge_permissions(edge: str, hub_domain: str | None = HUB_DOMAIN) -> Permissi
         pub_allow=(
             f"{PREFIX}.infer.*.{edge}",
             f"{PREFIX}.cancel.{edge}.*",
+            f"{PREFIX}.worker.*.cancel.{edge}.*",  # to the worker holding its request
             *(f"{prefix}.{call}" for prefix in prefixes for call in api),
             f"$JS.ACK.{ANSWERS_STREAM}.{site}.>",
             f"$JS.ACK.*.*.{ANSWERS_STREAM}.{site}.>",
@@ -117,6 +119,7 @@ def worker_permissions(node: str) -> Permissions:
         ),
         sub_allow=(
             CANCEL_WILDCARD,
+            worker_cancels(node),
             f"{PREFIX}.worker.{node}.status",
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{INFER_STREAM}.*",
             f"{inbox}.>",

@@ -3,7 +3,9 @@
 - ``mesh.v1.infer.<model>.<scope>``: stream ``MESH_INFER`` (work queue), escalated requests
 - ``mesh.v1.tok.<scope>.<request_id>``: start / tok / end / err events, also kept a while in
   stream ``MESH_TOK`` so a reader can fetch what it missed and a new worker can continue the answer
-- ``mesh.v1.cancel.<scope>.<request_id>``: core NATS, cancel one queued request (workers listen)
+- ``mesh.v1.cancel.<scope>.<request_id>``: core NATS, cancel a request no worker has started
+  (every worker listens); ``mesh.v1.worker.<node>.cancel.<scope>.<request_id>`` cancels one that
+  worker ``<node>`` has started (only it listens)
 - ``mesh.v1.edge.<edge_id>.infer``: core NATS request-reply (micro service), an edge's entry;
   ``.cancel`` and ``.resend`` beside it let the sender cancel or fetch missed events
 - ``mesh.v1.worker.<node_id>.status``: a worker's status (micro service ``mesh-worker``)
@@ -166,6 +168,19 @@ def edge_resend_subject(edge_id: str) -> str:
     """Where a client asks an edge to send again the events of its request that it missed."""
     _check_token(edge_id, "edge id")
     return f"{PREFIX}.edge.{edge_id}.resend"
+
+
+def worker_cancel_subject(node_id: str, scope: str, request_id: str) -> str:
+    """A cancel addressed to the worker holding the request (``node_id`` from its start
+    event): it reaches that worker only, where ``cancel_subject`` reaches every worker."""
+    _check_token(scope, "scope")
+    _check_token(request_id, "request id")
+    return f"{PREFIX}.worker.{model_token(node_id)}.cancel.{scope}.{request_id}"
+
+
+def worker_cancels(node_id: str) -> str:
+    """What a worker subscribes to for the cancels addressed to it."""
+    return f"{PREFIX}.worker.{model_token(node_id)}.cancel.*.*"
 
 
 def worker_status_subject(node_id: str) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from nats.aio.msg import Msg
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
@@ -350,3 +351,42 @@ async def test_an_edge_tries_its_cloud_pools_in_order_before_answering_locally(
         # A client that names its model gets that model or a typed error: no chain.
         with pytest.raises(UnknownModelError):
             await client.complete(COMPLEX, route="cloud", model="big", max_tokens=8)
+
+
+async def test_a_cancel_reaches_only_the_worker_holding_the_request(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    from mesh.backends.deterministic import DeterministicBackend
+    from mesh.config import ModelSettings
+
+    model = ModelSettings(backend="deterministic", token_delay_ms=20, slots=2)
+    seen: dict[str, list[str]] = {"broadcast": [], "addressed": []}
+
+    async def record(msg: Msg) -> None:
+        kind = "broadcast" if msg.subject.startswith("mesh.v1.cancel.") else "addressed"
+        seen[kind].append(msg.subject)
+
+    await conn.nc.subscribe("mesh.v1.cancel.>", cb=record)
+    await conn.nc.subscribe("mesh.v1.worker.*.cancel.>", cb=record)
+    settings.worker.node_id = "holder-a"
+    async with Worker(settings, conn, DeterministicBackend(model)) as first:
+        settings.worker.node_id = "holder-b"
+        async with (
+            Worker(settings, conn, DeterministicBackend(model)) as second,
+            MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+        ):
+            stream = client.stream("[tag:c] long", via="cloud", max_tokens=500)
+            async for event in stream:
+                if isinstance(event, TokenEvent) and event.seq >= 3:
+                    break  # the client walks away mid-answer
+            await stream.aclose()
+
+            async def one_cancelled() -> bool:
+                return first.stats.cancelled + second.stats.cancelled == 1
+
+            await eventually(one_cancelled, timeout=10, what="the holder to cancel")
+            holder = first if first.stats.cancelled else second
+            await conn.nc.flush()
+            assert seen["broadcast"] == []  # no other worker heard of it
+            assert len(seen["addressed"]) == 1
+            assert seen["addressed"][0].startswith(f"mesh.v1.worker.{holder.node_id}.cancel.")

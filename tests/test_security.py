@@ -186,6 +186,8 @@ async def test_edge_a_cannot_read_cancel_or_impersonate_edge_b(mesh: Hub) -> Non
             await spy.nc.publish("mesh.v1.cancel.site-b.x", b"")
             await asyncio.sleep(0.01)
         await spy.refused("Publish", "mesh.v1.cancel.site-b.x")
+        await spy.nc.publish("mesh.v1.worker.w1.cancel.site-b.x", b"")  # addressed, B's scope
+        await spy.refused("Publish", "mesh.v1.worker.w1.cancel.site-b.x")
         # A cannot queue work as B (B's token subject would get the answer) ...
         await spy.nc.publish("mesh.v1.infer.smollm2.site-b", b'{"id": "fake", "prompt": "x"}')
         await spy.refused("Publish", "mesh.v1.infer.smollm2.site-b")
