@@ -124,5 +124,9 @@ async def model_is_served(jsm: JetStreamManager, settings: StreamSettings, model
     except NotFoundError:
         return False
     except asyncio.TimeoutError:
-        raise MeshTimeoutError("JetStream did not answer a consumer lookup") from None
+        # Nothing was sent yet: the cloud is out of reach now, which is not an accepted request
+        # going silent (a timeout).
+        raise UnavailableError(
+            "JetStream did not answer a consumer lookup", retry_after=1.0
+        ) from None
     return True
