@@ -330,10 +330,14 @@ class Worker(Lifecycle):
         key = cancel_key_of(msg.data, msg.headers)
         self._cancels.add(address, key)
         entry = self._inflight.get(address)
+        held = entry is not None and allows(entry[1], key)
+        if msg.reply:  # an addressed cancel: say whether it found the request here
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(b'{"held": true}' if held else b'{"held": false}')
         if entry is None:
             return
-        task, request = entry
-        if not allows(request, key):
+        task = entry[0]
+        if not held:
             self.stats.cancels_refused += 1
             log.warning("cancel refused: not the sender's key", request_id=request_id)
             return
@@ -371,10 +375,11 @@ class Worker(Lifecycle):
             address = token_subject(scope, request.id)
             self._check(request, address)
         except MeshError as err:
-            await self._reject(msg, err, attempt)
             if request is not None and request.deferrable and scope is not None:
-                with contextlib.suppress(MeshError):
-                    await self.keeper.keep(scope, request, None, error_event(err, request.id))
+                kept = await self._kept_or_nak(msg, scope, request, error_event(err, request.id))
+                if not kept:
+                    return
+            await self._reject(msg, err, attempt)
             return
         task = asyncio.current_task()
         assert task is not None
@@ -681,10 +686,24 @@ class Worker(Lifecycle):
             await publisher.finish(writer.error(err))
         if request is not None and request.deferrable:
             scope, _ = address_of(publisher.subject)
-            with contextlib.suppress(MeshError):
-                await self.keeper.keep(scope, request, None, error_event(err, request.id))
+            if not await self._kept_or_nak(msg, scope, request, error_event(err, request.id)):
+                return
         with contextlib.suppress(nats.errors.Error):
             await msg.term()
+
+    async def _kept_or_nak(
+        self, msg: Msg, scope: str, request: InferRequest, outcome: ErrorEvent
+    ) -> bool:
+        """Keep a request-that-can-wait's final error before its message is let go; when it
+        cannot be kept, hand the message back (False) so a later delivery keeps it."""
+        try:
+            await self.keeper.keep(scope, request, None, outcome)
+        except MeshError as err:
+            log.warning("final error not kept; redelivering", error=err.message)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return False
+        return True
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
         """The last delivery's worker died: tell the request's sender, typed, and drop it."""
@@ -696,6 +715,21 @@ class Worker(Lifecycle):
             queued = await jsm.get_msg(self._stream.name, stream_seq)
             request_id, _ = reply_target(queued.data or b"", queued.headers)
             scope = scope_of(queued.subject or "")
+            with contextlib.suppress(MeshError):  # a request that can wait: keep its error
+                held, _fmt = decode_request(queued.data or b"", queued.headers)
+                if held.deferrable and scope is not None and held.id == request_id:
+                    await self.keeper.keep(
+                        scope,
+                        held,
+                        None,
+                        error_event(
+                            MaxDeliveriesError(
+                                f"{deliveries} deliveries ended without an answer",
+                                request_id=held.id,
+                            ),
+                            held.id,
+                        ),
+                    )
             if request_id is not None and scope is not None:
                 events = await self.store.replay(token_subject(scope, request_id))
                 state = AnswerState(request_id)

@@ -34,7 +34,14 @@ from mesh import kept
 from mesh.logs import get_logger
 from mesh.queue import MSG_ID_HEADER
 from mesh.tasks import TaskSet
-from protocol.codec import CONTENT_TYPE, WireFormat, decode_event, dump, to_exception
+from protocol.codec import (
+    CONTENT_TYPE,
+    WireFormat,
+    decode_event,
+    dump,
+    error_event,
+    to_exception,
+)
 from protocol.errors import (
     DuplicateRequestError,
     MeshError,
@@ -65,6 +72,8 @@ RETRY_S = 1.0
 OUTBOX_ACK_WAIT_S = 30.0
 SERVED_CHECK_S = 1.0
 """How long a request that can wait waits to learn whether its model has a pool at all."""
+RETRYABLE_REFUSALS = {10077, 10078, 10027, 10028}
+"""JetStream's "stream is full" codes: the hub's queue is full for now, so the request waits."""
 HELD_ID_HEADER = "Mesh-Id"
 """A held request's id (its outbox message id also carries its fingerprint)."""
 
@@ -253,7 +262,12 @@ class SiteStore:
                     timeout=self.conn.settings.request_timeout,
                 )
                 break
-            except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            except APIError as exc:
+                if not _queue_full(exc):
+                    await self._refused(msg, f"the hub refused it: {exc.description}")
+                    return  # for good: answered with a typed error, not held forever
+                log.debug("forward refused for now; holding on", error=repr(exc))
+            except (asyncio.TimeoutError, nats.errors.Error) as exc:
                 self.uplink = False
                 log.debug("forward failed; holding on", error=repr(exc))
             await asyncio.sleep(RETRY_S)
@@ -267,6 +281,26 @@ class SiteStore:
         with contextlib.suppress(nats.errors.Error):
             await msg.ack_sync(timeout=self.conn.settings.request_timeout)
         log.info("held request forwarded", request_id=_held_id(msg))
+
+    async def _refused(self, msg: Msg, reason: str) -> None:
+        """A held request the hub will never take: keep a typed error as its answer (so its
+        client hears it, now or when it asks again) and let the outbox go on."""
+        request_id = _held_id(msg)
+        fingerprint = (msg.headers or {}).get(MSG_ID_HEADER, "").rpartition(".")[2]
+        error = error_event(UnavailableError(reason, request_id=request_id), request_id)
+        try:
+            await self.conn.site_js().publish(
+                kept_subject(request_id),
+                dump(error, WireFormat.MSGPACK),
+                stream=KEPT_STREAM,
+                headers={MSG_ID_HEADER: request_id, kept.FINGERPRINT_HEADER: fingerprint},
+            )
+        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            log.warning("refused request not answered; retrying later", error=repr(exc))
+            return  # not acked: redelivered after ack_wait
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await msg.ack_sync(timeout=self.conn.settings.request_timeout)
+        log.warning("held request refused by the hub", request_id=request_id, reason=reason)
 
     # -- collector -----------------------------------------------------------------------------
     async def _collect_loop(self) -> None:
@@ -320,6 +354,16 @@ class SiteStore:
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
             await msg.ack()
         log.info("answer collected", request_id=request_id)
+
+
+def _queue_full(exc: APIError) -> bool:
+    """The hub's queue is full for now (the request waits), not refusing it for good."""
+    text = str(exc.description or "").lower()
+    return (
+        exc.err_code in RETRYABLE_REFUSALS
+        or "maximum messages" in text
+        or ("maximum bytes" in text)
+    )
 
 
 def _outbox_parts(subject: str) -> tuple[str, str, str, str]:

@@ -182,7 +182,7 @@ class AnswerStore:
             "deliver_policy": "all",
             "ack_policy": "none",
             "max_ack_pending": 0,
-            "inactive_threshold": int(max(timeout, 5.0) * 1e9),
+            "inactive_threshold": int(1e9),  # gone a second after this read unsubscribes
             "mem_storage": True,
         }
         body = json.dumps({"stream_name": stream, "config": config, "action": "create"})

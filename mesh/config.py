@@ -141,6 +141,9 @@ class StreamSettings(_Section):
     kept_max_age: float = Field(default=7 * 86400.0, gt=0)
     """Seconds the answers of requests that can wait are kept, on the hub (MESH_ANSWERS, until
     their site collects them) and at the site (MESH_KEPT, for clients asking again by id)."""
+    kept_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1024 * 1024)
+    """Bytes the hub's MESH_ANSWERS keeps at most (oldest first): what every site's requests
+    that could wait may hold there, together."""
     outbox_max_age: float = Field(default=7 * 86400.0, gt=0)
     """Seconds an edge site holds a request that can wait while its uplink is down."""
 

@@ -48,6 +48,8 @@ def answers_config(settings: StreamSettings) -> api.StreamConfig:
         subjects=[ANSWER_WILDCARD],
         storage=api.StorageType.FILE,
         max_age=settings.kept_max_age,
+        max_bytes=settings.kept_max_bytes,
+        discard=api.DiscardPolicy.OLD,
         max_msgs_per_subject=1,
         duplicate_window=DEDUPE_WINDOW_S,
         allow_direct=True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 from collections.abc import Mapping
 
@@ -43,6 +44,9 @@ log = get_logger(__name__)
 # JetStream error codes for "stream is full" with discard=new.
 _STORE_FULL_CODES = {10077, 10078, 10027, 10028}
 MSG_ID_HEADER = "Nats-Msg-Id"
+ADDRESSED_CANCEL_WAIT_S = 0.5
+"""How long a cancel addressed to the worker holding a request waits for its word before the
+cancel goes to every worker (the holder died, or handed the request on)."""
 TRACE_HEADERS = ("traceparent", "tracestate")
 """W3C trace context: carried from the client's request to the queued one, unchanged."""
 
@@ -167,19 +171,30 @@ class CloudCall(Lifecycle):
 
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
+        payload = cancel_payload(self.request.cancel_key)
         node = self.reader.state.node
-        subject = (
-            worker_cancel_subject(node.removeprefix("cloud:"), self.scope, self.request.id)
-            if node.startswith("cloud:")  # started: only the worker holding it needs to know
-            else cancel_subject(self.scope, self.request.id)  # queued: whoever takes it
-        )
-        with contextlib.suppress(Exception):
-            await self.conn.nc.publish(subject, cancel_payload(self.request.cancel_key))
+        if node.startswith("cloud:") and await self._cancel_at(node.removeprefix("cloud:")):
+            pass  # the worker holding it stopped it: nobody else needs to hear
+        else:  # queued, or its worker is gone or let it go: whoever takes it next must know
+            with contextlib.suppress(Exception):
+                await self.conn.nc.publish(cancel_subject(self.scope, self.request.id), payload)
         deletable = not self.conn.settings.least_privilege  # else its cancel alone takes it back
         if self.ack is not None and not self.ack.duplicate and deletable:
             # Fails when already delivered (the cancel covers that) or already gone: both fine.
             with contextlib.suppress(APIError, asyncio.TimeoutError, nats.errors.Error):
                 await self.conn.jsm().delete_msg(self.ack.stream, self.ack.seq)
+
+    async def _cancel_at(self, node: str) -> bool:
+        """Cancel at the worker the start event named; True when it held the request."""
+        try:
+            reply = await self.conn.nc.request(
+                worker_cancel_subject(node, self.scope, self.request.id),
+                cancel_payload(self.request.cancel_key),
+                timeout=ADDRESSED_CANCEL_WAIT_S,
+            )
+            return bool(json.loads(reply.data).get("held"))
+        except (nats.errors.Error, asyncio.TimeoutError, ValueError, AttributeError):
+            return False  # no such worker now (it died), or it did not answer in time
 
     async def close(self) -> None:
         await self.reader.close()

@@ -26,7 +26,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import TcpProxy
 from mesh_app.creds import Minted, mint
-from protocol.errors import DuplicateRequestError, MeshError
+from protocol.errors import DuplicateRequestError, MeshError, UnavailableError
 from tests.helpers import eventually
 from tests.test_security import TEST_ENV, Certs, certs, read_env  # noqa: F401 - certs is a fixture
 
@@ -340,3 +340,33 @@ async def test_held_requests_survive_an_edge_restart_and_a_reused_id_gets_no_for
                 assert (await client.answer("across-restart")).text == expected("r", 10)
             finally:
                 await restarted.stop(grace=0.5)
+
+
+async def test_a_request_the_hub_refuses_for_good_gets_a_typed_error_and_blocks_nothing(
+    topology: Topology,
+) -> None:
+    site = "site-a"
+    async with running_mesh(topology):
+        operator = topology.hub_settings("operator")
+        async with Connection(operator.nats, "op") as op:
+            config = (await op.jsm().stream_info("MESH_INFER")).config
+            config.max_msg_size = 2048  # the hub refuses bigger requests, for good
+            await op.jsm().update_stream(config)
+        async with MeshClient(settings=topology.site_settings(site, "client")) as client:
+            too_big = asyncio.ensure_future(
+                client.complete(
+                    "[tag:z] " + "x" * 4000,
+                    route="cloud",
+                    max_tokens=5,
+                    deferrable=True,
+                    request_id="too-big",
+                )
+            )
+            after = await client.complete(
+                "[tag:n] x", route="cloud", max_tokens=5, deferrable=True, request_id="next"
+            )
+            assert after.text == expected("n", 5)  # held behind it, forwarded all the same
+            with pytest.raises(UnavailableError, match="refused"):
+                await too_big
+            with pytest.raises(UnavailableError, match="refused"):
+                await client.answer("too-big")  # asked again: the same typed error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -390,3 +391,50 @@ async def test_a_cancel_reaches_only_the_worker_holding_the_request(
             assert seen["broadcast"] == []  # no other worker heard of it
             assert len(seen["addressed"]) == 1
             assert seen["addressed"][0].startswith(f"mesh.v1.worker.{holder.node_id}.cancel.")
+
+
+async def test_a_cancel_for_a_dead_holder_reaches_whoever_takes_the_request_next(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    from mesh.backends.deterministic import DeterministicBackend
+    from mesh.config import ModelSettings
+
+    settings.stream.ack_wait = 2.0  # the dead holder's request comes back quickly
+    settings.nats.least_privilege = True  # so the client cannot delete it from the queue
+    model = ModelSettings(backend="deterministic", token_delay_ms=20, slots=1)
+    broadcast: list[str] = []
+
+    async def record(msg: Msg) -> None:
+        broadcast.append(msg.subject)
+
+    await conn.nc.subscribe("mesh.v1.cancel.>", cb=record)
+    settings.worker.node_id = "doomed"
+    doomed_conn = await Connection(settings.nats, "doomed").connect()
+    doomed = Worker(settings, doomed_conn, DeterministicBackend(model))
+    await doomed.start()
+    survivor_backend = DeterministicBackend(model)
+    try:
+        async with MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client:
+            stream = client.stream("[tag:d] long", via="cloud", max_tokens=500)
+            async for event in stream:
+                if isinstance(event, TokenEvent) and event.seq >= 2:
+                    break
+            settings.worker.node_id = "survivor"
+            async with Worker(settings, conn, survivor_backend) as survivor:
+                # The holder dies (its connection goes, no goodbye); the client walks away.
+                assert doomed._heartbeat._task is not None
+                doomed._heartbeat._task.cancel()
+                await doomed_conn.nc.close()
+                await stream.aclose()
+
+                async def broadcast_once() -> bool:
+                    return len(broadcast) == 1
+
+                # Nobody answered at the holder's address: the cancel went to every worker.
+                await eventually(broadcast_once, timeout=5, what="the cancel broadcast")
+                await stat_reaches(survivor.stats, "fetched", 1)  # the redelivery came to it
+                await stat_reaches(survivor.stats, "rejected", 1)  # as cancelled, at once
+                assert survivor.stats.completed == 0 and survivor_backend.started == 0
+    finally:
+        with contextlib.suppress(Exception):
+            await doomed.stop()
