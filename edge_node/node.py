@@ -427,11 +427,12 @@ class EdgeNode(Lifecycle):
                 raise InvalidRequestError('send {"id": "<request id>"}')
             if self.site is None:
                 raise UnavailableError("this edge keeps no answers (its site has no JetStream)")
-            outcome = await self.site.kept(request_id)
+            key = raw.get("key") if isinstance(raw.get("key"), str) else None
+            outcome = await self.site.fetch(request_id, key)
             if outcome is None:
                 raise UnavailableError(
-                    f"no answer kept for {request_id!r} yet: held at the site, in the cloud, "
-                    "or unknown",
+                    f"no answer kept for {request_id!r} yet (held at the site, in the cloud, "
+                    "or unknown), or not for this key",
                     request_id=request_id,
                     retry_after=30.0,
                 )

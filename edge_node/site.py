@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import json
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -52,8 +55,10 @@ from protocol.messages import Answer, ErrorEvent, InferRequest, RouteDecision, W
 from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import (
     ANSWERS_STREAM,
+    CLAIMS_STREAM,
     KEPT_STREAM,
     OUTBOX_STREAM,
+    claim_subject,
     infer_subject,
     kept_subject,
     outbox_subject,
@@ -98,6 +103,7 @@ class SiteStore:
         jsm = self.conn.site_jsm()
         await kept.ensure(jsm, kept.outbox_config(self.settings.stream))
         await kept.ensure(jsm, kept.kept_config(self.settings.stream))
+        await kept.ensure(jsm, kept.claims_config(self.settings.stream))
         try:
             await jsm.add_consumer(
                 OUTBOX_STREAM,
@@ -155,7 +161,7 @@ class SiteStore:
         try:
             found = await self.kept_with_fingerprint(req.id)
             if found is None:
-                await self.hold(queued, model, fingerprint)
+                await self.hold(queued, model, fingerprint, claim_key=req.cancel_key)
                 found = await self._wait(sub, wait_until)
         finally:
             with contextlib.suppress(nats.errors.Error):
@@ -175,7 +181,9 @@ class SiteStore:
             )
         await emit_outcome(record, outcome)
 
-    async def hold(self, req: InferRequest, model: str, fingerprint: str) -> None:
+    async def hold(
+        self, req: InferRequest, model: str, fingerprint: str, *, claim_key: str | None = None
+    ) -> None:
         """Into the outbox, once per (id, content): the same request sent again is held once;
         another under its id is held too, and told ``duplicate`` when the first one's answer
         comes."""
@@ -195,11 +203,39 @@ class SiteStore:
                 f"the site could not hold the request: {type(exc).__name__}", request_id=req.id
             ) from None
         log.info("request held at the site", request_id=req.id, duplicate=ack.duplicate)
+        claim = {"fp": fingerprint, "key": key_hash(claim_key)}
+        with contextlib.suppress(APIError):  # held before under this id: the first claim stays
+            await self.conn.site_js().publish(
+                claim_subject(req.id), json.dumps(claim).encode(), stream=CLAIMS_STREAM
+            )
 
     async def kept(self, request_id: str) -> Answer | ErrorEvent | None:
         """The kept answer of ``request_id`` at this site, if it came."""
         found = await self.kept_with_fingerprint(request_id)
         return found[0] if found is not None else None
+
+    async def fetch(self, request_id: str, key: str | None) -> Answer | ErrorEvent | None:
+        """The kept answer of ``request_id`` for whoever asks with the key its request carried
+        (``cancel_key``); None for anyone else, as for an answer not come yet. A request held
+        without a key can be fetched by anyone at the site."""
+        found = await self.kept_with_fingerprint(request_id)
+        if found is None:
+            return None
+        outcome, fingerprint = found
+        try:
+            msg = await self.conn.site_jsm().get_msg(
+                CLAIMS_STREAM, subject=claim_subject(request_id), direct=True
+            )
+            claim = json.loads(msg.data or b"{}")
+        except NotFoundError:
+            return outcome  # held before claims were kept: the site is one trust zone
+        except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
+            raise UnavailableError(f"the site's claims cannot be read: {exc!r}") from None
+        if claim.get("fp") != fingerprint:
+            return None  # kept for another request under this id
+        if claim.get("key") and not hmac.compare_digest(claim["key"], key_hash(key)):
+            return None
+        return outcome
 
     async def kept_with_fingerprint(
         self, request_id: str
@@ -354,6 +390,11 @@ class SiteStore:
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
             await msg.ack()
         log.info("answer collected", request_id=request_id)
+
+
+def key_hash(key: str | None) -> str:
+    """What a claim keeps of a request's key (never the key itself)."""
+    return hashlib.sha256(key.encode()).hexdigest() if key else ""
 
 
 def _queue_full(exc: APIError) -> bool:

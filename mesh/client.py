@@ -171,6 +171,7 @@ class MeshClient(Lifecycle):
         deadline: float | None = None,
         request_id: str | None = None,
         deferrable: bool = False,
+        cancel_key: str | None = None,
     ) -> AsyncGenerator[StreamItem, None]:
         """Token events (and a restart event if the answer had to start over), then the end.
 
@@ -179,7 +180,9 @@ class MeshClient(Lifecycle):
 
         ``deferrable``: the request can wait for the cloud (up to its deadline) instead of being
         answered locally. An edge on a site with its own JetStream holds it through uplink
-        outages; if this call ends first, :meth:`answer` fetches the answer later by id.
+        outages; if this call ends first, :meth:`answer` fetches the answer later by id, for
+        whoever knows the request's ``cancel_key`` (this client's own by default: pass one of
+        yours to fetch after a restart).
         """
         request = self.build_request(
             prompt,
@@ -196,7 +199,10 @@ class MeshClient(Lifecycle):
             stream=True,
             origin="sdk",
             deferrable=deferrable or None,
+            cancel_key=cancel_key,
         )
+        if deferrable and request.cancel_key is None:  # what proves it is ours, asked again
+            request = request.model_copy(update={"cancel_key": self._cancel_key(request.id)})
         source = self._via_cloud(request) if via == "cloud" else self._via_edge(request)
         async with contextlib.aclosing(source):
             async for event in source:
@@ -218,15 +224,18 @@ class MeshClient(Lifecycle):
                 return Completion(text="".join(parts), end=event, restarts=restarts, events=events)
         raise RuntimeError("stream ended without an end event")  # _read guarantees one
 
-    async def answer(self, request_id: str) -> Answer:
-        """The kept answer of an earlier ``deferrable`` request, from the edge's site.
+    async def answer(self, request_id: str, cancel_key: str | None = None) -> Answer:
+        """The kept answer of an earlier ``deferrable`` request, from the edge's site; the
+        request's ``cancel_key`` proves it is yours (default: this client's own for that id).
 
         Raises the request's typed error if it failed, and :class:`UnavailableError` (retryable,
         with ``retry_after``) while it has no answer yet."""
         try:
             reply = await self.conn.nc.request(
                 edge_answer_subject(self.edge_id),
-                json.dumps({"id": request_id}).encode(),
+                json.dumps(
+                    {"id": request_id, "key": cancel_key or self._cancel_key(request_id)}
+                ).encode(),
                 timeout=self.conn.settings.request_timeout,
             )
         except nats.errors.NoRespondersError:

@@ -27,6 +27,8 @@ from protocol.stream import AnswerState
 from protocol.subjects import (
     ANSWER_WILDCARD,
     ANSWERS_STREAM,
+    CLAIM_WILDCARD,
+    CLAIMS_STREAM,
     KEPT_STREAM,
     KEPT_WILDCARD,
     OUTBOX_STREAM,
@@ -81,6 +83,20 @@ def kept_config(settings: StreamSettings) -> api.StreamConfig:
         max_age=settings.kept_max_age,
         max_msgs_per_subject=1,
         duplicate_window=DEDUPE_WINDOW_S,
+        allow_direct=True,
+    )
+
+
+def claims_config(settings: StreamSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=CLAIMS_STREAM,
+        description="mesh site: who held each request that can wait (first come, kept)",
+        subjects=[CLAIM_WILDCARD],
+        storage=api.StorageType.FILE,
+        max_age=settings.kept_max_age,
+        max_msgs_per_subject=1,
+        discard=api.DiscardPolicy.NEW,
+        discard_new_per_subject=True,  # a later request under the same id cannot take it over
         allow_direct=True,
     )
 

@@ -37,6 +37,8 @@ OUTBOX_STREAM = "MESH_OUTBOX"
 OUTBOX_WILDCARD = f"{PREFIX}.outbox.*.*"
 KEPT_STREAM = "MESH_KEPT"
 KEPT_WILDCARD = f"{PREFIX}.kept.*"
+CLAIMS_STREAM = "MESH_CLAIMS"
+CLAIM_WILDCARD = f"{PREFIX}.claim.*"
 DEFAULT_SCOPE = "anon"
 """The scope of a sender that names none (the SDK and CLI on an open server)."""
 NODES_BUCKET = "mesh_nodes"
@@ -125,6 +127,12 @@ def outbox_subject(model: str, scope: str) -> str:
 def kept_subject(request_id: str) -> str:
     _check_token(request_id, "request id")
     return f"{PREFIX}.kept.{request_id}"
+
+
+def claim_subject(request_id: str) -> str:
+    """Who may fetch the kept answer of ``request_id`` at a site (the first to hold it)."""
+    _check_token(request_id, "request id")
+    return f"{PREFIX}.claim.{request_id}"
 
 
 def site_answers_filter(scope: str) -> str:

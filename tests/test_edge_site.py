@@ -370,3 +370,33 @@ async def test_a_request_the_hub_refuses_for_good_gets_a_typed_error_and_blocks_
                 await too_big
             with pytest.raises(UnavailableError, match="refused"):
                 await client.answer("too-big")  # asked again: the same typed error
+
+
+async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) -> None:
+    site = "site-a"
+    settings = topology.site_settings(site, "client")
+    async with running_mesh(topology):
+        async with MeshClient(settings=settings) as mine, MeshClient(settings=settings) as other:
+            first = await mine.complete(
+                "[tag:k] x", route="cloud", max_tokens=6, deferrable=True, request_id="job-1"
+            )
+            assert first.text == expected("k", 6)
+            assert (await mine.answer("job-1")).text == expected("k", 6)  # its own key
+            # Another app at the site, asking for the same id: as if nothing were kept.
+            with pytest.raises(UnavailableError, match="not for this key"):
+                await other.answer("job-1")
+        # After a restart, the key the app keeps itself proves it is the app's.
+        async with MeshClient(settings=settings) as app:
+            await app.complete(
+                "[tag:q] x",
+                route="cloud",
+                max_tokens=6,
+                deferrable=True,
+                request_id="job-2",
+                cancel_key="the-apps-own-secret",
+            )
+        async with MeshClient(settings=settings) as restarted:
+            answer = await restarted.answer("job-2", cancel_key="the-apps-own-secret")
+            assert answer.text == expected("q", 6)
+            with pytest.raises(UnavailableError):
+                await restarted.answer("job-2")  # its per-instance key is not that one
