@@ -196,6 +196,13 @@ def _parser() -> argparse.ArgumentParser:
     creds.add_argument("--out", required=True, help="directory for auth.conf, *.creds, *.env")
     creds.add_argument("--edge", action="append", default=[], help="an edge id (repeatable)")
     creds.add_argument("--worker", action="append", default=[], help="a worker id (repeatable)")
+    creds.add_argument(
+        "--client",
+        action="append",
+        default=[],
+        metavar="EDGE:APP",
+        help="credentials of their own for one app of an edge (repeatable)",
+    )
     creds.add_argument("--expires-in", help="user credentials expire after this (90s, 12h, 30d)")
     creds.add_argument("--mount", help="where processes will see --out (a container volume)")
     creds.add_argument(
@@ -286,10 +293,17 @@ def _creds(args: argparse.Namespace) -> int:
 
     try:
         expires = parse_duration(args.expires_in) if args.expires_in else None
+        clients = []
+        for pair in args.client:
+            edge, sep, app = pair.partition(":")
+            if not sep:
+                raise ValueError(f"--client {pair!r}: write EDGE:APP")
+            clients.append((edge, app))
         minted = mint(
             Path(args.out),
             edges=args.edge,
             workers=args.worker,
+            clients=clients,
             expires_in=expires,
             mount=args.mount,
             hub_leaf_url=args.hub_leaf_url,

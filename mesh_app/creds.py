@@ -20,6 +20,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,6 +181,7 @@ def mint(
     *,
     edges: list[str],
     workers: list[str],
+    clients: Sequence[tuple[str, str]] = (),
     expires_in: float | None = None,
     now: float | None = None,
     mount: str | None = None,
@@ -195,9 +197,12 @@ def mint(
     Each edge also gets ``leaf-<edge>.conf``: its site's nats-server, a leaf node that dials
     ``hub_leaf_url`` with the edge's credentials (and verifies the hub's TLS certificate against
     ``leaf_tls_ca`` when given), so the hub holds the whole site to the edge's permissions."""
-    for name in [*edges, *workers]:
+    for name in [*edges, *workers, *(app for _e, app in clients)]:
         if not is_token(name):
-            raise ValueError(f"{name!r} is not a valid edge or worker id ([A-Za-z0-9_-])")
+            raise ValueError(f"{name!r} is not a valid edge, worker or app id ([A-Za-z0-9_-])")
+    for edge, _app in clients:
+        if edge not in edges:
+            raise ValueError(f"--client names edge {edge!r}, which is not among --edge")
     out.mkdir(parents=True, exist_ok=True)
     keys = _keys(out / "keys")
     expires = int((now or time.time()) + expires_in) if expires_in else 0
@@ -228,16 +233,19 @@ def mint(
                 "MESH_NATS_LEAST_PRIVILEGE": "true",
             },
         )
-        user(
-            f"client-{edge}",
-            f"client of edge {edge}",
-            client_permissions(edge, f"{edge}-apps"),
-            {
-                "MESH_EDGE_EDGE_ID": edge,
-                "MESH_NATS_INBOX_PREFIX": inbox_prefix("client", f"{edge}-apps"),
-                "MESH_NATS_LEAST_PRIVILEGE": "true",
-            },
-        )
+        for app in [f"{edge}-apps", *(a for e, a in clients if e == edge)]:
+            # One user for the site's apps together, and one per app named with --client, so
+            # that app has an inbox prefix of its own.
+            user(
+                f"client-{edge}" if app == f"{edge}-apps" else f"client-{edge}-{app}",
+                f"client {app} of edge {edge}",
+                client_permissions(edge, app),
+                {
+                    "MESH_EDGE_EDGE_ID": edge,
+                    "MESH_NATS_INBOX_PREFIX": inbox_prefix("client", app),
+                    "MESH_NATS_LEAST_PRIVILEGE": "true",
+                },
+            )
     for edge in edges:
         creds_path = (
             f"{mount.rstrip('/')}/edge-{edge}.creds"

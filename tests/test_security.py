@@ -91,7 +91,9 @@ def hub_conf(tmp: Path, minted: Minted) -> Path:
 
 @pytest.fixture
 async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
-    minted = mint(tmp_path, edges=list(EDGES), workers=["w1"], expires_in=3600)
+    minted = mint(
+        tmp_path, edges=list(EDGES), workers=["w1"], clients=[("site-a", "kiosk")], expires_in=3600
+    )
     async with NatsServer(config=str(hub_conf(tmp_path, minted))) as server:
         yield Hub(server, minted)
 
@@ -270,6 +272,14 @@ async def test_a_client_of_an_edge_may_only_call_that_edge(mesh: Hub) -> None:
             await client.refused("Publish", subject)
     finally:
         await client.close()
+    # An app minted on its own (--client site-a:kiosk) cannot read the other apps' replies.
+    kiosk = await Denials().connect(mesh, "client-site-a-kiosk")
+    try:
+        assert kiosk.nc is not None
+        await kiosk.nc.subscribe("_INBOX.client.site-a-apps.>")
+        await kiosk.refused("Subscription", "_INBOX.client.site-a-apps.>")
+    finally:
+        await kiosk.close()
 
 
 async def test_wrong_expired_or_missing_credentials_fail_at_start_with_a_reason(
@@ -323,9 +333,18 @@ def test_mesh_creds_command_writes_every_file_and_refuses_bad_ids(
 
     out = tmp_path / "creds"
     args = ["creds", "--out", str(out), "--edge", "jetson-1", "--worker", "gpu-1"]
+    args += ["--client", "jetson-1:kiosk"]
     assert main([*args, "--expires-in", "30d", "--mount", "/etc/mesh"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert set(listed["creds"]) == {"operator", "edge-jetson-1", "client-jetson-1", "worker-gpu-1"}
+    assert set(listed["creds"]) == {
+        "operator",
+        "edge-jetson-1",
+        "client-jetson-1",
+        "client-jetson-1-kiosk",
+        "worker-gpu-1",
+    }
+    kiosk = read_env(out / "client-jetson-1-kiosk.env")
+    assert kiosk["MESH_NATS_INBOX_PREFIX"] == "_INBOX.client.kiosk"
     assert all(Path(p).exists() for p in listed["creds"].values())
     env = read_env(out / "worker-gpu-1.env")
     assert env["MESH_NATS_CREDS_FILE"] == "/etc/mesh/worker-gpu-1.creds"
@@ -336,8 +355,10 @@ def test_mesh_creds_command_writes_every_file_and_refuses_bad_ids(
     claims = check_creds_file(listed["creds"]["edge-jetson-1"])
     assert 29 * 86400 < claims["exp"] - time.time() <= 30 * 86400
     assert main(["creds", "--out", str(tmp_path / "x"), "--edge", "a.b"]) == 2
-    assert "not a valid edge or worker id" in capsys.readouterr().err
+    assert "not a valid edge, worker or app id" in capsys.readouterr().err
     assert main([*args[:3], "--expires-in", "soon"]) == 2
+    assert main(["creds", "--out", str(tmp_path / "y"), "--edge", "a", "--client", "b:x"]) == 2
+    assert "not among --edge" in capsys.readouterr().err
 
 
 @dataclass
