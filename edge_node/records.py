@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event
 from protocol.errors import DuplicateRequestError, MeshError, status_of
-from protocol.messages import Answer, EndEvent, ErrorEvent, StartEvent, TokenEvent, WireEvent
+from protocol.messages import EndEvent, ErrorEvent, StartEvent, TokenEvent, WireEvent
 from protocol.stream import AnswerState
 
 log = get_logger(__name__)
@@ -82,10 +82,13 @@ class NatsSink:
             await self._publish(dump_event(event, self.fmt), self._headers)
         else:
             self._answer.feed(event)
-            if isinstance(event, EndEvent) and self._answer.done:
-                fields = event.model_dump(exclude={"t", "seq", "attempt", "digest"})
-                answer = Answer(**fields, text=self._answer.text(), digest=event.digest)
-                await self._publish(dump(answer, self.fmt), self._headers)
+            whole = self._answer.whole() if isinstance(event, EndEvent) else None
+            if isinstance(whole, ErrorEvent):  # an end that did not match its text
+                await self._publish(
+                    dump(whole, self.fmt), {**self._headers, **error_headers(whole)}
+                )
+            elif whole is not None:
+                await self._publish(dump(whole, self.fmt), self._headers)
 
     async def _publish(self, data: bytes, headers: dict[str, str]) -> None:
         try:

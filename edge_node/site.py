@@ -35,7 +35,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from mesh import kept
 from mesh.logs import get_logger
-from mesh.queue import MSG_ID_HEADER
+from mesh.queue import MSG_ID_HEADER, STORE_FULL_CODES
 from mesh.tasks import TaskSet
 from protocol.codec import (
     CONTENT_TYPE,
@@ -77,8 +77,6 @@ RETRY_S = 1.0
 OUTBOX_ACK_WAIT_S = 30.0
 SERVED_CHECK_S = 1.0
 """How long a request that can wait waits to learn whether its model has a pool at all."""
-RETRYABLE_REFUSALS = {10077, 10078, 10027, 10028}
-"""JetStream's "stream is full" codes: the hub's queue is full for now, so the request waits."""
 HELD_ID_HEADER = "Mesh-Id"
 """A held request's id (its outbox message id also carries its fingerprint)."""
 
@@ -95,8 +93,6 @@ class SiteStore:
         self.collected = 0
         self.forward_order: deque[str] = deque(maxlen=1000)
         """Ids of the latest forwarded requests, in the order they reached the hub."""
-        self.uplink = False
-        """Whether the last forward or collect reached the hub."""
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -248,7 +244,7 @@ class SiteStore:
             return None
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(f"the site's answers cannot be read: {exc!r}") from None
-        return _outcome(msg.data or b""), (msg.headers or {}).get(kept.FINGERPRINT_HEADER)
+        return _found(msg.data or b"", msg.headers)
 
     async def _wait(
         self, sub: Any, until: float
@@ -258,7 +254,7 @@ class SiteStore:
                 msg = await sub.next_msg(timeout=min(left, 5.0))
             except nats.errors.TimeoutError:
                 continue
-            return _outcome(msg.data), (msg.headers or {}).get(kept.FINGERPRINT_HEADER)
+            return _found(msg.data, msg.headers)
         return None
 
     # -- forwarder -----------------------------------------------------------------------------
@@ -282,7 +278,7 @@ class SiteStore:
     async def _forward(self, msg: Msg) -> None:
         """Publish one held request to the hub's queue, retrying until the hub acks it; then
         let the outbox copy go."""
-        _, _, model, scope = _outbox_parts(msg.subject)
+        model, scope = _outbox_parts(msg.subject)
         headers = {
             k: v for k, v in (msg.headers or {}).items() if k not in (MSG_ID_HEADER, HELD_ID_HEADER)
         }
@@ -304,14 +300,12 @@ class SiteStore:
                     return  # for good: answered with a typed error, not held forever
                 log.debug("forward refused for now; holding on", error=repr(exc))
             except (asyncio.TimeoutError, nats.errors.Error) as exc:
-                self.uplink = False
                 log.debug("forward failed; holding on", error=repr(exc))
             await asyncio.sleep(RETRY_S)
             if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
                 with contextlib.suppress(nats.errors.Error):
                     await msg.in_progress()
                 last_progress = time.monotonic()
-        self.uplink = True
         self.forwarded += 1
         self.forward_order.append(_held_id(msg))
         with contextlib.suppress(nats.errors.Error):
@@ -369,7 +363,6 @@ class SiteStore:
                 log.debug("collect failed", error=repr(exc))
                 await asyncio.sleep(RETRY_S)
                 continue
-            self.uplink = True
             for msg in msgs:
                 await self._collect(msg)
 
@@ -400,21 +393,25 @@ def key_hash(key: str | None) -> str:
 def _queue_full(exc: APIError) -> bool:
     """The hub's queue is full for now (the request waits), not refusing it for good."""
     text = str(exc.description or "").lower()
-    return (
-        exc.err_code in RETRYABLE_REFUSALS
-        or "maximum messages" in text
-        or ("maximum bytes" in text)
-    )
+    full = exc.err_code in STORE_FULL_CODES
+    return full or "maximum messages" in text or "maximum bytes" in text
 
 
-def _outbox_parts(subject: str) -> tuple[str, str, str, str]:
-    """(``mesh``, ``v1``, model, scope) of ``mesh.v1.outbox.<model>.<scope>``."""
+def _outbox_parts(subject: str) -> tuple[str, str]:
+    """(model, scope) of ``mesh.v1.outbox.<model>.<scope>``."""
     parts = subject.split(".")
-    return parts[0], parts[1], parts[3], parts[4]
+    return parts[3], parts[4]
 
 
 def _held_id(msg: Msg) -> str:
     return (msg.headers or {}).get(HELD_ID_HEADER, "")
+
+
+def _found(
+    data: bytes, headers: dict[str, str] | None
+) -> tuple[Answer | ErrorEvent | None, str | None]:
+    """A kept answer's message: the outcome, and the fingerprint of the request it answers."""
+    return _outcome(data), (headers or {}).get(kept.FINGERPRINT_HEADER)
 
 
 def _outcome(data: bytes) -> Answer | ErrorEvent | None:

@@ -26,13 +26,12 @@ import secrets
 
 import nats.errors
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
 from nats.js.manager import JetStreamManager
 
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from mesh.provision import placement
+from mesh.provision import ensure_config, placement
 from protocol.codec import decode_event
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.messages import Answer, WireEvent
@@ -66,23 +65,8 @@ async def ensure_answer_stream(jsm: JetStreamManager, settings: StreamSettings) 
     """Create or update ``MESH_TOK`` (idempotent; a no-op when the store is turned off)."""
     if settings.answer_storage == "off":
         return
-    wanted = answer_stream_config(settings)
-    try:
-        try:
-            info = await jsm.stream_info(settings.answer_stream)
-        except NotFoundError:
-            log.info("creating stream", stream=settings.answer_stream)
-            await jsm.add_stream(wanted)
-            return
-        have = info.config
-        managed = ("subjects", "max_age", "max_bytes", "discard", "allow_direct", "num_replicas")
-        if any(getattr(have, f) != getattr(wanted, f) for f in managed):
-            wanted.storage = have.storage
-            await jsm.update_stream(wanted)
-    except asyncio.TimeoutError:
-        raise MeshTimeoutError("JetStream did not answer while provisioning MESH_TOK") from None
-    except APIError as exc:
-        raise UnavailableError(f"JetStream refused stream MESH_TOK: {exc.description}") from None
+    managed = ("subjects", "max_age", "max_bytes", "discard", "allow_direct", "num_replicas")
+    await ensure_config(jsm, answer_stream_config(settings), managed)
 
 
 class AnswerStore:

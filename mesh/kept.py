@@ -11,18 +11,14 @@ carries a message id, so a link that flaps at any moment loses nothing and dupli
 
 from __future__ import annotations
 
-import asyncio
-
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
 from nats.js.manager import JetStreamManager
 
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
-from mesh.provision import placement
+from mesh.provision import ensure_config, placement
 from protocol.codec import WireFormat, dump
-from protocol.errors import MeshTimeoutError, UnavailableError
-from protocol.messages import Answer, EndEvent, ErrorEvent, WireEvent
+from protocol.messages import Answer, ErrorEvent, WireEvent
 from protocol.stream import AnswerState
 from protocol.subjects import (
     ANSWER_WILDCARD,
@@ -101,24 +97,24 @@ def claims_config(settings: StreamSettings) -> api.StreamConfig:
     )
 
 
+MANAGED = (
+    "subjects",
+    "max_age",
+    "max_bytes",
+    "max_msgs",
+    "max_msgs_per_subject",
+    "discard",
+    "discard_new_per_subject",
+    "duplicate_window",
+    "allow_direct",
+    "num_replicas",
+)
+"""What provisioning brings an existing kept, outbox or claims stream to."""
+
+
 async def ensure(jsm: JetStreamManager, config: api.StreamConfig) -> None:
     """Create the stream, or bring an existing one to ``config`` (idempotent)."""
-    try:
-        try:
-            await jsm.stream_info(config.name or "")
-        except NotFoundError:
-            log.info("creating stream", stream=config.name)
-            await jsm.add_stream(config)
-            return
-        await jsm.update_stream(config)
-    except asyncio.TimeoutError:
-        raise MeshTimeoutError(
-            f"JetStream did not answer while provisioning {config.name}"
-        ) from None
-    except APIError as exc:
-        raise UnavailableError(
-            f"JetStream refused stream {config.name}: {exc.description}"
-        ) from None
+    await ensure_config(jsm, config, MANAGED)
 
 
 def whole_answer(events: list[WireEvent], request_id: str) -> Answer | ErrorEvent | None:
@@ -126,13 +122,7 @@ def whole_answer(events: list[WireEvent], request_id: str) -> Answer | ErrorEven
     verified text, or the typed error. None when the events hold no outcome yet."""
     state = AnswerState(request_id)
     state.feed_all(events)
-    outcome = state.outcome
-    if isinstance(outcome, ErrorEvent):
-        return outcome
-    if isinstance(outcome, EndEvent) and state.done:
-        fields = outcome.model_dump(exclude={"t", "seq", "attempt", "digest"})
-        return Answer(**fields, text=state.text(), digest=outcome.digest)
-    return None
+    return state.whole()
 
 
 def encode_outcome(outcome: Answer | ErrorEvent) -> bytes:

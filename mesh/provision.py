@@ -7,6 +7,7 @@ consumer is updated to the configured limits, never recreated (queued requests s
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
@@ -62,38 +63,54 @@ def consumer_config(settings: StreamSettings, model: str) -> api.ConsumerConfig:
     )
 
 
-async def ensure_stream(jsm: JetStreamManager, settings: StreamSettings) -> api.StreamInfo:
-    wanted = stream_config(settings)
+async def ensure_config(
+    jsm: JetStreamManager,
+    wanted: api.StreamConfig,
+    managed: tuple[str, ...],
+    check: Callable[[api.StreamConfig], None] | None = None,
+) -> api.StreamInfo:
+    """Create the stream, or bring the ``managed`` fields of an existing one to ``wanted``
+    (idempotent; never recreated, so what it holds survives). ``check`` may refuse an existing
+    stream that cannot be brought there."""
+    name = wanted.name or ""
     try:
         try:
-            info = await jsm.stream_info(settings.name)
+            info = await jsm.stream_info(name)
         except NotFoundError:
-            log.info("creating stream", stream=settings.name)
+            log.info("creating stream", stream=name)
             return await jsm.add_stream(wanted)
         have = info.config
+        if check is not None:
+            check(have)
+        if any(getattr(have, f) != getattr(wanted, f) for f in managed):
+            log.info("updating stream", stream=name)
+            wanted.storage = have.storage  # storage cannot change on a live stream
+            return await jsm.update_stream(wanted)
+        return info
+    except asyncio.TimeoutError:
+        raise MeshTimeoutError(f"JetStream did not answer while provisioning {name}") from None
+    except APIError as exc:
+        raise UnavailableError(f"JetStream refused stream {name}: {exc.description}") from None
+
+
+async def ensure_stream(jsm: JetStreamManager, settings: StreamSettings) -> api.StreamInfo:
+    def work_queue(have: api.StreamConfig) -> None:
         if have.retention != api.RetentionPolicy.WORK_QUEUE:
             raise MeshError(
                 f"stream {settings.name} exists with retention {have.retention}, not workqueue; "
                 "delete it or configure another MESH_STREAM_NAME"
             )
-        managed = (
-            "subjects",
-            "max_msgs",
-            "max_bytes",
-            "max_age",
-            "discard",
-            "duplicate_window",
-            "num_replicas",
-        )
-        if any(getattr(have, f) != getattr(wanted, f) for f in managed):
-            log.info("updating stream limits", stream=settings.name)
-            wanted.storage = have.storage  # storage cannot change on a live stream
-            return await jsm.update_stream(wanted)
-        return info
-    except asyncio.TimeoutError:
-        raise MeshTimeoutError("JetStream did not answer while provisioning the stream") from None
-    except APIError as exc:
-        raise UnavailableError(f"JetStream refused the stream: {exc.description}") from None
+
+    managed = (
+        "subjects",
+        "max_msgs",
+        "max_bytes",
+        "max_age",
+        "discard",
+        "duplicate_window",
+        "num_replicas",
+    )
+    return await ensure_config(jsm, stream_config(settings), managed, work_queue)
 
 
 async def ensure_consumer(

@@ -42,7 +42,7 @@ from protocol.subjects import (
 log = get_logger(__name__)
 
 # JetStream error codes for "stream is full" with discard=new.
-_STORE_FULL_CODES = {10077, 10078, 10027, 10028}
+STORE_FULL_CODES = frozenset({10077, 10078, 10027, 10028})
 MSG_ID_HEADER = "Nats-Msg-Id"
 ADDRESSED_CANCEL_WAIT_S = 0.5
 """How long a cancel addressed to the worker holding a request waits for its word before the
@@ -91,7 +91,7 @@ async def publish_request(
             headers=headers,
         )
     except APIError as exc:
-        if exc.err_code in _STORE_FULL_CODES or "maximum" in (exc.description or ""):
+        if exc.err_code in STORE_FULL_CODES or "maximum" in (exc.description or ""):
             raise OverloadedError(
                 f"the cloud queue is full ({exc.description})",
                 retry_after=stream.retry_after,

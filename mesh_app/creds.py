@@ -302,8 +302,11 @@ leafnodes {{
 def _keys(directory: Path) -> dict[str, Key]:
     """The operator, system account and mesh account keys: read, or made once."""
     directory.mkdir(parents=True, exist_ok=True)
-    made = {"operator": nats_jwt.operator_key, "system": nats_jwt.account_key}
-    made["account"] = nats_jwt.account_key
+    made = {
+        "operator": nats_jwt.operator_key,
+        "system": nats_jwt.account_key,
+        "account": nats_jwt.account_key,
+    }
     keys: dict[str, Key] = {}
     for name, new in made.items():
         path = directory / f"{name}.nk"

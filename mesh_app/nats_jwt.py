@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ class Key:
 
     @classmethod
     def new(cls, prefix: int) -> Key:
-        seed = nkeys.encode_seed(_random_bytes(), prefix).decode()
+        seed = nkeys.encode_seed(secrets.token_bytes(32), prefix).decode()
         return cls.from_seed(seed)
 
     @classmethod
@@ -47,12 +48,6 @@ class Key:
 
     def sign(self, data: bytes) -> bytes:
         return bytes(nkeys.from_seed(self.seed.encode()).sign(data))
-
-
-def _random_bytes() -> bytes:
-    import secrets
-
-    return secrets.token_bytes(32)
 
 
 def operator_key() -> Key:
@@ -78,12 +73,6 @@ def encode(issuer: Key, subject: str, name: str, nats: dict[str, Any], expires: 
     claims["nats"] = {**nats, "version": 2}
     signed = f"{_b64(_json(_HEADER))}.{_b64(_json(claims))}"
     return f"{signed}.{_b64(issuer.sign(signed.encode()))}"
-
-
-def decode_claims(token: str) -> dict[str, Any]:
-    """The claims of a JWT, unverified (for display and tests)."""
-    payload = token.split(".")[1]
-    return dict(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))))
 
 
 def operator_jwt(operator: Key, name: str, system_account: str) -> str:

@@ -39,6 +39,7 @@ from typing import Literal
 from protocol.codec import error_event
 from protocol.errors import DuplicateRequestError, IncompleteAnswerError, MeshError
 from protocol.messages import (
+    Answer,
     EndEvent,
     ErrorEvent,
     InferRequest,
@@ -225,6 +226,14 @@ class AnswerState:
 
     def text(self) -> str:
         return "".join(self.texts)
+
+    def whole(self) -> Answer | ErrorEvent | None:
+        """The outcome as one message: the whole verified answer (what a non-streaming client
+        gets), the typed error, or None while there is no outcome yet."""
+        if isinstance(self.outcome, EndEvent):
+            fields = self.outcome.model_dump(exclude={"t", "seq", "attempt", "digest"})
+            return Answer(**fields, text=self.text(), digest=self.outcome.digest)
+        return self.outcome
 
     def logprobs(self) -> list[TokenLogprob]:
         """The answer's per-token logprobs (empty when none were asked for)."""
