@@ -527,7 +527,7 @@ class EdgeNode(Lifecycle):
                 try:
                     relay = CloudRelay(
                         self,
-                        req.model_copy(update={"model": model}),
+                        req if step == 0 else req.model_copy(update={"model": model}),
                         decision,
                         record,
                         received,
