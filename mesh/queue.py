@@ -172,10 +172,9 @@ class CloudCall(Lifecycle):
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
         payload = cancel_payload(self.request.cancel_key)
-        node = self.reader.state.node
-        if node.startswith("cloud:") and await self._cancel_at(node.removeprefix("cloud:")):
-            pass  # the worker holding it stopped it: nobody else needs to hear
-        else:  # queued, or its worker is gone or let it go: whoever takes it next must know
+        worker = self.reader.state.node.removeprefix("cloud:")  # from its start event, if any
+        held = worker != self.reader.state.node and await self._cancel_at(worker, payload)
+        if not held:  # queued, or its worker is gone or let it go: whoever takes it next must know
             with contextlib.suppress(Exception):
                 await self.conn.nc.publish(cancel_subject(self.scope, self.request.id), payload)
         deletable = not self.conn.settings.least_privilege  # else its cancel alone takes it back
@@ -184,12 +183,13 @@ class CloudCall(Lifecycle):
             with contextlib.suppress(APIError, asyncio.TimeoutError, nats.errors.Error):
                 await self.conn.jsm().delete_msg(self.ack.stream, self.ack.seq)
 
-    async def _cancel_at(self, node: str) -> bool:
-        """Cancel at the worker the start event named; True when it held the request."""
+    async def _cancel_at(self, node: str, payload: bytes) -> bool:
+        """Cancel at the worker the start event named; True when it held the request (then
+        nobody else needs to hear of it)."""
         try:
             reply = await self.conn.nc.request(
                 worker_cancel_subject(node, self.scope, self.request.id),
-                cancel_payload(self.request.cancel_key),
+                payload,
                 timeout=ADDRESSED_CANCEL_WAIT_S,
             )
             return bool(json.loads(reply.data).get("held"))
