@@ -172,8 +172,10 @@ class CloudCall(Lifecycle):
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
         payload = cancel_payload(self.request.cancel_key)
-        worker = self.reader.state.node.removeprefix("cloud:")  # from its start event, if any
-        held = worker != self.reader.state.node and await self._cancel_at(worker, payload)
+        node = self.reader.state.node  # who started it, from its start event (if one came)
+        held = node.startswith("cloud:") and await self._cancel_at(
+            node.removeprefix("cloud:"), payload
+        )
         if not held:  # queued, or its worker is gone or let it go: whoever takes it next must know
             with contextlib.suppress(Exception):
                 await self.conn.nc.publish(cancel_subject(self.scope, self.request.id), payload)
