@@ -78,6 +78,9 @@ from protocol.subjects import (
 
 Via = Literal["edge", "cloud"]
 StreamItem = TokenEvent | RestartEvent | EndEvent
+EDGE_RESTART_S = 2.0
+"""How long a request the edge was not subscribed for is sent again (an edge daemon restarting)
+before the client says nobody serves it."""
 
 
 @dataclass
@@ -267,22 +270,29 @@ class MeshClient(Lifecycle):
     async def _via_edge(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         nc = self.conn.nc
         inbox = self._inbox()
+        payload = dump(request, WireFormat.MSGPACK)
+
+        async def send() -> None:
+            await nc.publish(
+                edge_infer_subject(self.edge_id),
+                payload,
+                reply=inbox,
+                headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
+            )
+
         reader = AnswerReader(
             self.conn,
             AnswerState(request.id),
             self._edge_repair(request.id, inbox),
             what=f"edge {self.edge_id!r}",
             pending_limit=self._pending_limit,
+            unserved=send,  # an edge restarting: it subscribes again within a moment
+            unserved_for=min(EDGE_RESTART_S, self.first_event_timeout),
         )
         await reader.subscribe(inbox)
         finished = False
         try:
-            await nc.publish(
-                edge_infer_subject(self.edge_id),
-                dump(request, WireFormat.MSGPACK),
-                reply=inbox,
-                headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
-            )
+            await send()
             async for event in self._read(reader):
                 finished = isinstance(event, EndEvent)
                 yield event

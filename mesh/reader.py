@@ -44,6 +44,7 @@ Repair = Callable[[AnswerState], Awaitable[list[WireEvent]]]
 _QUIET_FIRST_S = 1.0
 _QUIET_MAX_S = 8.0
 _GAP_RETRY_FIRST_S = 0.2
+_UNSERVED_FIRST_S = 0.05
 
 
 class AnswerReader:
@@ -59,6 +60,8 @@ class AnswerReader:
         *,
         what: str,
         pending_limit: int | None = None,
+        unserved: Callable[[], Awaitable[None]] | None = None,
+        unserved_for: float = 0.0,
     ) -> None:
         self.conn = conn
         self.state = state
@@ -79,6 +82,10 @@ class AnswerReader:
         self.repaired_events = 0
         self.dropped = 0
         """Messages dropped because the buffer was full (a slow consumer)."""
+        self._unserved = unserved
+        self._unserved_until = time.monotonic() + unserved_for
+        self._unserved_delay = _UNSERVED_FIRST_S
+        self._send_again_at: float | None = None
 
     async def subscribe(self, subject: str) -> None:
         """Start receiving ``subject`` (before anything is published to it)."""
@@ -112,6 +119,11 @@ class AnswerReader:
         deadline = time.monotonic() + max(0.0, timeout)
         while not self.state.done:
             now = time.monotonic()
+            if self._send_again_at is not None and now >= self._send_again_at:
+                assert self._unserved is not None
+                self._send_again_at = None
+                await self._unserved()
+                continue
             if self._repair is not None and self._repair_due(now):
                 out = await self._run_repair()
                 if out:
@@ -128,6 +140,8 @@ class AnswerReader:
             if self.conn.nc.is_closed:
                 raise UnavailableError(f"NATS connection closed while reading {self.what}")
             wait = left if self._repair is None else min(left, self._next_check(now) - now)
+            if self._send_again_at is not None:
+                wait = min(wait, self._send_again_at - now)
             await self._wait(max(0.001, wait))
         return []
 
@@ -151,7 +165,8 @@ class AnswerReader:
         while self._buffer and not self.state.done:
             msg = self._buffer.popleft()
             if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
-                raise UnavailableError(f"nobody is serving {self.what}")
+                self._on_unserved()
+                continue
             if not msg.data:
                 continue
             try:
@@ -166,6 +181,16 @@ class AnswerReader:
                 self._repair_at = time.monotonic()  # at once: NATS does not reorder, it loses
             out.extend(step.out)
         return out
+
+    def _on_unserved(self) -> None:
+        """Nobody had subscribed when the request was sent. Within ``unserved_for`` of the start
+        (a restarting server takes a moment to subscribe again) it is sent again, with backoff;
+        after that, or once anything arrived, it is an error."""
+        now = time.monotonic()
+        if self._unserved is None or self.state.started or now >= self._unserved_until:
+            raise UnavailableError(f"nobody is serving {self.what}")
+        self._send_again_at = min(now + self._unserved_delay, self._unserved_until)
+        self._unserved_delay *= 2
 
     def _repair_due(self, now: float) -> bool:
         if self.conn.losses != self._losses:

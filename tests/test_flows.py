@@ -311,9 +311,41 @@ async def test_edge_stopping_mid_answer_tells_the_client_to_retry(
             if received == 2:
                 await edge.stop(grace=0)  # no grace: the in-flight answer is cut
 
-    with pytest.raises(UnavailableError) as excinfo:
-        await consume()
+    try:
+        with pytest.raises(UnavailableError) as excinfo:
+            await consume()
+    finally:
+        await edge.stop(grace=0)
+    assert received == 2, f"the error came after {received} events, not mid-answer"
     assert excinfo.value.retryable and "shutting down" in str(excinfo.value)
+
+
+async def test_a_request_sent_while_the_edge_restarts_is_answered(
+    settings: MeshSettings, conn: Connection, edge_backend: LlamaCppBackend, client: MeshClient
+) -> None:
+    """Nobody subscribed when it was sent (the edge daemon restarting): the SDK sends it again
+    for a moment, and the edge that comes up answers it once."""
+    edge = EdgeNode(settings, conn, edge_backend, create_router(settings.edge.router))
+    answer = asyncio.create_task(client.complete(SIMPLE, route="local", max_tokens=8))
+    await asyncio.sleep(0.3)  # the request has met no subscriber at least once by now
+    assert not answer.done()
+    async with edge:
+        completion = await asyncio.wait_for(answer, 30)
+    assert completion.text and completion.end.path == "local"
+    assert edge.metrics.get("rejoined") == 0  # one request reached the edge, not several
+
+
+async def test_a_request_to_an_edge_nobody_serves_fails_typed_and_soon(
+    settings: MeshSettings, client: MeshClient
+) -> None:
+    from mesh.client import EDGE_RESTART_S
+    from protocol.errors import UnavailableError
+
+    began = time.monotonic()
+    with pytest.raises(UnavailableError, match="nobody is serving") as excinfo:
+        await client.complete(SIMPLE, route="local", max_tokens=8)
+    assert excinfo.value.retryable
+    assert time.monotonic() - began < EDGE_RESTART_S + 2
 
 
 async def test_sdk_timeout_cancels_the_edge_work(
