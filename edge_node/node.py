@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import nats.errors
@@ -28,6 +28,8 @@ from nats import micro
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from edge_node.cascade import Cascade
+from edge_node.confidence import ConfidenceGate
 from edge_node.http_api import EdgeHTTP
 from edge_node.local_gate import LocalGate
 from edge_node.records import NatsSink, Record, Records, Sink
@@ -35,7 +37,7 @@ from edge_node.relay import CloudRelay, Fallback, estimate_prompt_tokens
 from edge_node.router import Router, decide
 from edge_node.site import SiteStore
 from mesh import __version__
-from mesh.backends.base import Backend
+from mesh.backends.base import Backend, Chunk, ScoringBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import generate_into
@@ -103,6 +105,7 @@ class EdgeNode(Lifecycle):
         self.tracing = Tracing(settings.log.otel)
         self._es = settings.edge
         self._gate = LocalGate(backend, self._es.local_queue)
+        self._cascade = self._make_cascade()
         self._tasks = TaskSet("edge")
         """Requests in flight."""
         self._background = TaskSet("edge-background")
@@ -124,6 +127,25 @@ class EdgeNode(Lifecycle):
     @property
     def subject(self) -> str:
         return edge_infer_subject(self.edge_id)
+
+    def _make_cascade(self) -> Cascade | None:
+        confidence = self._es.router.confidence
+        if not confidence.enabled:
+            return None
+        if not isinstance(self.backend, ScoringBackend):
+            log.warning(
+                "mid-answer escalation needs a backend that scores tokens; it is off",
+                backend=type(self.backend).__name__,
+            )
+            return None
+        budget = getattr(self.router, "budget", None)
+        return Cascade(
+            self.backend,
+            self._gate,
+            ConfidenceGate(confidence),
+            stall=self.settings.worker.stall_timeout,
+            may_escalate=budget.mid_answer if budget is not None else lambda: True,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -513,6 +535,11 @@ class EdgeNode(Lifecycle):
             "routed", decision=decision.decision, score=decision.score, reason=decision.reason
         )
         fallback: str | None = None
+        if self._cascade is not None and decision.decision == "local" and not decision.forced:
+            escalated = await self._local_first(req, decision, record, received)
+            if escalated is None:
+                return  # answered locally
+            decision = escalated
         if decision.decision == "cloud" and req.deferrable and self.site is not None:
             await self.site.relay(req, decision, record)
             return
@@ -587,24 +614,42 @@ class EdgeNode(Lifecycle):
         fallback: str | None,
     ) -> None:
         async with self._gate.slot(req.id):
-            writer = AnswerWriter(
-                req.id,
-                attempt=record.state.attempt + 1,
-                node=self.node_name,
-                reason=f"answering locally: {fallback}" if fallback else None,
-            )
-            await record.emit([writer.start()])
+            await self._local_answer(req, decision, record, received, fallback)
 
-            async def emit(token: TokenEvent) -> None:
-                await record.emit([token])
+    async def _local_answer(
+        self,
+        req: InferRequest,
+        decision: RouteDecision,
+        record: Record,
+        received: float,
+        fallback: str | None,
+        *,
+        chunks: AsyncIterator[Chunk] | None = None,
+        slot_at: float | None = None,
+    ) -> None:
+        """The local answer, in the local slot the caller holds (``chunks``: a generation the
+        caller started, e.g. with its first tokens held)."""
+        writer = AnswerWriter(
+            req.id,
+            attempt=record.state.attempt + 1,
+            node=self.node_name,
+            reason=f"answering locally: {fallback}" if fallback else None,
+        )
+        await record.emit([writer.start()])
 
-            gen = await generate_into(self.backend, req, writer, emit, self.settings.worker)
+        async def emit(token: TokenEvent) -> None:
+            await record.emit([token])
+
+        gen = await generate_into(
+            self.backend, req, writer, emit, self.settings.worker, chunks=chunks
+        )
+        waited = (slot_at if slot_at is not None else gen.started) - received
         await record.emit(
             [
                 writer.end(
                     finish_reason=gen.finish_reason,
                     usage=gen.usage,
-                    timings=gen.timings(since=received, queue_ms=(gen.started - received) * 1000),
+                    timings=gen.timings(since=received, queue_ms=waited * 1000),
                     served_by=self.node_name,
                     path="local",
                     routing=decision,
@@ -612,6 +657,29 @@ class EdgeNode(Lifecycle):
                 )
             ]
         )
+
+    async def _local_first(
+        self, req: InferRequest, decision: RouteDecision, record: Record, received: float
+    ) -> RouteDecision | None:
+        """Mid-answer escalation: answer locally unless the local model is unsure of its first
+        tokens; then the decision to escalate (nothing of the local answer was sent)."""
+
+        async def answer_locally(
+            chunks: AsyncIterator[Chunk], slot_at: float, kept: RouteDecision
+        ) -> None:
+            await self._local_answer(
+                req, kept, record, received, None, chunks=chunks, slot_at=slot_at
+            )
+
+        assert self._cascade is not None
+        escalated = await self._cascade.run(req, decision, answer_locally)
+        if escalated is not None:
+            budget = getattr(self.router, "budget", None)
+            if budget is not None:  # as it stands now, the escalation counted
+                escalated = escalated.model_copy(update={"budget": budget.snapshot()})
+            self.metrics.inc("route.cloud.mid_answer")
+            self.prom.decisions.labels(decision="cloud_mid_answer", forced="false").inc()
+        return escalated
 
 
 def _error(error: MeshError, request_id: str | None = None) -> ErrorEvent:

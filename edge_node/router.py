@@ -91,7 +91,14 @@ class CloudBudget:
         self._recent: deque[int] = deque(maxlen=max(1, report_window))
         self._recent_cloud = 0
         self._cap_times: deque[float] = deque()
-        self.totals = {"auto": 0, "cloud": 0, "capped": 0, "forced_local": 0, "forced_cloud": 0}
+        self.totals = {
+            "auto": 0,
+            "cloud": 0,
+            "capped": 0,
+            "forced_local": 0,
+            "forced_cloud": 0,
+            "mid_answer": 0,
+        }
         self.restored = self._load()
         self._unsaved = 0
 
@@ -162,6 +169,23 @@ class CloudBudget:
         self.totals[f"forced_{route}"] += 1
         self._changed()
 
+    def mid_answer(self) -> bool:
+        """Whether a request the router kept local may escalate on its own low confidence:
+        not past the per-minute cap. Counted apart (``mid_answer``), on top of the router's
+        share; an allowed one takes a place under the cap."""
+        if self.cap is not None:
+            now = self._clock()
+            while self._cap_times and self._cap_times[0] <= now - 60.0:
+                self._cap_times.popleft()
+            if len(self._cap_times) >= self.cap:
+                self.totals["capped"] += 1
+                self._changed()
+                return False
+            self._cap_times.append(now)
+        self.totals["mid_answer"] += 1
+        self._changed()
+        return True
+
     def snapshot(self, capped: bool = False) -> dict[str, BudgetValue]:
         """The budget as a RouteDecision carries it (see README, "The router")."""
         recent = len(self._recent)
@@ -179,6 +203,7 @@ class CloudBudget:
             "cloud": self.totals["cloud"],
             "forced_local": self.totals["forced_local"],
             "forced_cloud": self.totals["forced_cloud"],
+            "mid_answer": self.totals["mid_answer"],
             "cap_per_minute": self.cap,
             "cap_used": used,
             "capped": capped,

@@ -248,6 +248,19 @@ class WorkerSettings(_Section):
     """Port of the worker's Prometheus /metrics (-1: off, 0: any free port)."""
 
 
+class ConfidenceSettings(_Section):
+    enabled: bool = False
+    """Mid-answer escalation (opt-in): a request the router keeps local starts on the local
+    model; the edge holds its first ``window_tokens`` tokens and, when the model was unsure of
+    them, drops them and escalates, so the client sees only the cloud's answer. Needs a backend
+    that scores tokens (llama_cpp, deterministic)."""
+    window_tokens: int = Field(default=8, ge=1, le=256)
+    """Tokens held before deciding; each adds one local token time to the local TTFT."""
+    max_mean_entropy: float = Field(default=2.5, ge=0)
+    """Escalate when the mean entropy (nats) of the window's next-token distributions is above
+    this."""
+
+
 class RouterSettings(_Section):
     kind: Literal["heuristic", "learned"] = "learned"
     """Router deciding local vs cloud: the trained classifier, or a transparent heuristic."""
@@ -270,6 +283,8 @@ class RouterSettings(_Section):
     """Router weights file; the ones shipped with the project when unset."""
     data_dir: str | None = None
     """Labelled routing data for `mesh router train/eval/score`; ../shared/routing when unset."""
+    confidence: ConfidenceSettings = Field(default_factory=ConfidenceSettings)
+    """Mid-answer escalation from the local model's own confidence."""
 
 
 class EdgeSettings(_Section):

@@ -204,10 +204,14 @@ async def generate_into(
     writer: AnswerWriter,
     emit: Emit,
     settings: WorkerSettings,
+    *,
+    chunks: AsyncIterator[Chunk] | None = None,
 ) -> Generation:
     """Run ``request`` on ``backend``; each coalesced chunk becomes ``writer``'s next token event
     and goes to ``emit``. When ``writer`` resumes an answer, the backend continues its text and
-    the usage counts the kept tokens too. Does not send the end."""
+    the usage counts the kept tokens too. Does not send the end. ``chunks``: a generation
+    already under way on ``backend`` (e.g. the edge's held first tokens, then the rest), read
+    instead of starting one."""
     started = time.perf_counter()
     first: float | None = None
     final: Chunk | None = None
@@ -216,15 +220,17 @@ async def generate_into(
     if resume.seq > 0 and left <= 0:  # the previous attempt generated everything but the end
         usage = Usage(completion_tokens=resume.tokens)
         return Generation(started, None, time.perf_counter(), "length", usage)
-    chunks = coalesce(
-        backend.generate(request, prefix=resume.text, prefix_tokens=resume.tokens),
+    if chunks is None:
+        chunks = backend.generate(request, prefix=resume.text, prefix_tokens=resume.tokens)
+    coalesced = coalesce(
+        chunks,
         max_parts=settings.coalesce_tokens,
         linger=settings.coalesce_ms / 1000,
         stall=settings.stall_timeout,
     )
     new_tokens = 0
-    async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
+    async with contextlib.aclosing(coalesced):
+        async for chunk in coalesced:
             if chunk.finish_reason is not None:
                 final = chunk
                 break

@@ -61,6 +61,11 @@ class RouteDecision(_Wire):
     """The edge's cloud budget when it decided: policy, target and realized share of
     router-decided escalations over its recent window, totals (forced routes counted apart) and
     the per-minute cap. Optional; older peers ignore it."""
+    confidence: dict[str, float | int | bool] | None = None
+    """For a request the router kept local under mid-answer escalation: the local model's
+    confidence over its first tokens (``tokens``, ``mean_entropy``, ``max_entropy``,
+    ``mean_logprob``, ``min_logprob``) and whether it ``escalated`` (then ``decision`` is
+    cloud and ``reason`` says why)."""
 
 
 class ResponseFormat(_Wire):

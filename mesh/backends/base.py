@@ -20,6 +20,9 @@ class Chunk:
     """Engine tokens in ``text``."""
     logprobs: list[TokenLogprob] | None = None
     """One entry per engine token, when the request asked for logprobs."""
+    confidence: tuple[float, float] | None = None
+    """From :meth:`ScoringBackend.generate_scored`: the entropy (nats) and the top token's
+    log-probability of the next-token distribution this chunk's token was drawn from."""
 
 
 @dataclass(frozen=True)
@@ -110,3 +113,14 @@ def openai_logprobs(found: dict[str, Any], *, chat: bool, top: int) -> list[Toke
         )
         if logprob is not None
     ]
+
+
+@runtime_checkable
+class ScoringBackend(Protocol):
+    """A backend that can say how sure its model was of each token it generated (the edge's
+    mid-answer escalation reads it). Scoring the first ``scored_tokens`` tokens costs about
+    0.1 ms each; later chunks carry no confidence."""
+
+    def generate_scored(
+        self, request: InferRequest, *, scored_tokens: int
+    ) -> AsyncGenerator[Chunk, None]: ...

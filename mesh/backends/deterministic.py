@@ -14,7 +14,9 @@ Directives in the prompt shape its behaviour, for fault tests:
 - ``[fail-after:K]``: a retryable engine failure after K tokens;
 - ``[stop-after:K]``: finish with ``stop`` after K tokens;
 - ``[sse-error-after:K]``: (HTTP server only) an SSE ``error`` event after K tokens, then
-  ``[DONE]``, as some OpenAI-compatible servers do.
+  ``[DONE]``, as some OpenAI-compatible servers do;
+- ``[unsure]``: scored generation (:meth:`DeterministicBackend.generate_scored`) reports every
+  token drawn with entropy 4.0 nats and top log-probability -2.0; otherwise 0.5 and -0.1.
 
 ``prefill_delay_ms`` and ``token_delay_ms`` in the model settings pace it like an engine;
 ``faults=false`` makes it ignore the fault directives (an edge's local engine in fault tests).
@@ -25,9 +27,10 @@ same stem with a ``*``, each 1 lower). It ignores ``response_format``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mesh.backends.base import Capacity, Chunk, Health
 from mesh.config import ModelSettings
@@ -37,6 +40,8 @@ from protocol.messages import InferRequest, TokenLogprob, Usage
 _DIRECTIVE = re.compile(
     r"\[(tag|hang|hang-after|fail-after|stop-after|sse-error-after)(?::([\w-]+))?\]"
 )
+UNSURE = (4.0, -2.0)
+SURE = (0.5, -0.1)
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,20 @@ class DeterministicBackend:
             )
         finally:
             self._busy -= 1
+
+
+    async def generate_scored(
+        self, request: InferRequest, *, scored_tokens: int
+    ) -> AsyncGenerator[Chunk, None]:
+        reading = UNSURE if "[unsure]" in request.text() else SURE
+        scored = 0
+        async with contextlib.aclosing(self.generate(request)) as chunks:
+            async for chunk in chunks:
+                if chunk.finish_reason is None and scored < scored_tokens:
+                    scored += 1
+                    yield replace(chunk, confidence=reading)
+                else:
+                    yield chunk
 
 
 async def tokens(

@@ -110,8 +110,20 @@ class LlamaCppBackend:
         if stop is not None:
             stop.set()
 
-    async def generate(
+    def generate(
         self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
+        return self._generate(request, prefix, prefix_tokens, None)
+
+    def generate_scored(
+        self, request: InferRequest, *, scored_tokens: int
+    ) -> AsyncGenerator[Chunk, None]:
+        """As :meth:`generate`, each of the first ``scored_tokens`` chunks carrying the model's
+        confidence in its token (read from the logits before sampling: no ``logits_all``)."""
+        return self._generate(request, "", 0, _Probe(scored_tokens))
+
+    async def _generate(
+        self, request: InferRequest, prefix: str, prefix_tokens: int, probe: _Probe | None
     ) -> AsyncGenerator[Chunk, None]:
         if self._instances is None or self._executor is None:
             raise BackendError("llama.cpp backend is not started", retryable=True)
@@ -138,7 +150,7 @@ class LlamaCppBackend:
                 stop.set()
 
         future = loop.run_in_executor(
-            self._executor, _run, llama, request, emit, stop, prefix, prefix_tokens
+            self._executor, _run, llama, request, emit, stop, prefix, prefix_tokens, probe
         )
 
         def release(_: object) -> None:
@@ -158,6 +170,38 @@ class LlamaCppBackend:
                 yield item
         finally:
             stop.set()  # cancelled or closed early: the thread stops at its next token
+
+
+class _Probe:
+    """A logits processor that only looks: for each of the first ``tokens`` sampling steps, the
+    entropy and top log-probability of the model's next-token distribution (full vocabulary,
+    before temperature and top-p)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.readings: list[tuple[float, float]] = []
+        self._taken = 0
+
+    def __call__(self, _input_ids: Any, logits: Any) -> Any:
+        if len(self.readings) < self.tokens:
+            import numpy as np
+
+            shifted = logits - logits.max()
+            weights = np.exp(shifted, dtype=np.float64)
+            total = float(weights.sum())
+            log_total = float(np.log(total))
+            entropy = log_total - float(np.dot(weights, shifted)) / total
+            self.readings.append((max(0.0, entropy), -log_total))
+        return logits
+
+    def fresh(self) -> tuple[float, float] | None:
+        """The reading of the token just sampled; None once past ``tokens``, or when no token
+        was sampled since the last call. The stream is synchronous: the next sampling step runs
+        only after its consumer asks for the next part."""
+        if len(self.readings) == self._taken:
+            return None
+        self._taken = len(self.readings)
+        return self.readings[-1]
 
 
 def _formatter(llama: Any) -> Any:
@@ -185,7 +229,9 @@ def _grammar(response_format: ResponseFormat | None) -> Any:
     return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
 
 
-def _open(llama: Any, request: InferRequest, prefix: str, prefix_tokens: int) -> tuple[Any, bool]:
+def _open(
+    llama: Any, request: InferRequest, prefix: str, prefix_tokens: int, probe: _Probe | None
+) -> tuple[Any, bool]:
     """The completion stream for ``request`` and whether it yields chat chunks.
 
     Chat requests go through llama-cpp-python's chat completion (the GGUF's template, its JSON
@@ -211,6 +257,7 @@ def _open(llama: Any, request: InferRequest, prefix: str, prefix_tokens: int) ->
             response_format=response_format,
             logprobs=request.logprobs or None,
             top_logprobs=request.top_logprobs if request.logprobs else None,
+            logits_processor=None if probe is None else [probe],
         ), True
     stop = list(request.stop or [])
     stopping = None
@@ -236,6 +283,7 @@ def _open(llama: Any, request: InferRequest, prefix: str, prefix_tokens: int) ->
         seed=request.seed,
         grammar=grammar,
         logprobs=top if request.logprobs else None,
+        logits_processor=None if probe is None else [probe],
     ), False
 
 
@@ -254,12 +302,13 @@ def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_exe
     stop: threading.Event,
     prefix: str,
     prefix_tokens: int,
+    probe: _Probe | None,
 ) -> None:
     """Runs on a worker thread: stream one completion (or its continuation) into ``emit``."""
     completion_tokens = 0
     finish_reason: str | None = None
     try:
-        stream, chat = _open(llama, request, prefix, prefix_tokens)
+        stream, chat = _open(llama, request, prefix, prefix_tokens, probe)
         try:
             for part in stream:
                 if stop.is_set():
@@ -272,7 +321,8 @@ def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_exe
                     logprobs = (
                         _logprobs(choice, chat, request.top_logprobs) if request.logprobs else None
                     )
-                    emit(Chunk(text=text, logprobs=logprobs))
+                    confidence = probe.fresh() if probe is not None else None
+                    emit(Chunk(text=text, logprobs=logprobs, confidence=confidence))
                 if choice.get("finish_reason"):
                     finish_reason = choice["finish_reason"]
         finally:

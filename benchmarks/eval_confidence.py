@@ -1,0 +1,254 @@
+"""Evaluation: does the local model's own confidence tell when to escalate, beyond stage 0?
+
+    .venv/bin/python -m benchmarks.eval_confidence [--mmlu-per-subject 12] [--gsm8k 120]
+        [--window 8] [--json out.json]
+
+Runs the bundled GGUF (greedy) on labelled prompts from ``../shared/routing`` and reads, over
+its first ``--window`` generated tokens, the confidence the edge's mid-answer escalation uses
+(mean and max entropy, mean and min top log-probability). Two labels:
+
+- **the local model's own correctness** (GSM8K): rows where the strong model is marked correct
+  give the gold number (the last number of its response); the local answer is right when its
+  last number equals it;
+- **RouteLLM's "escalation helps"** (MMLU and GSM8K): the weak model wrong, the strong right.
+
+Stage 0 is scored out of fold with whole subjects held out (a router that never saw the
+subject), and the combination (stage 0 + confidence, a logistic regression) with the same
+subject folds. Prints AUCs, the AUC added over stage 0, and the hold cost: the time to the
+first token against the time to the window's last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from typing import Any
+
+import numpy as np
+
+from edge_node.confidence import summarise
+from edge_node.learned.data import Dataset, load_dataset, subject_groups
+from edge_node.learned.evaluate import out_of_fold, roc_auc, routing_metrics, subject_folds
+from edge_node.learned.features import extract
+from edge_node.learned.train import TrainConfig
+from mesh.config import load_settings
+from mesh.models import resolve_model_path
+
+FEATURES = ("mean_entropy", "max_entropy", "mean_logprob", "min_logprob")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text.replace("$", ""))
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+def sample_rows(data: Dataset, per_subject: int, gsm8k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    picked: list[int] = []
+    for subject in sorted(set(data.subject.tolist())):
+        rows = np.flatnonzero(data.subject == subject)
+        take = gsm8k if subject == "gsm8k" else per_subject
+        picked += rng.choice(rows, size=min(take, len(rows)), replace=False).tolist()
+    return np.array(sorted(picked))
+
+
+def run_model(prompts: list[str], window: int, long_for: set[int]) -> list[dict[str, Any]]:
+    from llama_cpp import Llama
+
+    from mesh.backends.llama_cpp import _Probe
+
+    model = load_settings(environ={}).edge.model
+    llm = Llama(str(resolve_model_path(model.path)), n_ctx=model.n_ctx, n_threads=1, verbose=False)
+    out: list[dict[str, Any]] = []
+    for i, prompt in enumerate(prompts):
+        probe = _Probe(window)
+        began = time.perf_counter()
+        times: list[float] = []
+        text = []
+        stream = llm.create_chat_completion(
+            messages=[{"role": "user", "content": prompt}],
+            stream=True,
+            temperature=0.0,
+            max_tokens=256 if i in long_for else window,
+            logits_processor=[probe],
+        )
+        for part in stream:
+            piece = part["choices"][0].get("delta", {}).get("content")
+            if piece:
+                times.append(time.perf_counter() - began)
+                text.append(piece)
+        conf = summarise(probe.readings)
+        out.append(
+            {
+                "text": "".join(text),
+                "confidence": conf.as_dict() if conf else None,
+                "ttft_s": times[0] if times else None,
+                "window_s": times[min(window, len(times)) - 1] if times else None,
+            }
+        )
+        if (i + 1) % 50 == 0:
+            print(f"  {i + 1}/{len(prompts)} prompts", flush=True)
+    return out
+
+
+def logistic_cv(x: np.ndarray, y: np.ndarray, folds: np.ndarray) -> np.ndarray:
+    """Out-of-fold probabilities of a small L2 logistic regression (Newton steps)."""
+    scores = np.empty(len(y))
+    for fold in np.unique(folds):
+        tr, te = folds != fold, folds == fold
+        mu, sd = x[tr].mean(0), x[tr].std(0) + 1e-9
+        a = np.c_[np.ones(tr.sum()), (x[tr] - mu) / sd]
+        w = np.zeros(a.shape[1])
+        for _ in range(25):
+            p = 1 / (1 + np.exp(-a @ w))
+            grad = a.T @ (p - y[tr]) + 1.0 * np.r_[0, w[1:]]
+            hess = (a * (p * (1 - p))[:, None]).T @ a + np.diag(np.r_[0, np.ones(len(w) - 1)])
+            w -= np.linalg.solve(hess, grad)
+        b = np.c_[np.ones(te.sum()), (x[te] - mu) / sd]
+        scores[te] = 1 / (1 + np.exp(-b @ w))
+    return scores
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mmlu-per-subject", type=int, default=12)
+    parser.add_argument("--gsm8k", type=int, default=120)
+    parser.add_argument("--window", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    data = load_dataset()
+    print(f"stage 0 out of fold, whole subjects held out ({len(data.prompts)} rows)...", flush=True)
+    groups = subject_groups(data)
+    folds = subject_folds(groups, k=5)
+    rows = [extract(p) for p in data.prompts]
+    stage0_all = out_of_fold(data, rows, folds, TrainConfig())
+
+    index = sample_rows(data, args.mmlu_per_subject, args.gsm8k, args.seed)
+    sample = data.subset(index)
+    stage0 = stage0_all[index]
+    is_gsm = sample.subject == "gsm8k"
+    print(f"running the bundled model on {len(index)} prompts ({is_gsm.sum()} GSM8K)...")
+    results = run_model(sample.prompts, args.window, set(np.flatnonzero(is_gsm).tolist()))
+    ok = np.array([r["confidence"] is not None for r in results])
+    feats = np.array(
+        [[r["confidence"][f] if r["confidence"] else 0.0 for f in FEATURES] for r in results]
+    )
+    report: dict[str, Any] = {"window": args.window, "rows": len(index)}
+
+    # Label 1: "escalation helps" (RouteLLM's weak and strong models), every sampled row.
+    helps = sample.escalation_helps.astype(float)
+    sample_folds = folds[index]
+    logit0 = np.log(np.clip(stage0, 1e-6, 1 - 1e-6) / np.clip(1 - stage0, 1e-6, 1))
+    combo = logistic_cv(np.c_[logit0, feats], helps, sample_folds)
+    conf_only = logistic_cv(feats, helps, sample_folds)
+    report["escalation_helps"] = {
+        "stage0": routing_metrics(stage0, sample.weak, sample.strong),
+        "confidence": routing_metrics(conf_only, sample.weak, sample.strong),
+        "stage0+confidence": routing_metrics(combo, sample.weak, sample.strong),
+        "features_auc": {
+            f: roc_auc(-feats[:, j] if "logprob" in f else feats[:, j], helps)
+            for j, f in enumerate(FEATURES)
+        },
+    }
+
+    # Label 2: the bundled model's own correctness on GSM8K rows with a gold number.
+    gold_rows = [
+        (k, last_number(str(g)))
+        for k, g in zip(np.flatnonzero(is_gsm), _strong_responses(data, index[is_gsm]), strict=True)
+    ]
+    labelled = [(k, gold) for k, gold in gold_rows if gold is not None and sample.strong[k] == 1]
+    own: dict[str, Any] = {"rows": len(labelled)}
+    if labelled:
+        ks = np.array([k for k, _ in labelled])
+        local_right = np.array(
+            [last_number(results[k]["text"]) == gold for k, gold in labelled], float
+        )
+        wrong = 1 - local_right
+        own["local_right"] = int(local_right.sum())
+        own["auc_stage0"] = roc_auc(stage0[ks], wrong)
+        own["features_auc"] = {
+            f: roc_auc(-feats[ks, j] if "logprob" in f else feats[ks, j], wrong)
+            for j, f in enumerate(FEATURES)
+        }
+    report["gsm8k_own_correctness"] = own
+
+    ttft = np.array([r["ttft_s"] for r in results if r["ttft_s"] is not None]) * 1000
+    hold = np.array([r["window_s"] for r in results if r["window_s"] is not None]) * 1000
+    report["hold_cost_ms"] = {
+        "ttft_p50": float(np.percentile(ttft, 50)),
+        "ttft_p99": float(np.percentile(ttft, 99)),
+        "window_p50": float(np.percentile(hold, 50)),
+        "window_p99": float(np.percentile(hold, 99)),
+    }
+    report["scored_rows"] = int(ok.sum())
+    _print(report)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+
+
+def _strong_responses(data: Dataset, rows: np.ndarray) -> list[str]:
+    """The strong model's GSM8K responses, by dataset row."""
+    import csv
+    import sys
+
+    from edge_node.learned.data import STRONG, default_data_dir
+
+    csv.field_size_limit(sys.maxsize)
+    wanted = {data.prompts[i] for i in rows}
+    found: dict[str, str] = {}
+    path = default_data_dir() / "gsm8k" / "gsm8k_responses.csv"
+    with path.open(newline="", encoding="utf-8") as handle:
+        for row in csv.DictReader(handle):
+            if row["prompt"] in wanted:
+                found[row["prompt"]] = row.get(f"{STRONG}_response", "")
+    return [found.get(data.prompts[i], "") for i in rows]
+
+
+def _print(report: dict[str, Any]) -> None:
+    print(f"\nwindow: first {report['window']} tokens; rows: {report['rows']}")
+    print("\n'escalation helps' (RouteLLM labels), subject-held-out folds:")
+    print(f"  {'scorer':<20} {'AUC':>6} {'APGR':>6} {'CPT50':>6} {'CPT80':>6} {'q95':>6}")
+    for name in ("stage0", "confidence", "stage0+confidence"):
+        m = report["escalation_helps"][name]
+        print(
+            f"  {name:<20} {m['auc']:6.3f} {m['apgr']:6.3f} {m['cpt50']:6.3f} "
+            f"{m['cpt80']:6.3f} {m['q95']:6.3f}"
+        )
+    added = (
+        report["escalation_helps"]["stage0+confidence"]["auc"]
+        - report["escalation_helps"]["stage0"]["auc"]
+    )
+    print(f"  AUC added by confidence: {added:+.3f}")
+    print("  single features:", _fmt(report["escalation_helps"]["features_auc"]))
+    own = report["gsm8k_own_correctness"]
+    print(f"\nGSM8K, the bundled model's own correctness ({own['rows']} rows with a gold number):")
+    if own["rows"]:
+        print(
+            f"  local right: {own['local_right']}; "
+            f"AUC('local wrong') stage 0 {own['auc_stage0']:.3f}"
+        )
+        print("  single features:", _fmt(own["features_auc"]))
+    h = report["hold_cost_ms"]
+    print(
+        f"\nhold cost: TTFT p50 {h['ttft_p50']:.0f} ms (p99 {h['ttft_p99']:.0f}); "
+        f"window's last token p50 {h['window_p50']:.0f} ms (p99 {h['window_p99']:.0f})"
+    )
+
+
+def _fmt(values: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in values.items())
+
+
+if __name__ == "__main__":
+    main()

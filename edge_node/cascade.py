@@ -1,0 +1,128 @@
+"""Mid-answer escalation: start on the local model, escalate when it is unsure of itself.
+
+A request the router keeps local starts generating at once. The edge holds its first
+``window_tokens`` tokens, reading the model's confidence in each (entropy of its next-token
+distribution). If the model was sure enough, the held tokens go out and the answer continues
+locally, in one stream. If not, the local generation stops, nothing of it has reached the
+client, and the request goes to the cloud: the client sees one coherent answer either way.
+
+Holding costs the local path ``window_tokens - 1`` token times of TTFT; the alternative (the
+cloud continuing from the local prefix) would keep the local TTFT but let the answer start
+with text the cloud was called in to replace. The README's router section has the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+from edge_node.confidence import Confidence, ConfidenceGate, summarise
+from edge_node.local_gate import LocalGate
+from mesh.backends.base import Chunk, ScoringBackend
+from mesh.logs import get_logger
+from protocol.errors import BackendError
+from protocol.messages import InferRequest, RouteDecision
+
+log = get_logger(__name__)
+
+AnswerLocally = Callable[[AsyncIterator[Chunk], float, RouteDecision], Awaitable[None]]
+"""Give the answer locally from these chunks (the local slot taken at the given
+``perf_counter`` time), its end explained by the decision."""
+
+
+class Cascade:
+    def __init__(
+        self,
+        backend: ScoringBackend,
+        gate: LocalGate,
+        confidence: ConfidenceGate,
+        *,
+        stall: float | None,
+        may_escalate: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.backend = backend
+        self.gate = gate
+        self.confidence = confidence
+        self.stall = stall
+        self.may_escalate = may_escalate
+        """Asked once per low-confidence answer (the cloud budget's per-minute cap)."""
+
+    async def run(
+        self, req: InferRequest, decision: RouteDecision, answer_locally: AnswerLocally
+    ) -> RouteDecision | None:
+        """Answer ``req`` locally, or return the decision to escalate it (nothing sent yet)."""
+        async with self.gate.slot(req.id):
+            slot_at = time.perf_counter()
+            chunks = self.backend.generate_scored(req, scored_tokens=self.confidence.window)
+            try:
+                held, confidence = await self._hold(chunks)
+            except BaseException:
+                await chunks.aclose()
+                raise
+            escalate, why = (
+                (False, "") if confidence is None else self.confidence.escalate(confidence)
+            )
+            if escalate and not self.may_escalate():
+                escalate, why = False, f"{why}; kept local: the cloud cap per minute is reached"
+            if escalate and confidence is not None:
+                await chunks.aclose()  # the engine stops; none of it reached the client
+                log.info("escalating mid-answer", reason=why, **confidence.as_dict())
+                return _escalated(decision, confidence, why)
+            kept = decision
+            if confidence is not None:
+                kept = decision.model_copy(
+                    update={
+                        "reason": f"{decision.reason}; {why}" if decision.reason else why,
+                        "confidence": {**confidence.as_dict(), "escalated": False},
+                    }
+                )
+            await answer_locally(_replay(held, chunks), slot_at, kept)
+            return None
+
+    async def _hold(
+        self, chunks: AsyncGenerator[Chunk, None]
+    ) -> tuple[list[Chunk], Confidence | None]:
+        """The first window's chunks (or the whole answer, if shorter) and their confidence."""
+        held: list[Chunk] = []
+        readings: list[tuple[float, float]] = []
+        tokens = 0
+        while tokens < self.confidence.window:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), self.stall)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise BackendError(
+                    f"the engine produced nothing for {self.stall:g}s", retryable=True
+                ) from None
+            held.append(chunk)
+            if chunk.finish_reason is not None:
+                break
+            tokens += chunk.n
+            if chunk.confidence is not None:
+                readings.append(chunk.confidence)
+        return held, summarise(readings)
+
+
+async def _replay(
+    held: list[Chunk], rest: AsyncGenerator[Chunk, None]
+) -> AsyncGenerator[Chunk, None]:
+    async with contextlib.aclosing(rest):
+        for chunk in held:
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+        async for chunk in rest:
+            yield chunk
+
+
+def _escalated(decision: RouteDecision, confidence: Confidence, why: str) -> RouteDecision:
+    return decision.model_copy(
+        update={
+            "decision": "cloud",
+            "reason": why,
+            "confidence": {**confidence.as_dict(), "escalated": True},
+        }
+    )
