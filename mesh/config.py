@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
@@ -225,8 +226,28 @@ class WorkerSettings(_Section):
     """Identifies this worker in logs and in `served_by`."""
     model: ModelSettings = Field(default_factory=ModelSettings)
     """Engine this worker generates with."""
+    also_serve: list[str] = Field(default_factory=list)
+    """More models the same engine serves, each ``NAME`` or ``NAME=REMOTE`` (the name the
+    server knows it by), e.g. an OpenAI-compatible server with several models or LoRA adapters.
+    The worker takes each from its own pool (consumer), as node ``<node_id>-<name>``; the
+    engine's own load figures pace them all. Only for the openai and deterministic backends:
+    a llama_cpp or vllm engine holds one model."""
     fetch_batch: int = Field(default=16, ge=1)
     """Most requests pulled per fetch (never more than free slots)."""
+
+    @model_validator(mode="after")
+    def _one_engine_many_models(self) -> WorkerSettings:
+        if self.also_serve and self.model.backend not in {"openai", "deterministic"}:
+            raise ValueError(
+                "worker.also_serve needs an engine that serves several models (openai, "
+                f"deterministic); a {self.model.backend} engine holds one model: run one "
+                "worker per model"
+            )
+        names = [self.model.name] + [e.partition("=")[0] for e in self.also_serve]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"worker models must be distinct and named: {names}")
+        return self
+
     fetch_timeout: float = Field(default=2.0, gt=0)
     """Seconds a pull request waits for work; also bounds how fast intake stops on shutdown."""
     progress_fraction: float = Field(default=0.2, gt=0, lt=1)
@@ -246,6 +267,17 @@ class WorkerSettings(_Section):
     """Seconds to wait for the end message to be flushed before acking."""
     metrics_port: int = Field(default=-1, ge=-1, le=65535)
     """Port of the worker's Prometheus /metrics (-1: off, 0: any free port)."""
+
+
+def served_models(worker: WorkerSettings) -> list[WorkerSettings]:
+    """One worker's settings per model it serves: its own model first, then ``also_serve``."""
+    out = [worker]
+    for entry in worker.also_serve:
+        name, _, remote = entry.partition("=")
+        model = worker.model.model_copy(update={"name": name, "remote_model": remote or name})
+        node = f"{worker.node_id}-{re.sub(r'[^A-Za-z0-9_-]', '_', name)}"
+        out.append(worker.model_copy(update={"model": model, "node_id": node, "also_serve": []}))
+    return out
 
 
 class ConfidenceSettings(_Section):

@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mesh import __version__
 from mesh.config import MeshSettings, describe_settings, load_settings
 from mesh.logs import configure_logging
 from protocol.errors import ErrorCode, MeshError
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
+
+if TYPE_CHECKING:
+    from mesh.backends.base import Backend
+    from mesh.connection import Connection
 
 DEMO_PROMPTS = (
     "Say hello to a new user in one short sentence.",
@@ -477,10 +482,7 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
     try:
         async with Connection(settings.nats, f"mesh-{role}") as conn:
             if role == "worker":
-                from cloud_node.worker import Worker
-
-                async with Worker(settings, conn, backend):
-                    await _until_signal()
+                await _serve_workers(settings, conn, backend)
             else:
                 from edge_node.node import EdgeNode
                 from edge_node.routing import create_router
@@ -491,6 +493,25 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
         await backend.close()
         exposition.stop()
     return 0
+
+
+async def _serve_workers(settings: MeshSettings, conn: Connection, backend: Backend) -> None:
+    """One worker per model the engine serves (``worker.also_serve``), on one connection;
+    started in order, stopped in reverse."""
+    from cloud_node.worker import Worker
+    from mesh.backends import create_backend
+    from mesh.config import served_models
+
+    async with contextlib.AsyncExitStack() as stack:
+        for index, worker in enumerate(served_models(settings.worker)):
+            engine = backend
+            if index:
+                engine = create_backend(worker.model)
+                await engine.start()
+                stack.push_async_callback(engine.close)
+            mine = settings.model_copy(update={"worker": worker})
+            await stack.enter_async_context(Worker(mine, conn, engine))
+        await _until_signal()
 
 
 async def _status(settings: MeshSettings, as_json: bool) -> int:

@@ -147,7 +147,6 @@ class DeterministicBackend:
         finally:
             self._busy -= 1
 
-
     async def generate_scored(
         self, request: InferRequest, *, scored_tokens: int
     ) -> AsyncGenerator[Chunk, None]:
