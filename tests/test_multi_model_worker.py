@@ -66,9 +66,7 @@ async def test_one_worker_process_serves_two_pools(
         status = await collect_status(conn, settings)
         async with MeshClient(settings=settings, connection=conn) as client:
             big = await client.complete("[tag:b] hi", via="cloud", max_tokens=5)
-            small = await client.complete(
-                "[tag:s] hi", via="cloud", model="small", max_tokens=5
-            )
+            small = await client.complete("[tag:s] hi", via="cloud", model="small", max_tokens=5)
     finally:
         await proc.stop()
     assert big.text == Script(tag="b").answer(5) and big.end.served_by == "cloud:multi"
