@@ -1,6 +1,6 @@
 """``mesh bench``: what the mesh costs and carries, measured on this machine.
 
-    mesh bench [paths|relay|model|overload|fleet|all] [--json FILE]
+    mesh bench [paths|relay|model|overload|fleet|cascade|all] [--json FILE]
 
 Each part prints a table and the figures go to a JSON file too. Nothing is asserted: figures
 come from one run, on a machine whose other load is not ours to control.
@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-PARTS = ("paths", "relay", "model", "overload", "fleet")
+PARTS = ("paths", "relay", "model", "overload", "fleet", "cascade")
 
 
 async def run(parts: list[str], json_path: str | None) -> int:
-    from mesh_app.bench import fleet, model, overload, paths, relay
+    from mesh_app.bench import cascade, fleet, model, overload, paths, relay
 
     modules: dict[str, Any] = {
         "paths": paths,
@@ -26,6 +26,7 @@ async def run(parts: list[str], json_path: str | None) -> int:
         "model": model,
         "overload": overload,
         "fleet": fleet,
+        "cascade": cascade,
     }
     figures: dict[str, Any] = {"taken_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for part in parts:
