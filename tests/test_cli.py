@@ -190,3 +190,13 @@ async def test_bench_fleet_runs_one_server_and_a_cluster_with_every_answer_whole
         assert {"worker 0", "worker 1", "bench clients"} <= set(step["cpu_share"])
     assert {"nats n1", "nats n2", "nats n3"} <= set(results["cluster"][0]["cpu_share"])
     assert "3-node cluster" in fleet.render(results)
+
+
+@pytest.mark.slow
+async def test_bench_cascade_times_every_path_of_a_mid_answer_escalation() -> None:
+    from mesh_app.bench import cascade
+
+    results = await cascade.run(rounds=2, tokens=10)
+    for mode in ("local", "local, held", "escalated mid-answer", "cloud"):
+        assert results[mode]["n"] == 2 and results[mode]["ttft_p50_ms"] > 0, mode
+    assert "escalated mid-answer" in cascade.render(results)
