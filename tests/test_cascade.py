@@ -158,3 +158,22 @@ async def test_the_real_model_unsure_escalates_to_the_cloud(
     assert got.end.path == "cloud" and got.text == Script(tag="r").answer(8)
     assert got.end.routing is not None and got.end.routing.confidence is not None
     assert got.end.routing.confidence["escalated"] is True
+
+
+async def test_a_client_giving_up_during_the_hold_frees_the_local_model(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    from protocol.errors import MeshTimeoutError
+
+    cascade_settings(settings, window_tokens=4)
+    local = deterministic("local-tiny")
+    async with EdgeNode(settings, conn, local, create_router(settings.edge.router)) as edge:
+        impatient = MeshClient(settings=settings, connection=conn, first_event_timeout=0.3)
+        with pytest.raises(MeshTimeoutError):  # the engine hangs inside the held window
+            await impatient.complete("[tag:h] [hang-after:2] go", max_tokens=8)
+
+        async def freed() -> bool:
+            return edge.records.in_flight() == 0 and local.capacity().free == 2
+
+        await eventually(freed, timeout=5, what="the held generation to be dropped")
+        assert edge.metrics.get("cancelled") == 1
