@@ -88,9 +88,7 @@ def run_model(
             if piece:
                 times.append(time.perf_counter() - began)
                 text.append(piece)
-                reading = probe.fresh()  # as the edge reads it: tokens that carry text
-                if reading is not None:
-                    readings.append(reading)
+                readings.extend(probe.fresh() or ())  # as the edge reads them
         conf = summarise(readings)
         out.append(
             {

@@ -64,7 +64,8 @@ class Cascade:
             escalate, why = (
                 (False, "") if confidence is None else self.confidence.escalate(confidence)
             )
-            if escalate and not self.may_escalate():
+            capped = bool((decision.budget or {}).get("capped"))
+            if escalate and (capped or not self.may_escalate()):
                 escalate, why = False, f"{why}; kept local: the cloud cap per minute is reached"
             if escalate and confidence is not None:
                 await chunks.aclose()  # the engine stops; none of it reached the client
@@ -78,7 +79,12 @@ class Cascade:
                         "confidence": {**confidence.as_dict(), "escalated": False},
                     }
                 )
-            await answer_locally(_replay(held, chunks), slot_at, kept)
+            replay = _replay(held, chunks)
+            try:
+                await answer_locally(replay, slot_at, kept)
+            finally:  # cancelled before the replay ran: its engine thread must stop too
+                await replay.aclose()
+                await chunks.aclose()
             return None
 
     async def _hold(
@@ -87,8 +93,10 @@ class Cascade:
         """The first window's chunks (or the whole answer, if shorter) and their confidence."""
         held: list[Chunk] = []
         readings: list[tuple[float, float]] = []
-        tokens = 0
-        while tokens < self.confidence.window:
+        window, texts = self.confidence.window, 0
+        # Counted in sampled tokens (a text chunk may stand for several), or in chunks should
+        # the engine give no readings at all.
+        while len(readings) < window and not (texts >= window and not readings):
             try:
                 chunk = await asyncio.wait_for(chunks.__anext__(), self.stall)
             except StopAsyncIteration:
@@ -100,10 +108,9 @@ class Cascade:
             held.append(chunk)
             if chunk.finish_reason is not None:
                 break
-            tokens += chunk.n
-            if chunk.confidence is not None:
-                readings.append(chunk.confidence)
-        return held, summarise(readings)
+            texts += 1
+            readings.extend(chunk.confidence or ())
+        return held, summarise(readings[:window])
 
 
 async def _replay(

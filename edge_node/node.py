@@ -535,12 +535,17 @@ class EdgeNode(Lifecycle):
             "routed", decision=decision.decision, score=decision.score, reason=decision.reason
         )
         fallback: str | None = None
-        if self._cascade is not None and decision.decision == "local" and not decision.forced:
+        if self._cascade_applies(req, decision):
             escalated = await self._local_first(req, decision, record, received)
             if escalated is None:
                 return  # answered locally
             decision = escalated
-        if decision.decision == "cloud" and req.deferrable and self.site is not None:
+        if (
+            decision.decision == "cloud"
+            and req.deferrable
+            and self.site is not None
+            and decision.confidence is None  # the local model began it: it can still answer
+        ):
             await self.site.relay(req, decision, record)
             return
         if decision.decision == "cloud":
@@ -657,6 +662,16 @@ class EdgeNode(Lifecycle):
                 )
             ]
         )
+
+    def _cascade_applies(self, req: InferRequest, decision: RouteDecision) -> bool:
+        """Mid-answer escalation is for requests the router kept local, named no model, and
+        leave the cloud time to answer."""
+        if self._cascade is None or decision.decision != "local" or decision.forced:
+            return False
+        if req.model is not None:
+            return False
+        left = None if req.deadline is None else req.deadline - time.time()
+        return left is None or left >= self._es.cloud_min_budget
 
     async def _local_first(
         self, req: InferRequest, decision: RouteDecision, record: Record, received: float

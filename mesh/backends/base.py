@@ -20,9 +20,10 @@ class Chunk:
     """Engine tokens in ``text``."""
     logprobs: list[TokenLogprob] | None = None
     """One entry per engine token, when the request asked for logprobs."""
-    confidence: tuple[float, float] | None = None
-    """From :meth:`ScoringBackend.generate_scored`: the entropy (nats) and the top token's
-    log-probability of the next-token distribution this chunk's token was drawn from."""
+    confidence: tuple[tuple[float, float], ...] | None = None
+    """From :meth:`ScoringBackend.generate_scored`: for each token sampled since the previous
+    chunk (one, usually; more when the engine held text back, such as half a character), the
+    entropy (nats) and the top token's log-probability of the distribution it was drawn from."""
 
 
 @dataclass(frozen=True)

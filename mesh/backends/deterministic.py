@@ -156,7 +156,7 @@ class DeterministicBackend:
             async for chunk in chunks:
                 if chunk.finish_reason is None and scored < scored_tokens:
                     scored += 1
-                    yield replace(chunk, confidence=reading)
+                    yield replace(chunk, confidence=(reading,))
                 else:
                     yield chunk
 

@@ -194,14 +194,15 @@ class _Probe:
             self.readings.append((max(0.0, entropy), -log_total))
         return logits
 
-    def fresh(self) -> tuple[float, float] | None:
-        """The reading of the token just sampled; None once past ``tokens``, or when no token
-        was sampled since the last call. The stream is synchronous: the next sampling step runs
-        only after its consumer asks for the next part."""
+    def fresh(self) -> tuple[tuple[float, float], ...] | None:
+        """The readings of the tokens sampled since the last call (None: none, or past
+        ``tokens``). The stream is synchronous: the next sampling step runs only after its
+        consumer asks for the next part."""
         if len(self.readings) == self._taken:
             return None
+        new = tuple(self.readings[self._taken :])
         self._taken = len(self.readings)
-        return self.readings[-1]
+        return new
 
 
 def _formatter(llama: Any) -> Any:
