@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -25,15 +24,16 @@ from typing import Any
 import nats.errors
 import structlog
 from nats import micro
-from nats.micro.request import Request
 from nats.micro.service import Service
 
 from edge_node.cascade import Cascade
 from edge_node.confidence import ConfidenceGate
 from edge_node.http_api import EdgeHTTP
 from edge_node.local_gate import LocalGate
-from edge_node.records import NatsSink, Record, Records, Sink
+from edge_node.nats_intake import NatsIntake
+from edge_node.records import Record, Records, Sink
 from edge_node.relay import CloudRelay, Fallback, estimate_prompt_tokens
+from edge_node.report import canonical_line, observe
 from edge_node.router import Router, decide
 from edge_node.site import SiteStore
 from mesh import __version__
@@ -42,22 +42,18 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import generate_into
 from mesh.lifecycle import Lifecycle
-from mesh.logs import get_logger, log_unknown_fields, trace_id
+from mesh.logs import get_logger, trace_id
 from mesh.metrics import Counters, EdgeMetrics, NatsMetrics, exposition
 from mesh.provision import model_is_served
-from mesh.queue import trace_headers
 from mesh.registry import NodeView
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
-from protocol.codec import CONTENT_TYPE, decode_request, dump, load, sniff
 from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
     DuplicateRequestError,
     ErrorCode,
-    InvalidRequestError,
     MeshError,
-    OverloadedError,
     UnavailableError,
     UnknownModelError,
 )
@@ -68,20 +64,11 @@ from protocol.subjects import (
     edge_cancel_subject,
     edge_infer_subject,
     edge_resend_subject,
-    is_reply_inbox,
-    is_token,
     model_token,
-    sender_scope,
 )
 
 log = get_logger(__name__)
 _SERVED_TTL_S = {True: 30.0, False: 3.0}
-
-
-def reply_of(request: Request) -> str:
-    """The reply subject of a micro-service request (nats-py keeps it on the private message;
-    the edge needs it to know where, and whether, it may answer)."""
-    return request._msg.reply or ""
 
 
 class EdgeNode(Lifecycle):
@@ -105,14 +92,16 @@ class EdgeNode(Lifecycle):
         self.tracing = Tracing(settings.log.otel)
         self._es = settings.edge
         self._gate = LocalGate(backend, self._es.local_queue)
+        self.intake = NatsIntake(self)
+        """The NATS micro-service endpoints."""
         self._cascade = self._make_cascade()
-        self._tasks = TaskSet("edge")
+        self.tasks = TaskSet("edge")
         """Requests in flight."""
         self._background = TaskSet("edge-background")
         self._served: dict[str, tuple[bool, float]] = {}
         self._service: Service | None = None
         self._metadata: dict[str, str] = {}
-        self._accepting = False
+        self.accepting = False
         self.nodes = NodeView(
             conn, settings.stream.node_ttl, pool=model_token(settings.edge.cloud_model)
         )
@@ -172,29 +161,29 @@ class EdgeNode(Lifecycle):
         )
         group = f"mesh-edge-{self.edge_id}"
         await self._service.add_endpoint(
-            name="infer", subject=self.subject, handler=self._on_request, queue_group=group
+            name="infer", subject=self.subject, handler=self.intake.on_request, queue_group=group
         )
         await self._service.add_endpoint(
             name="cancel",
             subject=edge_cancel_subject(self.edge_id),
-            handler=self._on_cancel,
+            handler=self.intake.on_cancel,
             queue_group=group,
         )
         await self._service.add_endpoint(
             name="resend",
             subject=edge_resend_subject(self.edge_id),
-            handler=self._on_resend,
+            handler=self.intake.on_resend,
             queue_group=group,
         )
         await self._service.add_endpoint(
             name="answer",
             subject=edge_answer_subject(self.edge_id),
-            handler=self._on_answer,
+            handler=self.intake.on_answer,
             queue_group=group,
         )
         # Once start() returns, the server knows our subscriptions: clients can reach us.
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
-        self._accepting = True
+        self.accepting = True
         for registry in (self.prom.registry, self._nats_metrics.registry):
             exposition.add(registry)
         self._background.supervise(self._refresh_metadata, name="edge-metadata")
@@ -211,13 +200,13 @@ class EdgeNode(Lifecycle):
 
     async def stop(self, grace: float = 10.0) -> None:
         """Ordered: stop intake, let in-flight requests finish (grace), cancel the rest."""
-        if not self._accepting:
+        if not self.accepting:
             return
-        self._accepting = False
+        self.accepting = False
         await self._background.close()
         if self.http is not None:
             await self.http.stop()  # stops accepting; in-flight HTTP answers finish first
-        await self._tasks.close(grace=grace)
+        await self.tasks.close(grace=grace)
         if self.site is not None:
             await self.site.stop()
         if self._service is not None:
@@ -256,9 +245,9 @@ class EdgeNode(Lifecycle):
             "model": "loaded" if health.ok else f"not ready: {health.detail}",
             "nats": "connected" if self.conn.connected else "disconnected",
             "cloud": cloud,
-            "intake": "open" if self._accepting else "closed",
+            "intake": "open" if self.accepting else "closed",
         }
-        ready = health.ok and self.conn.connected and self._accepting
+        ready = health.ok and self.conn.connected and self.accepting
         status = "not_ready" if not ready else ("ready" if serves is not False else "degraded")
         reason = ""
         if not ready:
@@ -277,56 +266,7 @@ class EdgeNode(Lifecycle):
             self._metadata.update(status=ready["status"], cloud=ready["checks"]["cloud"])
             await asyncio.sleep(1.0)
 
-    # -- intake ----------------------------------------------------------------------------
-    async def _on_request(self, request: Request) -> None:
-        # nats-py runs one subscription's callbacks one at a time: hand off, return at once.
-        reply = reply_of(request)
-        if not reply:
-            log.warning(
-                "request without reply subject dropped; use `nats req`", subject=request.subject
-            )
-            return
-        if not is_reply_inbox(reply):
-            self.metrics.inc("refused.reply")
-            log.warning("refusing to answer into a reserved subject", reply=reply[:200])
-            return
-        fmt = sniff(request.data, request.headers).reply_format
-        if not self._accepting or len(self._tasks) >= self._es.max_concurrent:
-            self.metrics.inc("error.overloaded")
-            reason = "edge is at its concurrency limit" if self._accepting else "edge is stopping"
-            sink = NatsSink(self.conn.nc, reply, "", fmt, streaming=False)
-            with contextlib.suppress(MeshError):
-                await sink.send(_error(OverloadedError(reason, retry_after=1.0)))
-            return
-        self._tasks.spawn(self._serve_nats(request, reply), name="edge-request")
-
-    async def _serve_nats(self, request: Request, reply: str) -> None:
-        received = time.perf_counter()
-        try:
-            req, fmt = decode_request(
-                request.data,
-                request.headers,
-                limits=self.settings.limits.request_limits(),
-                strict=self.settings.strict_decode,
-                on_unknown=log_unknown_fields,
-            )
-        except MeshError as err:
-            self.metrics.inc(f"error.{err.code.value}")
-            log.info("request rejected", code=err.code.value, error=err.message)
-            fmt = sniff(request.data, request.headers).reply_format
-            sink = NatsSink(self.conn.nc, reply, err.request_id or "", fmt, streaming=False)
-            with contextlib.suppress(MeshError):
-                await sink.send(_error(err, err.request_id))
-            return
-        sink = NatsSink(self.conn.nc, reply, req.id, fmt.reply_format, streaming=req.stream)
-        await self.serve(
-            req,
-            sink,
-            scope=sender_scope(reply),
-            received=received,
-            trace=trace_headers(request.headers),
-        )
-
+    # -- answering ------------------------------------------------------------------------
     async def serve(
         self,
         req: InferRequest,
@@ -373,7 +313,7 @@ class EdgeNode(Lifecycle):
                         MeshError("the edge lost track of the answer", code=ErrorCode.INTERNAL)
                     )
             except asyncio.CancelledError:
-                if self._accepting:  # the client's cancel
+                if self.accepting:  # the client's cancel
                     log.info("request cancelled by client")
                     self.metrics.inc("cancelled")
                     await record.fail(CancelledByClientError("cancelled", request_id=req.id))
@@ -394,114 +334,9 @@ class EdgeNode(Lifecycle):
             finally:
                 record.task = None
                 self.records.finished(record)
-                _canonical_line(record, received, streaming=sink.streaming)
-                self._observe(record)
+                canonical_line(record, received, streaming=sink.streaming)
+                observe(self.prom, record)
         return record
-
-    def _observe(self, record: Record) -> None:
-        """Prometheus: the request's outcome, latencies and tokens."""
-        outcome = record.state.outcome
-        prom = self.prom
-        if isinstance(outcome, EndEvent):
-            path = outcome.path
-            forced = outcome.routing is not None and outcome.routing.forced
-            prom.requests.labels(
-                path=path, route="forced" if forced else "auto", outcome="ok"
-            ).inc()
-            timings = outcome.timings
-            if timings.ttft_ms is not None:
-                prom.ttft.labels(path=path).observe(timings.ttft_ms / 1000)
-            tokens = outcome.usage.completion_tokens
-            if timings.gen_ms and tokens > 1:
-                prom.tpot.labels(path=path).observe(timings.gen_ms / 1000 / (tokens - 1))
-            if path == "cloud" and timings.queue_ms is not None:
-                prom.queue_wait.observe(timings.queue_ms / 1000)
-            prom.tokens.labels(direction="in", path=path).inc(outcome.usage.prompt_tokens)
-            prom.tokens.labels(direction="out", path=path).inc(tokens)
-        elif isinstance(outcome, ErrorEvent):
-            state = "cancelled" if outcome.code == ErrorCode.CANCELLED.value else "error"
-            prom.requests.labels(path="none", route="none", outcome=state).inc()
-            prom.errors.labels(code=outcome.code).inc()
-        if record.restarts:
-            prom.restarts.inc(record.restarts)
-
-    async def _on_cancel(self, request: Request) -> None:
-        record, inbox = self._own_record(request)
-        cancelled = record is not None and record.task is not None
-        if record is not None and record.task is not None:
-            log.info("cancel from the client", request_id=record.client_id)
-            record.task.cancel()
-        elif record is None and inbox:
-            self.metrics.inc("refused.cancel")  # not the sender's inbox, or an unknown id
-        if reply_of(request):
-            with contextlib.suppress(nats.errors.Error, ValueError):
-                await request.respond(json.dumps({"cancelled": cancelled}).encode())
-
-    async def _on_answer(self, request: Request) -> None:
-        """The kept answer of a request that could wait, by its id: an ``answer``, its typed
-        ``err``, or ``unavailable`` while it is not answered yet."""
-        fmt = sniff(request.data, request.headers).reply_format
-        outcome: Any = None
-        try:
-            raw = load(request.data, sniff(request.data, request.headers))
-            request_id = raw.get("id") if isinstance(raw, dict) else None
-            if not isinstance(request_id, str) or not is_token(request_id):
-                raise InvalidRequestError('send {"id": "<request id>"}')
-            if self.site is None:
-                raise UnavailableError("this edge keeps no answers (its site has no JetStream)")
-            key = raw.get("key") if isinstance(raw.get("key"), str) else None
-            outcome = await self.site.fetch(request_id, key)
-            if outcome is None:
-                raise UnavailableError(
-                    f"no answer kept for {request_id!r} yet (held at the site, in the cloud, "
-                    "or unknown), or not for this key",
-                    request_id=request_id,
-                    retry_after=30.0,
-                )
-        except MeshError as err:
-            outcome = _error(err, err.request_id)
-        if reply_of(request):
-            with contextlib.suppress(nats.errors.Error):
-                await self.conn.nc.publish(
-                    reply_of(request), dump(outcome, fmt), headers={CONTENT_TYPE: fmt.content_type}
-                )
-
-    async def _on_resend(self, request: Request) -> None:
-        record, inbox = self._own_record(request)
-        sent = 0
-        if record is not None:
-            try:
-                raw = json.loads(request.data or b"{}")
-                attempt, seq = int(raw.get("attempt", 0)), int(raw.get("seq", 0))
-            except (ValueError, TypeError, AttributeError):
-                attempt, seq = 0, 0
-            sink = next(s for s in record.sinks if getattr(s, "inbox", None) == inbox)
-            for event in record.lacking(attempt, seq):
-                with contextlib.suppress(MeshError):
-                    await sink.send(event)
-                    sent += 1
-            self.metrics.inc("resent", sent)
-        if reply_of(request):
-            with contextlib.suppress(nats.errors.Error, ValueError):
-                await request.respond(
-                    json.dumps({"known": record is not None, "events": sent}).encode()
-                )
-
-    def _own_record(self, request: Request) -> tuple[Record | None, str]:
-        """The record a cancel or resend names, if it names the inbox that made the request."""
-        try:
-            raw = load(request.data, sniff(request.data, request.headers))
-        except MeshError:
-            return None, ""
-        if not isinstance(raw, dict):
-            return None, ""
-        request_id, inbox = raw.get("id"), raw.get("inbox")
-        if not isinstance(request_id, str) or not isinstance(inbox, str):
-            return None, ""
-        record = self.records.get(sender_scope(inbox), request_id)
-        if record is None or not any(getattr(s, "inbox", None) == inbox for s in record.sinks):
-            return None, inbox
-        return record, inbox
 
     # -- routing ---------------------------------------------------------------------------
     async def _answer(
@@ -701,36 +536,3 @@ def _error(error: MeshError, request_id: str | None = None) -> ErrorEvent:
     from protocol.codec import error_event
 
     return error_event(error, request_id)
-
-
-def _canonical_line(record: Record, received: float, *, streaming: bool) -> None:
-    """One log line per request with everything an operator asks about it."""
-    fields: dict[str, Any] = {
-        "total_ms": round((time.perf_counter() - received) * 1000, 1),
-        "stream": streaming,
-        "positions": record.state.positions,
-    }
-    outcome = record.state.outcome
-    if isinstance(outcome, EndEvent):
-        fields.update(
-            tokens=outcome.usage.completion_tokens,
-            outcome="ok",
-            path=outcome.path,
-            served_by=outcome.served_by,
-            finish=outcome.finish_reason,
-            ttft_ms=outcome.timings.ttft_ms,
-            fallback=outcome.fallback,
-            attempts=outcome.attempt,
-        )
-        if outcome.routing is not None:
-            fields.update(
-                route=outcome.routing.decision,
-                score=outcome.routing.score,
-                forced=outcome.routing.forced,
-                reason=outcome.routing.reason,
-            )
-    elif isinstance(outcome, ErrorEvent):
-        fields.update(outcome="error", code=outcome.code)
-    else:
-        fields.update(outcome="none")
-    log.info("request", **fields)

@@ -20,6 +20,7 @@ from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.logs import configure_logging
 from mesh.nats_server import NatsServer
+from protocol.subjects import NODES_BUCKET
 
 configure_logging(load_settings(environ={}).log.model_copy(update={"level": "warning"}))
 
@@ -79,9 +80,13 @@ async def settings(nats_server: NatsServer) -> MeshSettings:
 @pytest.fixture
 async def conn(settings: MeshSettings) -> AsyncIterator[Connection]:
     async with Connection(settings.nats, "test") as connection:
-        # Every test starts from an empty queue: drop the stream (and its consumers).
+        # Every test starts from an empty queue and registry: drop the stream (and its
+        # consumers), and the node registry (a worker an earlier test killed is still "alive"
+        # there until its entry expires).
         with contextlib.suppress(NotFoundError):
             await connection.jsm().delete_stream(settings.stream.name)
+        with contextlib.suppress(NotFoundError):
+            await connection.jsm().delete_stream(f"KV_{NODES_BUCKET}")
         yield connection
 
 
