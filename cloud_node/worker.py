@@ -30,6 +30,7 @@ from nats.micro.service import Service
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.keeper import Keeper
+from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.puller import Puller
 from mesh import __version__, kept
@@ -46,13 +47,12 @@ from mesh.queue import trace_headers
 from mesh.registry import Heartbeat, NodeInfo
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
-from protocol.codec import decode_request, error_event, reply_target, sniff
+from protocol.codec import decode_request, error_event
 from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
     ErrorCode,
     InvalidRequestError,
-    MaxDeliveriesError,
     MeshError,
     MeshTimeoutError,
     UnknownModelError,
@@ -116,6 +116,16 @@ class Worker(Lifecycle):
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
+        self.outcomes = Outcomes(
+            conn,
+            self.store,
+            self.keeper,
+            settings.stream,
+            node=f"cloud:{self.node_id}",
+            publish_timeout=settings.worker.publish_timeout,
+            count=self._count,
+            exhausted=self._exhausted,
+        )
         self._inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
         self._publishers: dict[str, AnswerPublisher] = {}
         self._reserved = 0
@@ -146,6 +156,9 @@ class Worker(Lifecycle):
     def consumer(self) -> str:
         return consumer_name(self.backend.model)
 
+    def _exhausted(self) -> None:
+        self.stats.max_deliveries += 1
+
     def _count(self, outcome: str, code: str | None = None) -> None:
         """One delivery's outcome, in the STATS counters and the Prometheus metrics."""
         setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
@@ -165,7 +178,7 @@ class Worker(Lifecycle):
             await nc.subscribe(
                 f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self._stream.name}.{self.consumer}",
                 queue=f"mesh-advisories-{model_token(self.backend.model)}",
-                cb=self._on_max_deliveries,
+                cb=self.outcomes.on_max_deliveries,
             ),
         ]
         self._service = await micro.add_service(
@@ -376,10 +389,12 @@ class Worker(Lifecycle):
             self._check(request, address)
         except MeshError as err:
             if request is not None and request.deferrable and scope is not None:
-                kept = await self._kept_or_nak(msg, scope, request, error_event(err, request.id))
+                kept = await self.outcomes.kept_or_nak(
+                    msg, scope, request, error_event(err, request.id)
+                )
                 if not kept:
                     return
-            await self._reject(msg, err, attempt)
+            await self.outcomes.reject(msg, err, attempt)
             return
         task = asyncio.current_task()
         assert task is not None
@@ -468,7 +483,7 @@ class Worker(Lifecycle):
             return
         started_before = history is not None and history.started
         if not started_before and request.start_by is not None and time.time() >= request.start_by:
-            await self._reject(
+            await self.outcomes.reject(
                 msg,
                 DeadlineExceededError(
                     "no worker could start the request before its start_by time",
@@ -526,10 +541,10 @@ class Worker(Lifecycle):
                 await msg.nak()
             raise
         except MeshError as err:
-            await self._failed(msg, publisher, writer, err, attempt, request=request)
+            await self.outcomes.failed(msg, publisher, writer, err, attempt, request=request)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
-            await self._failed(
+            await self.outcomes.failed(
                 msg,
                 publisher,
                 writer,
@@ -618,148 +633,6 @@ class Worker(Lifecycle):
             await msg.ack()
         except nats.errors.Error as exc:
             log.warning("ack not sent", error=repr(exc))
-
-    async def _reject(self, msg: Msg, err: MeshError, attempt: int) -> None:
-        """Answer a request that will never run, where its sender listens, and drop it for good.
-        Never raises: a message it cannot read is still terminated."""
-        try:
-            request_id, _reply = reply_target(msg.data, msg.headers)
-            if err.request_id is not None and is_token(err.request_id):
-                request_id = err.request_id
-            self._count("rejected", err.code.value)
-            log.warning(
-                "request rejected",
-                code=err.code.value,
-                error=err.message,
-                request_id=request_id,
-                subject=msg.subject,
-                answered=request_id is not None and scope_of(msg.subject) is not None,
-            )
-            scope = scope_of(msg.subject)
-            if request_id is not None and scope is not None:
-                publisher = AnswerPublisher(
-                    self.conn,
-                    self.store,
-                    scope,
-                    request_id,
-                    sniff(msg.data, msg.headers).reply_format,
-                    timeout=self._ws.publish_timeout,
-                )
-                writer = AnswerWriter(request_id, attempt=attempt, node=f"cloud:{self.node_id}")
-                with contextlib.suppress(MeshError):
-                    await publisher.finish(writer.error(err))
-        except Exception:  # answering is best effort; terminating is not
-            log.exception("answering a rejected request failed")
-        with contextlib.suppress(nats.errors.Error):
-            if err.code is ErrorCode.CANCELLED:
-                await msg.ack()
-            else:
-                await msg.term()
-
-    async def _failed(
-        self,
-        msg: Msg,
-        publisher: AnswerPublisher,
-        writer: AnswerWriter,
-        err: MeshError,
-        attempt: int,
-        *,
-        request: InferRequest | None = None,
-    ) -> None:
-        self._count("failed", err.code.value)
-        if err.retryable and attempt < self._stream.max_deliver:
-            # Another attempt continues from what the store kept of ours.
-            log.warning("generation failed; handing it on", code=err.code.value, error=err.message)
-            with contextlib.suppress(MeshError):
-                await publisher.catch_up()
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
-            return
-        if err.retryable:
-            err = MaxDeliveriesError(
-                f"failed on {attempt} deliveries; last error: {err.message}",
-                request_id=writer.request_id,
-                retryable=False,
-            )
-        log.warning("generation failed", code=err.code.value, error=err.message)
-        with contextlib.suppress(MeshError):
-            await publisher.finish(writer.error(err))
-        if request is not None and request.deferrable:
-            scope, _ = address_of(publisher.subject)
-            if not await self._kept_or_nak(msg, scope, request, error_event(err, request.id)):
-                return
-        with contextlib.suppress(nats.errors.Error):
-            await msg.term()
-
-    async def _kept_or_nak(
-        self, msg: Msg, scope: str, request: InferRequest, outcome: ErrorEvent
-    ) -> bool:
-        """Keep a request-that-can-wait's final error before its message is let go; when it
-        cannot be kept, hand the message back (False) so a later delivery keeps it."""
-        try:
-            await self.keeper.keep(scope, request, None, outcome)
-        except MeshError as err:
-            log.warning("final error not kept; redelivering", error=err.message)
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
-            return False
-        return True
-
-    async def _on_max_deliveries(self, msg: Msg) -> None:
-        """The last delivery's worker died: tell the request's sender, typed, and drop it."""
-        try:
-            advisory = json.loads(msg.data)
-            stream_seq = int(advisory["stream_seq"])
-            deliveries = int(advisory.get("deliveries", self._stream.max_deliver))
-            jsm = self.conn.jsm()
-            queued = await jsm.get_msg(self._stream.name, stream_seq)
-            request_id, _ = reply_target(queued.data or b"", queued.headers)
-            scope = scope_of(queued.subject or "")
-            with contextlib.suppress(MeshError):  # a request that can wait: keep its error
-                held, _fmt = decode_request(queued.data or b"", queued.headers)
-                if held.deferrable and scope is not None and held.id == request_id:
-                    await self.keeper.keep(
-                        scope,
-                        held,
-                        None,
-                        error_event(
-                            MaxDeliveriesError(
-                                f"{deliveries} deliveries ended without an answer",
-                                request_id=held.id,
-                            ),
-                            held.id,
-                        ),
-                    )
-            if request_id is not None and scope is not None:
-                events = await self.store.replay(token_subject(scope, request_id))
-                state = AnswerState(request_id)
-                state.feed_all(events)
-                if not state.done:
-                    fmt = sniff(queued.data or b"", queued.headers).reply_format
-                    publisher = AnswerPublisher(
-                        self.conn,
-                        self.store,
-                        scope,
-                        request_id,
-                        fmt,
-                        timeout=self._ws.publish_timeout,
-                    )
-                    writer = AnswerWriter(request_id, attempt=max(1, deliveries))
-                    await publisher.finish(
-                        writer.error(
-                            MaxDeliveriesError(
-                                f"{deliveries} deliveries ended without an answer (workers "
-                                "stopped mid-request)",
-                                request_id=request_id,
-                                retryable=False,
-                            )
-                        )
-                    )
-                    self.stats.max_deliveries += 1
-                    log.warning("request exhausted its deliveries", request_id=request_id)
-            await jsm.delete_msg(self._stream.name, stream_seq)
-        except Exception as exc:  # already gone, or the store cannot be read: nothing to do
-            log.info("max-deliveries advisory not handled", error=repr(exc))
 
     async def _keep_alive(self, msg: Msg) -> None:
         interval = self._stream.ack_wait * self._ws.progress_fraction

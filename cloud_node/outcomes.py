@@ -1,0 +1,195 @@
+"""How a queued request ends when it is not answered: rejected (it will never run), failed
+(handed on to another attempt, or ended in a typed error), or out of deliveries (the last
+worker died). Each path tells the request's sender, keeps the outcome of a request that can
+wait, and lets the queue message go only after that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from cloud_node.keeper import Keeper
+from cloud_node.publisher import AnswerPublisher
+from mesh.answer_store import AnswerStore
+from mesh.config import StreamSettings
+from mesh.connection import Connection
+from mesh.logs import get_logger
+from protocol.codec import decode_request, error_event, reply_target, sniff
+from protocol.errors import ErrorCode, MaxDeliveriesError, MeshError
+from protocol.messages import ErrorEvent, InferRequest
+from protocol.stream import AnswerState, AnswerWriter
+from protocol.subjects import address_of, is_token, scope_of, token_subject
+
+log = get_logger(__name__)
+
+
+class Outcomes:
+    def __init__(
+        self,
+        conn: Connection,
+        store: AnswerStore,
+        keeper: Keeper,
+        stream: StreamSettings,
+        *,
+        node: str,
+        publish_timeout: float,
+        count: Callable[..., None],
+        exhausted: Callable[[], None],
+    ) -> None:
+        self.conn = conn
+        self.store = store
+        self.keeper = keeper
+        self.stream = stream
+        self.node = node
+        self.publish_timeout = publish_timeout
+        self.count = count
+        """Counts an outcome (``count("failed", code)``)."""
+        self.exhausted = exhausted
+        """Counts a request answered with max_deliveries."""
+
+    async def reject(self, msg: Msg, err: MeshError, attempt: int) -> None:
+        """Answer a request that will never run, where its sender listens, and drop it for good.
+        Never raises: a message it cannot read is still terminated."""
+        try:
+            request_id, _reply = reply_target(msg.data, msg.headers)
+            if err.request_id is not None and is_token(err.request_id):
+                request_id = err.request_id
+            self.count("rejected", err.code.value)
+            log.warning(
+                "request rejected",
+                code=err.code.value,
+                error=err.message,
+                request_id=request_id,
+                subject=msg.subject,
+                answered=request_id is not None and scope_of(msg.subject) is not None,
+            )
+            scope = scope_of(msg.subject)
+            if request_id is not None and scope is not None:
+                publisher = AnswerPublisher(
+                    self.conn,
+                    self.store,
+                    scope,
+                    request_id,
+                    sniff(msg.data, msg.headers).reply_format,
+                    timeout=self.publish_timeout,
+                )
+                writer = AnswerWriter(request_id, attempt=attempt, node=self.node)
+                with contextlib.suppress(MeshError):
+                    await publisher.finish(writer.error(err))
+        except Exception:  # answering is best effort; terminating is not
+            log.exception("answering a rejected request failed")
+        with contextlib.suppress(nats.errors.Error):
+            if err.code is ErrorCode.CANCELLED:
+                await msg.ack()
+            else:
+                await msg.term()
+
+    async def failed(
+        self,
+        msg: Msg,
+        publisher: AnswerPublisher,
+        writer: AnswerWriter,
+        err: MeshError,
+        attempt: int,
+        *,
+        request: InferRequest | None = None,
+    ) -> None:
+        self.count("failed", err.code.value)
+        if err.retryable and attempt < self.stream.max_deliver:
+            # Another attempt continues from what the store kept of ours.
+            log.warning("generation failed; handing it on", code=err.code.value, error=err.message)
+            with contextlib.suppress(MeshError):
+                await publisher.catch_up()
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return
+        if err.retryable:
+            err = MaxDeliveriesError(
+                f"failed on {attempt} deliveries; last error: {err.message}",
+                request_id=writer.request_id,
+                retryable=False,
+            )
+        log.warning("generation failed", code=err.code.value, error=err.message)
+        with contextlib.suppress(MeshError):
+            await publisher.finish(writer.error(err))
+        if request is not None and request.deferrable:
+            scope, _ = address_of(publisher.subject)
+            if not await self.kept_or_nak(msg, scope, request, error_event(err, request.id)):
+                return
+        with contextlib.suppress(nats.errors.Error):
+            await msg.term()
+
+    async def kept_or_nak(
+        self, msg: Msg, scope: str, request: InferRequest, outcome: ErrorEvent
+    ) -> bool:
+        """Keep a request-that-can-wait's final error before its message is let go; when it
+        cannot be kept, hand the message back (False) so a later delivery keeps it."""
+        try:
+            await self.keeper.keep(scope, request, None, outcome)
+        except MeshError as err:
+            log.warning("final error not kept; redelivering", error=err.message)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return False
+        return True
+
+    async def on_max_deliveries(self, msg: Msg) -> None:
+        """The last delivery's worker died: tell the request's sender, typed, and drop it."""
+        try:
+            advisory = json.loads(msg.data)
+            stream_seq = int(advisory["stream_seq"])
+            deliveries = int(advisory.get("deliveries", self.stream.max_deliver))
+            jsm = self.conn.jsm()
+            queued = await jsm.get_msg(self.stream.name, stream_seq)
+            request_id, _ = reply_target(queued.data or b"", queued.headers)
+            scope = scope_of(queued.subject or "")
+            with contextlib.suppress(MeshError):  # a request that can wait: keep its error
+                held, _fmt = decode_request(queued.data or b"", queued.headers)
+                if held.deferrable and scope is not None and held.id == request_id:
+                    await self.keeper.keep(
+                        scope,
+                        held,
+                        None,
+                        error_event(
+                            MaxDeliveriesError(
+                                f"{deliveries} deliveries ended without an answer",
+                                request_id=held.id,
+                            ),
+                            held.id,
+                        ),
+                    )
+            if request_id is not None and scope is not None:
+                events = await self.store.replay(token_subject(scope, request_id))
+                state = AnswerState(request_id)
+                state.feed_all(events)
+                if not state.done:
+                    fmt = sniff(queued.data or b"", queued.headers).reply_format
+                    publisher = AnswerPublisher(
+                        self.conn,
+                        self.store,
+                        scope,
+                        request_id,
+                        fmt,
+                        timeout=self.publish_timeout,
+                    )
+                    writer = AnswerWriter(request_id, attempt=max(1, deliveries))
+                    await publisher.finish(
+                        writer.error(
+                            MaxDeliveriesError(
+                                f"{deliveries} deliveries ended without an answer (workers "
+                                "stopped mid-request)",
+                                request_id=request_id,
+                                retryable=False,
+                            )
+                        )
+                    )
+                    self.exhausted()
+                    log.warning("request exhausted its deliveries", request_id=request_id)
+            await jsm.delete_msg(self.stream.name, stream_seq)
+        except Exception as exc:  # already gone, or the store cannot be read: nothing to do
+            log.info("max-deliveries advisory not handled", error=repr(exc))
