@@ -528,7 +528,7 @@ class EdgeNode(Lifecycle):
             if budget is not None:  # as it stands now, the escalation counted
                 escalated = escalated.model_copy(update={"budget": budget.snapshot()})
             self.metrics.inc("route.cloud.mid_answer")
-            self.prom.decisions.labels(decision="cloud_mid_answer", forced="false").inc()
+            self.prom.mid_answer.inc()  # the router's decision stays counted as local
         return escalated
 
 

@@ -101,6 +101,11 @@ class EdgeMetrics:
             ["decision", "forced"],
             registry=r,
         )
+        self.mid_answer = Counter(
+            "mesh_edge_mid_answer_escalations",
+            "Requests the router kept local that the local model's low confidence escalated.",
+            registry=r,
+        )
         self.fallbacks = Counter(
             "mesh_edge_fallbacks",
             "Escalations answered locally instead, by why the cloud could not serve them.",

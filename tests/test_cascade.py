@@ -84,6 +84,7 @@ async def test_an_unsure_local_start_is_finished_by_the_cloud_as_one_answer(
     assert routing.budget is not None and routing.budget["mid_answer"] == 1
     assert local.started == 1  # it started locally, and was stopped
     assert edge.metrics.get("route.cloud.mid_answer") == 1
+    assert edge.prom.mid_answer._value.get() == 1
 
 
 async def test_a_sure_local_start_goes_on_locally_with_its_held_tokens(
