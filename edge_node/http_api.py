@@ -17,6 +17,7 @@ stable code and an HTTP status derived from it.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -289,6 +290,11 @@ class EdgeHTTP:
             route=route,  # type: ignore[arg-type]
             request_id=request_id if request_id and is_token(request_id) else None,
         )
+        if req.deferrable:
+            # Its answer is kept at the site; an HTTP client asks again by sending the same
+            # request under the same X-Request-Id. A key nobody holds keeps the NATS lookup
+            # by id (``mesh.v1.edge.<edge>.answer``) closed to everyone else at the site.
+            req = req.model_copy(update={"cancel_key": secrets.token_urlsafe(24)})
         if req.max_tokens > limits.max_tokens:
             raise InvalidRequestError(
                 f"max_tokens {req.max_tokens} is over this edge's limit of {limits.max_tokens}",

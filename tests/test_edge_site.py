@@ -132,7 +132,7 @@ async def topology(tmp_path: Path, certs: Certs) -> AsyncIterator[Topology]:  # 
 
 
 @contextlib.asynccontextmanager
-async def running_mesh(topo: Topology) -> AsyncIterator[None]:
+async def running_mesh(topo: Topology, *, http: bool = False) -> AsyncIterator[None]:
     # A one-slot worker taking 150 ms per answer: answers keep landing for a while.
     worker_settings = topo.hub_settings("worker-w1", MESH_WORKER_MODEL_PREFILL_DELAY_MS="150")
     async with contextlib.AsyncExitStack() as stack:
@@ -142,6 +142,8 @@ async def running_mesh(topo: Topology) -> AsyncIterator[None]:
         await stack.enter_async_context(Worker(worker_settings, wconn, backend))
         for site in topo.leaves:
             settings = topo.site_settings(site)
+            if http:
+                settings.edge.http_port = 0
             econn = await stack.enter_async_context(Connection(settings.nats, f"edge-{site}"))
             local = DeterministicBackend(settings.edge.model)
             topo.edges[site] = await stack.enter_async_context(
@@ -400,3 +402,37 @@ async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) 
             assert answer.text == expected("q", 6)
             with pytest.raises(UnavailableError):
                 await restarted.answer("job-2")  # its per-instance key is not that one
+
+
+async def test_an_http_request_that_can_wait_is_kept_for_its_sender_only(
+    topology: Topology,
+) -> None:
+    """OpenAI's ``service_tier: flex``: the sender asks again by sending the same request
+    under the same id and gets the kept answer, generated once; another app at the site cannot
+    read it by id."""
+    import aiohttp
+
+    site = "site-a"
+    body = {
+        "messages": [{"role": "user", "content": "[tag:h] summarise the week"}],
+        "max_tokens": 6,
+        "service_tier": "flex",
+    }
+    headers = {"X-Request-Id": "http-job-1", "X-Mesh-Route": "cloud"}
+    async with running_mesh(topology, http=True):
+        edge = topology.edges[site]
+        assert edge.http is not None and topology.backend is not None
+        async with aiohttp.ClientSession(edge.http.url) as web:
+            async with web.post("/v1/chat/completions", json=body, headers=headers) as resp:
+                first = await resp.json()
+            assert resp.status == 200, first
+            assert first["choices"][0]["message"]["content"] == expected("h", 6)
+            generated = topology.backend.started
+            async with MeshClient(settings=topology.site_settings(site, "client")) as other:
+                with pytest.raises(UnavailableError, match="not for this key"):
+                    await other.answer("http-job-1")
+            async with web.post("/v1/chat/completions", json=body, headers=headers) as resp:
+                again = await resp.json()
+            assert resp.status == 200, again
+            assert again["choices"][0]["message"]["content"] == expected("h", 6)
+            assert topology.backend.started == generated  # kept, not generated again
