@@ -608,10 +608,13 @@ class Worker(Lifecycle):
             return
         log.info("outcome already stored; acking without generating")
         if request.deferrable:
-            with contextlib.suppress(MeshError):  # else the next delivery keeps it
+            try:
                 await self.keeper.keep(scope, request, publisher)
-                await self._ack(msg)
-            return
+            except MeshError as err:  # handed back at once: the next delivery keeps it
+                log.warning("stored outcome not kept; redelivering", error=err.message)
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak(delay=1.0)
+                return
         await self._ack(msg)
 
     def _observe(self, gen: Generation, timings: Timings) -> None:
