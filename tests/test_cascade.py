@@ -217,6 +217,7 @@ async def test_no_mid_answer_escalation_too_near_the_deadline_or_for_a_named_mod
     settings: MeshSettings, conn: Connection
 ) -> None:
     cascade_settings(settings, window_tokens=3)
+    settings.edge.cloud_min_budget = 30.0  # a deadline 20 s off is too near for the cloud
     local = LocalEngine()
     async with (
         Worker(settings, conn, deterministic()),
@@ -226,7 +227,7 @@ async def test_no_mid_answer_escalation_too_near_the_deadline_or_for_a_named_mod
         near = await client.complete(
             "[unsure] quick",
             max_tokens=4,
-            deadline=time.time() + settings.edge.cloud_min_budget / 2,
+            deadline=time.time() + 20,
         )
         named = await client.complete("[unsure] mine", max_tokens=4, model="local-tiny")
     for got in (near, named):

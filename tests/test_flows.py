@@ -321,13 +321,35 @@ async def test_edge_stopping_mid_answer_tells_the_client_to_retry(
 
 
 async def test_a_request_sent_while_the_edge_restarts_is_answered(
-    settings: MeshSettings, conn: Connection, edge_backend: LlamaCppBackend, client: MeshClient
+    settings: MeshSettings,
+    conn: Connection,
+    edge_backend: LlamaCppBackend,
+    client: MeshClient,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Nobody subscribed when it was sent (the edge daemon restarting): the SDK sends it again
     for a moment, and the edge that comes up answers it once."""
+    import mesh.client
+    from mesh.reader import AnswerReader
+
+    # The product waits 2 s; a slow machine may take about that to start an edge.
+    monkeypatch.setattr(mesh.client, "EDGE_RESTART_S", 20.0)
+    unserved = 0
+    original = AnswerReader._on_unserved
+
+    def counting(reader: AnswerReader) -> None:
+        nonlocal unserved
+        unserved += 1
+        original(reader)
+
+    monkeypatch.setattr(AnswerReader, "_on_unserved", counting)
     edge = EdgeNode(settings, conn, edge_backend, create_router(settings.edge.router))
     answer = asyncio.create_task(client.complete(SIMPLE, route="local", max_tokens=8))
-    await asyncio.sleep(0.3)  # the request has met no subscriber at least once by now
+
+    async def met_nobody() -> bool:
+        return unserved >= 1
+
+    await eventually(met_nobody, timeout=10, what="the request to meet no subscriber")
     assert not answer.done()
     async with edge:
         completion = await asyncio.wait_for(answer, 30)
