@@ -103,6 +103,26 @@ def run_model(
     return out
 
 
+def feature_matrix(results: list[dict[str, Any]]) -> np.ndarray:
+    """The confidence features of each run, in FEATURES order (zeros where none was read)."""
+    return np.array(
+        [[r["confidence"][f] if r["confidence"] else 0.0 for f in FEATURES] for r in results]
+    )
+
+
+def feature_aucs(feats: np.ndarray, label: np.ndarray) -> dict[str, float]:
+    """Each feature's AUC against ``label``, oriented so that less sure scores higher."""
+    return {
+        f: roc_auc(-feats[:, j] if "logprob" in f else feats[:, j], label)
+        for j, f in enumerate(FEATURES)
+    }
+
+
+def logit(p: np.ndarray) -> np.ndarray:
+    q = np.clip(p, 1e-6, 1 - 1e-6)
+    return np.log(q / (1 - q))
+
+
 def logistic_cv(x: np.ndarray, y: np.ndarray, folds: np.ndarray) -> np.ndarray:
     """Out-of-fold probabilities of a small L2 logistic regression (Newton steps)."""
     scores = np.empty(len(y))
@@ -145,15 +165,13 @@ def main() -> None:
     print(f"running the bundled model on {len(index)} prompts ({is_gsm.sum()} GSM8K)...")
     results = run_model(sample.prompts, args.window, set(np.flatnonzero(is_gsm).tolist()))
     ok = np.array([r["confidence"] is not None for r in results])
-    feats = np.array(
-        [[r["confidence"][f] if r["confidence"] else 0.0 for f in FEATURES] for r in results]
-    )
+    feats = feature_matrix(results)
     report: dict[str, Any] = {"window": args.window, "rows": len(index)}
 
     # Label 1: "escalation helps" (RouteLLM's weak and strong models), every sampled row.
     helps = sample.escalation_helps.astype(float)
     sample_folds = folds[index]
-    logit0 = np.log(np.clip(stage0, 1e-6, 1 - 1e-6) / np.clip(1 - stage0, 1e-6, 1))
+    logit0 = logit(stage0)
     combo = logistic_cv(np.c_[logit0, feats], helps, sample_folds)
     conf_only = logistic_cv(feats, helps, sample_folds)
 
@@ -178,10 +196,7 @@ def main() -> None:
         "stage0": routing_metrics(stage0, sample.weak, sample.strong),
         "confidence": routing_metrics(conf_only, sample.weak, sample.strong),
         "stage0+confidence": routing_metrics(combo, sample.weak, sample.strong),
-        "features_auc": {
-            f: roc_auc(-feats[:, j] if "logprob" in f else feats[:, j], helps)
-            for j, f in enumerate(FEATURES)
-        },
+        "features_auc": feature_aucs(feats, helps),
     }
 
     # Label 2: the bundled model's own correctness on GSM8K rows with a gold number.
@@ -199,10 +214,7 @@ def main() -> None:
         wrong = 1 - local_right
         own["local_right"] = int(local_right.sum())
         own["auc_stage0"] = roc_auc(stage0[ks], wrong)
-        own["features_auc"] = {
-            f: roc_auc(-feats[ks, j] if "logprob" in f else feats[ks, j], wrong)
-            for j, f in enumerate(FEATURES)
-        }
+        own["features_auc"] = feature_aucs(feats[ks], wrong)
     report["gsm8k_own_correctness"] = own
     if args.arithmetic:
         report["arithmetic_own_correctness"] = arithmetic(args.arithmetic, args.window, args.seed)
@@ -245,21 +257,16 @@ def arithmetic(n: int, window: int, seed: int) -> dict[str, Any]:
     wrong = 1 - right
     router = LearnedRouter.from_settings(RouterSettings())
     stage0 = np.array([router.score(InferRequest(id="a", prompt=p))[0] for p in prompts])
-    feats = np.array(
-        [[r["confidence"][f] if r["confidence"] else 0.0 for f in FEATURES] for r in results]
-    )
+    feats = feature_matrix(results)
     folds = np.arange(n) % 5
-    logit0 = np.log(np.clip(stage0, 1e-6, 1 - 1e-6) / np.clip(1 - stage0, 1e-6, 1))
+    logit0 = logit(stage0)
     return {
         "rows": n,
         "local_right": int(right.sum()),
         "auc_stage0": roc_auc(stage0, wrong),
         "auc_confidence_cv": roc_auc(logistic_cv(feats, wrong, folds), wrong),
         "auc_stage0+confidence_cv": roc_auc(logistic_cv(np.c_[logit0, feats], wrong, folds), wrong),
-        "features_auc": {
-            f: roc_auc(-feats[:, j] if "logprob" in f else feats[:, j], wrong)
-            for j, f in enumerate(FEATURES)
-        },
+        "features_auc": feature_aucs(feats, wrong),
     }
 
 
