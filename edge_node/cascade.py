@@ -70,15 +70,11 @@ class Cascade:
             if escalate and confidence is not None:
                 await chunks.aclose()  # the engine stops; none of it reached the client
                 log.info("escalating mid-answer", reason=why, **confidence.as_dict())
-                return _escalated(decision, confidence, why)
+                return _explained(decision, confidence, why, escalated=True)
             kept = decision
             if confidence is not None:
-                kept = decision.model_copy(
-                    update={
-                        "reason": f"{decision.reason}; {why}" if decision.reason else why,
-                        "confidence": {**confidence.as_dict(), "escalated": False},
-                    }
-                )
+                reason = f"{decision.reason}; {why}" if decision.reason else why
+                kept = _explained(decision, confidence, reason, escalated=False)
             replay = _replay(held, chunks)
             try:
                 await answer_locally(replay, slot_at, kept)
@@ -125,11 +121,14 @@ async def _replay(
             yield chunk
 
 
-def _escalated(decision: RouteDecision, confidence: Confidence, why: str) -> RouteDecision:
-    return decision.model_copy(
-        update={
-            "decision": "cloud",
-            "reason": why,
-            "confidence": {**confidence.as_dict(), "escalated": True},
-        }
-    )
+def _explained(
+    decision: RouteDecision, confidence: Confidence, reason: str, *, escalated: bool
+) -> RouteDecision:
+    """``decision`` with the confidence that settled it; escalated: now a cloud decision."""
+    update: dict[str, object] = {
+        "reason": reason,
+        "confidence": {**confidence.as_dict(), "escalated": escalated},
+    }
+    if escalated:
+        update["decision"] = "cloud"
+    return decision.model_copy(update=update)
