@@ -34,7 +34,7 @@ from edge_node.nats_intake import NatsIntake
 from edge_node.records import Record, Records, Sink
 from edge_node.relay import CloudRelay, Fallback, estimate_prompt_tokens
 from edge_node.report import canonical_line, observe
-from edge_node.router import Router, decide
+from edge_node.router import CloudBudget, Router, decide
 from edge_node.site import SiteStore
 from mesh import __version__
 from mesh.backends.base import Backend, Chunk, ScoringBackend
@@ -48,6 +48,7 @@ from mesh.provision import model_is_served
 from mesh.registry import NodeView
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
+from protocol.codec import error_event
 from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
@@ -57,7 +58,7 @@ from protocol.errors import (
     UnavailableError,
     UnknownModelError,
 )
-from protocol.messages import EndEvent, ErrorEvent, InferRequest, RouteDecision, TokenEvent
+from protocol.messages import EndEvent, InferRequest, RouteDecision, TokenEvent
 from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import (
     edge_answer_subject,
@@ -117,6 +118,11 @@ class EdgeNode(Lifecycle):
     def subject(self) -> str:
         return edge_infer_subject(self.edge_id)
 
+    @property
+    def budget(self) -> CloudBudget | None:
+        """The router's cloud budget (routers without one have none)."""
+        return getattr(self.router, "budget", None)
+
     def _make_cascade(self) -> Cascade | None:
         confidence = self._es.router.confidence
         if not confidence.enabled:
@@ -127,7 +133,7 @@ class EdgeNode(Lifecycle):
                 backend=type(self.backend).__name__,
             )
             return None
-        budget = getattr(self.router, "budget", None)
+        budget = self.budget
         return Cascade(
             self.backend,
             self._gate,
@@ -213,7 +219,7 @@ class EdgeNode(Lifecycle):
             with contextlib.suppress(nats.errors.Error):
                 await self._service.stop()
         await self.nodes.stop()
-        budget = getattr(self.router, "budget", None)
+        budget = self.budget
         if budget is not None:
             budget.save()  # the decisions since the last periodic save
         for registry in (self.prom.registry, self._nats_metrics.registry):
@@ -223,7 +229,7 @@ class EdgeNode(Lifecycle):
     def stats(self) -> dict[str, Any]:
         """What ``nats micro stats mesh-edge`` and ``mesh status`` show: counters and the
         router's cloud budget."""
-        budget = getattr(self.router, "budget", None)
+        budget = self.budget
         return {
             **self.metrics.snapshot(),
             "in_flight": self.records.in_flight(),
@@ -231,7 +237,7 @@ class EdgeNode(Lifecycle):
         }
 
     def _budget_share(self) -> float:
-        budget = getattr(self.router, "budget", None)
+        budget = self.budget
         realized = budget.snapshot().get("realized") if budget is not None else None
         return float(realized) if isinstance(realized, (int, float)) else float("nan")
 
@@ -287,7 +293,7 @@ class EdgeNode(Lifecycle):
         except DuplicateRequestError as err:
             self.metrics.inc("error.duplicate")
             with contextlib.suppress(MeshError):
-                await sink.send(_error(err, req.id))
+                await sink.send(error_event(err, req.id))
             return None
         if not new:
             self.metrics.inc("rejoined")
@@ -419,7 +425,7 @@ class EdgeNode(Lifecycle):
         router thinks (unless the client insists on local)."""
         if req.route != "auto" or not self._too_long(req):
             return None
-        budget = getattr(self.router, "budget", None)
+        budget = self.budget
         if budget is not None:  # not the router's choice: counted as forced, outside the share
             budget.record_forced("cloud")
         return RouteDecision(
@@ -524,15 +530,9 @@ class EdgeNode(Lifecycle):
         assert self._cascade is not None
         escalated = await self._cascade.run(req, decision, answer_locally)
         if escalated is not None:
-            budget = getattr(self.router, "budget", None)
+            budget = self.budget
             if budget is not None:  # as it stands now, the escalation counted
                 escalated = escalated.model_copy(update={"budget": budget.snapshot()})
             self.metrics.inc("route.cloud.mid_answer")
             self.prom.mid_answer.inc()  # the router's decision stays counted as local
         return escalated
-
-
-def _error(error: MeshError, request_id: str | None = None) -> ErrorEvent:
-    from protocol.codec import error_event
-
-    return error_event(error, request_id)
