@@ -64,23 +64,42 @@ async def coalesce(
         # these run per engine token (relay, 4 x 4,000 tokens: 366k -> 400k tok/s).
         queue: deque[Any] = deque()
         waiting: list[asyncio.Future[None]] = []
+        need = [1]  # how many queued items wake the waiter
         done = object()
         produced = [0]
 
-        def put(item: Any) -> None:
+        def put(item: Any, *, last: bool = False) -> None:
             queue.append(item)
-            if waiting and not waiting[0].done():
+            if waiting and (last or len(queue) >= need[0]) and not waiting[0].done():
                 waiting[0].set_result(None)
+
+        def release(fut: asyncio.Future[None]) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        async def until(count: int, timeout: float | None = None) -> None:
+            """Wait until ``count`` items are queued (or the last one), or ``timeout``. A batch
+            that fills up goes at once, not when the linger runs out: a fast engine is never
+            held back by the linger (one stream, instant backend: 1.8 -> 1.0 us a token)."""
+            need[0] = count
+            waiting.append(loop.create_future())
+            timer = loop.call_later(timeout, release, waiting[0]) if timeout else None
+            try:
+                await waiting[0]
+            finally:
+                waiting.clear()
+                if timer is not None:
+                    timer.cancel()
 
         async def pump() -> None:
             try:
                 async for chunk in chunks:
                     produced[0] += 1
-                    put(chunk)
+                    put(chunk, last=chunk.finish_reason is not None)
             except Exception as exc:  # handed to the consumer, which raises it in order
-                put(exc)
+                put(exc, last=True)
             finally:
-                put(done)
+                put(done, last=True)
 
         async def watchdog(limit: float) -> None:
             """One timer per generation, not one per token: a hung engine becomes an error."""
@@ -90,7 +109,10 @@ async def coalesce(
                 if produced[0] != seen:
                     seen, since = produced[0], loop.time()
                 elif loop.time() - since > limit:
-                    put(BackendError(f"the engine produced nothing for {limit:g}s", retryable=True))
+                    error = BackendError(
+                        f"the engine produced nothing for {limit:g}s", retryable=True
+                    )
+                    put(error, last=True)
                     return
 
         task = loop.create_task(pump(), name="coalesce-pump")
@@ -101,11 +123,7 @@ async def coalesce(
                 item, pending = pending, None
             else:
                 while not queue:
-                    waiting.append(loop.create_future())
-                    try:
-                        await waiting[0]
-                    finally:
-                        waiting.clear()
+                    await until(1)
                 item = queue.popleft()
             if item is done:
                 return
@@ -116,7 +134,7 @@ async def coalesce(
                 continue
             wait = sent + linger - loop.time()
             if wait > 0 and len(queue) < max_parts - 1:
-                await asyncio.sleep(wait)
+                await until(max_parts - 1, wait)
             parts = [item.text]
             n = item.n
             logprobs = list(item.logprobs) if item.logprobs is not None else None

@@ -102,6 +102,28 @@ async def test_coalesce_never_holds_back_a_token_of_a_slow_stream() -> None:
     assert late == []
 
 
+async def test_coalesce_sends_a_full_batch_without_waiting_out_the_linger() -> None:
+    """A fast engine is never held back by the linger: a batch goes as soon as it is full. The
+    engine here pauses every 10 tokens (as engines do between steps), so partial batches are
+    common; with a 30 s linger, waiting one out would stall the whole answer."""
+
+    async def bursty() -> AsyncIterator[Chunk]:
+        for i in range(200):
+            yield Chunk(text=f"{i} ")
+            if i % 10 == 9:
+                await asyncio.sleep(0)
+        yield Chunk(finish_reason="stop")
+
+    async def collect() -> list[Chunk]:
+        return [c async for c in coalesce(bursty(), max_parts=16, linger=30)]
+
+    out = await asyncio.wait_for(collect(), 10)
+    texts = [c.text for c in out if c.finish_reason is None]
+    assert "".join(texts) == "".join(f"{i} " for i in range(200))
+    assert all(len(t.split()) <= 16 for t in texts)
+    assert out[-1].finish_reason == "stop"
+
+
 async def test_coalesce_hung_engine_is_a_retryable_error() -> None:
     async def hangs_after_one() -> AsyncIterator[Chunk]:
         yield Chunk(text="x")
