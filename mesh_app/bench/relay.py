@@ -158,7 +158,7 @@ async def _publish(url: str, parts: int, streams: int, tokens: int) -> None:
     await nc.close()
 
 
-async def run(*, streams: int = 4, tokens: int = 4000, rounds: int = 3) -> dict[str, Any]:
+async def run(*, streams: int = 4, tokens: int = 4000, rounds: int = 12) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-relay-"))
     server = Server(tmp / "store")
     await server.start()
