@@ -30,6 +30,7 @@ from nats.micro.service import Service
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.keeper import Keeper
+from cloud_node.lease import Lease, Leases, Taken
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.puller import Puller
@@ -90,6 +91,8 @@ class WorkerStats:
     """Redelivered requests started over (nothing kept, or a backend that cannot continue)."""
     already_done: int = 0
     """Redelivered requests whose outcome was already stored: acked, not generated again."""
+    other_copy: int = 0
+    """Second copies of a request that can wait, acked while the first was being answered."""
     republished: int = 0
     """Events published again after a reconnect lost them."""
     cancels_refused: int = 0
@@ -113,6 +116,7 @@ class Worker(Lifecycle):
         # Workers may read any answer (they continue each other's); direct get is their right.
         self.store = AnswerStore(conn, settings.stream, filtered=False)
         self.keeper = Keeper(conn, self.store, settings.worker.publish_timeout)
+        self.leases = Leases(conn, settings.worker.publish_timeout)
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
@@ -217,6 +221,7 @@ class Worker(Lifecycle):
                 await provision(jsm, self._stream, [self.backend.model])
                 await ensure_answer_stream(jsm, self._stream)
                 await kept.ensure(jsm, kept.answers_config(self._stream))
+                await kept.ensure(jsm, kept.leases_config(self._stream))
                 return
             except MeshTimeoutError as err:
                 if attempt == PROVISION_TRIES:
@@ -444,9 +449,11 @@ class Worker(Lifecycle):
     async def _history(
         self, request: InferRequest, publisher: AnswerPublisher, attempt: int
     ) -> AnswerState | None:
-        """What earlier attempts left in the answer store (None on a first delivery, or when the
-        store cannot be read: then the answer starts over)."""
-        if attempt == 1 or not self.store.enabled:
+        """What earlier attempts left in the answer store (None on a first delivery of a request
+        that cannot wait, or when the store cannot be read: then the answer starts over). A
+        request that can wait is looked up on its first delivery too: it may be a second copy of
+        one another copy began."""
+        if (attempt == 1 and not request.deferrable) or not self.store.enabled:
             return None
         try:
             events = await self.store.replay(publisher.subject)
@@ -465,6 +472,16 @@ class Worker(Lifecycle):
             self.conn, self.store, scope, request.id, fmt, timeout=self._ws.publish_timeout
         )
         address = publisher.subject
+        lease: Lease | None = None
+        if request.deferrable:
+            taken = await self.leases.take(scope, request.id, msg.metadata.sequence.stream)
+            if taken is Taken.ELSEWHERE:
+                # The copy that holds the lease is still queued, and ends the request.
+                self._count("other_copy")
+                log.info("another copy of this request is being answered; acking this one")
+                await self._ack(msg)
+                return
+            lease = taken
         history = await self._history(request, publisher, attempt)
         writer = AnswerWriter(
             request.id,
@@ -493,8 +510,11 @@ class Worker(Lifecycle):
             )
             return
         if history is not None and history.started:
+            # Another copy's attempts may be in the store too (a request that can wait, queued
+            # twice): this attempt numbers after all of them.
+            attempt = max(attempt, history.attempt + 1)
             writer = self._continue_or_restart(request, history, attempt)
-        keepalive = self._tasks.spawn(self._keep_alive(msg), name="in-progress")
+        keepalive = self._tasks.spawn(self._keep_alive(msg, lease), name="in-progress")
         self._publishers[address] = publisher
         try:
             await publisher.send(writer.start())
@@ -637,7 +657,7 @@ class Worker(Lifecycle):
         except nats.errors.Error as exc:
             log.warning("ack not sent", error=repr(exc))
 
-    async def _keep_alive(self, msg: Msg) -> None:
+    async def _keep_alive(self, msg: Msg, lease: Lease | None) -> None:
         interval = self._stream.ack_wait * self._ws.progress_fraction
         while True:
             await asyncio.sleep(interval)
@@ -645,3 +665,5 @@ class Worker(Lifecycle):
                 await msg.in_progress()
             except nats.errors.Error as exc:
                 log.warning("in_progress failed", error=repr(exc))
+            if lease is not None:
+                await self.leases.refresh(lease)

@@ -27,6 +27,8 @@ from protocol.subjects import (
     CLAIMS_STREAM,
     KEPT_STREAM,
     KEPT_WILDCARD,
+    LEASE_WILDCARD,
+    LEASES_STREAM,
     OUTBOX_STREAM,
     OUTBOX_WILDCARD,
 )
@@ -50,6 +52,28 @@ def answers_config(settings: StreamSettings) -> api.StreamConfig:
         discard=api.DiscardPolicy.OLD,
         max_msgs_per_subject=1,
         duplicate_window=DEDUPE_WINDOW_S,
+        allow_direct=True,
+        num_replicas=settings.replicas,
+        placement=placement(settings),
+    )
+
+
+def lease_ttl(settings: StreamSettings) -> float:
+    """How long a lease lasts without a refresh: twice the queue's ack_wait, so the redelivery
+    of a copy whose worker died (after ack_wait) still finds its own lease, and takes it over,
+    while other copies of the request keep away."""
+    return max(2.0, 2 * settings.ack_wait)
+
+
+def leases_config(settings: StreamSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=LEASES_STREAM,
+        description="mesh: which queued copy of a request that can wait is being answered",
+        subjects=[LEASE_WILDCARD],
+        storage=api.StorageType.FILE,
+        max_age=lease_ttl(settings),
+        max_msgs_per_subject=1,
+        discard=api.DiscardPolicy.OLD,
         allow_direct=True,
         num_replicas=settings.replicas,
         placement=placement(settings),

@@ -30,6 +30,8 @@ from protocol.subjects import (
     ANSWER_WILDCARD,
     ANSWERS_STREAM,
     CANCEL_WILDCARD,
+    LEASE_WILDCARD,
+    LEASES_STREAM,
     NODES_BUCKET,
     PREFIX,
     TOKEN_WILDCARD,
@@ -99,7 +101,7 @@ def client_permissions(edge: str, name: str) -> Permissions:
 
 def worker_permissions(node: str) -> Permissions:
     inbox = inbox_prefix("worker", node)
-    streams = (INFER_STREAM, TOKEN_STREAM, KV_STREAM, ANSWERS_STREAM)
+    streams = (INFER_STREAM, TOKEN_STREAM, KV_STREAM, ANSWERS_STREAM, LEASES_STREAM)
     return Permissions(
         pub_allow=(
             TOKEN_WILDCARD,
@@ -113,7 +115,9 @@ def worker_permissions(node: str) -> Permissions:
             f"$JS.API.STREAM.MSG.DELETE.{INFER_STREAM}",
             f"$JS.API.DIRECT.GET.{TOKEN_STREAM}",
             f"$JS.API.DIRECT.GET.{ANSWERS_STREAM}.>",
+            f"$JS.API.DIRECT.GET.{LEASES_STREAM}.>",
             ANSWER_WILDCARD,
+            LEASE_WILDCARD,
             f"$KV.{NODES_BUCKET}.worker.*.{node}",  # its own key, in its model's pool
             *(f"$JS.API.{call}" for call in _registry_reader()),
             *_flow_control(),

@@ -11,6 +11,8 @@
 - ``mesh.v1.worker.<node_id>.status``: a worker's status (micro service ``mesh-worker``)
 - ``mesh.v1.ans.<scope>.<request_id>``: stream ``MESH_ANSWERS`` on the hub, the whole answer
   (or typed error) of a request that could wait, kept for its site to collect
+- ``mesh.v1.lease.<scope>.<request_id>``: stream ``MESH_LEASES`` on the hub, which queued copy
+  of a request that can wait is being answered (one at a time; see ``cloud_node/lease.py``)
 - an edge site's own JetStream (its leaf node): stream ``MESH_OUTBOX``
   (``mesh.v1.outbox.<model>.<scope>``) holds requests that can wait until the uplink carries
   them to the hub; stream ``MESH_KEPT`` (``mesh.v1.kept.<request_id>``) keeps their answers
@@ -39,6 +41,8 @@ KEPT_STREAM = "MESH_KEPT"
 KEPT_WILDCARD = f"{PREFIX}.kept.*"
 CLAIMS_STREAM = "MESH_CLAIMS"
 CLAIM_WILDCARD = f"{PREFIX}.claim.*"
+LEASES_STREAM = "MESH_LEASES"
+LEASE_WILDCARD = f"{PREFIX}.lease.*.*"
 DEFAULT_SCOPE = "anon"
 """The scope of a sender that names none (the SDK and CLI on an open server)."""
 NODES_BUCKET = "mesh_nodes"
@@ -117,6 +121,12 @@ def answer_subject(scope: str, request_id: str) -> str:
     _check_token(scope, "scope")
     _check_token(request_id, "request id")
     return f"{PREFIX}.ans.{scope}.{request_id}"
+
+
+def lease_subject(scope: str, request_id: str) -> str:
+    _check_token(scope, "scope")
+    _check_token(request_id, "request id")
+    return f"{PREFIX}.lease.{scope}.{request_id}"
 
 
 def outbox_subject(model: str, scope: str) -> str:

@@ -1,0 +1,193 @@
+"""A request that can wait, queued twice (its site's forward was retried after the queue's
+dedupe window), is answered once: one generation, one answer in its token stream, and its kept
+answer whole. Real nats-server, real workers, the deterministic test backend (every token
+checkable)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+from nats.aio.msg import Msg
+
+from cloud_node.worker import Worker
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.config import MeshSettings, ModelSettings
+from mesh.connection import Connection
+from protocol.codec import decode_event
+from protocol.messages import Answer, EndEvent, StartEvent, TokenEvent
+from protocol.subjects import (
+    ANSWERS_STREAM,
+    LEASES_STREAM,
+    answer_subject,
+    infer_subject,
+    token_subject,
+)
+from tests.helpers import eventually, queue_drained
+
+MODEL = "leased"
+SCOPE = "site-x"
+TOKENS = 30
+
+
+def _backend() -> DeterministicBackend:
+    # 30 tokens at 40 ms: 1.2 s of generation, long enough for a second copy to arrive.
+    return DeterministicBackend(
+        ModelSettings(backend="deterministic", name=MODEL, slots=2, token_delay_ms=40)
+    )
+
+
+async def _queue_copy(conn: Connection, settings: MeshSettings, rid: str, copy: str) -> None:
+    """One queued copy of the request; a message id of its own, as a retry past the dedupe
+    window gets (within the window JetStream itself drops the second)."""
+    body = {"id": rid, "prompt": "[tag:q] go", "max_tokens": TOKENS, "deferrable": True}
+    await conn.js.publish(
+        infer_subject(MODEL, SCOPE),
+        json.dumps(body).encode(),
+        stream=settings.stream.name,
+        headers={"Nats-Msg-Id": f"{SCOPE}.{rid}.{copy}"},
+    )
+
+
+async def _kept(conn: Connection, rid: str) -> Answer | None:
+    try:
+        msg = await conn.jsm().get_msg(
+            ANSWERS_STREAM, subject=answer_subject(SCOPE, rid), direct=True
+        )
+    except Exception:  # not kept yet
+        return None
+    outcome = decode_event(msg.data or b"")
+    return outcome if isinstance(outcome, Answer) else None
+
+
+async def _stored_events(worker: Worker, rid: str) -> list[object]:
+    return list(await worker.store.replay(token_subject(SCOPE, rid)))
+
+
+@contextlib.asynccontextmanager
+async def _worker(
+    settings: MeshSettings, conn: Connection, name: str, backend: DeterministicBackend
+) -> AsyncIterator[Worker]:
+    own = settings.model_copy(deep=True)
+    own.worker.node_id = name
+    async with Worker(own, conn, backend) as running:
+        yield running
+
+
+EXPECTED = "".join(f" q{i}" for i in range(TOKENS))
+
+
+async def test_two_queued_copies_are_generated_once(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    rid = "twice-1"
+    first, second = _backend(), _backend()
+    async with (
+        _worker(settings, conn, "lease-a", first) as a,
+        _worker(settings, conn, "lease-b", second) as b,
+    ):
+        await _queue_copy(conn, settings, rid, "1")
+        await _queue_copy(conn, settings, rid, "2")
+        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "both copies acked")
+        answer = await _kept(conn, rid)
+        assert answer is not None and answer.text == EXPECTED
+        assert first.started + second.started == 1  # one generation, not two
+        assert a.stats.other_copy + b.stats.other_copy == 1
+        events = await _stored_events(a, rid)
+    starts = [e for e in events if isinstance(e, StartEvent)]
+    ends = [e for e in events if isinstance(e, EndEvent)]
+    assert len(starts) == 1 and len(ends) == 1
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t.seq for t in tokens] == list(range(len(tokens)))
+    assert "".join(t.text for t in tokens) == EXPECTED
+
+
+async def test_a_dead_workers_copy_keeps_its_lease_and_is_continued(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """Copy 1's worker dies mid-answer; copy 2 arrives while its lease stands and is let go;
+    copy 1, redelivered, takes its own lease over and the answer is continued whole."""
+    settings.stream.ack_wait = 2.0  # redelivered soon; the lease lasts 4 s without a refresh
+    rid = "twice-2"
+    seen = asyncio.Event()
+    count = 0
+
+    async def on_token(_msg: Msg) -> None:
+        nonlocal count
+        count += 1
+        if count >= 4:  # the start and three tokens
+            seen.set()
+
+    sub = await conn.nc.subscribe(token_subject(SCOPE, rid), cb=on_token)
+    doomed_conn = await Connection(settings.nats, "doomed").connect()
+    doomed_settings = settings.model_copy(deep=True)
+    doomed_settings.worker.node_id = "doomed"
+    doomed = Worker(doomed_settings, doomed_conn, _backend())
+    await doomed.start()
+    try:
+        await _queue_copy(conn, settings, rid, "1")
+        await asyncio.wait_for(seen.wait(), 10)
+        await doomed_conn.nc.close()  # dies: no ack, no nak, no more lease refreshes
+        await _queue_copy(conn, settings, rid, "2")
+        survivor_backend = _backend()
+        async with _worker(settings, conn, "survivor", survivor_backend) as survivor:
+            await eventually(lambda: queue_drained(conn, settings, MODEL), 30, "copies acked")
+            answer = await _kept(conn, rid)
+            assert answer is not None and answer.text == EXPECTED
+            assert survivor.stats.other_copy == 1  # copy 2, while copy 1's lease stood
+            assert survivor.stats.continued == 1  # copy 1, from where the dead worker stopped
+            assert survivor_backend.started == 1
+            events = await _stored_events(survivor, rid)
+        starts = [e for e in events if isinstance(e, StartEvent)]
+        assert [(s.attempt, s.node) for s in starts] == [(1, "cloud:doomed"), (2, "cloud:survivor")]
+    finally:
+        await sub.unsubscribe()
+        await doomed.stop()
+        await doomed_conn.close()
+
+
+async def test_a_copy_arriving_after_the_lease_lapsed_numbers_after_the_first(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """Copy 1's worker died and its lease has lapsed when copy 2 arrives: copy 2 takes the
+    lease, sees copy 1's events in the store, and continues them as a later attempt (never a
+    second attempt 1 in the same stream). Copy 1, redelivered, is then let go."""
+    settings.stream.ack_wait = 2.0
+    rid = "twice-3"
+    seen = asyncio.Event()
+    count = 0
+
+    async def on_token(_msg: Msg) -> None:
+        nonlocal count
+        count += 1
+        if count >= 4:
+            seen.set()
+
+    sub = await conn.nc.subscribe(token_subject(SCOPE, rid), cb=on_token)
+    doomed_conn = await Connection(settings.nats, "doomed-2").connect()
+    doomed_settings = settings.model_copy(deep=True)
+    doomed_settings.worker.node_id = "doomed-2"
+    doomed = Worker(doomed_settings, doomed_conn, _backend())
+    await doomed.start()
+    try:
+        await _queue_copy(conn, settings, rid, "1")
+        await asyncio.wait_for(seen.wait(), 10)
+        await doomed_conn.nc.close()
+        await conn.jsm().purge_stream(LEASES_STREAM)  # the lease lapsed
+        await _queue_copy(conn, settings, rid, "2")
+        survivor_backend = _backend()
+        async with _worker(settings, conn, "survivor-2", survivor_backend) as survivor:
+            await eventually(lambda: queue_drained(conn, settings, MODEL), 30, "copies acked")
+            answer = await _kept(conn, rid)
+            assert answer is not None and answer.text == EXPECTED
+            assert survivor_backend.started == 1
+            assert survivor.stats.other_copy + survivor.stats.already_done == 1
+            events = await _stored_events(survivor, rid)
+        attempts = [e.attempt for e in events if isinstance(e, StartEvent)]
+        assert attempts == [1, 2], attempts  # copy 1's attempt, then copy 2's, in order
+    finally:
+        await sub.unsubscribe()
+        await doomed.stop()
+        await doomed_conn.close()
