@@ -7,22 +7,28 @@ would write two answers into one stream.
 
 So before a worker generates such a request it takes the request's lease: the one message on
 ``mesh.v1.lease.<scope>.<id>`` in stream ``MESH_LEASES``, which names the queue sequence of the
-copy being answered. The lease is written only where the subject's last sequence is the one
-the writer expects (JetStream's compare-and-set: 0 creates it), so two workers cannot both
-take it. Whoever generates refreshes it with its progress reports; it lapses ``lease_ttl``
-after the last one (a worker that died).
+copy being answered and the request's fingerprint. The lease is written only where the
+subject's last sequence is the one the writer expects (JetStream's compare-and-set: 0 creates
+it), so two workers cannot both take it. Whoever generates refreshes it with its progress
+reports; it lapses ``lease_ttl`` after the last one (a worker that died).
 
 - The copy named in the lease (its own redelivery, after its worker died) takes it over and
   continues the answer.
-- Any other copy is acked without generating: the copy named in the lease is still in the
-  queue (a copy is acked only after its outcome is kept), so that copy ends the request.
+- Another copy of the same request is acked without generating while the copy named in the
+  lease is still queued: that copy ends the request. When the named copy has left the queue
+  with nothing kept (rejected, or cancelled), the lease is taken over and this copy is served.
+- The lease never stops an answer: a lease store that does not answer within a fraction of
+  ``ack_wait`` is passed by, and left alone for a lease's lifetime, and the copy is served as
+  it was before leases.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 from nats.js.errors import APIError, NotFoundError
@@ -36,10 +42,8 @@ EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code when the subject's last sequence is not the one expected."""
 TRIES = 3
-
-
-class Taken(enum.Enum):
-    ELSEWHERE = "another copy of the request holds the lease"
+CHANGED = object()
+"""A compare-and-set write found another sequence than it expected."""
 
 
 @dataclass
@@ -47,79 +51,159 @@ class Lease:
     subject: str
     copy: int
     """The queue sequence of the copy this lease is for."""
+    fingerprint: str
     seq: int
     """The lease message's own sequence: the next write expects it."""
 
 
-class Leases:
-    def __init__(self, conn: Connection, timeout: float) -> None:
-        self.conn = conn
-        self.timeout = timeout
+@dataclass
+class Held:
+    """Another copy of the same request holds the lease."""
 
-    async def take(self, scope: str, request_id: str, copy: int) -> Lease | Taken | None:
-        """The lease for queued copy ``copy`` of the request; ``Taken.ELSEWHERE`` when another
-        copy holds it; None when the lease store cannot say (the copy is then answered, as it
-        was before leases: a lease store that is down must not stop the answers)."""
+    subject: str
+    copy: int
+    seq: int
+
+
+OTHER_COPY = "other copy"
+"""What :meth:`Leases.claim` says when another queued copy of the request is answered."""
+
+
+class Leases:
+    def __init__(self, conn: Connection, queue: str, *, timeout: float, ttl: float) -> None:
+        self.conn = conn
+        self.queue = queue
+        """The work-queue stream the copies are queued in."""
+        self.timeout = timeout
+        """Per lease call: short, so that a slow store never holds up progress reports."""
+        self.ttl = ttl
+        self.enabled = True
+        self._off_until = 0.0
+
+    def _available(self) -> bool:
+        return self.enabled and time.monotonic() >= self._off_until
+
+    def _trouble(self, what: str, exc: BaseException) -> None:
+        """The store did not answer: leave it alone for a lease's lifetime."""
+        log.warning(what, error=repr(exc), pause_s=self.ttl)
+        self._off_until = time.monotonic() + self.ttl
+
+    async def claim(
+        self,
+        scope: str,
+        request_id: str,
+        copy: int,
+        fingerprint: str,
+        already_kept: Callable[[], Awaitable[bool]],
+    ) -> Lease | str | None:
+        """The lease for queued copy ``copy``; ``OTHER_COPY`` when another copy is being
+        answered, or its answer is kept (ack this one); None to serve this copy without a lease
+        (the store cannot say, or another request holds the id)."""
+        for _ in range(TRIES):
+            taken = await self.take(scope, request_id, copy, fingerprint)
+            if not isinstance(taken, Held):
+                return taken
+            queued = await self._queued(taken.copy)
+            if queued is None:
+                return None
+            if queued or await already_kept():
+                return OTHER_COPY
+            log.info("the copy holding the lease left the queue unanswered; taking it over")
+            lease = await self.take_over(taken, copy, fingerprint)
+            if lease is not None:
+                return lease
+        return None
+
+    async def _queued(self, copy: int) -> bool | None:
+        """Whether queued copy ``copy`` is still in the queue (None: cannot tell)."""
+        try:
+            await asyncio.wait_for(self.conn.jsm().get_msg(self.queue, copy), self.timeout)
+        except NotFoundError:
+            return False
+        except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
+            log.warning("cannot look up the copy holding a lease", error=repr(exc))
+            return None
+        return True
+
+    async def take(
+        self, scope: str, request_id: str, copy: int, fingerprint: str
+    ) -> Lease | Held | None:
+        """The lease for queued copy ``copy``; :class:`Held` when another copy of the same
+        request holds it; None when the store cannot say, or the holder is another request
+        under the same id (the answer store's duplicate check handles that one)."""
+        if not self._available():
+            return None
         subject = lease_subject(scope, request_id)
         expect = 0
         for _ in range(TRIES):
-            seq = await self._write(subject, copy, expect)
-            if isinstance(seq, int):
-                return Lease(subject, copy, seq)
-            if seq is None:
+            written = await self._write(subject, copy, fingerprint, expect)
+            if written is None:
                 return None
+            if written is not CHANGED:
+                return Lease(subject, copy, fingerprint, written)
             try:  # written meanwhile: by whom?
-                held = await self.conn.jsm().get_msg(LEASES_STREAM, subject=subject, direct=True)
+                held = await asyncio.wait_for(
+                    self.conn.jsm().get_msg(LEASES_STREAM, subject=subject, direct=True),
+                    self.timeout,
+                )
             except NotFoundError:
                 expect = 0  # it lapsed in between
                 continue
             except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
-                log.warning("cannot read a lease", error=repr(exc))
+                self._trouble("cannot read a lease", exc)
                 return None
-            if _copy_of(held.data) != copy:
-                return Taken.ELSEWHERE
+            holder, holder_print = _parse(held.data)
+            if holder_print != fingerprint:
+                return None
+            if holder != copy:
+                return Held(subject, holder if holder is not None else -1, held.seq or 0)
             expect = held.seq or 0  # our own copy, redelivered: take it over
         log.warning("lease contended; answering without one", subject=subject)
         return None
 
-    async def refresh(self, lease: Lease) -> bool:
-        """Extend ``lease``; False when it was lost (it lapsed and another copy took it)."""
-        seq = await self._write(lease.subject, lease.copy, lease.seq)
-        if isinstance(seq, int):
-            lease.seq = seq
-            return True
-        if seq is _CHANGED:
-            log.warning("lease lost: it lapsed, or a redelivery took it", subject=lease.subject)
-            return False
-        return True  # could not tell; the next report tries again
+    async def take_over(self, held: Held, copy: int, fingerprint: str) -> Lease | None:
+        """Take a lease whose copy has left the queue; None when it changed meanwhile."""
+        written = await self._write(held.subject, copy, fingerprint, held.seq)
+        if written is None or written is CHANGED:
+            return None
+        return Lease(held.subject, copy, fingerprint, written)
 
-    async def _write(self, subject: str, copy: int, expect: int) -> int | object | None:
-        """The new lease message's sequence; ``_CHANGED`` when the subject's last sequence is not
-        ``expect``; None when the store did not answer."""
+    async def refresh(self, lease: Lease) -> bool:
+        """Extend ``lease``; False when it was lost (it lapsed, or was taken over)."""
+        if not self._available():
+            return True
+        written = await self._write(lease.subject, lease.copy, lease.fingerprint, lease.seq)
+        if written is CHANGED:
+            return False
+        if written is not None:  # None: could not tell; a later report tries again
+            lease.seq = written
+        return True
+
+    async def _write(self, subject: str, copy: int, fingerprint: str, expect: int) -> Any:
+        """The new lease message's sequence (an int); ``CHANGED`` when the subject's last
+        sequence is not ``expect``; None when the store did not answer."""
         try:
             ack = await self.conn.js.publish(
                 subject,
-                str(copy).encode(),
+                f"{copy} {fingerprint}".encode(),
                 stream=LEASES_STREAM,
                 timeout=self.timeout,
                 headers={EXPECTED_LAST: str(expect)},
             )
         except APIError as exc:
             if exc.err_code == WRONG_LAST_SEQUENCE:
-                return _CHANGED
-            log.warning("lease not written", error=repr(exc))
+                return CHANGED
+            self._trouble("lease not written", exc)
             return None
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            log.warning("lease not written", error=repr(exc))
+            self._trouble("lease not written", exc)
             return None
         return int(ack.seq)
 
 
-_CHANGED = object()
-
-
-def _copy_of(data: bytes | None) -> int | None:
+def _parse(data: bytes | None) -> tuple[int | None, str]:
+    copy, _, fingerprint = (data or b"").decode(errors="replace").partition(" ")
     try:
-        return int((data or b"").decode())
+        return int(copy), fingerprint
     except ValueError:
-        return None
+        return None, fingerprint

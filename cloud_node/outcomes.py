@@ -177,7 +177,9 @@ class Outcomes:
                         fmt,
                         timeout=self.publish_timeout,
                     )
-                    writer = AnswerWriter(request_id, attempt=max(1, deliveries))
+                    # Above every attempt the store holds (a second copy of a request that can
+                    # wait numbers after the first's), so readers take it as the newest.
+                    writer = AnswerWriter(request_id, attempt=max(1, deliveries, state.attempt))
                     await publisher.finish(
                         writer.error(
                             MaxDeliveriesError(

@@ -25,12 +25,13 @@ import structlog
 from nats import micro
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import APIError
 from nats.micro.request import Request
 from nats.micro.service import Service
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.keeper import Keeper
-from cloud_node.lease import Lease, Leases, Taken
+from cloud_node.lease import OTHER_COPY, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.puller import Puller
@@ -116,7 +117,12 @@ class Worker(Lifecycle):
         # Workers may read any answer (they continue each other's); direct get is their right.
         self.store = AnswerStore(conn, settings.stream, filtered=False)
         self.keeper = Keeper(conn, self.store, settings.worker.publish_timeout)
-        self.leases = Leases(conn, settings.worker.publish_timeout)
+        self.leases = Leases(
+            conn,
+            settings.stream.name,
+            timeout=min(settings.worker.publish_timeout, 0.2 * settings.stream.ack_wait),
+            ttl=kept.lease_ttl(settings.stream),
+        )
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
@@ -221,13 +227,24 @@ class Worker(Lifecycle):
                 await provision(jsm, self._stream, [self.backend.model])
                 await ensure_answer_stream(jsm, self._stream)
                 await kept.ensure(jsm, kept.answers_config(self._stream))
-                await kept.ensure(jsm, kept.leases_config(self._stream))
+                await self._provision_leases()
                 return
             except MeshTimeoutError as err:
                 if attempt == PROVISION_TRIES:
                     raise
                 log.warning("provisioning slow; trying again", error=err.message)
                 await asyncio.sleep(0.5 * attempt)
+
+    async def _provision_leases(self) -> None:
+        """Best effort: without the lease stream (credentials minted before it, say), requests
+        that can wait are served without leases, as before."""
+        try:
+            await kept.ensure(self.conn.jsm(), kept.leases_config(self._stream))
+        except (MeshError, nats.errors.Error, APIError) as exc:
+            log.warning("lease stream unavailable; serving without leases", error=repr(exc))
+            self.leases.enabled = False
+        else:
+            self.leases.enabled = True
 
     async def _after_reconnect(self) -> None:
         """Events written to the old socket may be lost: publish again what the store lacks of
@@ -474,14 +491,19 @@ class Worker(Lifecycle):
         address = publisher.subject
         lease: Lease | None = None
         if request.deferrable:
-            taken = await self.leases.take(scope, request.id, msg.metadata.sequence.stream)
-            if taken is Taken.ELSEWHERE:
-                # The copy that holds the lease is still queued, and ends the request.
+            claimed = await self.leases.claim(
+                scope,
+                request.id,
+                msg.metadata.sequence.stream,
+                request_fingerprint(request),
+                lambda: self.keeper.exists(scope, request.id),
+            )
+            if claimed == OTHER_COPY:  # that copy is still queued, or its answer is kept
                 self._count("other_copy")
                 log.info("another copy of this request is being answered; acking this one")
                 await self._ack(msg)
                 return
-            lease = taken
+            lease = claimed if isinstance(claimed, Lease) else None
         history = await self._history(request, publisher, attempt)
         writer = AnswerWriter(
             request.id,
@@ -500,21 +522,26 @@ class Worker(Lifecycle):
             return
         started_before = history is not None and history.started
         if not started_before and request.start_by is not None and time.time() >= request.start_by:
-            await self.outcomes.reject(
-                msg,
-                DeadlineExceededError(
-                    "no worker could start the request before its start_by time",
-                    request_id=request.id,
-                ),
-                attempt,
+            late = DeadlineExceededError(
+                "no worker could start the request before its start_by time",
+                request_id=request.id,
             )
+            if request.deferrable and not await self.outcomes.kept_or_nak(
+                msg, scope, request, error_event(late, request.id)
+            ):
+                return
+            await self.outcomes.reject(msg, late, attempt)
             return
         if history is not None and history.started:
             # Another copy's attempts may be in the store too (a request that can wait, queued
-            # twice): this attempt numbers after all of them.
-            attempt = max(attempt, history.attempt + 1)
-            writer = self._continue_or_restart(request, history, attempt)
-        keepalive = self._tasks.spawn(self._keep_alive(msg, lease), name="in-progress")
+            # twice): this attempt numbers after all of them. ``attempt`` stays the delivery
+            # count, which decides retries.
+            writer = self._continue_or_restart(request, history, max(attempt, history.attempt + 1))
+        generating = asyncio.current_task()
+        assert generating is not None
+        keepalive = self._tasks.spawn(
+            self._keep_alive(msg, lease, scope, request, generating), name="in-progress"
+        )
         self._publishers[address] = publisher
         try:
             await publisher.send(writer.start())
@@ -657,7 +684,17 @@ class Worker(Lifecycle):
         except nats.errors.Error as exc:
             log.warning("ack not sent", error=repr(exc))
 
-    async def _keep_alive(self, msg: Msg, lease: Lease | None) -> None:
+    async def _keep_alive(
+        self,
+        msg: Msg,
+        lease: Lease | None,
+        scope: str,
+        request: InferRequest,
+        generating: asyncio.Task[Any],
+    ) -> None:
+        """Progress reports while the request generates; the lease (if any) is refreshed with
+        them. A lease lost to another copy (it lapsed while this worker could not reach the
+        store) hands this copy back: the other copy is answered, and this one is let go."""
         interval = self._stream.ack_wait * self._ws.progress_fraction
         while True:
             await asyncio.sleep(interval)
@@ -665,5 +702,17 @@ class Worker(Lifecycle):
                 await msg.in_progress()
             except nats.errors.Error as exc:
                 log.warning("in_progress failed", error=repr(exc))
-            if lease is not None:
-                await self.leases.refresh(lease)
+            if lease is None or await self.leases.refresh(lease):
+                continue
+            claimed = await self.leases.claim(
+                scope,
+                request.id,
+                lease.copy,
+                lease.fingerprint,
+                lambda: self.keeper.exists(scope, request.id),
+            )
+            if claimed == OTHER_COPY:
+                log.warning("lease lost to another copy; handing this one back")
+                generating.cancel()  # not a client's cancel: the message is handed back
+                return
+            lease = claimed if isinstance(claimed, Lease) else None

@@ -74,6 +74,7 @@ def leases_config(settings: StreamSettings) -> api.StreamConfig:
         max_age=lease_ttl(settings),
         max_msgs_per_subject=1,
         discard=api.DiscardPolicy.OLD,
+        duplicate_window=lease_ttl(settings),  # at most max_age; set, so provisioning is stable
         allow_direct=True,
         num_replicas=settings.replicas,
         placement=placement(settings),

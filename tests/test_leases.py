@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator
 
 from nats.aio.msg import Msg
 
+from cloud_node.lease import Lease
 from cloud_node.worker import Worker
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from protocol.codec import decode_event
-from protocol.messages import Answer, EndEvent, StartEvent, TokenEvent
+from protocol.messages import Answer, EndEvent, InferRequest, StartEvent, TokenEvent
+from protocol.stream import request_fingerprint
 from protocol.subjects import (
     ANSWERS_STREAM,
     LEASES_STREAM,
@@ -191,3 +193,49 @@ async def test_a_copy_arriving_after_the_lease_lapsed_numbers_after_the_first(
         await sub.unsubscribe()
         await doomed.stop()
         await doomed_conn.close()
+
+
+async def test_a_lease_store_that_does_not_answer_stalls_nothing(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """The lease store is gone and something swallows lease writes without answering (as a
+    server does with a write the credentials deny): requests that can wait are served as
+    before, once, with progress reports in time (no redelivery), and the next one at once."""
+    settings.stream.ack_wait = 2.0  # a lease call that waited out publish_timeout (5 s) would
+    # miss a progress report and have the request redelivered
+    backend = _backend()
+    async with _worker(settings, conn, "lease-less", backend) as worker:
+        await conn.jsm().delete_stream(LEASES_STREAM)
+        swallow = await conn.nc.subscribe("mesh.v1.lease.>")  # never replies
+        try:
+            for rid in ("no-store-1", "no-store-2"):
+                await _queue_copy(conn, settings, rid, "1")
+                await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "acked")
+                answer = await _kept(conn, rid)
+                assert answer is not None and answer.text == EXPECTED
+        finally:
+            await swallow.unsubscribe()
+        assert backend.started == 2 and worker.stats.fetched == 2  # never redelivered
+        assert worker.stats.completed == 2
+
+
+async def test_a_lease_whose_copy_left_the_queue_unanswered_is_taken_over(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """The lease names a copy that is no longer queued and kept nothing (it was rejected, say):
+    the next copy takes the lease over and is answered, never let go in silence."""
+    rid = "orphan-1"
+    backend = _backend()
+    async with _worker(settings, conn, "lease-heir", backend) as worker:
+        fingerprint = request_fingerprint(
+            InferRequest.model_validate(
+                {"id": rid, "prompt": "[tag:q] go", "max_tokens": TOKENS, "deferrable": True}
+            )
+        )
+        written = await worker.leases.take(SCOPE, rid, 999_999, fingerprint)
+        assert isinstance(written, Lease)  # a lease for a copy that was never queued
+        await _queue_copy(conn, settings, rid, "1")
+        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "the copy acked")
+        answer = await _kept(conn, rid)
+        assert answer is not None and answer.text == EXPECTED
+        assert backend.started == 1 and worker.stats.other_copy == 0
