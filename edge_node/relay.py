@@ -40,6 +40,7 @@ from protocol.messages import (
     TokenEvent,
     WireEvent,
     new_request_id,
+    token_event,
 )
 
 if TYPE_CHECKING:
@@ -74,14 +75,8 @@ class Fallback(Exception):
 def with_id(event: WireEvent, request_id: str) -> WireEvent:
     """``event`` under another request id (the client's instead of the queue's)."""
     if isinstance(event, TokenEvent):
-        return TokenEvent.model_construct(
-            t="tok",
-            id=request_id,
-            seq=event.seq,
-            text=event.text,
-            attempt=event.attempt,
-            n=event.n,
-            logprobs=event.logprobs,
+        return token_event(
+            request_id, event.seq, event.text, event.attempt, event.n, event.logprobs
         )
     return event.model_copy(update={"id": request_id})
 

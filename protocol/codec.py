@@ -31,6 +31,7 @@ from protocol.messages import (
     Event,
     InferRequest,
     TokenEvent,
+    token_event,
 )
 from protocol.subjects import is_subject, is_token
 
@@ -231,7 +232,7 @@ def _token_fast(raw: Any) -> TokenEvent | None:
         and n >= 0
         and set(raw) <= _TOKEN_FIELDS
     ):
-        return TokenEvent.model_construct(t="tok", id=rid, seq=seq, text=text, attempt=attempt, n=n)
+        return token_event(rid, seq, text, attempt, n)
     return None
 
 

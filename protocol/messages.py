@@ -225,6 +225,43 @@ class TokenEvent(_Wire):
     """One entry per engine token in ``text``, when the request asked for logprobs."""
 
 
+_TOKEN_FIELDS_SET = frozenset(TokenEvent.model_fields)
+_new = object.__new__
+_set = object.__setattr__
+
+
+def token_event(  # noqa: PLR0917 - the hot path takes plain values
+    request_id: str,
+    seq: int,
+    text: str,
+    attempt: int = 1,
+    n: int = 1,
+    logprobs: list[TokenLogprob] | None = None,
+) -> TokenEvent:
+    """A token event from values already known to be valid, without validation: what
+    ``TokenEvent.model_construct`` makes, in a third of its time (0.75 against 2.4 us). One is
+    made per message on each side of the relay. ``tests/test_protocol.py`` checks that the two
+    are the same."""
+    event = _new(TokenEvent)
+    _set(
+        event,
+        "__dict__",
+        {
+            "t": "tok",
+            "id": request_id,
+            "seq": seq,
+            "text": text,
+            "attempt": attempt,
+            "n": n,
+            "logprobs": logprobs,
+        },
+    )
+    _set(event, "__pydantic_fields_set__", set(_TOKEN_FIELDS_SET))
+    _set(event, "__pydantic_extra__", None)
+    _set(event, "__pydantic_private__", None)
+    return event
+
+
 class StartEvent(_Wire):
     """A delivery attempt begins. ``seq`` 0 starts the answer (over); ``seq`` k > 0 continues it
     after its first k positions, whose text has CRC-32 ``digest`` (see :mod:`protocol.stream`)."""

@@ -50,6 +50,7 @@ from protocol.messages import (
     TokenLogprob,
     Usage,
     WireEvent,
+    token_event,
 )
 from protocol.subjects import model_token
 
@@ -131,15 +132,7 @@ class AnswerWriter:
         self, text: str, n: int = 1, logprobs: list[TokenLogprob] | None = None
     ) -> TokenEvent:
         """The next position; ``n`` is how many engine tokens ``text`` holds."""
-        event = TokenEvent.model_construct(
-            t="tok",
-            id=self.request_id,
-            seq=self.seq,
-            text=text,
-            attempt=self.attempt,
-            n=n,
-            logprobs=logprobs,
-        )
+        event = token_event(self.request_id, self.seq, text, self.attempt, n, logprobs)
         self.seq += 1
         self.digest = digest_of(text, self.digest)
         self.tokens += n
@@ -372,17 +365,7 @@ class AnswerState:
         for seq, (text, n, logprobs) in enumerate(
             zip(self.texts, self._tokens, self._logprobs, strict=True)
         ):
-            out.append(
-                TokenEvent.model_construct(
-                    t="tok",
-                    id=self.request_id,
-                    seq=seq,
-                    text=text,
-                    attempt=event.attempt,
-                    n=n,
-                    logprobs=logprobs,
-                )
-            )
+            out.append(token_event(self.request_id, seq, text, event.attempt, n, logprobs))
 
     def _end(self, event: EndEvent, out: list[WireEvent]) -> None:
         expected = self.digest_at(self.positions)

@@ -13,6 +13,7 @@ from protocol.codec import (
     decode_event,
     decode_request,
     dump,
+    dump_event,
     dump_token,
     error_event,
     reply_target,
@@ -28,7 +29,16 @@ from protocol.errors import (
     OverloadedError,
     PayloadTooLargeError,
 )
-from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
+from protocol.messages import (
+    Answer,
+    EndEvent,
+    ErrorEvent,
+    InferRequest,
+    StartEvent,
+    TokenEvent,
+    TokenLogprob,
+    token_event,
+)
 from protocol.subjects import (
     address_of,
     cancel_subject,
@@ -206,3 +216,21 @@ def test_subject_names() -> None:
     with pytest.raises(ValueError, match="scope"):
         infer_subject("smollm2", "a.*")
     assert is_subject("_INBOX.abc.def") and not is_subject("a.>") and not is_subject("a..b")
+
+
+@pytest.mark.parametrize(
+    "logprobs", [None, [TokenLogprob(token=" a", logprob=-0.5, top=[(" a", -0.5), (" b", -1.0)])]]
+)
+def test_the_fast_token_event_is_the_validated_one(logprobs: list[TokenLogprob] | None) -> None:
+    fast = token_event("r-1", 4, " a", 2, 1, logprobs)
+    slow = TokenEvent(id="r-1", seq=4, text=" a", attempt=2, n=1, logprobs=logprobs)
+    assert fast == slow
+    assert fast.model_dump() == slow.model_dump()
+    assert fast.model_fields_set == slow.model_fields_set | {"t", "logprobs"}
+    for fmt in (WireFormat.MSGPACK, WireFormat.JSON):
+        assert dump_event(fast, fmt) == dump(slow, fmt)
+        assert decode_event(dump_event(fast, fmt)) == slow
+    copy = fast.model_copy(update={"id": "r-2"})
+    assert copy.id == "r-2" and fast.id == "r-1"
+    fast.attempt = 3  # events are mutable, as validated ones are
+    assert fast.attempt == 3
