@@ -6,6 +6,7 @@ wait, and lets the queue message go only after that.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import address_of, is_token, scope_of, token_subject
 
 log = get_logger(__name__)
+KEEP_RETRY_PAUSES_S = (0.5, 1.0, 2.0, None)
 
 
 class Outcomes:
@@ -138,6 +140,19 @@ class Outcomes:
             return False
         return True
 
+    async def _keep_patiently(self, scope: str, request: InferRequest, outcome: ErrorEvent) -> None:
+        """Keep the final error of a request that can wait, trying for a few seconds: the queue
+        message is deleted after this, and with it the last chance to keep anything."""
+        for pause in KEEP_RETRY_PAUSES_S:
+            try:
+                await self.keeper.keep(scope, request, None, outcome)
+                return
+            except MeshError as err:
+                if pause is None:
+                    raise
+                log.warning("final error not kept; trying again", error=err.message)
+                await asyncio.sleep(pause)
+
     async def on_max_deliveries(self, msg: Msg) -> None:
         """The last delivery's worker died: tell the request's sender, typed, and drop it."""
         try:
@@ -151,18 +166,10 @@ class Outcomes:
             with contextlib.suppress(MeshError):  # a request that can wait: keep its error
                 held, _fmt = decode_request(queued.data or b"", queued.headers)
                 if held.deferrable and scope is not None and held.id == request_id:
-                    await self.keeper.keep(
-                        scope,
-                        held,
-                        None,
-                        error_event(
-                            MaxDeliveriesError(
-                                f"{deliveries} deliveries ended without an answer",
-                                request_id=held.id,
-                            ),
-                            held.id,
-                        ),
+                    exhausted = MaxDeliveriesError(
+                        f"{deliveries} deliveries ended without an answer", request_id=held.id
                     )
+                    await self._keep_patiently(scope, held, error_event(exhausted, held.id))
             if request_id is not None and scope is not None:
                 events = await self.store.replay(token_subject(scope, request_id))
                 state = AnswerState(request_id)

@@ -576,11 +576,14 @@ class Worker(Lifecycle):
             if self._cancels.cancels(address, request):
                 self._count("cancelled")
                 log.info("request cancelled by client")
+                cancelled = CancelledByClientError("cancelled", request_id=request.id)
                 with contextlib.suppress(MeshError, nats.errors.Error):
-                    await publisher.finish(
-                        writer.error(CancelledByClientError("cancelled", request_id=request.id))
-                    )
-                    await msg.ack()
+                    await publisher.finish(writer.error(cancelled))
+                    if request.deferrable:  # asked for again by id, it says so
+                        await self.keeper.keep(
+                            scope, request, None, error_event(cancelled, request.id)
+                        )
+                    await msg.ack()  # not acked: the redelivery is refused, kept and answered
                 return  # the cancel was ours to act on; the task ends normally
             # Shutdown: give it back so another worker continues it promptly.
             self._count("requeued")

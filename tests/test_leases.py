@@ -18,7 +18,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from protocol.codec import decode_event
-from protocol.messages import Answer, EndEvent, InferRequest, StartEvent, TokenEvent
+from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
 from protocol.stream import request_fingerprint
 from protocol.subjects import (
     ANSWERS_STREAM,
@@ -239,3 +239,30 @@ async def test_a_lease_whose_copy_left_the_queue_unanswered_is_taken_over(
         answer = await _kept(conn, rid)
         assert answer is not None and answer.text == EXPECTED
         assert backend.started == 1 and worker.stats.other_copy == 0
+
+
+async def test_a_request_that_can_wait_cancelled_mid_answer_keeps_its_cancel(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """Cancelled while it generates: asked for again by id, its site finds the typed
+    ``cancelled``, not nothing."""
+    rid = "cancel-1"
+    started = asyncio.Event()
+
+    async def on_event(_msg: Msg) -> None:
+        started.set()
+
+    sub = await conn.nc.subscribe(token_subject(SCOPE, rid), cb=on_event)
+    backend = _backend()
+    try:
+        async with _worker(settings, conn, "lease-cancel", backend) as worker:
+            await _queue_copy(conn, settings, rid, "1")
+            await asyncio.wait_for(started.wait(), 10)
+            await conn.nc.publish(f"mesh.v1.cancel.{SCOPE}.{rid}", b"")
+            await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "the copy acked")
+            assert worker.stats.cancelled == 1
+    finally:
+        await sub.unsubscribe()
+    msg = await conn.jsm().get_msg(ANSWERS_STREAM, subject=answer_subject(SCOPE, rid), direct=True)
+    outcome = decode_event(msg.data or b"")
+    assert isinstance(outcome, ErrorEvent) and outcome.code == "cancelled", outcome
