@@ -35,6 +35,7 @@ from cloud_node.lease import OTHER_COPY, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.puller import Puller
+from cloud_node.takeover import Takeover
 from mesh import __version__, kept
 from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.backends.base import Backend
@@ -53,14 +54,13 @@ from protocol.codec import decode_request, error_event
 from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
-    ErrorCode,
     InvalidRequestError,
     MeshError,
     MeshTimeoutError,
     UnknownModelError,
 )
-from protocol.messages import ErrorEvent, InferRequest, Timings
-from protocol.stream import AnswerState, AnswerWriter, Resume, request_fingerprint
+from protocol.messages import InferRequest, Timings
+from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import (
     CANCEL_WILDCARD,
     address_of,
@@ -122,6 +122,16 @@ class Worker(Lifecycle):
             settings.stream.name,
             timeout=min(settings.worker.publish_timeout, 0.2 * settings.stream.ack_wait),
             ttl=kept.lease_ttl(settings.stream),
+        )
+        self.takeover = Takeover(
+            self.store,
+            self.keeper,
+            node=f"cloud:{self.node_id}",
+            continues=backend.continues,
+            count=self._count,
+            stats=self.stats,
+            takeovers=self.metrics.takeovers,
+            ack=self._ack,
         )
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
@@ -463,24 +473,6 @@ class Worker(Lifecycle):
         if self._cancels.cancels(address, request):
             raise CancelledByClientError("cancelled before it started", request_id=request.id)
 
-    async def _history(
-        self, request: InferRequest, publisher: AnswerPublisher, attempt: int
-    ) -> AnswerState | None:
-        """What earlier attempts left in the answer store (None on a first delivery of a request
-        that cannot wait, or when the store cannot be read: then the answer starts over). A
-        request that can wait is looked up on its first delivery too: it may be a second copy of
-        one another copy began."""
-        if (attempt == 1 and not request.deferrable) or not self.store.enabled:
-            return None
-        try:
-            events = await self.store.replay(publisher.subject)
-        except MeshError as err:
-            log.warning("cannot read the answer store; starting over", error=err.message)
-            return None
-        state = AnswerState(request.id, fingerprint=request_fingerprint(request))
-        state.feed_all(events)
-        return state
-
     async def _serve(
         self, msg: Msg, request: InferRequest, scope: str, fmt: Any, attempt: int
     ) -> None:
@@ -504,7 +496,7 @@ class Worker(Lifecycle):
                 await self._ack(msg)
                 return
             lease = claimed if isinstance(claimed, Lease) else None
-        history = await self._history(request, publisher, attempt)
+        history = await self.takeover.history(request, publisher, attempt)
         writer = AnswerWriter(
             request.id,
             attempt=attempt,
@@ -512,7 +504,7 @@ class Worker(Lifecycle):
             fingerprint=request_fingerprint(request),
         )
         if history is not None and history.done:
-            await self._already_done(msg, publisher, history, request, scope)
+            await self.takeover.already_done(msg, publisher, history, request, scope)
             return
         if request.deferrable and await self.keeper.exists(scope, request.id):
             # Forwarded again after its answer was kept (a flap outlived the dedupe window).
@@ -536,7 +528,7 @@ class Worker(Lifecycle):
             # Another copy's attempts may be in the store too (a request that can wait, queued
             # twice): this attempt numbers after all of them. ``attempt`` stays the delivery
             # count, which decides retries.
-            writer = self._continue_or_restart(request, history, max(attempt, history.attempt + 1))
+            writer = self.takeover.writer(request, history, max(attempt, history.attempt + 1))
         generating = asyncio.current_task()
         assert generating is not None
         keepalive = self._tasks.spawn(
@@ -605,67 +597,6 @@ class Worker(Lifecycle):
         finally:
             keepalive.cancel()
             self._publishers.pop(address, None)
-
-    def _continue_or_restart(
-        self, request: InferRequest, history: AnswerState, attempt: int
-    ) -> AnswerWriter:
-        # A constrained answer (JSON, a schema) cannot resume mid-text: its grammar starts over.
-        constrained = request.response_format is not None and request.response_format.type != "text"
-        resume = history.resume() if self.backend.continues and not constrained else Resume()
-        if resume.seq > 0:
-            self.stats.continued += 1
-            self.metrics.takeovers.labels(kind="continued").inc()
-            reason = f"continued after {history.node or 'a worker'} stopped"
-        else:
-            self.stats.restarted += 1
-            self.metrics.takeovers.labels(kind="restarted").inc()
-            reason = "redelivered; started over"
-        log.info(
-            "taking over a request",
-            resumed_at=resume.seq,
-            kept_tokens=resume.tokens,
-            previous=history.node,
-            reason=reason,
-        )
-        return AnswerWriter(
-            request.id,
-            attempt=attempt,
-            node=f"cloud:{self.node_id}",
-            fingerprint=request_fingerprint(request),
-            resume=resume,
-            reason=reason,
-        )
-
-    async def _already_done(
-        self,
-        msg: Msg,
-        publisher: AnswerPublisher,
-        history: AnswerState,
-        request: InferRequest,
-        scope: str,
-    ) -> None:
-        """The answer's outcome is stored: an earlier attempt finished but its ack was lost.
-        Never generate a second answer; just make the outcome final."""
-        self._count("already_done")
-        outcome = history.outcome
-        if isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value:
-            # Our own check: the store holds another request's answer under this id.
-            log.warning("request id reused for other content; refusing it")
-            with contextlib.suppress(MeshError):
-                await publisher.finish(outcome)
-            with contextlib.suppress(nats.errors.Error):
-                await msg.term()
-            return
-        log.info("outcome already stored; acking without generating")
-        if request.deferrable:
-            try:
-                await self.keeper.keep(scope, request, publisher)
-            except MeshError as err:  # handed back at once: the next delivery keeps it
-                log.warning("stored outcome not kept; redelivering", error=err.message)
-                with contextlib.suppress(nats.errors.Error):
-                    await msg.nak(delay=1.0)
-                return
-        await self._ack(msg)
 
     def _observe(self, gen: Generation, timings: Timings) -> None:
         m = self.metrics
