@@ -106,6 +106,38 @@ async def test_two_queued_copies_are_generated_once(
     assert "".join(t.text for t in tokens) == EXPECTED
 
 
+@contextlib.asynccontextmanager
+async def _first_copy_dies_mid_answer(
+    settings: MeshSettings, conn: Connection, rid: str, name: str
+) -> AsyncIterator[None]:
+    """Copy 1 of ``rid`` starts on worker ``name``, which dies after three tokens: its
+    connection drops, so nothing is acked or nak'd and its lease is no longer refreshed."""
+    seen = asyncio.Event()
+    count = 0
+
+    async def on_event(_msg: Msg) -> None:
+        nonlocal count
+        count += 1
+        if count >= 4:  # the start and three tokens
+            seen.set()
+
+    sub = await conn.nc.subscribe(token_subject(SCOPE, rid), cb=on_event)
+    doomed_conn = await Connection(settings.nats, name).connect()
+    doomed_settings = settings.model_copy(deep=True)
+    doomed_settings.worker.node_id = name
+    doomed = Worker(doomed_settings, doomed_conn, _backend())
+    await doomed.start()
+    try:
+        await _queue_copy(conn, settings, rid, "1")
+        await asyncio.wait_for(seen.wait(), 10)
+        await doomed_conn.nc.close()
+        yield
+    finally:
+        await sub.unsubscribe()
+        await doomed.stop()
+        await doomed_conn.close()
+
+
 async def test_a_dead_workers_copy_keeps_its_lease_and_is_continued(
     settings: MeshSettings, conn: Connection
 ) -> None:
@@ -113,25 +145,7 @@ async def test_a_dead_workers_copy_keeps_its_lease_and_is_continued(
     copy 1, redelivered, takes its own lease over and the answer is continued whole."""
     settings.stream.ack_wait = 2.0  # redelivered soon; the lease lasts 4 s without a refresh
     rid = "twice-2"
-    seen = asyncio.Event()
-    count = 0
-
-    async def on_token(_msg: Msg) -> None:
-        nonlocal count
-        count += 1
-        if count >= 4:  # the start and three tokens
-            seen.set()
-
-    sub = await conn.nc.subscribe(token_subject(SCOPE, rid), cb=on_token)
-    doomed_conn = await Connection(settings.nats, "doomed").connect()
-    doomed_settings = settings.model_copy(deep=True)
-    doomed_settings.worker.node_id = "doomed"
-    doomed = Worker(doomed_settings, doomed_conn, _backend())
-    await doomed.start()
-    try:
-        await _queue_copy(conn, settings, rid, "1")
-        await asyncio.wait_for(seen.wait(), 10)
-        await doomed_conn.nc.close()  # dies: no ack, no nak, no more lease refreshes
+    async with _first_copy_dies_mid_answer(settings, conn, rid, "doomed"):
         await _queue_copy(conn, settings, rid, "2")
         survivor_backend = _backend()
         async with _worker(settings, conn, "survivor", survivor_backend) as survivor:
@@ -142,12 +156,8 @@ async def test_a_dead_workers_copy_keeps_its_lease_and_is_continued(
             assert survivor.stats.continued == 1  # copy 1, from where the dead worker stopped
             assert survivor_backend.started == 1
             events = await _stored_events(survivor, rid)
-        starts = [e for e in events if isinstance(e, StartEvent)]
-        assert [(s.attempt, s.node) for s in starts] == [(1, "cloud:doomed"), (2, "cloud:survivor")]
-    finally:
-        await sub.unsubscribe()
-        await doomed.stop()
-        await doomed_conn.close()
+    starts = [e for e in events if isinstance(e, StartEvent)]
+    assert [(s.attempt, s.node) for s in starts] == [(1, "cloud:doomed"), (2, "cloud:survivor")]
 
 
 async def test_a_copy_arriving_after_the_lease_lapsed_numbers_after_the_first(
@@ -158,25 +168,7 @@ async def test_a_copy_arriving_after_the_lease_lapsed_numbers_after_the_first(
     second attempt 1 in the same stream). Copy 1, redelivered, is then let go."""
     settings.stream.ack_wait = 2.0
     rid = "twice-3"
-    seen = asyncio.Event()
-    count = 0
-
-    async def on_token(_msg: Msg) -> None:
-        nonlocal count
-        count += 1
-        if count >= 4:
-            seen.set()
-
-    sub = await conn.nc.subscribe(token_subject(SCOPE, rid), cb=on_token)
-    doomed_conn = await Connection(settings.nats, "doomed-2").connect()
-    doomed_settings = settings.model_copy(deep=True)
-    doomed_settings.worker.node_id = "doomed-2"
-    doomed = Worker(doomed_settings, doomed_conn, _backend())
-    await doomed.start()
-    try:
-        await _queue_copy(conn, settings, rid, "1")
-        await asyncio.wait_for(seen.wait(), 10)
-        await doomed_conn.nc.close()
+    async with _first_copy_dies_mid_answer(settings, conn, rid, "doomed-2"):
         await conn.jsm().purge_stream(LEASES_STREAM)  # the lease lapsed
         await _queue_copy(conn, settings, rid, "2")
         survivor_backend = _backend()
@@ -187,12 +179,8 @@ async def test_a_copy_arriving_after_the_lease_lapsed_numbers_after_the_first(
             assert survivor_backend.started == 1
             assert survivor.stats.other_copy + survivor.stats.already_done == 1
             events = await _stored_events(survivor, rid)
-        attempts = [e.attempt for e in events if isinstance(e, StartEvent)]
-        assert attempts == [1, 2], attempts  # copy 1's attempt, then copy 2's, in order
-    finally:
-        await sub.unsubscribe()
-        await doomed.stop()
-        await doomed_conn.close()
+    attempts = [e.attempt for e in events if isinstance(e, StartEvent)]
+    assert attempts == [1, 2], attempts  # copy 1's attempt, then copy 2's, in order
 
 
 async def test_a_lease_store_that_does_not_answer_stalls_nothing(
