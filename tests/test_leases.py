@@ -41,16 +41,17 @@ def _backend() -> DeterministicBackend:
     )
 
 
-async def _queue_copy(conn: Connection, settings: MeshSettings, rid: str, copy: str) -> None:
-    """One queued copy of the request; a message id of its own, as a retry past the dedupe
-    window gets (within the window JetStream itself drops the second)."""
+async def _queue_copy(conn: Connection, settings: MeshSettings, rid: str, copy: str) -> int:
+    """One queued copy of the request (its queue sequence); a message id of its own, as a retry
+    past the dedupe window gets (within the window JetStream itself drops the second)."""
     body = {"id": rid, "prompt": "[tag:q] go", "max_tokens": TOKENS, "deferrable": True}
-    await conn.js.publish(
+    ack = await conn.js.publish(
         infer_subject(MODEL, SCOPE),
         json.dumps(body).encode(),
         stream=settings.stream.name,
         headers={"Nats-Msg-Id": f"{SCOPE}.{rid}.{copy}"},
     )
+    return int(ack.seq)
 
 
 async def _kept(conn: Connection, rid: str) -> Answer | None:
@@ -254,3 +255,51 @@ async def test_a_request_that_can_wait_cancelled_mid_answer_keeps_its_cancel(
     msg = await conn.jsm().get_msg(ANSWERS_STREAM, subject=answer_subject(SCOPE, rid), direct=True)
     outcome = decode_event(msg.data or b"")
     assert isinstance(outcome, ErrorEvent) and outcome.code == "cancelled", outcome
+
+
+async def test_a_worker_that_lost_its_lease_hands_its_copy_back(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """While copy 1 generates, its lease lapses and copy 2 (queued behind it: one slot) takes
+    it, as happens when the worker could not reach the store for longer than a lease. At its
+    next progress report the worker finds the lease gone, stops copy 1 and hands it back.
+    Copy 2 then continues copy 1's answer as attempt 2, and copy 1, redelivered, is let go."""
+    settings.stream.ack_wait = 2.0  # progress reports, and lease refreshes, every 0.4 s
+    rid = "lost-1"
+    started = asyncio.Event()
+
+    async def on_event(_msg: Msg) -> None:
+        started.set()
+
+    sub = await conn.nc.subscribe(token_subject(SCOPE, rid), cb=on_event)
+    backend = DeterministicBackend(
+        ModelSettings(backend="deterministic", name=MODEL, slots=1, token_delay_ms=40)
+    )
+    try:
+        async with _worker(settings, conn, "lease-loser", backend) as worker:
+            await _queue_copy(conn, settings, rid, "1")
+            await asyncio.wait_for(started.wait(), 10)
+            second = await _queue_copy(conn, settings, rid, "2")  # waits: no free slot
+            await conn.jsm().purge_stream(LEASES_STREAM)  # copy 1's lease lapsed
+            fingerprint = request_fingerprint(
+                InferRequest.model_validate(
+                    {"id": rid, "prompt": "[tag:q] go", "max_tokens": TOKENS, "deferrable": True}
+                )
+            )
+            assert isinstance(await worker.leases.take(SCOPE, rid, second, fingerprint), Lease)
+            await eventually(lambda: queue_drained(conn, settings, MODEL), 30, "copies acked")
+            answer = await _kept(conn, rid)
+            assert answer is not None and answer.text == EXPECTED
+            assert worker.stats.requeued == 1  # copy 1, handed back
+            assert worker.stats.other_copy == 1  # copy 1 again, let go while copy 2 ran
+            assert worker.stats.completed == 1
+            events = await _stored_events(worker, rid)
+    finally:
+        await sub.unsubscribe()
+    attempts = [e.attempt for e in events if isinstance(e, StartEvent)]
+    assert attempts == [1, 2], attempts
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert (
+        "".join(t.text for t in tokens if t.attempt == 2)
+        == EXPECTED[len("".join(t.text for t in tokens if t.attempt == 1)) :]
+    )
