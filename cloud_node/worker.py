@@ -627,16 +627,23 @@ class Worker(Lifecycle):
         generating: asyncio.Task[Any],
     ) -> None:
         """Progress reports while the request generates; the lease (if any) is refreshed with
-        them. A lease lost to another copy (it lapsed while this worker could not reach the
-        store) hands this copy back: the other copy is answered, and this one is let go."""
+        them, at most every ack_wait / 2 (a quarter of its lifetime: one write a second per
+        request would be five times as many). A lease lost to another copy (it lapsed while
+        this worker could not reach the store) hands this copy back: the other copy is
+        answered, and this one is let go."""
         interval = self._stream.ack_wait * self._ws.progress_fraction
+        loop = asyncio.get_running_loop()
+        refreshed = loop.time()
         while True:
             await asyncio.sleep(interval)
             try:
                 await msg.in_progress()
             except nats.errors.Error as exc:
                 log.warning("in_progress failed", error=repr(exc))
-            if lease is None or await self.leases.refresh(lease):
+            if lease is None or loop.time() - refreshed < self._stream.ack_wait / 2:
+                continue
+            refreshed = loop.time()
+            if await self.leases.refresh(lease):
                 continue
             claimed = await self.leases.claim(
                 scope,

@@ -264,7 +264,7 @@ async def test_a_worker_that_lost_its_lease_hands_its_copy_back(
     it, as happens when the worker could not reach the store for longer than a lease. At its
     next progress report the worker finds the lease gone, stops copy 1 and hands it back.
     Copy 2 then continues copy 1's answer as attempt 2, and copy 1, redelivered, is let go."""
-    settings.stream.ack_wait = 2.0  # progress reports, and lease refreshes, every 0.4 s
+    settings.stream.ack_wait = 2.0  # progress reports every 0.4 s, lease refreshes every 1 s
     rid = "lost-1"
     started = asyncio.Event()
 
@@ -272,8 +272,8 @@ async def test_a_worker_that_lost_its_lease_hands_its_copy_back(
         started.set()
 
     sub = await conn.nc.subscribe(token_subject(SCOPE, rid), cb=on_event)
-    backend = DeterministicBackend(
-        ModelSettings(backend="deterministic", name=MODEL, slots=1, token_delay_ms=40)
+    backend = DeterministicBackend(  # 3 s of generation: lease refreshes come every 1 s
+        ModelSettings(backend="deterministic", name=MODEL, slots=1, token_delay_ms=100)
     )
     try:
         async with _worker(settings, conn, "lease-loser", backend) as worker:
