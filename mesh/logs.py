@@ -1,8 +1,8 @@
 """structlog setup, once per entry point: console on a terminal, JSON lines otherwise.
 
 Every line goes through one renderer to one stream: our own lines straight from structlog, the
-standard library's (nats-py, aiohttp, asyncio) through structlog's ``ProcessorFormatter``. Request-scoped fields
-(``request_id``, ``node_id``, ``subject``, ``trace_id``) are bound with
+standard library's (nats-py, aiohttp, asyncio) through structlog's ``ProcessorFormatter``.
+Request-scoped fields (``request_id``, ``node_id``, ``subject``, ``trace_id``) are bound with
 ``structlog.contextvars.bound_contextvars`` and appear on every line logged inside.
 """
 
