@@ -157,6 +157,7 @@ class CloudRelay:
             queued,
             scope=edge.scope,
             headers=edge.tracing.inject(self.trace),
+            fanout=edge.fanout,
         )
         try:
             await call.open()
