@@ -40,7 +40,6 @@ from mesh import __version__
 from mesh.backends.base import Backend, Chunk, ScoringBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.fanout import TokenFanout
 from mesh.generate import generate_into
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, trace_id
@@ -83,8 +82,6 @@ class EdgeNode(Lifecycle):
         self.router = router
         self.edge_id = settings.edge.edge_id
         self.scope = settings.nats.scope_or(self.edge_id)
-        self.fanout = TokenFanout(conn, self.scope)
-        """Every escalated answer's tokens, through one subscription (see mesh/fanout.py)."""
         self.node_name = f"edge:{self.edge_id}"
         self.metrics = Counters()
         """Counters for ``nats micro stats mesh-edge``."""
@@ -148,7 +145,6 @@ class EdgeNode(Lifecycle):
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         nc = self.conn.nc
-        await self.fanout.start()  # before anything can be escalated
         try:
             await self.nodes.start()
         except MeshError as err:  # degrade: without the registry, the start timeout decides
@@ -223,7 +219,6 @@ class EdgeNode(Lifecycle):
             with contextlib.suppress(nats.errors.Error):
                 await self._service.stop()
         await self.nodes.stop()
-        await self.fanout.stop()
         budget = self.budget
         if budget is not None:
             budget.save()  # the decisions since the last periodic save

@@ -157,7 +157,6 @@ class CloudRelay:
             queued,
             scope=edge.scope,
             headers=edge.tracing.inject(self.trace),
-            fanout=edge.fanout,
         )
         try:
             await call.open()

@@ -25,7 +25,6 @@ from nats.js.errors import APIError, NoStreamResponseError
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
-from mesh.fanout import TokenFanout
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.reader import AnswerReader, store_repair
@@ -135,7 +134,6 @@ class CloudCall(Lifecycle):
         scope: str,
         headers: Mapping[str, str] | None = None,
         pending_limit: int | None = None,
-        fanout: TokenFanout | None = None,
     ) -> None:
         self.conn = conn
         self.headers = dict(headers or {})
@@ -154,7 +152,6 @@ class CloudCall(Lifecycle):
             store_repair(self.store.replay, self.subject),
             what="the cloud",
             pending_limit=pending_limit,
-            fanout=fanout,
         )
 
     async def open(self) -> CloudCall:

@@ -29,7 +29,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 
 from mesh.connection import Connection
-from mesh.fanout import TokenFanout
 from mesh.logs import get_logger
 from protocol.codec import decode_event
 from protocol.errors import IncompleteAnswerError, MeshError, UnavailableError
@@ -63,11 +62,8 @@ class AnswerReader:
         pending_limit: int | None = None,
         unserved: Callable[[], Awaitable[None]] | None = None,
         unserved_for: float = 0.0,
-        fanout: TokenFanout | None = None,
     ) -> None:
         self.conn = conn
-        self._fanout = fanout
-        self._routed: str | None = None
         self.state = state
         self.what = what
         self._repair = repair
@@ -92,18 +88,10 @@ class AnswerReader:
         self._send_again_at: float | None = None
 
     async def subscribe(self, subject: str) -> None:
-        """Start receiving ``subject`` (before anything is published to it): through the
-        node's fanout when it covers the subject, else a subscription of its own."""
-        if self._fanout is not None and self._fanout.covers(subject):
-            self._fanout.add(subject, self._on_msg)
-            self._routed = subject
-            return
+        """Start receiving ``subject`` (before anything is published to it)."""
         self._sub = await self.conn.nc.subscribe(subject, cb=self._on_msg)
 
     async def close(self) -> None:
-        routed, self._routed = self._routed, None
-        if routed is not None and self._fanout is not None:
-            self._fanout.remove(routed, self._on_msg)
         sub, self._sub = self._sub, None
         if sub is not None:
             with contextlib.suppress(nats.errors.Error):
