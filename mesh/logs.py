@@ -8,6 +8,7 @@ Request-scoped fields (``request_id``, ``node_id``, ``subject``, ``trace_id``) a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Any, TextIO
@@ -51,7 +52,7 @@ def configure_logging(
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.WriteLoggerFactory(file=stream),
+        logger_factory=_SafeWriterFactory(stream),
         cache_logger_on_first_use=cache,
     )
     handler = logging.StreamHandler(stream)
@@ -67,6 +68,26 @@ def configure_logging(
     root.setLevel(level)
     for name in ("nats", "aiohttp", "asyncio", "llama_cpp", "httpx", "openai"):
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
+
+
+class _SafeWriter(structlog.WriteLogger):
+    """Writes a rendered line; a line that cannot be written (a closed or broken stream, a full
+    disk) is dropped, as the standard library's handlers do: logging never fails a request."""
+
+    def msg(self, message: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            super().msg(message)
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+class _SafeWriterFactory:
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def __call__(self, *_args: Any) -> _SafeWriter:
+        return _SafeWriter(self.stream)
 
 
 def get_logger(name: str) -> Any:

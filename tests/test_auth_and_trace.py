@@ -84,6 +84,30 @@ def test_library_logs_go_through_the_same_json_renderer() -> None:
     assert all("timestamp" in line for line in lines)
 
 
+def test_a_log_stream_that_cannot_be_written_never_fails_the_caller() -> None:
+    """A broken stderr (a dead pipe, a full disk) loses log lines, not requests: every level,
+    our lines and the libraries', returns normally (the standard library's handlers drop such
+    lines too)."""
+    import io
+    import logging
+
+    out = io.StringIO()
+    configure_logging(LogSettings(level="info", format="json"), stream=out)
+    try:
+        log = structlog.get_logger("mesh.test")
+        log.info("written")
+        out.close()  # writing now raises ValueError
+        log.info("lost")
+        log.warning("lost")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            log.exception("lost")
+        logging.getLogger("nats.aio.client").warning("lost too")
+    finally:
+        configure_logging(LogSettings(level="warning"))
+
+
 async def test_with_otel_on_the_worker_span_is_a_child_of_the_edge_span(
     settings: MeshSettings, conn: object, worker_backend: object
 ) -> None:
