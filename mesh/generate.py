@@ -67,9 +67,11 @@ async def coalesce(
         need = [1]  # how many queued items wake the waiter
         done = object()
         produced = [0]
+        ended = [False]  # the last item (the finish, an error, or the end) is queued
 
         def put(item: Any, *, last: bool = False) -> None:
             queue.append(item)
+            ended[0] = ended[0] or last
             if waiting and (last or len(queue) >= need[0]) and not waiting[0].done():
                 waiting[0].set_result(None)
 
@@ -133,7 +135,8 @@ async def coalesce(
                 yield item
                 continue
             wait = sent + linger - loop.time()
-            if wait > 0 and len(queue) < max_parts - 1:
+            if wait > 0 and len(queue) < max_parts - 1 and not ended[0]:
+                # Nothing more can come once the end is queued: the last batch goes at once.
                 await until(max_parts - 1, wait)
             parts = [item.text]
             n = item.n

@@ -124,6 +124,23 @@ async def test_coalesce_sends_a_full_batch_without_waiting_out_the_linger() -> N
     assert out[-1].finish_reason == "stop"
 
 
+async def test_coalesce_sends_the_last_batch_at_once_when_the_engine_has_finished() -> None:
+    """The engine's last tokens and its finish are queued together: nothing more can come, so
+    the last partial batch does not wait out the linger (30 s here) before the end."""
+
+    async def short() -> AsyncIterator[Chunk]:
+        for text in ("a", "b", "c"):
+            yield Chunk(text=text)
+        yield Chunk(finish_reason="stop")
+
+    async def collect() -> list[Chunk]:
+        return [c async for c in coalesce(short(), max_parts=16, linger=30)]
+
+    out = await asyncio.wait_for(collect(), 10)
+    assert [c.text for c in out if c.finish_reason is None] == ["a", "bc"]
+    assert out[-1].finish_reason == "stop"
+
+
 async def test_coalesce_hung_engine_is_a_retryable_error() -> None:
     async def hangs_after_one() -> AsyncIterator[Chunk]:
         yield Chunk(text="x")
