@@ -17,7 +17,7 @@ from mesh.answer_store import AnswerStore
 from mesh.logs import get_logger
 from protocol.errors import ErrorCode, MeshError
 from protocol.messages import ErrorEvent, InferRequest
-from protocol.stream import AnswerState, AnswerWriter, Resume, request_fingerprint
+from protocol.stream import AnswerState, AnswerWriter, Resume
 
 log = get_logger(__name__)
 
@@ -50,7 +50,7 @@ class Takeover:
         self.ack = ack
 
     async def history(
-        self, request: InferRequest, publisher: AnswerPublisher, attempt: int
+        self, request: InferRequest, fingerprint: str, publisher: AnswerPublisher, attempt: int
     ) -> AnswerState | None:
         """What earlier attempts left in the answer store (None on a first delivery of a request
         that cannot wait, or when the store cannot be read: then the answer starts over). A
@@ -63,7 +63,7 @@ class Takeover:
         except MeshError as err:
             log.warning("cannot read the answer store; starting over", error=err.message)
             return None
-        state = AnswerState(request.id, fingerprint=request_fingerprint(request))
+        state = AnswerState(request.id, fingerprint=fingerprint)
         state.feed_all(events)
         return state
 
@@ -91,7 +91,7 @@ class Takeover:
             request.id,
             attempt=attempt,
             node=self.node,
-            fingerprint=request_fingerprint(request),
+            fingerprint=history.fingerprint,
             resume=resume,
             reason=reason,
         )

@@ -481,27 +481,19 @@ class Worker(Lifecycle):
             self.conn, self.store, scope, request.id, fmt, timeout=self._ws.publish_timeout
         )
         address = publisher.subject
+        fingerprint = request_fingerprint(request)  # once: a hash of the whole conversation
         lease: Lease | None = None
         if request.deferrable:
-            claimed = await self.leases.claim(
-                scope,
-                request.id,
-                msg.metadata.sequence.stream,
-                request_fingerprint(request),
-                lambda: self.keeper.exists(scope, request.id),
-            )
+            claimed = await self._claim(scope, request, msg.metadata.sequence.stream, fingerprint)
             if claimed == OTHER_COPY:  # that copy is still queued, or its answer is kept
                 self._count("other_copy")
                 log.info("another copy of this request is being answered; acking this one")
                 await self._ack(msg)
                 return
             lease = claimed if isinstance(claimed, Lease) else None
-        history = await self.takeover.history(request, publisher, attempt)
+        history = await self.takeover.history(request, fingerprint, publisher, attempt)
         writer = AnswerWriter(
-            request.id,
-            attempt=attempt,
-            node=f"cloud:{self.node_id}",
-            fingerprint=request_fingerprint(request),
+            request.id, attempt=attempt, node=f"cloud:{self.node_id}", fingerprint=fingerprint
         )
         if history is not None and history.done:
             await self.takeover.already_done(msg, publisher, history, request, scope)
@@ -618,6 +610,15 @@ class Worker(Lifecycle):
         except nats.errors.Error as exc:
             log.warning("ack not sent", error=repr(exc))
 
+    async def _claim(
+        self, scope: str, request: InferRequest, copy: int, fingerprint: str
+    ) -> Lease | str | None:
+        """The lease for queued copy ``copy`` of a request that can wait (see
+        :meth:`Leases.claim`); a copy whose answer is kept already counts as answered."""
+        return await self.leases.claim(
+            scope, request.id, copy, fingerprint, lambda: self.keeper.exists(scope, request.id)
+        )
+
     async def _keep_alive(
         self,
         msg: Msg,
@@ -645,13 +646,7 @@ class Worker(Lifecycle):
             refreshed = loop.time()
             if await self.leases.refresh(lease):
                 continue
-            claimed = await self.leases.claim(
-                scope,
-                request.id,
-                lease.copy,
-                lease.fingerprint,
-                lambda: self.keeper.exists(scope, request.id),
-            )
+            claimed = await self._claim(scope, request, lease.copy, lease.fingerprint)
             if claimed == OTHER_COPY:
                 log.warning("lease lost to another copy; handing this one back")
                 generating.cancel()  # not a client's cancel: the message is handed back

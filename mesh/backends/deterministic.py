@@ -148,13 +148,13 @@ class DeterministicBackend:
                     yield _chunk(script, index, request)
             else:
                 # A plain loop, not a second generator: this backend stands in for an engine
-                # that costs nothing, so its own cost per token is kept low (1.28 -> 0.3 us).
+                # that costs nothing, so its own cost per token is kept low (1.28 -> 0.44 us).
                 for index in range(prefix_tokens, script.last(request.max_tokens)):
                     yield _chunk(script, index, request)
                     if index % 64 == 63:
                         await asyncio.sleep(0)  # let the rest of the process run
-            last = request.max_tokens if script.stop_after is None else script.stop_after
-            produced = max(0, min(request.max_tokens, last) - prefix_tokens)
+            last = script.last(request.max_tokens)
+            produced = max(0, last - prefix_tokens)
             yield Chunk(
                 finish_reason="length" if last >= request.max_tokens else "stop",
                 usage=Usage(prompt_tokens=prompt_tokens(request), completion_tokens=produced),
