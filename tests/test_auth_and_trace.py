@@ -96,6 +96,7 @@ def test_a_log_stream_that_cannot_be_written_never_fails_the_caller() -> None:
     try:
         log = structlog.get_logger("mesh.test")
         log.info("written")
+        assert '"event": "written"' in out.getvalue()
         out.close()  # writing now raises ValueError
         log.info("lost")
         log.warning("lost")
@@ -104,8 +105,10 @@ def test_a_log_stream_that_cannot_be_written_never_fails_the_caller() -> None:
         except RuntimeError:
             log.exception("lost")
         logging.getLogger("nats.aio.client").warning("lost too")
+        returned = True
     finally:
         configure_logging(LogSettings(level="warning"))
+    assert returned  # every call above came back
 
 
 async def test_with_otel_on_the_worker_span_is_a_child_of_the_edge_span(
