@@ -1,11 +1,12 @@
 """Publishing one attempt's events on the request's token subject, so that none is lost.
 
-Events go out with a plain publish: the answer store (stream ``MESH_TOK``) captures them as they
-pass, and the hot path waits for nothing. The end (or final error) goes through JetStream and
-waits for its ack: once it returns, the store holds the outcome, and only then does the worker
-ack the request. If the connection dropped while the answer streamed, events written to the old
-socket may never have reached the server; the publisher then reads what the store kept and
-publishes again whatever of its own events is missing. Readers drop the duplicates.
+Events go out with a plain publish, through the connection's outbox (:mod:`mesh.outbox`): the
+answer store (stream ``MESH_TOK``) captures them as they pass, and the hot path waits for
+nothing. The end (or final error) goes through JetStream, after the outbox is flushed, and waits
+for its ack: once it returns, the store holds the outcome, and only then does the worker ack the
+request. If the connection dropped while the answer streamed, events written to the old socket
+may never have reached the server; the publisher then reads what the store kept and publishes
+again whatever of its own events is missing. Readers drop the duplicates.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from mesh.answer_store import AnswerStore
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, dump_event
-from protocol.errors import ErrorCode, MeshError
+from protocol.errors import MeshError
 from protocol.messages import EndEvent, ErrorEvent, WireEvent
 from protocol.subjects import token_subject
 
@@ -56,18 +57,16 @@ class AnswerPublisher:
     async def send(self, event: WireEvent) -> None:
         data = dump_event(event, self.fmt)
         self._sent.append((event, data))
-        try:
-            await self.conn.nc.publish(self.subject, data, headers=self._headers)
-        except nats.errors.Error as exc:  # closed or the reconnect buffer is full
-            raise MeshError(
-                f"cannot publish events: {type(exc).__name__}", code=ErrorCode.UNAVAILABLE
-            ) from None
+        # Through the outbox, written together with other answers' events (the start and the
+        # first token never wait for its gap). Raises MeshError once the connection is closed.
+        self.conn.outbox.put(self.subject, data, self._headers, now=len(self._sent) <= 2)
 
     async def finish(self, event: EndEvent | ErrorEvent) -> bool:
         """Publish the outcome and make sure the store holds the whole attempt; False when that
         could not be confirmed (the outcome still went out as a plain publish)."""
         data = dump_event(event, self.fmt)
         self._sent.append((event, data))
+        await self.conn.outbox.flush()  # the events before it go first
         stored = await self._publish_stored(data)
         if stored and self.conn.reconnects == self._reconnects:
             return True
@@ -81,6 +80,7 @@ class AnswerPublisher:
 
     async def _catch_up(self) -> bool:
         self._reconnects = self.conn.reconnects
+        await self.conn.outbox.flush()  # what is still queued is not missing
         try:
             kept = await self.store.replay(self.subject, timeout=self.timeout)
         except MeshError as err:

@@ -59,7 +59,7 @@ class NatsIntake:
             reason = (
                 "edge is at its concurrency limit" if self.node.accepting else "edge is stopping"
             )
-            sink = NatsSink(self.node.conn.nc, reply, "", fmt, streaming=False)
+            sink = NatsSink(self.node.conn, reply, "", fmt, streaming=False)
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(OverloadedError(reason, retry_after=1.0)))
             return
@@ -79,11 +79,11 @@ class NatsIntake:
             self.node.metrics.inc(f"error.{err.code.value}")
             log.info("request rejected", code=err.code.value, error=err.message)
             fmt = sniff(request.data, request.headers).reply_format
-            sink = NatsSink(self.node.conn.nc, reply, err.request_id or "", fmt, streaming=False)
+            sink = NatsSink(self.node.conn, reply, err.request_id or "", fmt, streaming=False)
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(err, err.request_id))
             return
-        sink = NatsSink(self.node.conn.nc, reply, req.id, fmt.reply_format, streaming=req.stream)
+        sink = NatsSink(self.node.conn, reply, req.id, fmt.reply_format, streaming=req.stream)
         await self.node.serve(
             req,
             sink,

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import nats.errors
-from nats.aio.client import Client
 
+from mesh.connection import Connection
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event
 from protocol.errors import DuplicateRequestError, MeshError, status_of
@@ -63,21 +63,30 @@ def _status(code: str) -> int:
 
 
 class NatsSink:
-    """A NATS client's inbox: every event (streaming), or one ``answer`` or ``err`` at the end."""
+    """A NATS client's inbox: every event (streaming), or one ``answer`` or ``err`` at the end.
+
+    Streamed tokens go through the connection's outbox (:mod:`mesh.outbox`), written together
+    with other answers' tokens; the first token never waits, and every other event is published
+    after what the outbox holds, so the client gets them in order."""
 
     def __init__(
-        self, nc: Client, inbox: str, request_id: str, fmt: WireFormat, *, streaming: bool
+        self, conn: Connection, inbox: str, request_id: str, fmt: WireFormat, *, streaming: bool
     ):
-        self.nc = nc
+        self.conn = conn
         self.inbox = inbox
         self.fmt = fmt
         self.streaming = streaming
         self._headers = {CONTENT_TYPE: fmt.content_type}
         self._answer = AnswerState(request_id)
+        self._tokens = 0
 
     async def send(self, event: WireEvent) -> None:
         if isinstance(event, ErrorEvent):
             await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
+        elif self.streaming and isinstance(event, TokenEvent):
+            self._tokens += 1
+            data = dump_event(event, self.fmt)
+            self.conn.outbox.put(self.inbox, data, self._headers, now=self._tokens == 1)
         elif self.streaming:
             await self._publish(dump_event(event, self.fmt), self._headers)
         else:
@@ -91,8 +100,9 @@ class NatsSink:
                 await self._publish(dump(whole, self.fmt), self._headers)
 
     async def _publish(self, data: bytes, headers: dict[str, str]) -> None:
+        await self.conn.outbox.flush()  # tokens still held go first
         try:
-            await self.nc.publish(self.inbox, data, headers=headers)
+            await self.conn.nc.publish(self.inbox, data, headers=headers)
         except nats.errors.Error as exc:
             raise MeshError(f"cannot reach the client: {type(exc).__name__}") from None
 

@@ -24,6 +24,7 @@ from mesh.config import NatsSettings
 from mesh.credentials import check_creds_file
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
+from mesh.outbox import Outbox
 from protocol.errors import UnauthorizedError, UnavailableError
 
 log = get_logger(__name__)
@@ -37,6 +38,7 @@ class Connection(Lifecycle):
         self.name = name
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
+        self._outbox: Outbox | None = None
         self._closing = False
         self.reconnects = 0
         """Reconnects since connect()."""
@@ -52,6 +54,13 @@ class Connection(Lifecycle):
         if self._nc is None:
             raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
         return self._nc
+
+    @property
+    def outbox(self) -> Outbox:
+        """Where answer events that may wait a moment are published (see :mod:`mesh.outbox`)."""
+        if self._outbox is None:
+            raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
+        return self._outbox
 
     @property
     def js(self) -> JetStreamContext:
@@ -166,6 +175,7 @@ class Connection(Lifecycle):
                 "running? `mesh up` starts a local one"
             ) from None
         self._nc = client
+        self._outbox = Outbox(client, self.settings.write_gap_ms / 1000)
         self._js = client.jetstream(
             timeout=self.settings.request_timeout, domain=self.settings.hub_domain
         )
@@ -175,10 +185,13 @@ class Connection(Lifecycle):
     async def close(self) -> None:
         """Drain subscriptions and flush pending publishes, within the drain timeout."""
         client, self._nc, self._js = self._nc, None, None
+        outbox, self._outbox = self._outbox, None
         for task in list(self._tasks):
             task.cancel()
         if client is None or client.is_closed:
             return
+        if outbox is not None:
+            await outbox.close()
         self._closing = True
         try:
             await asyncio.wait_for(client.drain(), timeout=self.settings.drain_timeout + 1)

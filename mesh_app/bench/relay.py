@@ -61,6 +61,7 @@ async def _mesh_run(
 
             await burst()  # warm
             cpu_w, cpu_c, began = cpu_seconds(worker.pid), cpu_seconds(), time.perf_counter()
+            cpu_s = cpu_seconds(server.pid)
             moved = 0
             for _ in range(rounds):
                 moved += await burst()
@@ -69,6 +70,7 @@ async def _mesh_run(
                 "tokens_per_s": moved / wall,
                 "sender_cpu_per_10k": (cpu_seconds(worker.pid) - cpu_w) / moved * 10_000,
                 "client_cpu_per_10k": (cpu_seconds() - cpu_c) / moved * 10_000,
+                "server_cpu_per_10k": (cpu_seconds(server.pid) - cpu_s) / moved * 10_000,
             }
     finally:
         await worker.stop()
@@ -91,7 +93,7 @@ async def _bare_run(
     server: Server, *, parts: int, streams: int, tokens: int, rounds: int
 ) -> dict[str, float]:
     nc = await nats.connect(server.url)
-    moved, wall, cpu_c, cpu_p = 0, 0.0, 0.0, 0.0
+    moved, wall, cpu_c, cpu_p, cpu_s = 0, 0.0, 0.0, 0.0, 0.0
     try:
         for round_no in range(rounds + 1):
             counter = _Counter(streams * tokens)
@@ -108,13 +110,20 @@ async def _bare_run(
                 str(tokens),
                 stdout=asyncio.subprocess.PIPE,
             )
-            assert proc.stdout is not None
-            await asyncio.wait_for(proc.stdout.readline(), 60)  # connected, waiting for "go"
-            began, cpu_before = time.perf_counter(), cpu_seconds()
-            await nc.publish("bare.go", b"")
-            await asyncio.wait_for(counter.done.wait(), 120)
-            elapsed, client_cpu = time.perf_counter() - began, cpu_seconds() - cpu_before
-            sender_cpu, _stderr = await proc.communicate()  # it prints its CPU seconds
+            try:
+                assert proc.stdout is not None
+                await asyncio.wait_for(proc.stdout.readline(), 60)  # connected, waiting for "go"
+                began, cpu_before = time.perf_counter(), cpu_seconds()
+                server_before = cpu_seconds(server.pid)
+                await nc.publish("bare.go", b"")
+                await asyncio.wait_for(counter.done.wait(), 120)
+                elapsed, client_cpu = time.perf_counter() - began, cpu_seconds() - cpu_before
+                server_cpu = cpu_seconds(server.pid) - server_before
+                sender_cpu, _stderr = await proc.communicate()  # it prints its CPU seconds
+            finally:
+                if proc.returncode is None:  # a failed round must not leave its sender behind
+                    proc.kill()
+                    await proc.wait()
             for sub in subs:
                 await sub.unsubscribe()
             if round_no == 0:  # warm-up
@@ -123,12 +132,14 @@ async def _bare_run(
             wall += elapsed
             cpu_c += client_cpu
             cpu_p += float(sender_cpu)
+            cpu_s += server_cpu
     finally:
         await nc.close()
     return {
         "tokens_per_s": moved / wall,
         "sender_cpu_per_10k": cpu_p / moved * 10_000,
         "client_cpu_per_10k": cpu_c / moved * 10_000,
+        "server_cpu_per_10k": cpu_s / moved * 10_000,
     }
 
 
@@ -187,6 +198,7 @@ def render(results: dict[str, Any]) -> str:
                 r["tokens_per_s"],
                 r["sender_cpu_per_10k"] * 1000,
                 r["client_cpu_per_10k"] * 1000,
+                r["server_cpu_per_10k"] * 1000,
                 f"{r['share_of_bare']:.0%}" if "share_of_bare" in r else "",
             ]
         )
@@ -194,7 +206,11 @@ def render(results: dict[str, Any]) -> str:
         f"relay: {results['streams']} streams x {results['tokens']} tokens, one worker "
         "process (deterministic backend, no delays); CPU in ms per 10k tokens"
     )
-    return head + "\n" + table(["path", "tokens/s", "sender CPU", "client CPU", "of bare"], rows)
+    return (
+        head
+        + "\n"
+        + table(["path", "tokens/s", "sender CPU", "client CPU", "server CPU", "of bare"], rows)
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""The outbox: answer events written together, in order, without holding back a first token.
+
+Real nats-server; the outbox publishes on one connection, a plain subscriber on another reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from mesh.nats_server import NatsServer
+from mesh.outbox import Outbox
+from protocol.errors import ErrorCode, MeshError
+
+HEADERS = {"Content-Type": "text/plain"}
+
+
+async def _reader(server: NatsServer, subject: str) -> tuple[nats.NATS, list[bytes], asyncio.Event]:
+    nc = await nats.connect(server.url)
+    got: list[bytes] = []
+    changed = asyncio.Event()
+
+    async def on_msg(msg: nats.aio.msg.Msg) -> None:
+        got.append(msg.data)
+        changed.set()
+
+    await nc.subscribe(subject, cb=on_msg)
+    await nc.flush()
+    return nc, got, changed
+
+
+async def _until(got: list[bytes], changed: asyncio.Event, count: int) -> None:
+    async def wait() -> None:
+        while len(got) < count:
+            changed.clear()
+            await changed.wait()
+
+    await asyncio.wait_for(wait(), 10)
+
+
+async def test_a_burst_is_one_write_in_order(nats_server: NatsServer) -> None:
+    reader, got, changed = await _reader(nats_server, "outbox.burst")
+    nc = await nats.connect(nats_server.url)
+    try:
+        box = Outbox(nc, gap=0.001)
+        sent = [f"m{i}".encode() for i in range(200)]
+        for data in sent:
+            box.put("outbox.burst", data, HEADERS)
+        await _until(got, changed, 200)
+        assert got == sent
+        assert box.writes == 1  # without the outbox: nats-py wrote as often as the loop turned
+    finally:
+        await nc.close()
+        await reader.close()
+
+
+async def test_a_busy_outbox_holds_events_but_never_a_first_one(nats_server: NatsServer) -> None:
+    reader, got, changed = await _reader(nats_server, "outbox.gap")
+    nc = await nats.connect(nats_server.url)
+    try:
+        box = Outbox(nc, gap=30.0)
+        box.put("outbox.gap", b"first", HEADERS)  # after a quiet spell: at once
+        await _until(got, changed, 1)
+        box.put("outbox.gap", b"held", HEADERS)  # within the gap of the last write: held
+        await nc.publish("outbox.gap", b"direct, later")  # not through the outbox
+        await _until(got, changed, 2)
+        assert got == [b"first", b"direct, later"]
+        box.put("outbox.gap", b"first of another answer", HEADERS, now=True)
+        await _until(got, changed, 4)  # goes at once, and takes what was held with it, in order
+        assert got[2:] == [b"held", b"first of another answer"]
+        box.put("outbox.gap", b"last token", HEADERS)
+        assert await box.flush()  # before an end published directly
+        await nc.publish("outbox.gap", b"end")
+        await _until(got, changed, 6)
+        assert got[4:] == [b"last token", b"end"]
+    finally:
+        await nc.close()
+        await reader.close()
+
+
+async def test_events_that_cannot_be_published_make_the_next_put_raise(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    box = Outbox(nc, gap=0.0)
+    box.put("outbox.closed", b"before", HEADERS)
+    assert await box.flush()
+    await nc.close()
+    box.put("outbox.closed", b"lost", HEADERS)
+    assert not await box.flush()
+    with pytest.raises(MeshError) as raised:
+        box.put("outbox.closed", b"refused", HEADERS)
+    assert raised.value.code == ErrorCode.UNAVAILABLE
+    assert "ConnectionClosedError" in raised.value.message
