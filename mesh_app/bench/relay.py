@@ -2,9 +2,9 @@
 
 A worker process on the deterministic backend with no delays (it yields tokens as fast as it
 can) streams to SDK clients in this process, with coalescing on (16 tokens or 5 ms per message)
-and off. Next to it, in the same run, the ceiling: a bare nats-py publisher process sending the
-same token events (same coalescing) to plain subscribers here. Reported: tokens/s, and CPU
-seconds per 10k tokens in the sending process and in this one.
+and off. Next to it, round after round in turn, the ceiling: a bare nats-py publisher process
+sending the same token events (same coalescing) to plain subscribers here. Reported: tokens/s,
+and CPU seconds per 10k tokens in the sending process, in this one and in the server.
 """
 
 from __future__ import annotations
@@ -27,53 +27,49 @@ from mesh_app.bench.common import cpu_seconds, table, timed_stream
 from protocol.codec import WireFormat, dump_token
 
 
-async def _mesh_run(
-    server: Server, tmp: Path, *, parts: int, streams: int, tokens: int, rounds: int
-) -> dict[str, float]:
-    name = f"relay-{parts}"
-    env = {
-        "MESH_NATS_URL": server.url,
-        "MESH_WORKER_NODE_ID": name,
-        "MESH_WORKER_MODEL_BACKEND": "deterministic",
-        "MESH_WORKER_MODEL_NAME": name,
-        "MESH_WORKER_MODEL_SLOTS": str(streams),
-        "MESH_WORKER_COALESCE_TOKENS": str(parts),
-        "MESH_WORKER_COALESCE_MS": "5" if parts > 1 else "0",
-        "MESH_LOG_LEVEL": "warning",
-    }
-    worker = await MeshProcess("worker", name, env, tmp / f"{name}.log").start()
-    settings = load_settings({("nats", "url"): server.url}, environ={})
-    try:
-        async with Connection(settings.nats, "relay-probe") as conn:
-            await wait_for_worker(conn, name)
-        async with MeshClient(settings=settings) as client:
+class _Tally:
+    """Tokens, wall time and CPU seconds (sender, this process, the server) over timed rounds."""
 
-            async def burst() -> int:
-                rows = await asyncio.gather(
-                    *(
-                        timed_stream(
-                            client, "[tag:r] go", via="cloud", model=name, max_tokens=tokens
-                        )
-                        for _ in range(streams)
-                    )
-                )
-                return sum(r.tokens for r in rows)
+    def __init__(self) -> None:
+        self.moved = 0
+        self.wall = self.sender = self.client = self.server = 0.0
 
-            await burst()  # warm
-            cpu_w, cpu_c, began = cpu_seconds(worker.pid), cpu_seconds(), time.perf_counter()
-            cpu_s = cpu_seconds(server.pid)
-            moved = 0
-            for _ in range(rounds):
-                moved += await burst()
-            wall = time.perf_counter() - began
-            return {
-                "tokens_per_s": moved / wall,
-                "sender_cpu_per_10k": (cpu_seconds(worker.pid) - cpu_w) / moved * 10_000,
-                "client_cpu_per_10k": (cpu_seconds() - cpu_c) / moved * 10_000,
-                "server_cpu_per_10k": (cpu_seconds(server.pid) - cpu_s) / moved * 10_000,
-            }
-    finally:
-        await worker.stop()
+    def add(self, moved: int, wall: float, sender: float, client: float, server: float) -> None:
+        self.moved += moved
+        self.wall += wall
+        self.sender += sender
+        self.client += client
+        self.server += server
+
+    def figures(self) -> dict[str, float]:
+        per_10k = 10_000 / self.moved
+        return {
+            "tokens_per_s": self.moved / self.wall,
+            "sender_cpu_per_10k": self.sender * per_10k,
+            "client_cpu_per_10k": self.client * per_10k,
+            "server_cpu_per_10k": self.server * per_10k,
+        }
+
+
+async def _mesh_round(
+    client: MeshClient, worker_pid: int, server: Server, *, name: str, streams: int, tokens: int
+) -> tuple[int, float, float, float, float]:
+    cpu_w, cpu_c, cpu_s = cpu_seconds(worker_pid), cpu_seconds(), cpu_seconds(server.pid)
+    began = time.perf_counter()
+    rows = await asyncio.gather(
+        *(
+            timed_stream(client, "[tag:r] go", via="cloud", model=name, max_tokens=tokens)
+            for _ in range(streams)
+        )
+    )
+    wall = time.perf_counter() - began
+    return (
+        sum(r.tokens for r in rows),
+        wall,
+        cpu_seconds(worker_pid) - cpu_w,
+        cpu_seconds() - cpu_c,
+        cpu_seconds(server.pid) - cpu_s,
+    )
 
 
 class _Counter:
@@ -89,87 +85,121 @@ class _Counter:
             self.done.set()
 
 
-async def _bare_run(
-    server: Server, *, parts: int, streams: int, tokens: int, rounds: int
-) -> dict[str, float]:
-    nc = await nats.connect(server.url)
-    moved, wall, cpu_c, cpu_p, cpu_s = 0, 0.0, 0.0, 0.0, 0.0
-    try:
-        for round_no in range(rounds + 1):
-            counter = _Counter(streams * tokens)
-            subs = [await nc.subscribe(f"bare.{i}", cb=counter.on_msg) for i in range(streams)]
-            await nc.flush()
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "mesh_app.bench.relay",
-                "--publish",
-                server.url,
-                str(parts),
-                str(streams),
-                str(tokens),
-                stdout=asyncio.subprocess.PIPE,
-            )
-            try:
-                assert proc.stdout is not None
-                await asyncio.wait_for(proc.stdout.readline(), 60)  # connected, waiting for "go"
-                began, cpu_before = time.perf_counter(), cpu_seconds()
-                server_before = cpu_seconds(server.pid)
-                await nc.publish("bare.go", b"")
-                await asyncio.wait_for(counter.done.wait(), 120)
-                elapsed, client_cpu = time.perf_counter() - began, cpu_seconds() - cpu_before
-                server_cpu = cpu_seconds(server.pid) - server_before
-                sender_cpu, _stderr = await proc.communicate()  # it prints its CPU seconds
-            finally:
-                if proc.returncode is None:  # a failed round must not leave its sender behind
-                    proc.kill()
-                    await proc.wait()
-            for sub in subs:
-                await sub.unsubscribe()
-            if round_no == 0:  # warm-up
-                continue
-            moved += streams * tokens
-            wall += elapsed
-            cpu_c += client_cpu
-            cpu_p += float(sender_cpu)
-            cpu_s += server_cpu
-    finally:
-        await nc.close()
-    return {
-        "tokens_per_s": moved / wall,
-        "sender_cpu_per_10k": cpu_p / moved * 10_000,
-        "client_cpu_per_10k": cpu_c / moved * 10_000,
-        "server_cpu_per_10k": cpu_s / moved * 10_000,
+class _BareSender:
+    """The bare publisher process, kept for all rounds (a fresh process per round ran cold)."""
+
+    def __init__(self, server: Server, *, parts: int, streams: int, tokens: int) -> None:
+        self.server = server
+        self.args = [str(parts), str(streams), str(tokens)]
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "mesh_app.bench.relay",
+            "--publish",
+            self.server.url,
+            *self.args,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        await self.line()  # connected, waiting for "go"
+
+    async def line(self) -> str:
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        return (await asyncio.wait_for(self.proc.stdout.readline(), 60)).decode()
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def _bare_round(
+    nc: Any, sender: _BareSender, server: Server, *, streams: int, tokens: int
+) -> tuple[int, float, float, float, float]:
+    counter = _Counter(streams * tokens)
+    subs = [await nc.subscribe(f"bare.{i}", cb=counter.on_msg) for i in range(streams)]
+    await nc.flush()
+    began, cpu_c, cpu_s = time.perf_counter(), cpu_seconds(), cpu_seconds(server.pid)
+    await nc.publish("bare.go", b"")
+    await asyncio.wait_for(counter.done.wait(), 120)
+    wall, client_cpu = time.perf_counter() - began, cpu_seconds() - cpu_c
+    server_cpu = cpu_seconds(server.pid) - cpu_s
+    sender_cpu = float(await sender.line())  # it prints its CPU seconds for the round
+    for sub in subs:
+        await sub.unsubscribe()
+    return streams * tokens, wall, sender_cpu, client_cpu, server_cpu
+
+
+async def _side_by_side(
+    server: Server, tmp: Path, *, parts: int, streams: int, tokens: int, rounds: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The mesh and the bare loop, round after round in turn, so that both see the same load."""
+    name = f"relay-{parts}"
+    env = {
+        "MESH_NATS_URL": server.url,
+        "MESH_WORKER_NODE_ID": name,
+        "MESH_WORKER_MODEL_BACKEND": "deterministic",
+        "MESH_WORKER_MODEL_NAME": name,
+        "MESH_WORKER_MODEL_SLOTS": str(streams),
+        "MESH_WORKER_COALESCE_TOKENS": str(parts),
+        "MESH_WORKER_COALESCE_MS": "5" if parts > 1 else "0",
+        "MESH_LOG_LEVEL": "warning",
     }
+    worker = await MeshProcess("worker", name, env, tmp / f"{name}.log").start()
+    settings = load_settings({("nats", "url"): server.url}, environ={})
+    shape = {"streams": streams, "tokens": tokens}
+    mesh, bare = _Tally(), _Tally()
+    nc = await nats.connect(server.url)
+    sender = _BareSender(server, parts=parts, **shape)
+    try:
+        await sender.start()
+        async with Connection(settings.nats, "relay-probe") as conn:
+            await wait_for_worker(conn, name)
+        async with MeshClient(settings=settings) as client:
+            for round_no in range(rounds + 1):  # round 0 warms up
+                m = await _mesh_round(client, worker.pid, server, name=name, **shape)
+                b = await _bare_round(nc, sender, server, **shape)
+                if round_no:
+                    mesh.add(*m)
+                    bare.add(*b)
+    finally:
+        await sender.stop()
+        await nc.close()
+        await worker.stop()
+    return mesh.figures(), bare.figures()
 
 
 async def _publish(url: str, parts: int, streams: int, tokens: int) -> None:
-    """The bare sender: the same token events the mesh sends, coalesced the same way."""
+    """The bare sender: the same token events the mesh sends, coalesced the same way; one round
+    per "go", printing the CPU seconds it took."""
     nc = await nats.connect(url)
-    go = asyncio.Event()
+    go: asyncio.Queue[None] = asyncio.Queue()
 
     async def on_go(_msg: Any) -> None:
-        go.set()
+        go.put_nowait(None)
 
     await nc.subscribe("bare.go", cb=on_go)
     await nc.flush()
     print("ready", flush=True)
-    await go.wait()
-    started = cpu_seconds()
-    for seq in range(0, tokens, parts):
-        count = min(parts, tokens - seq)
-        text = "".join(f" r{seq + k}" for k in range(count))
-        for stream in range(streams):
-            data = dump_token(f"bare{stream}", seq // parts, text, 1, WireFormat.MSGPACK, count)
-            await nc.publish(f"bare.{stream}", data, headers={"n": str(count)})
-        if seq % (parts * 64) == 0:
-            await asyncio.sleep(0)
-    await nc.flush()
-    print(cpu_seconds() - started, flush=True)
-    await nc.close()
+    while True:
+        await go.get()
+        started = cpu_seconds()
+        for seq in range(0, tokens, parts):
+            count = min(parts, tokens - seq)
+            text = "".join(f" r{seq + k}" for k in range(count))
+            for stream in range(streams):
+                data = dump_token(f"bare{stream}", seq // parts, text, 1, WireFormat.MSGPACK, count)
+                await nc.publish(f"bare.{stream}", data, headers={"n": str(count)})
+            if seq % (parts * 64) == 0:
+                await asyncio.sleep(0)
+        await nc.flush()
+        print(cpu_seconds() - started, flush=True)
 
 
-async def run(*, streams: int = 4, tokens: int = 4000, rounds: int = 12) -> dict[str, Any]:
+async def run(*, streams: int = 4, tokens: int = 4000, rounds: int = 30) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-relay-"))
     server = Server(tmp / "store")
     await server.start()
@@ -177,8 +207,8 @@ async def run(*, streams: int = 4, tokens: int = 4000, rounds: int = 12) -> dict
     try:
         for label, parts in (("coalescing on (16, 5 ms)", 16), ("coalescing off", 1)):
             shape = {"parts": parts, "streams": streams, "tokens": tokens, "rounds": rounds}
-            results[f"mesh, {label}"] = await _mesh_run(server, tmp, **shape)
-            results[f"bare nats-py, {label}"] = await _bare_run(server, **shape)
+            mesh, bare = await _side_by_side(server, tmp, **shape)
+            results[f"mesh, {label}"], results[f"bare nats-py, {label}"] = mesh, bare
     finally:
         await server.stop()
     for label in ("coalescing on (16, 5 ms)", "coalescing off"):
