@@ -4,7 +4,7 @@ mesh demo                      start a local mesh, stream two sample answers, st
 mesh up                        run the local mesh (nats-server + worker + edge) until Ctrl-C
 mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
 mesh worker | mesh edge        run one role against MESH_NATS_URL
-mesh provision                 create/update the stream and consumers
+mesh provision                 create/update the hub's streams and consumers
 mesh status [--json]           workers, edges, capacity, queue depth and pending acks
 mesh bench [PART] [--json F]   paths, relay, model, overload, fleet, cascade: costs, capacity
 mesh router train | eval       rebuild the shipped router weights / evaluate the router
@@ -143,7 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true", help="print the whole answer as JSON")
     sub.add_parser("worker", parents=[common, model], help="run a cloud worker")
     sub.add_parser("edge", parents=[common, model, edge], help="run an edge node")
-    prov = sub.add_parser("provision", parents=[common], help="create/update stream and consumers")
+    prov = sub.add_parser(
+        "provision", parents=[common], help="create/update the hub's streams and consumers"
+    )
     prov.add_argument(
         "--model-name",
         action="append",
@@ -525,13 +527,25 @@ async def _status(settings: MeshSettings, as_json: bool) -> int:
 
 
 async def _provision(settings: MeshSettings, models: list[str] | None) -> int:
+    """Everything the hub's workers use, so that workers under least-privilege credentials find
+    it in place: the queue and its consumers, the answer store, kept answers, leases."""
+    from mesh import kept
+    from mesh.answer_store import ensure_answer_stream
     from mesh.connection import Connection
     from mesh.provision import provision
 
     names = models or [settings.worker.model.name]
+    streams = settings.stream
     async with Connection(settings.nats, "mesh-provision") as conn:
-        await provision(conn.jsm(), settings.stream, names)
-    print(f"stream {settings.stream.name} ready; consumers for: {', '.join(names)}")
+        jsm = conn.jsm()
+        await provision(jsm, streams, names)
+        await ensure_answer_stream(jsm, streams)
+        await kept.ensure(jsm, kept.answers_config(streams))
+        await kept.ensure(jsm, kept.leases_config(streams))
+    ready = [streams.name, kept.answers_config(streams).name, kept.leases_config(streams).name]
+    if streams.answer_storage != "off":
+        ready.insert(1, streams.answer_stream)
+    print(f"streams ready: {', '.join(str(r) for r in ready)}; consumers for: {', '.join(names)}")
     return 0
 
 

@@ -200,3 +200,27 @@ async def test_bench_cascade_times_every_path_of_a_mid_answer_escalation() -> No
     for mode in ("local", "local, held", "escalated mid-answer", "cloud"):
         assert results[mode]["n"] == 2 and results[mode]["ttft_p50_ms"] > 0, mode
     assert "escalated mid-answer" in cascade.render(results)
+
+
+async def test_mesh_provision_creates_everything_a_least_privilege_worker_uses() -> None:
+    """An operator provisions once; workers whose credentials cannot create streams then find
+    the queue and its consumers, the answer store, kept answers and leases in place."""
+    import nats
+
+    from mesh.nats_server import NatsServer
+
+    async with NatsServer(port=-1) as server:
+        result = _mesh(
+            "provision", "--nats-url", server.url, "--model-name", "m-one", "--model-name", "m-two"
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "MESH_LEASES" in result.stdout and "m-one, m-two" in result.stdout
+        nc = await nats.connect(server.url)
+        try:
+            jsm = nc.jsm()
+            streams = {info.config.name for info in await jsm.streams_info()}
+            assert {"MESH_INFER", "MESH_TOK", "MESH_ANSWERS", "MESH_LEASES"} <= streams
+            consumers = {c.name for c in await jsm.consumers_info("MESH_INFER")}
+            assert len(consumers) == 2
+        finally:
+            await nc.close()
