@@ -21,7 +21,7 @@ from mesh.connection import Connection
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, dump_event
 from protocol.errors import MeshError
-from protocol.messages import EndEvent, ErrorEvent, WireEvent
+from protocol.messages import EndEvent, ErrorEvent, TokenEvent, WireEvent
 from protocol.subjects import token_subject
 
 log = get_logger(__name__)
@@ -59,7 +59,11 @@ class AnswerPublisher:
         self._sent.append((event, data))
         # Through the outbox, written together with other answers' events (the start and the
         # first token never wait for its gap). Raises MeshError once the connection is closed.
-        self.conn.outbox.put(self.subject, data, self._headers, now=len(self._sent) <= 2)
+        # Tokens go without headers: their first byte tells msgpack from JSON, and a header
+        # costs both ends a parse per message (relay without coalescing: the client's CPU per
+        # 10k tokens 111 -> 90-99 ms, the worker's 94 -> 80-87 ms).
+        headers = None if isinstance(event, TokenEvent) else self._headers
+        self.conn.outbox.put(self.subject, data, headers, now=len(self._sent) <= 2)
 
     async def finish(self, event: EndEvent | ErrorEvent) -> bool:
         """Publish the outcome and make sure the store holds the whole attempt; False when that

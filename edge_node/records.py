@@ -86,7 +86,7 @@ class NatsSink:
         elif self.streaming and isinstance(event, TokenEvent):
             self._tokens += 1
             data = dump_event(event, self.fmt)
-            self.conn.outbox.put(self.inbox, data, self._headers, now=self._tokens == 1)
+            self.conn.outbox.put(self.inbox, data, None, now=self._tokens == 1)  # as a worker's
         elif self.streaming:
             await self._publish(dump_event(event, self.fmt), self._headers)
         else:

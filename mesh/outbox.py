@@ -31,7 +31,7 @@ from protocol.errors import ErrorCode, MeshError
 
 log = get_logger(__name__)
 
-Message = tuple[str, bytes, dict[str, str]]
+Message = tuple[str, bytes, dict[str, str] | None]
 
 
 class Outbox:
@@ -52,7 +52,9 @@ class Outbox:
         """Bursts published (each is one write for nats-py, unless it is larger than its buffer)."""
         self.messages = 0
 
-    def put(self, subject: str, data: bytes, headers: dict[str, str], *, now: bool = False) -> None:
+    def put(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, *, now: bool = False
+    ) -> None:
         """Queue one message. Raises :class:`MeshError` (``unavailable``) once for each burst
         that could not be published since the last call that raised (the connection is closed,
         or its reconnect buffer is full); the messages of that burst are lost, as a failed

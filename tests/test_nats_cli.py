@@ -84,12 +84,19 @@ async def test_nats_pub_to_the_queue_and_nats_sub_on_the_token_subject(
         timeout=10,
     )
     assert ack.json()["stream"] == settings.stream.name  # JetStream's publish ack
-    events = []
+    events, headers = [], []
     while not events or events[-1]["t"] not in ("end", "err"):
         msg = await cli.next_msg(timeout=30)
         assert msg.subject == "mesh.v1.tok.ops.cli-42"
         events.append(json.loads(msg.data))  # JSON in, JSON out: readable in a terminal
+        headers.append(msg.headers)
     assert events[-1]["t"] == "end" and events[-1]["path"] == "cloud"
+    # The start and the end say what they are; tokens, the hot path, carry no headers.
+    for event, header in zip(events, headers, strict=True):
+        if event["t"] == "tok":
+            assert header == {}
+        else:
+            assert header.get("Content-Type") == "application/json"
     tokens = [e for e in events if e["t"] == "tok"]
     assert tokens and [e["seq"] for e in tokens] == list(range(len(tokens)))
     await eventually(lambda: queue_drained(conn, settings), what="acked")
