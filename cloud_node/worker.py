@@ -29,10 +29,12 @@ from nats.js.errors import APIError
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from cloud_node.admission import check
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.keeper import Keeper
 from cloud_node.lease import OTHER_COPY, Lease, Leases
 from cloud_node.outcomes import Outcomes
+from cloud_node.progress import keep_alive
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.puller import Puller
 from cloud_node.takeover import Takeover
@@ -41,7 +43,7 @@ from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.generate import Generation, generate_into
+from mesh.generate import generate_into
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields, trace_id
 from mesh.metrics import NatsMetrics, WorkerMetrics, exposition
@@ -57,9 +59,8 @@ from protocol.errors import (
     InvalidRequestError,
     MeshError,
     MeshTimeoutError,
-    UnknownModelError,
 )
-from protocol.messages import InferRequest, Timings
+from protocol.messages import InferRequest
 from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import (
     CANCEL_WILDCARD,
@@ -418,7 +419,7 @@ class Worker(Lifecycle):
                     request_id=request.id,
                 )
             address = token_subject(scope, request.id)
-            self._check(request, address)
+            check(request, address, self.backend.model, self._cancels)
         except MeshError as err:
             if request is not None and request.deferrable and scope is not None:
                 kept = await self.outcomes.kept_or_nak(
@@ -450,28 +451,6 @@ class Worker(Lifecycle):
                     await self._serve(msg, request, scope, fmt.reply_format, attempt)
             finally:
                 self._inflight.pop(address, None)
-
-    def _check(self, request: InferRequest, address: str) -> None:
-        if request.model is not None and model_token(request.model) != model_token(
-            self.backend.model
-        ):
-            raise UnknownModelError(
-                f"this worker serves {self.backend.model!r}, not {request.model!r}",
-                request_id=request.id,
-            )
-        if request.reply is not None and request.reply != address:
-            raise InvalidRequestError(
-                f"reply must be absent or {address!r}: answers go only to the request's own "
-                "token subject, in the scope it was queued under",
-                request_id=request.id,
-                details=[{"loc": "reply", "msg": "not this request's token subject"}],
-            )
-        if request.deadline is not None and time.time() >= request.deadline:
-            raise DeadlineExceededError(
-                "the request's deadline passed before it could start", request_id=request.id
-            )
-        if self._cancels.cancels(address, request):
-            raise CancelledByClientError("cancelled before it started", request_id=request.id)
 
     async def _serve(
         self, msg: Msg, request: InferRequest, scope: str, fmt: Any, attempt: int
@@ -524,7 +503,16 @@ class Worker(Lifecycle):
         generating = asyncio.current_task()
         assert generating is not None
         keepalive = self._tasks.spawn(
-            self._keep_alive(msg, lease, scope, request, generating), name="in-progress"
+            keep_alive(
+                msg,
+                lease,
+                interval=self._stream.ack_wait * self._ws.progress_fraction,
+                ack_wait=self._stream.ack_wait,
+                leases=self.leases,
+                claim=lambda copy, fingerprint: self._claim(scope, request, copy, fingerprint),
+                generating=generating,
+            ),
+            name="in-progress",
         )
         self._publishers[address] = publisher
         try:
@@ -543,7 +531,7 @@ class Worker(Lifecycle):
                 await self.keeper.keep(scope, request, publisher)
             await self._ack(msg)
             self._count("completed")
-            self._observe(gen, timings)
+            self.metrics.observe(gen, timings)
             self.stats.republished += publisher.republished
             self.metrics.republished.inc(publisher.republished)
             log.info(
@@ -590,17 +578,6 @@ class Worker(Lifecycle):
             keepalive.cancel()
             self._publishers.pop(address, None)
 
-    def _observe(self, gen: Generation, timings: Timings) -> None:
-        m = self.metrics
-        if timings.queue_ms is not None:
-            m.queue_wait.observe(timings.queue_ms / 1000)
-        if timings.ttft_ms is not None:
-            m.ttft.observe(timings.ttft_ms / 1000)
-        if gen.first is not None and gen.usage.completion_tokens > 1:
-            m.tpot.observe((gen.done - gen.first) / (gen.usage.completion_tokens - 1))
-        m.tokens.labels(direction="in").inc(gen.usage.prompt_tokens)
-        m.tokens.labels(direction="out").inc(gen.usage.completion_tokens)
-
     async def _ack(self, msg: Msg) -> None:
         """Ack without waiting for the server's confirmation: the outcome is stored already, so
         a lost ack only means a redelivery, which finds the outcome and acks it without
@@ -618,37 +595,3 @@ class Worker(Lifecycle):
         return await self.leases.claim(
             scope, request.id, copy, fingerprint, lambda: self.keeper.exists(scope, request.id)
         )
-
-    async def _keep_alive(
-        self,
-        msg: Msg,
-        lease: Lease | None,
-        scope: str,
-        request: InferRequest,
-        generating: asyncio.Task[Any],
-    ) -> None:
-        """Progress reports while the request generates; the lease (if any) is refreshed with
-        them, at most every ack_wait / 2 (a quarter of its lifetime: one write a second per
-        request would be five times as many). A lease lost to another copy (it lapsed while
-        this worker could not reach the store) hands this copy back: the other copy is
-        answered, and this one is let go."""
-        interval = self._stream.ack_wait * self._ws.progress_fraction
-        loop = asyncio.get_running_loop()
-        refreshed = loop.time()
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await msg.in_progress()
-            except nats.errors.Error as exc:
-                log.warning("in_progress failed", error=repr(exc))
-            if lease is None or loop.time() - refreshed < self._stream.ack_wait / 2:
-                continue
-            refreshed = loop.time()
-            if await self.leases.refresh(lease):
-                continue
-            claimed = await self._claim(scope, request, lease.copy, lease.fingerprint)
-            if claimed == OTHER_COPY:
-                log.warning("lease lost to another copy; handing this one back")
-                generating.cancel()  # not a client's cancel: the message is handed back
-                return
-            lease = claimed if isinstance(claimed, Lease) else None

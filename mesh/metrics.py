@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,6 +25,10 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from mesh.generate import Generation
+    from protocol.messages import Timings
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -197,6 +201,17 @@ class WorkerMetrics:
             "Answer events published again after a reconnect lost them.",
             registry=r,
         )
+
+    def observe(self, gen: Generation, timings: Timings) -> None:
+        """One generation's queue wait, TTFT, time per output token and tokens."""
+        if timings.queue_ms is not None:
+            self.queue_wait.observe(timings.queue_ms / 1000)
+        if timings.ttft_ms is not None:
+            self.ttft.observe(timings.ttft_ms / 1000)
+        if gen.first is not None and gen.usage.completion_tokens > 1:
+            self.tpot.observe((gen.done - gen.first) / (gen.usage.completion_tokens - 1))
+        self.tokens.labels(direction="in").inc(gen.usage.prompt_tokens)
+        self.tokens.labels(direction="out").inc(gen.usage.completion_tokens)
 
 
 class NatsMetrics(Collector):
