@@ -5,8 +5,9 @@ answer store (stream ``MESH_TOK``) captures them as they pass, and the hot path 
 nothing. The end (or final error) goes through JetStream, after the outbox is flushed, and waits
 for its ack: once it returns, the store holds the outcome, and only then does the worker ack the
 request. If the connection dropped while the answer streamed, events written to the old socket
-may never have reached the server; the publisher then reads what the store kept and publishes
-again whatever of its own events is missing. Readers drop the duplicates.
+may never have reached the server (likewise when the outbox dropped a burst); the publisher then
+reads what the store kept and publishes again whatever of its own events is missing. Readers
+drop the duplicates.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class AnswerPublisher:
         self._headers = {CONTENT_TYPE: fmt.content_type}
         self._sent: list[tuple[WireEvent, bytes]] = []
         self._reconnects = conn.reconnects
+        self._failures = conn.outbox.failures
         self._lock = asyncio.Lock()
         self.republished = 0
 
@@ -72,7 +74,8 @@ class AnswerPublisher:
         self._sent.append((event, data))
         await self.conn.outbox.flush()  # the events before it go first
         stored = await self._publish_stored(data)
-        if stored and self.conn.reconnects == self._reconnects:
+        unbroken = self.conn.outbox.failures == self._failures  # no burst of events dropped
+        if stored and unbroken and self.conn.reconnects == self._reconnects:
             return True
         return await self.catch_up()
 
@@ -85,6 +88,7 @@ class AnswerPublisher:
     async def _catch_up(self) -> bool:
         self._reconnects = self.conn.reconnects
         await self.conn.outbox.flush()  # what is still queued is not missing
+        self._failures = self.conn.outbox.failures
         try:
             kept = await self.store.replay(self.subject, timeout=self.timeout)
         except MeshError as err:

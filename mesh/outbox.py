@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import nats.errors
 from nats.aio.client import Client
 
 from mesh.logs import get_logger
@@ -48,6 +47,9 @@ class Outbox:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[bool]] = set()
         self._failure: str | None = None
+        self.failures = 0
+        """Bursts that could not be published in full. A publisher that compares this before
+        and after its answer knows whether to check what reached the server."""
         self.writes = 0
         """Bursts published (each is one write for nats-py, unless it is larger than its buffer)."""
         self.messages = 0
@@ -81,8 +83,9 @@ class Outbox:
         task.add_done_callback(self._tasks.discard)
 
     async def flush(self) -> bool:
-        """Publish everything queued, in order; False when some of it could not be (the next
-        :meth:`put` raises). Never raises a NATS error."""
+        """Publish everything queued, in order; False when some of it could not be (the rest of
+        that burst is dropped, :attr:`failures` counts it, and the next :meth:`put` raises).
+        Never raises a publish error."""
         async with self._lock:
             if self._scheduled is not None:
                 self._scheduled.cancel()
@@ -96,8 +99,9 @@ class Outbox:
             try:
                 for subject, data, headers in queued:
                     await self.client.publish(subject, data, headers=headers)
-            except nats.errors.Error as exc:  # closed, or the reconnect buffer is full
+            except Exception as exc:  # closed, the reconnect buffer full, a message too large
                 self._failure = type(exc).__name__
+                self.failures += 1
                 log.warning("answer events not published", error=self._failure)
                 return False
             return True

@@ -10,9 +10,16 @@ import asyncio
 import nats
 import pytest
 
+from cloud_node.publisher import AnswerPublisher
+from mesh.answer_store import AnswerStore, ensure_answer_stream
+from mesh.config import MeshSettings
+from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.outbox import Outbox
+from protocol.codec import WireFormat
 from protocol.errors import ErrorCode, MeshError
+from protocol.messages import EndEvent, TokenEvent, Usage
+from protocol.stream import AnswerWriter
 
 HEADERS = {"Content-Type": "text/plain"}
 
@@ -94,3 +101,30 @@ async def test_events_that_cannot_be_published_make_the_next_put_raise(
         box.put("outbox.closed", b"refused", HEADERS)
     assert raised.value.code == ErrorCode.UNAVAILABLE
     assert "ConnectionClosedError" in raised.value.message
+
+
+async def test_a_dropped_burst_is_published_again_before_the_answer_counts(
+    conn: Connection, settings: MeshSettings
+) -> None:
+    """A burst that fails part-way drops what was queued behind the failure, this answer's
+    tokens included, with no reconnect to say so. The worker's publisher notices at the end and
+    publishes again what the answer store lacks: the kept answer is whole."""
+    await ensure_answer_stream(conn.jsm(), settings.stream)
+    store = AnswerStore(conn, settings.stream, filtered=False)
+    publisher = AnswerPublisher(conn, store, "outboxtest", "req-1", WireFormat.MSGPACK, timeout=5)
+    writer = AnswerWriter("req-1", attempt=1, node="cloud:test")
+    await publisher.send(writer.start())
+    await publisher.send(writer.token("a"))
+    assert await conn.outbox.flush()
+    # Too large for the server: the burst stops there, and the tokens queued after it are lost.
+    conn.outbox.put("outbox.poison", b"x" * (conn.nc.max_payload + 1), None)
+    await publisher.send(writer.token("b"))
+    await publisher.send(writer.token("c"))
+    assert not await conn.outbox.flush()
+    end = writer.end(finish_reason="stop", usage=Usage(completion_tokens=3))
+    assert await publisher.finish(end)
+    kept = await store.replay(publisher.subject, timeout=5)
+    tokens = sorted((e for e in kept if isinstance(e, TokenEvent)), key=lambda e: e.seq)
+    assert [(e.seq, e.text) for e in tokens] == [(0, "a"), (1, "b"), (2, "c")]
+    assert [e.seq for e in kept if isinstance(e, EndEvent)] == [3]
+    assert publisher.republished == 2
