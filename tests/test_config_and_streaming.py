@@ -11,6 +11,7 @@ from mesh.backends.base import Chunk
 from mesh.config import describe_settings, env_name, load_settings
 from mesh.generate import coalesce
 from protocol.errors import BackendError, InvalidRequestError
+from protocol.messages import TokenLogprob
 
 
 def test_env_vars_map_onto_nested_fields() -> None:
@@ -139,6 +140,26 @@ async def test_coalesce_sends_the_last_batch_at_once_when_the_engine_has_finishe
     out = await asyncio.wait_for(collect(), 10)
     assert [c.text for c in out if c.finish_reason is None] == ["a", "bc"]
     assert out[-1].finish_reason == "stop"
+
+
+async def test_coalesce_keeps_each_tokens_logprobs_with_its_batch() -> None:
+    """Batched text carries one logprob per engine token, in order, none lost or repeated."""
+    lps = [TokenLogprob(token=f"w{i} ", logprob=-i / 10) for i in range(40)]
+
+    async def engine() -> AsyncIterator[Chunk]:
+        for i, lp in enumerate(lps):
+            yield Chunk(text=lp.token, logprobs=[lp])
+            if i % 7 == 6:
+                await asyncio.sleep(0)
+        yield Chunk(finish_reason="stop")
+
+    out = [c async for c in coalesce(engine(), max_parts=16, linger=30)]
+    tokens = [c for c in out if c.finish_reason is None]
+    assert len(tokens) < 40  # batched
+    assert [lp for c in tokens for lp in c.logprobs or []] == lps
+    for chunk in tokens:
+        assert chunk.logprobs is not None and len(chunk.logprobs) == chunk.n
+        assert chunk.text == "".join(lp.token for lp in chunk.logprobs)
 
 
 async def test_coalesce_hung_engine_is_a_retryable_error() -> None:
