@@ -45,7 +45,7 @@ async def coalesce(
     """
     loop = asyncio.get_running_loop()
     task: asyncio.Task[None] | None = None
-    guard: asyncio.Task[None] | None = None
+    guard: list[asyncio.TimerHandle | None] = [None]
     try:
         try:
             async with _deadline(stall):
@@ -131,21 +131,19 @@ async def coalesce(
             finally:
                 finish(done)
 
-        async def watchdog(limit: float) -> None:
-            """One timer per generation, not one per token: a hung engine becomes an error."""
-            seen, since = count[1], loop.time()
-            while True:
-                await asyncio.sleep(limit / 4)
-                if count[1] != seen:
-                    seen, since = count[1], loop.time()
-                elif loop.time() - since > limit:
-                    finish(
-                        BackendError(f"the engine produced nothing for {limit:g}s", retryable=True)
-                    )
-                    return
+        def watchdog(limit: float, seen: int, since: float) -> None:
+            """One timer per generation, not one per token, and no task: a hung engine becomes
+            an error."""
+            if count[1] != seen:
+                seen, since = count[1], loop.time()
+            elif loop.time() - since > limit:
+                finish(BackendError(f"the engine produced nothing for {limit:g}s", retryable=True))
+                return
+            guard[0] = loop.call_later(limit / 4, watchdog, limit, seen, since)
 
         task = loop.create_task(pump(), name="coalesce-pump")
-        guard = loop.create_task(watchdog(stall), name="coalesce-stall") if stall else None
+        if stall:
+            guard[0] = loop.call_later(stall / 4, watchdog, stall, count[1], loop.time())
         while True:
             if ready:
                 item = ready.popleft()
@@ -168,11 +166,12 @@ async def coalesce(
                     continue
             seal()
     finally:
-        for helper in (task, guard):
-            if helper is not None:
-                helper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await helper
+        if guard[0] is not None:
+            guard[0].cancel()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await _close(chunks)
 
 
