@@ -26,6 +26,8 @@ from protocol.messages import EndEvent, ErrorEvent, TokenEvent, WireEvent
 from protocol.subjects import token_subject
 
 log = get_logger(__name__)
+CATCH_UP_PAUSES = (0.25, 0.5, 1.0)
+"""Seconds between the end's checks of the answer store, when the first finds it short."""
 
 
 class AnswerPublisher:
@@ -77,6 +79,10 @@ class AnswerPublisher:
         unbroken = self.conn.outbox.failures == self._failures  # no burst of events dropped
         if stored and unbroken and self.conn.reconnects == self._reconnects:
             return True
+        for pause in CATCH_UP_PAUSES:  # a store that just came back may refuse a read or two
+            if await self.catch_up():
+                return True
+            await asyncio.sleep(pause)
         return await self.catch_up()
 
     async def catch_up(self) -> bool:
@@ -86,17 +92,20 @@ class AnswerPublisher:
             return await self._catch_up()
 
     async def _catch_up(self) -> bool:
-        self._reconnects = self.conn.reconnects
+        # The counters move on only once the store is known to hold everything: a catch-up
+        # that failed leaves them behind, so that finish() checks again.
+        reconnects = self.conn.reconnects
         await self.conn.outbox.flush()  # what is still queued is not missing
-        self._failures = self.conn.outbox.failures
+        failures = self.conn.outbox.failures
         try:
             kept = await self.store.replay(self.subject, timeout=self.timeout)
-        except MeshError as err:
-            log.warning("cannot check the answer store", error=err.message)
+        except (MeshError, nats.errors.Error) as err:
+            log.warning("cannot check the answer store", error=getattr(err, "message", repr(err)))
             return False
         have = {_key(e) for e in kept}
         missing = [data for event, data in self._sent if _key(event) not in have]
         if not missing:
+            self._reconnects, self._failures = reconnects, failures
             return True
         log.info("publishing lost events again", count=len(missing), of=len(self._sent))
         self.republished += len(missing)
@@ -106,7 +115,10 @@ class AnswerPublisher:
         except nats.errors.Error as exc:
             log.warning("republish failed", error=repr(exc))
             return False
-        return await self._publish_stored(missing[-1])
+        if not await self._publish_stored(missing[-1]):
+            return False
+        self._reconnects, self._failures = reconnects, failures
+        return True
 
     async def _publish_stored(self, data: bytes) -> bool:
         """Publish through JetStream (waits for the store's ack), or plainly when the store is

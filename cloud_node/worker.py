@@ -557,8 +557,10 @@ class Worker(Lifecycle):
                         )
                     await msg.ack()  # not acked: the redelivery is refused, kept and answered
                 return  # the cancel was ours to act on; the task ends normally
-            # Shutdown: give it back so another worker continues it promptly.
+            # Shutdown or a lost lease: give it back so another worker continues it promptly,
+            # after what this attempt generated (the next one resumes from the store).
             self._count("requeued")
+            await self.conn.flush_outbox()
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak()
             raise

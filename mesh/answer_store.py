@@ -99,6 +99,10 @@ class AnswerStore:
             raise UnavailableError(
                 "NATS connection closed while reading the answer store"
             ) from None
+        except nats.errors.Error as exc:  # e.g. the reconnect buffer is full during an outage
+            raise UnavailableError(
+                f"cannot read the answer store now: {type(exc).__name__}", retry_after=1.0
+            ) from None
         for data in found:
             with contextlib.suppress(MeshError):  # a malformed event is dropped, as live
                 event = decode_event(data)

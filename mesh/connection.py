@@ -62,6 +62,11 @@ class Connection(Lifecycle):
             raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
         return self._outbox
 
+    async def flush_outbox(self) -> None:
+        """Publish what the outbox holds now (nothing to do when not connected)."""
+        if self._outbox is not None:
+            await self._outbox.flush()
+
     @property
     def js(self) -> JetStreamContext:
         if self._js is None:

@@ -84,6 +84,7 @@ async def coalesce(
                 parts.clear()
                 lps.clear()
                 count[0] = 0
+                with_lps[0] = False
 
         def finish(item: Any) -> None:
             seal()

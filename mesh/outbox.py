@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import nats.errors
 from nats.aio.client import Client
 
 from mesh.logs import get_logger
@@ -31,6 +32,13 @@ from protocol.errors import ErrorCode, MeshError
 log = get_logger(__name__)
 
 Message = tuple[str, bytes, dict[str, str] | None]
+MAX_DROPPED = 1024
+_ONE_MESSAGE = (
+    nats.errors.MaxPayloadError,
+    nats.errors.BadSubjectError,
+    nats.errors.BadHeaderError,
+)
+"""Publish errors about one message, not the connection: the rest of a burst still goes."""
 
 
 class Outbox:
@@ -46,7 +54,7 @@ class Outbox:
         self._last = float("-inf")
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[bool]] = set()
-        self._failure: str | None = None
+        self._dropped: dict[str, str] = {}  # subject -> why a message of it was dropped
         self.failures = 0
         """Bursts that could not be published in full. A publisher that compares this before
         and after its answer knows whether to check what reached the server."""
@@ -57,13 +65,14 @@ class Outbox:
     def put(
         self, subject: str, data: bytes, headers: dict[str, str] | None, *, now: bool = False
     ) -> None:
-        """Queue one message. Raises :class:`MeshError` (``unavailable``) once for each burst
-        that could not be published since the last call that raised (the connection is closed,
-        or its reconnect buffer is full); the messages of that burst are lost, as a failed
-        publish would have lost them."""
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise MeshError(f"cannot publish events: {failure}", code=ErrorCode.UNAVAILABLE)
+        """Queue one message. Raises :class:`MeshError` (``unavailable``), once, when an earlier
+        message on the same subject could not be published (the connection is closed, its
+        reconnect buffer is full, or the message was too large); that message is lost, as a
+        failed publish would have lost it. Other subjects are not told."""
+        if self._dropped:
+            failure = self._dropped.pop(subject, None)
+            if failure is not None:
+                raise MeshError(f"cannot publish events: {failure}", code=ErrorCode.UNAVAILABLE)
         self._queued.append((subject, data, headers))
         if self._scheduled is not None and (self._urgent or not now):
             return
@@ -83,9 +92,10 @@ class Outbox:
         task.add_done_callback(self._tasks.discard)
 
     async def flush(self) -> bool:
-        """Publish everything queued, in order; False when some of it could not be (the rest of
-        that burst is dropped, :attr:`failures` counts it, and the next :meth:`put` raises).
-        Never raises a publish error."""
+        """Publish everything queued, in order; False when some of it could not be: a message
+        too large is skipped, and after an error of the connection the rest of the burst is
+        dropped. :attr:`failures` counts such bursts, and the next :meth:`put` on a subject
+        that lost a message raises. Never raises a publish error."""
         async with self._lock:
             if self._scheduled is not None:
                 self._scheduled.cancel()
@@ -96,15 +106,27 @@ class Outbox:
             self._last = asyncio.get_running_loop().time()
             self.writes += 1
             self.messages += len(queued)
-            try:
-                for subject, data, headers in queued:
+            failed = 0
+            for index, (subject, data, headers) in enumerate(queued):
+                try:
                     await self.client.publish(subject, data, headers=headers)
-            except Exception as exc:  # closed, the reconnect buffer full, a message too large
-                self._failure = type(exc).__name__
+                except _ONE_MESSAGE as exc:  # that message alone
+                    failed += self._drop([subject], exc)
+                except Exception as exc:  # closed, or the reconnect buffer is full: the rest too
+                    failed += self._drop([m[0] for m in queued[index:]], exc)
+                    break
+            if failed:
                 self.failures += 1
-                log.warning("answer events not published", error=self._failure)
-                return False
-            return True
+                log.warning("answer events not published", count=failed, of=len(queued))
+            return not failed
+
+    def _drop(self, subjects: list[str], exc: Exception) -> int:
+        """Remember why these subjects lost a message: the next put on each raises."""
+        for subject in subjects:
+            self._dropped[subject] = type(exc).__name__
+        while len(self._dropped) > MAX_DROPPED:  # answers that ended and never put again
+            del self._dropped[next(iter(self._dropped))]
+        return len(subjects)
 
     async def close(self) -> None:
         """Publish what is queued (before the connection drains) and stop."""

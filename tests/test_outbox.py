@@ -6,6 +6,9 @@ Real nats-server; the outbox publishes on one connection, a plain subscriber on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import nats
 import pytest
@@ -16,10 +19,13 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.outbox import Outbox
+from mesh.testing.chaos import Server
 from protocol.codec import WireFormat
 from protocol.errors import ErrorCode, MeshError
 from protocol.messages import EndEvent, TokenEvent, Usage
 from protocol.stream import AnswerWriter
+from tests.conftest import make_settings
+from tests.helpers import eventually
 
 HEADERS = {"Content-Type": "text/plain"}
 
@@ -36,6 +42,13 @@ async def _reader(server: NatsServer, subject: str) -> tuple[nats.NATS, list[byt
     await nc.subscribe(subject, cb=on_msg)
     await nc.flush()
     return nc, got, changed
+
+
+def _is(test: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return test()
+
+    return check
 
 
 async def _until(got: list[bytes], changed: asyncio.Event, count: int) -> None:
@@ -103,12 +116,11 @@ async def test_events_that_cannot_be_published_make_the_next_put_raise(
     assert "ConnectionClosedError" in raised.value.message
 
 
-async def test_a_dropped_burst_is_published_again_before_the_answer_counts(
+async def test_a_message_too_large_is_skipped_and_other_answers_go_on(
     conn: Connection, settings: MeshSettings
 ) -> None:
-    """A burst that fails part-way drops what was queued behind the failure, this answer's
-    tokens included, with no reconnect to say so. The worker's publisher notices at the end and
-    publishes again what the answer store lacks: the kept answer is whole."""
+    """One bad message costs only itself: the answer queued behind it in the same burst is
+    published, and is not told of another's failure."""
     await ensure_answer_stream(conn.jsm(), settings.stream)
     store = AnswerStore(conn, settings.stream, filtered=False)
     publisher = AnswerPublisher(conn, store, "outboxtest", "req-1", WireFormat.MSGPACK, timeout=5)
@@ -116,15 +128,60 @@ async def test_a_dropped_burst_is_published_again_before_the_answer_counts(
     await publisher.send(writer.start())
     await publisher.send(writer.token("a"))
     assert await conn.outbox.flush()
-    # Too large for the server: the burst stops there, and the tokens queued after it are lost.
     conn.outbox.put("outbox.poison", b"x" * (conn.nc.max_payload + 1), None)
     await publisher.send(writer.token("b"))
-    await publisher.send(writer.token("c"))
-    assert not await conn.outbox.flush()
-    end = writer.end(finish_reason="stop", usage=Usage(completion_tokens=3))
-    assert await publisher.finish(end)
+    assert not await conn.outbox.flush()  # the poison failed...
+    await publisher.send(writer.token("c"))  # ...and this answer is not told of it
+    with pytest.raises(MeshError):
+        conn.outbox.put("outbox.poison", b"next", None)  # the poisoned subject is
+    assert await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
     kept = await store.replay(publisher.subject, timeout=5)
     tokens = sorted((e for e in kept if isinstance(e, TokenEvent)), key=lambda e: e.seq)
     assert [(e.seq, e.text) for e in tokens] == [(0, "a"), (1, "b"), (2, "c")]
-    assert [e.seq for e in kept if isinstance(e, EndEvent)] == [3]
-    assert publisher.republished == 2
+    assert publisher.republished == 0
+
+
+async def test_tokens_lost_in_an_outage_reach_the_store_before_the_answer_counts(
+    tmp_path: Path,
+) -> None:
+    """The server goes away mid-answer and the reconnect buffer fills up, so a burst with this
+    answer's token is dropped. Catch-ups tried during the outage, and once more while the store
+    cannot be read, fail. The end then makes sure the store holds every event: the kept answer
+    is whole, and only then does the worker ack."""
+    server = Server(tmp_path / "store")
+    await server.start()
+    settings = make_settings(server.url)
+    conn = await Connection(settings.nats, "outage").connect()
+    try:
+        await ensure_answer_stream(conn.jsm(), settings.stream)
+        store = AnswerStore(conn, settings.stream, filtered=False)
+        publisher = AnswerPublisher(conn, store, "outage", "req-1", WireFormat.MSGPACK, timeout=2)
+        writer = AnswerWriter("req-1", attempt=1, node="cloud:test")
+        await publisher.send(writer.start())
+        await publisher.send(writer.token("a"))
+        assert await conn.outbox.flush()
+        await conn.nc.flush(timeout=5)
+        await server.stop()
+        await eventually(_is(lambda: not conn.connected), what="the connection sees the outage")
+        for size in (4096, 64, 1):  # other traffic fills the reconnect buffer to the brim
+            with contextlib.suppress(nats.errors.OutboundBufferLimitError):
+                while True:
+                    await conn.nc.publish("outage.junk", b"x" * size)
+        await publisher.send(writer.token("b"))
+        assert not await conn.outbox.flush()  # dropped: the buffer is full
+        assert not await publisher.catch_up()  # the store cannot be read during the outage
+        await server.start()
+        await eventually(_is(lambda: conn.connected), what="reconnected")
+        # Back, but the store cannot be read for a moment (here: its stream is gone until it is
+        # provisioned again). A catch-up then fails, and must not count as done.
+        await conn.jsm().delete_stream(settings.stream.answer_stream)
+        assert not await publisher.catch_up()
+        await ensure_answer_stream(conn.jsm(), settings.stream)
+        assert await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
+        kept = await store.replay(publisher.subject, timeout=5)
+        tokens = sorted((e for e in kept if isinstance(e, TokenEvent)), key=lambda e: e.seq)
+        assert [(e.seq, e.text) for e in tokens] == [(0, "a"), (1, "b")]
+        assert [e.seq for e in kept if isinstance(e, EndEvent)] == [2]
+    finally:
+        await conn.close()
+        await server.stop()
