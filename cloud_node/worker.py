@@ -34,7 +34,7 @@ from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.keeper import Keeper
 from cloud_node.lease import OTHER_COPY, Lease, Leases
 from cloud_node.outcomes import Outcomes
-from cloud_node.progress import keep_alive
+from cloud_node.progress import KeepAlive
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.puller import Puller
 from cloud_node.takeover import Takeover
@@ -502,17 +502,15 @@ class Worker(Lifecycle):
             writer = self.takeover.writer(request, history, max(attempt, history.attempt + 1))
         generating = asyncio.current_task()
         assert generating is not None
-        keepalive = self._tasks.spawn(
-            keep_alive(
-                msg,
-                lease,
-                interval=self._stream.ack_wait * self._ws.progress_fraction,
-                ack_wait=self._stream.ack_wait,
-                leases=self.leases,
-                claim=lambda copy, fingerprint: self._claim(scope, request, copy, fingerprint),
-                generating=generating,
-            ),
-            name="in-progress",
+        keepalive = KeepAlive(
+            self._tasks,
+            self._stream.ack_wait * self._ws.progress_fraction,
+            msg=msg,
+            lease=lease,
+            ack_wait=self._stream.ack_wait,
+            leases=self.leases,
+            claim=lambda copy, fingerprint: self._claim(scope, request, copy, fingerprint),
+            generating=generating,
         )
         self._publishers[address] = publisher
         try:
@@ -577,7 +575,7 @@ class Worker(Lifecycle):
                 request=request,
             )
         finally:
-            keepalive.cancel()
+            keepalive.stop()
             self._publishers.pop(address, None)
 
     async def _ack(self, msg: Msg) -> None:

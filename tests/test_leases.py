@@ -303,3 +303,20 @@ async def test_a_worker_that_lost_its_lease_hands_its_copy_back(
         "".join(t.text for t in tokens if t.attempt == 2)
         == EXPECTED[len("".join(t.text for t in tokens if t.attempt == 1)) :]
     )
+
+
+async def test_an_answer_longer_than_ack_wait_is_delivered_once(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """Progress reports start one interval into a generation (an answer done sooner costs no
+    task for them), and from then keep an answer that outlasts ack_wait several times from
+    being redelivered, its lease refreshed all along."""
+    settings.stream.ack_wait = 1.0  # reports every 0.2 s; the answer takes 1.2 s
+    backend = _backend()
+    async with _worker(settings, conn, "patient", backend) as worker:
+        await _queue_copy(conn, settings, "long-1", "1")
+        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "acked")
+        answer = await _kept(conn, "long-1")
+        assert answer is not None and answer.text == EXPECTED
+        assert backend.started == 1 and worker.stats.fetched == 1  # never redelivered
+        assert worker.stats.completed == 1
