@@ -85,6 +85,21 @@ class AnswerPublisher:
             await asyncio.sleep(pause)
         return await self.catch_up()
 
+    async def settle(self, within: float) -> bool:
+        """After :meth:`finish` could not confirm the store: keep trying, with backoff, to make
+        it whole. A reader waiting on a gap reads the store again now and then, so what is
+        published here still reaches it. True once the store holds every event; False after
+        ``within`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        pause = 1.0
+        while (left := deadline - loop.time()) > 0:
+            await asyncio.sleep(min(pause, left))
+            if await self.catch_up():
+                return True
+            pause = min(pause * 2, 10.0)
+        return False
+
     async def catch_up(self) -> bool:
         """Publish again what the store lacks of this attempt's events (after a reconnect, so
         that readers' gaps close at once, and before the outcome is trusted)."""

@@ -525,13 +525,16 @@ class Worker(Lifecycle):
                 routing=request.routing,
             )
             stored = await publisher.finish(end)
+            republished = publisher.republished
+            if not stored:  # acked all the same; its events still go to the store when it can
+                self._tasks.spawn(self._settle(publisher, republished), name="settle")
             if request.deferrable:
                 await self.keeper.keep(scope, request, publisher)
             await self._ack(msg)
             self._count("completed")
             self.metrics.observe(gen, timings)
-            self.stats.republished += publisher.republished
-            self.metrics.republished.inc(publisher.republished)
+            self.stats.republished += republished
+            self.metrics.republished.inc(republished)
             log.info(
                 "request done",
                 tokens=gen.usage.completion_tokens,
@@ -577,6 +580,16 @@ class Worker(Lifecycle):
         finally:
             keepalive.stop()
             self._publishers.pop(address, None)
+
+    async def _settle(self, publisher: AnswerPublisher, counted: int) -> None:
+        """Make the store whole for an answer that ended while it could not be confirmed, for
+        half as long as the store keeps answers (readers give up before that)."""
+        if await publisher.settle(self._stream.answer_max_age / 2):
+            log.info("answer store whole again", request_id=publisher.request_id)
+        else:
+            log.warning("answer store still incomplete", request_id=publisher.request_id)
+        self.stats.republished += publisher.republished - counted
+        self.metrics.republished.inc(publisher.republished - counted)
 
     async def _ack(self, msg: Msg) -> None:
         """Ack without waiting for the server's confirmation: the outcome is stored already, so

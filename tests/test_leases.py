@@ -1,7 +1,8 @@
 """A request that can wait, queued twice (its site's forward was retried after the queue's
 dedupe window), is answered once: one generation, one answer in its token stream, and its kept
 answer whole. Real nats-server, real workers, the deterministic test backend (every token
-checkable)."""
+checkable). The last tests share these helpers: progress reports for an answer that outlasts
+ack_wait, and an answer whose store went away while it ended."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from nats.aio.msg import Msg
 
 from cloud_node.lease import Lease
 from cloud_node.worker import Worker
+from mesh.answer_store import ensure_answer_stream
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
@@ -320,3 +322,37 @@ async def test_an_answer_longer_than_ack_wait_is_delivered_once(
         assert answer is not None and answer.text == EXPECTED
         assert backend.started == 1 and worker.stats.fetched == 1  # never redelivered
         assert worker.stats.completed == 1
+
+
+async def test_an_answer_that_ended_while_the_store_was_away_is_stored_whole_later(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """The answer store goes away mid-answer (its stream deleted) and comes back only after the
+    worker acked the request, unconfirmed. The worker keeps publishing what the store lacks
+    until it holds the whole answer: a reader with a gap finds it there."""
+    backend = _backend()
+    async with _worker(settings, conn, "settler", backend) as worker:
+        body = {"id": "away-1", "prompt": "[tag:q] go", "max_tokens": TOKENS}  # live only
+        await conn.js.publish(
+            infer_subject(MODEL, SCOPE), json.dumps(body).encode(), stream=settings.stream.name
+        )
+        await eventually(lambda: _has_started(worker, "away-1"), 10, "the answer started")
+        await conn.jsm().delete_stream(settings.stream.answer_stream)
+        await eventually(lambda: _completed(worker), 20, "the request acked")
+        await ensure_answer_stream(conn.jsm(), settings.stream)
+
+        async def whole() -> bool:
+            events = await _stored_events(worker, "away-1")
+            tokens = {e.seq: e.text for e in events if isinstance(e, TokenEvent)}
+            ended = any(isinstance(e, EndEvent) for e in events)
+            return ended and "".join(tokens[i] for i in sorted(tokens)) == EXPECTED
+
+        await eventually(whole, 20, "the store holds the whole answer")
+
+
+async def _has_started(worker: Worker, rid: str) -> bool:
+    return any(isinstance(e, TokenEvent) for e in await _stored_events(worker, rid))
+
+
+async def _completed(worker: Worker) -> bool:
+    return worker.stats.completed == 1

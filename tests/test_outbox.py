@@ -13,6 +13,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from cloud_node import publisher as publisher_module
 from cloud_node.publisher import AnswerPublisher
 from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.config import MeshSettings
@@ -185,3 +186,27 @@ async def test_tokens_lost_in_an_outage_reach_the_store_before_the_answer_counts
     finally:
         await conn.close()
         await server.stop()
+
+
+async def test_an_answer_the_store_could_not_confirm_is_made_whole_when_it_can(
+    conn: Connection, settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store cannot be reached when the answer ends (here its stream is gone), so the end
+    cannot be confirmed and the worker acks without it. The publisher keeps trying: once the
+    store is back, it holds the whole answer, for readers that re-read it to fill a gap."""
+    monkeypatch.setattr(publisher_module, "CATCH_UP_PAUSES", (0.01,))  # the end's own retries
+    await ensure_answer_stream(conn.jsm(), settings.stream)
+    store = AnswerStore(conn, settings.stream, filtered=False)
+    publisher = AnswerPublisher(conn, store, "settle", "req-1", WireFormat.MSGPACK, timeout=1)
+    writer = AnswerWriter("req-1", attempt=1, node="cloud:test")
+    await publisher.send(writer.start())
+    await publisher.send(writer.token("a"))
+    await conn.jsm().delete_stream(settings.stream.answer_stream)
+    await publisher.send(writer.token("b"))
+    assert not await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
+    await ensure_answer_stream(conn.jsm(), settings.stream)
+    assert await publisher.settle(within=15)
+    kept = await store.replay(publisher.subject, timeout=5)
+    tokens = sorted((e for e in kept if isinstance(e, TokenEvent)), key=lambda e: e.seq)
+    assert [(e.seq, e.text) for e in tokens] == [(0, "a"), (1, "b")]
+    assert [e.seq for e in kept if isinstance(e, EndEvent)] == [2]
