@@ -42,11 +42,14 @@ class Outcomes:
         publish_timeout: float,
         count: Callable[..., None],
         exhausted: Callable[[], None],
+        settle: Callable[[AnswerPublisher], None] = lambda _publisher: None,
     ) -> None:
         self.conn = conn
         self.store = store
         self.keeper = keeper
         self.stream = stream
+        self.settle = settle
+        """Called with a publisher whose final error the store could not confirm."""
         self.node = node
         self.publish_timeout = publish_timeout
         self.count = count
@@ -118,7 +121,8 @@ class Outcomes:
             )
         log.warning("generation failed", code=err.code.value, error=err.message)
         with contextlib.suppress(MeshError):
-            await publisher.finish(writer.error(err))
+            if not await publisher.finish(writer.error(err)):
+                self.settle(publisher)  # live readers have it; the store gets it when it can
         if request is not None and request.deferrable:
             scope, _ = address_of(publisher.subject)
             if not await self.kept_or_nak(msg, scope, request, error_event(err, request.id)):

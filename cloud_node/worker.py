@@ -146,6 +146,7 @@ class Worker(Lifecycle):
             publish_timeout=settings.worker.publish_timeout,
             count=self._count,
             exhausted=self._exhausted,
+            settle=self._settle_later,
         )
         self._inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
         self._publishers: dict[str, AnswerPublisher] = {}
@@ -527,7 +528,7 @@ class Worker(Lifecycle):
             stored = await publisher.finish(end)
             republished = publisher.republished
             if not stored:  # acked all the same; its events still go to the store when it can
-                self._tasks.spawn(self._settle(publisher, republished), name="settle")
+                self._settle_later(publisher, republished)
             if request.deferrable:
                 await self.keeper.keep(scope, request, publisher)
             await self._ack(msg)
@@ -580,6 +581,12 @@ class Worker(Lifecycle):
         finally:
             keepalive.stop()
             self._publishers.pop(address, None)
+
+    def _settle_later(self, publisher: AnswerPublisher, counted: int | None = None) -> None:
+        """Make the store whole for this answer in the background (see :meth:`_settle`);
+        ``counted``: republished events already counted."""
+        counted = publisher.republished if counted is None else counted
+        self._tasks.spawn(self._settle(publisher, counted), name="settle")
 
     async def _settle(self, publisher: AnswerPublisher, counted: int) -> None:
         """Make the store whole for an answer that ended while it could not be confirmed, for

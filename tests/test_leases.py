@@ -356,3 +356,31 @@ async def _has_started(worker: Worker, rid: str) -> bool:
 
 async def _completed(worker: Worker) -> bool:
     return worker.stats.completed == 1
+
+
+async def test_a_final_error_that_ended_while_the_store_was_away_is_stored_later(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """Likewise for an answer that ends in a final error (the engine fails on the last
+    delivery): once the store is back it holds the attempt and its typed error."""
+    settings.stream.max_deliver = 1  # the first failure is the last
+    backend = _backend()
+    async with _worker(settings, conn, "settler-err", backend) as worker:
+        body = {"id": "away-2", "prompt": "[tag:q] [fail-after:20] go", "max_tokens": TOKENS}
+        await conn.js.publish(
+            infer_subject(MODEL, SCOPE), json.dumps(body).encode(), stream=settings.stream.name
+        )
+        await eventually(lambda: _has_started(worker, "away-2"), 10, "the answer started")
+        await conn.jsm().delete_stream(settings.stream.answer_stream)
+        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "the request let go")
+        await ensure_answer_stream(conn.jsm(), settings.stream)
+
+        async def stored_error() -> bool:
+            events = await _stored_events(worker, "away-2")
+            tokens = {e.seq for e in events if isinstance(e, TokenEvent)}
+            errors = [e for e in events if isinstance(e, ErrorEvent)]
+            return tokens == set(range(len(tokens))) and len(tokens) > 0 and len(errors) == 1
+
+        await eventually(stored_error, 20, "the store holds the attempt and its error")
+        errors = [e for e in await _stored_events(worker, "away-2") if isinstance(e, ErrorEvent)]
+        assert errors[0].code == "max_deliveries"
