@@ -18,7 +18,7 @@ from mesh import kept
 from mesh.answer_store import AnswerStore
 from mesh.connection import Connection
 from protocol.errors import MeshError
-from protocol.messages import Answer, ErrorEvent, InferRequest
+from protocol.messages import Answer, ErrorEvent, InferRequest, StartEvent, WireEvent
 from protocol.stream import request_fingerprint
 from protocol.subjects import ANSWERS_STREAM, answer_subject
 
@@ -28,6 +28,20 @@ class Keeper:
         self.conn = conn
         self.store = store
         self.timeout = timeout
+
+    async def _events(self, publisher: AnswerPublisher) -> list[WireEvent]:
+        """The answer's events: what the store holds (every attempt's), or, when the store
+        cannot be read and this attempt began the answer, the events this attempt sent."""
+        sent = publisher.sent()
+        if not self.store.enabled:
+            return sent
+        try:
+            return await self.store.replay(publisher.subject)
+        except MeshError:
+            began = bool(sent) and isinstance(sent[0], StartEvent) and sent[0].seq == 0
+            if not began:  # a continuation: its own events lack the answer's beginning
+                raise
+            return sent
 
     async def exists(self, scope: str, request_id: str) -> bool:
         """True when the request's answer is kept already (False when that cannot be told:
@@ -55,12 +69,7 @@ class Keeper:
         Raises a retryable :class:`MeshError` when it cannot: the request is then not acked."""
         request_id = request.id
         if outcome is None and publisher is not None:
-            events = (
-                await self.store.replay(publisher.subject)
-                if self.store.enabled
-                else publisher.sent()
-            )
-            outcome = kept.whole_answer(events, request_id)
+            outcome = kept.whole_answer(await self._events(publisher), request_id)
         if outcome is None:
             raise MeshError("the answer's stored events hold no outcome", retryable=True)
         try:

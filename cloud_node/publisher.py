@@ -26,8 +26,10 @@ from protocol.messages import EndEvent, ErrorEvent, TokenEvent, WireEvent
 from protocol.subjects import token_subject
 
 log = get_logger(__name__)
-CATCH_UP_PAUSES = (0.25, 0.5, 1.0)
-"""Seconds between the end's checks of the answer store, when the first finds it short."""
+CATCH_UP_PAUSES = (0.25,)
+"""Seconds between the end's checks of the answer store, when the first finds it short; past
+them the worker settles the answer in the background (:meth:`AnswerPublisher.settle`), so
+that a store that is away does not hold the request's slot."""
 
 
 class AnswerPublisher:
@@ -123,7 +125,6 @@ class AnswerPublisher:
             self._reconnects, self._failures = reconnects, failures
             return True
         log.info("publishing lost events again", count=len(missing), of=len(self._sent))
-        self.republished += len(missing)
         try:
             for data in missing[:-1]:
                 await self.conn.nc.publish(self.subject, data, headers=self._headers)
@@ -132,8 +133,14 @@ class AnswerPublisher:
             return False
         if not await self._publish_stored(missing[-1]):
             return False
+        self.republished += len(missing)
         self._reconnects, self._failures = reconnects, failures
         return True
+
+    def take_republished(self) -> int:
+        """Events published again since the last call (each counted once, wherever counted)."""
+        count, self.republished = self.republished, 0
+        return count
 
     async def _publish_stored(self, data: bytes) -> bool:
         """Publish through JetStream (waits for the store's ack), or plainly when the store is

@@ -76,6 +76,8 @@ from protocol.subjects import (
 
 log = get_logger(__name__)
 PROVISION_TRIES = 4
+MAX_SETTLING = 256
+"""Answers whose store copy is made whole in the background at once, at most."""
 CAPACITY_POLL_S = 0.25
 
 
@@ -153,6 +155,7 @@ class Worker(Lifecycle):
         self._reserved = 0
         self._cancels = CancelBook(ttl=self._stream.ack_wait * self._stream.max_deliver + 60)
         self._tasks = TaskSet("worker")
+        self._settles = TaskSet("settle")
         self._stopping = False
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
@@ -266,11 +269,8 @@ class Worker(Lifecycle):
         await self._puller.top_up()
         publishers = list(self._publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)
-        republished = sum(p.republished for p in publishers)
-        self.stats.republished += republished
-        self.metrics.republished.inc(republished)
         for publisher in publishers:
-            publisher.republished = 0
+            self._count_republished(publisher)
         if publishers:
             log.info(
                 "caught up answers after a reconnect",
@@ -300,6 +300,9 @@ class Worker(Lifecycle):
                 grace_s=self._ws.drain_grace,
             )
         await self._tasks.close(grace=self._ws.drain_grace)
+        if len(self._settles):
+            log.warning("stopping with answers still settling", count=len(self._settles))
+        await self._settles.close(grace=0)
         for sub in self._subs:
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
@@ -526,16 +529,14 @@ class Worker(Lifecycle):
                 routing=request.routing,
             )
             stored = await publisher.finish(end)
-            republished = publisher.republished
+            self._count_republished(publisher)
             if not stored:  # acked all the same; its events still go to the store when it can
-                self._settle_later(publisher, republished)
-            if request.deferrable:
-                await self.keeper.keep(scope, request, publisher)
+                self._settle_later(publisher)
+            if request.deferrable and not await self._keep(msg, scope, request, publisher):
+                return
             await self._ack(msg)
             self._count("completed")
             self.metrics.observe(gen, timings)
-            self.stats.republished += republished
-            self.metrics.republished.inc(republished)
             log.info(
                 "request done",
                 tokens=gen.usage.completion_tokens,
@@ -582,21 +583,47 @@ class Worker(Lifecycle):
             keepalive.stop()
             self._publishers.pop(address, None)
 
-    def _settle_later(self, publisher: AnswerPublisher, counted: int | None = None) -> None:
-        """Make the store whole for this answer in the background (see :meth:`_settle`);
-        ``counted``: republished events already counted."""
-        counted = publisher.republished if counted is None else counted
-        self._tasks.spawn(self._settle(publisher, counted), name="settle")
+    def _settle_later(self, publisher: AnswerPublisher) -> None:
+        """Make the store whole for this answer in the background (see :meth:`_settle`), for
+        at most MAX_SETTLING answers at once: past that, readers with a gap have their own
+        timeouts."""
+        if len(self._settles) >= MAX_SETTLING:
+            log.warning("answer store incomplete; too many answers settling already")
+            return
+        self._settles.spawn(self._settle(publisher), name="settle")
 
-    async def _settle(self, publisher: AnswerPublisher, counted: int) -> None:
+    async def _settle(self, publisher: AnswerPublisher) -> None:
         """Make the store whole for an answer that ended while it could not be confirmed, for
         half as long as the store keeps answers (readers give up before that)."""
-        if await publisher.settle(self._stream.answer_max_age / 2):
+        try:
+            whole = await publisher.settle(self._stream.answer_max_age / 2)
+        finally:
+            self._count_republished(publisher)
+        if whole:
             log.info("answer store whole again", request_id=publisher.request_id)
         else:
             log.warning("answer store still incomplete", request_id=publisher.request_id)
-        self.stats.republished += publisher.republished - counted
-        self.metrics.republished.inc(publisher.republished - counted)
+
+    def _count_republished(self, publisher: AnswerPublisher) -> None:
+        count = publisher.take_republished()
+        self.stats.republished += count
+        self.metrics.republished.inc(count)
+
+    async def _keep(
+        self, msg: Msg, scope: str, request: InferRequest, publisher: AnswerPublisher
+    ) -> bool:
+        """Keep a finished answer for its site; False when it cannot be kept now. The message
+        is then handed back, not failed (its answer is out already): a later delivery finds it
+        done and keeps it without generating again."""
+        try:
+            await self.keeper.keep(scope, request, publisher)
+        except MeshError as err:
+            log.warning("answer not kept; handing the request back", error=err.message)
+            self._count("requeued")
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return False
+        return True
 
     async def _ack(self, msg: Msg) -> None:
         """Ack without waiting for the server's confirmation: the outcome is stored already, so

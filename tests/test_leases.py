@@ -384,3 +384,26 @@ async def test_a_final_error_that_ended_while_the_store_was_away_is_stored_later
         await eventually(stored_error, 20, "the store holds the attempt and its error")
         errors = [e for e in await _stored_events(worker, "away-2") if isinstance(e, ErrorEvent)]
         assert errors[0].code == "max_deliveries"
+
+
+async def test_a_request_that_can_wait_is_kept_whole_while_the_token_store_is_away(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """The token store goes away mid-answer, but the kept answers' stream is there: the worker
+    keeps the answer its own attempt sent (it began the answer), not a max_deliveries error.
+    And a worker stopping with that answer still settling does not wait for it."""
+    settings.stream.max_deliver = 1  # no second delivery to fall back on
+    settings.worker.drain_grace = 30.0
+    backend = _backend()
+    worker = Worker(settings.model_copy(deep=True), conn, backend)
+    await worker.start()
+    try:
+        await _queue_copy(conn, settings, "away-3", "1")
+        await eventually(lambda: _has_started(worker, "away-3"), 10, "the answer started")
+        await conn.jsm().delete_stream(settings.stream.answer_stream)
+        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "acked")
+        answer = await _kept(conn, "away-3")
+        assert answer is not None and answer.text == EXPECTED
+        assert worker.stats.completed == 1
+    finally:
+        await asyncio.wait_for(worker.stop(), 10)  # not the 30 s grace: settling is cancelled
