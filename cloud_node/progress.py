@@ -30,12 +30,13 @@ async def keep_alive(
     generating: asyncio.Task[Any],
     since: float,
 ) -> None:
-    """Progress reports every ``interval``, the first at once (:func:`start_keep_alive` starts
-    this one interval into the generation); the lease (if any, taken at loop time ``since``) is
-    refreshed with them, at most every ack_wait / 2 (a quarter of its lifetime: one write a
-    second per request would be five times as many). A lease lost to another copy (it lapsed
-    while this worker could not reach the store) hands this copy back: ``generating`` is
-    cancelled, the other copy is answered, and this one is let go."""
+    """Progress reports every ``interval``, the first at once (:class:`KeepAlive` starts this
+    one interval into the generation). The lease (if any) is refreshed with them, at most every
+    ack_wait / 2 (a quarter of its lifetime: one write a second per request would be five
+    times as many); ``since`` is the loop time the generation began, a little after the lease
+    was taken. A lease lost to another copy (it lapsed while this worker could not reach the
+    store) hands this copy back: ``generating`` is cancelled, the other copy is answered, and
+    this one is let go."""
     loop = asyncio.get_running_loop()
     refreshed = since
     while True:
