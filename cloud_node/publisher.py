@@ -26,10 +26,10 @@ from protocol.messages import EndEvent, ErrorEvent, TokenEvent, WireEvent
 from protocol.subjects import token_subject
 
 log = get_logger(__name__)
-CATCH_UP_PAUSES = (0.25,)
-"""Seconds between the end's checks of the answer store, when the first finds it short; past
-them the worker settles the answer in the background (:meth:`AnswerPublisher.settle`), so
-that a store that is away does not hold the request's slot."""
+CATCH_UP_RETRY_S = 0.25
+"""Seconds before the end's second check of the answer store, when the first finds it short;
+past that the worker settles the answer in the background (:meth:`AnswerPublisher.settle`),
+so that a store that is away does not hold the request's slot."""
 
 
 class AnswerPublisher:
@@ -81,10 +81,9 @@ class AnswerPublisher:
         unbroken = self.conn.outbox.failures == self._failures  # no burst of events dropped
         if stored and unbroken and self.conn.reconnects == self._reconnects:
             return True
-        for pause in CATCH_UP_PAUSES:  # a store that just came back may refuse a read or two
-            if await self.catch_up():
-                return True
-            await asyncio.sleep(pause)
+        if await self.catch_up():
+            return True
+        await asyncio.sleep(CATCH_UP_RETRY_S)  # a store that just came back may refuse a read
         return await self.catch_up()
 
     async def settle(self, within: float) -> bool:

@@ -536,16 +536,17 @@ async def _provision(settings: MeshSettings, models: list[str] | None) -> int:
 
     names = models or [settings.worker.model.name]
     streams = settings.stream
+    stored = [kept.answers_config(streams), kept.leases_config(streams)]
     async with Connection(settings.nats, "mesh-provision") as conn:
         jsm = conn.jsm()
         await provision(jsm, streams, names)
         await ensure_answer_stream(jsm, streams)
-        await kept.ensure(jsm, kept.answers_config(streams))
-        await kept.ensure(jsm, kept.leases_config(streams))
-    ready = [streams.name, kept.answers_config(streams).name, kept.leases_config(streams).name]
+        for config in stored:
+            await kept.ensure(jsm, config)
+    ready = [streams.name, *(str(config.name) for config in stored)]
     if streams.answer_storage != "off":
         ready.insert(1, streams.answer_stream)
-    print(f"streams ready: {', '.join(str(r) for r in ready)}; consumers for: {', '.join(names)}")
+    print(f"streams ready: {', '.join(ready)}; consumers for: {', '.join(names)}")
     return 0
 
 

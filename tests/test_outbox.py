@@ -194,7 +194,7 @@ async def test_an_answer_the_store_could_not_confirm_is_made_whole_when_it_can(
     """The store cannot be reached when the answer ends (here its stream is gone), so the end
     cannot be confirmed and the worker acks without it. The publisher keeps trying: once the
     store is back, it holds the whole answer, for readers that re-read it to fill a gap."""
-    monkeypatch.setattr(publisher_module, "CATCH_UP_PAUSES", (0.01,))  # the end's own retries
+    monkeypatch.setattr(publisher_module, "CATCH_UP_RETRY_S", 0.01)  # the end's own retry
     await ensure_answer_stream(conn.jsm(), settings.stream)
     store = AnswerStore(conn, settings.stream, filtered=False)
     publisher = AnswerPublisher(conn, store, "settle", "req-1", WireFormat.MSGPACK, timeout=1)
