@@ -56,6 +56,23 @@ async def _queue_copy(conn: Connection, settings: MeshSettings, rid: str, copy: 
     return int(ack.seq)
 
 
+async def _queue_live(conn: Connection, settings: MeshSettings, rid: str, prompt: str) -> None:
+    """A request that cannot wait: its answer is only streamed, never kept."""
+    body = {"id": rid, "prompt": prompt, "max_tokens": TOKENS}
+    await conn.js.publish(
+        infer_subject(MODEL, SCOPE), json.dumps(body).encode(), stream=settings.stream.name
+    )
+
+
+async def _acked_and_kept_whole(
+    conn: Connection, settings: MeshSettings, rid: str, timeout: float, what: str
+) -> None:
+    """Wait until every queued copy is acked; the kept answer is then the whole text."""
+    await eventually(lambda: queue_drained(conn, settings, MODEL), timeout, what)
+    answer = await _kept(conn, rid)
+    assert answer is not None and answer.text == EXPECTED
+
+
 async def _kept(conn: Connection, rid: str) -> Answer | None:
     try:
         msg = await conn.jsm().get_msg(
@@ -95,9 +112,7 @@ async def test_two_queued_copies_are_generated_once(
     ):
         await _queue_copy(conn, settings, rid, "1")
         await _queue_copy(conn, settings, rid, "2")
-        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "both copies acked")
-        answer = await _kept(conn, rid)
-        assert answer is not None and answer.text == EXPECTED
+        await _acked_and_kept_whole(conn, settings, rid, 20, "both copies acked")
         assert first.started + second.started == 1  # one generation, not two
         assert a.stats.other_copy + b.stats.other_copy == 1
         events = await _stored_events(a, rid)
@@ -152,9 +167,7 @@ async def test_a_dead_workers_copy_keeps_its_lease_and_is_continued(
         await _queue_copy(conn, settings, rid, "2")
         survivor_backend = _backend()
         async with _worker(settings, conn, "survivor", survivor_backend) as survivor:
-            await eventually(lambda: queue_drained(conn, settings, MODEL), 30, "copies acked")
-            answer = await _kept(conn, rid)
-            assert answer is not None and answer.text == EXPECTED
+            await _acked_and_kept_whole(conn, settings, rid, 30, "copies acked")
             assert survivor.stats.other_copy == 1  # copy 2, while copy 1's lease stood
             assert survivor.stats.continued == 1  # copy 1, from where the dead worker stopped
             assert survivor_backend.started == 1
@@ -176,9 +189,7 @@ async def test_a_copy_arriving_after_the_lease_lapsed_numbers_after_the_first(
         await _queue_copy(conn, settings, rid, "2")
         survivor_backend = _backend()
         async with _worker(settings, conn, "survivor-2", survivor_backend) as survivor:
-            await eventually(lambda: queue_drained(conn, settings, MODEL), 30, "copies acked")
-            answer = await _kept(conn, rid)
-            assert answer is not None and answer.text == EXPECTED
+            await _acked_and_kept_whole(conn, settings, rid, 30, "copies acked")
             assert survivor_backend.started == 1
             assert survivor.stats.other_copy + survivor.stats.already_done == 1
             events = await _stored_events(survivor, rid)
@@ -201,9 +212,7 @@ async def test_a_lease_store_that_does_not_answer_stalls_nothing(
         try:
             for rid in ("no-store-1", "no-store-2"):
                 await _queue_copy(conn, settings, rid, "1")
-                await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "acked")
-                answer = await _kept(conn, rid)
-                assert answer is not None and answer.text == EXPECTED
+                await _acked_and_kept_whole(conn, settings, rid, 20, "acked")
         finally:
             await swallow.unsubscribe()
         assert backend.started == 2 and worker.stats.fetched == 2  # never redelivered
@@ -226,9 +235,7 @@ async def test_a_lease_whose_copy_left_the_queue_unanswered_is_taken_over(
         written = await worker.leases.take(SCOPE, rid, 999_999, fingerprint)
         assert isinstance(written, Lease)  # a lease for a copy that was never queued
         await _queue_copy(conn, settings, rid, "1")
-        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "the copy acked")
-        answer = await _kept(conn, rid)
-        assert answer is not None and answer.text == EXPECTED
+        await _acked_and_kept_whole(conn, settings, rid, 20, "the copy acked")
         assert backend.started == 1 and worker.stats.other_copy == 0
 
 
@@ -289,9 +296,7 @@ async def test_a_worker_that_lost_its_lease_hands_its_copy_back(
                 )
             )
             assert isinstance(await worker.leases.take(SCOPE, rid, second, fingerprint), Lease)
-            await eventually(lambda: queue_drained(conn, settings, MODEL), 30, "copies acked")
-            answer = await _kept(conn, rid)
-            assert answer is not None and answer.text == EXPECTED
+            await _acked_and_kept_whole(conn, settings, rid, 30, "copies acked")
             assert worker.stats.requeued == 1  # copy 1, handed back
             assert worker.stats.other_copy == 1  # copy 1 again, let go while copy 2 ran
             assert worker.stats.completed == 1
@@ -317,9 +322,7 @@ async def test_an_answer_longer_than_ack_wait_is_delivered_once(
     backend = _backend()
     async with _worker(settings, conn, "patient", backend) as worker:
         await _queue_copy(conn, settings, "long-1", "1")
-        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "acked")
-        answer = await _kept(conn, "long-1")
-        assert answer is not None and answer.text == EXPECTED
+        await _acked_and_kept_whole(conn, settings, "long-1", 20, "acked")
         assert backend.started == 1 and worker.stats.fetched == 1  # never redelivered
         assert worker.stats.completed == 1
 
@@ -332,10 +335,7 @@ async def test_an_answer_that_ended_while_the_store_was_away_is_stored_whole_lat
     until it holds the whole answer: a reader with a gap finds it there."""
     backend = _backend()
     async with _worker(settings, conn, "settler", backend) as worker:
-        body = {"id": "away-1", "prompt": "[tag:q] go", "max_tokens": TOKENS}  # live only
-        await conn.js.publish(
-            infer_subject(MODEL, SCOPE), json.dumps(body).encode(), stream=settings.stream.name
-        )
+        await _queue_live(conn, settings, "away-1", "[tag:q] go")
         await eventually(lambda: _has_started(worker, "away-1"), 10, "the answer started")
         await conn.jsm().delete_stream(settings.stream.answer_stream)
         await eventually(lambda: _completed(worker), 20, "the request acked")
@@ -366,10 +366,7 @@ async def test_a_final_error_that_ended_while_the_store_was_away_is_stored_later
     settings.stream.max_deliver = 1  # the first failure is the last
     backend = _backend()
     async with _worker(settings, conn, "settler-err", backend) as worker:
-        body = {"id": "away-2", "prompt": "[tag:q] [fail-after:20] go", "max_tokens": TOKENS}
-        await conn.js.publish(
-            infer_subject(MODEL, SCOPE), json.dumps(body).encode(), stream=settings.stream.name
-        )
+        await _queue_live(conn, settings, "away-2", "[tag:q] [fail-after:20] go")
         await eventually(lambda: _has_started(worker, "away-2"), 10, "the answer started")
         await conn.jsm().delete_stream(settings.stream.answer_stream)
         await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "the request let go")
@@ -401,9 +398,7 @@ async def test_a_request_that_can_wait_is_kept_whole_while_the_token_store_is_aw
         await _queue_copy(conn, settings, "away-3", "1")
         await eventually(lambda: _has_started(worker, "away-3"), 10, "the answer started")
         await conn.jsm().delete_stream(settings.stream.answer_stream)
-        await eventually(lambda: queue_drained(conn, settings, MODEL), 20, "acked")
-        answer = await _kept(conn, "away-3")
-        assert answer is not None and answer.text == EXPECTED
+        await _acked_and_kept_whole(conn, settings, "away-3", 20, "acked")
         assert worker.stats.completed == 1
     finally:
         await asyncio.wait_for(worker.stop(), 10)  # not the 30 s grace: settling is cancelled

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from cloud_node import publisher as publisher_module
 from cloud_node.publisher import AnswerPublisher
@@ -31,12 +33,12 @@ from tests.helpers import eventually
 HEADERS = {"Content-Type": "text/plain"}
 
 
-async def _reader(server: NatsServer, subject: str) -> tuple[nats.NATS, list[bytes], asyncio.Event]:
+async def _reader(server: NatsServer, subject: str) -> tuple[Client, list[bytes], asyncio.Event]:
     nc = await nats.connect(server.url)
     got: list[bytes] = []
     changed = asyncio.Event()
 
-    async def on_msg(msg: nats.aio.msg.Msg) -> None:
+    async def on_msg(msg: Msg) -> None:
         got.append(msg.data)
         changed.set()
 
@@ -117,15 +119,28 @@ async def test_events_that_cannot_be_published_make_the_next_put_raise(
     assert "ConnectionClosedError" in raised.value.message
 
 
+async def _answer(
+    conn: Connection, settings: MeshSettings, scope: str, *, timeout: float
+) -> tuple[AnswerStore, AnswerPublisher, AnswerWriter]:
+    """A worker's publisher and writer for answer ``req-1`` in ``scope``, its store provisioned."""
+    await ensure_answer_stream(conn.jsm(), settings.stream)
+    store = AnswerStore(conn, settings.stream, filtered=False)
+    publisher = AnswerPublisher(conn, store, scope, "req-1", WireFormat.MSGPACK, timeout=timeout)
+    return store, publisher, AnswerWriter("req-1", attempt=1, node="cloud:test")
+
+
+def _tokens(events: Sequence[object]) -> list[tuple[int, str]]:
+    """(position, text) of the stored tokens, in answer order (the store keeps arrival order)."""
+    tokens = sorted((e for e in events if isinstance(e, TokenEvent)), key=lambda e: e.seq)
+    return [(e.seq, e.text) for e in tokens]
+
+
 async def test_a_message_too_large_is_skipped_and_other_answers_go_on(
     conn: Connection, settings: MeshSettings
 ) -> None:
     """One bad message costs only itself: the answer queued behind it in the same burst is
     published, and is not told of another's failure."""
-    await ensure_answer_stream(conn.jsm(), settings.stream)
-    store = AnswerStore(conn, settings.stream, filtered=False)
-    publisher = AnswerPublisher(conn, store, "outboxtest", "req-1", WireFormat.MSGPACK, timeout=5)
-    writer = AnswerWriter("req-1", attempt=1, node="cloud:test")
+    store, publisher, writer = await _answer(conn, settings, "outboxtest", timeout=5)
     await publisher.send(writer.start())
     await publisher.send(writer.token("a"))
     assert await conn.outbox.flush()
@@ -137,8 +152,7 @@ async def test_a_message_too_large_is_skipped_and_other_answers_go_on(
         conn.outbox.put("outbox.poison", b"next", None)  # the poisoned subject is
     assert await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
     kept = await store.replay(publisher.subject, timeout=5)
-    tokens = sorted((e for e in kept if isinstance(e, TokenEvent)), key=lambda e: e.seq)
-    assert [(e.seq, e.text) for e in tokens] == [(0, "a"), (1, "b"), (2, "c")]
+    assert _tokens(kept) == [(0, "a"), (1, "b"), (2, "c")]
     assert publisher.republished == 0
 
 
@@ -154,10 +168,7 @@ async def test_tokens_lost_in_an_outage_reach_the_store_before_the_answer_counts
     settings = make_settings(server.url)
     conn = await Connection(settings.nats, "outage").connect()
     try:
-        await ensure_answer_stream(conn.jsm(), settings.stream)
-        store = AnswerStore(conn, settings.stream, filtered=False)
-        publisher = AnswerPublisher(conn, store, "outage", "req-1", WireFormat.MSGPACK, timeout=2)
-        writer = AnswerWriter("req-1", attempt=1, node="cloud:test")
+        store, publisher, writer = await _answer(conn, settings, "outage", timeout=2)
         await publisher.send(writer.start())
         await publisher.send(writer.token("a"))
         assert await conn.outbox.flush()
@@ -180,8 +191,7 @@ async def test_tokens_lost_in_an_outage_reach_the_store_before_the_answer_counts
         await ensure_answer_stream(conn.jsm(), settings.stream)
         assert await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
         kept = await store.replay(publisher.subject, timeout=5)
-        tokens = sorted((e for e in kept if isinstance(e, TokenEvent)), key=lambda e: e.seq)
-        assert [(e.seq, e.text) for e in tokens] == [(0, "a"), (1, "b")]
+        assert _tokens(kept) == [(0, "a"), (1, "b")]
         assert [e.seq for e in kept if isinstance(e, EndEvent)] == [2]
     finally:
         await conn.close()
@@ -195,10 +205,7 @@ async def test_an_answer_the_store_could_not_confirm_is_made_whole_when_it_can(
     cannot be confirmed and the worker acks without it. The publisher keeps trying: once the
     store is back, it holds the whole answer, for readers that re-read it to fill a gap."""
     monkeypatch.setattr(publisher_module, "CATCH_UP_RETRY_S", 0.01)  # the end's own retry
-    await ensure_answer_stream(conn.jsm(), settings.stream)
-    store = AnswerStore(conn, settings.stream, filtered=False)
-    publisher = AnswerPublisher(conn, store, "settle", "req-1", WireFormat.MSGPACK, timeout=1)
-    writer = AnswerWriter("req-1", attempt=1, node="cloud:test")
+    store, publisher, writer = await _answer(conn, settings, "settle", timeout=1)
     await publisher.send(writer.start())
     await publisher.send(writer.token("a"))
     await conn.jsm().delete_stream(settings.stream.answer_stream)
@@ -207,6 +214,5 @@ async def test_an_answer_the_store_could_not_confirm_is_made_whole_when_it_can(
     await ensure_answer_stream(conn.jsm(), settings.stream)
     assert await publisher.settle(within=15)
     kept = await store.replay(publisher.subject, timeout=5)
-    tokens = sorted((e for e in kept if isinstance(e, TokenEvent)), key=lambda e: e.seq)
-    assert [(e.seq, e.text) for e in tokens] == [(0, "a"), (1, "b")]
+    assert _tokens(kept) == [(0, "a"), (1, "b")]
     assert [e.seq for e in kept if isinstance(e, EndEvent)] == [2]
