@@ -65,31 +65,34 @@ async def coalesce(
         # The consumer takes sealed batches, or the partial one once the linger has run out.
         ready: deque[Any] = deque()  # sealed batches, then the finish, an error or ``done``
         parts: list[str] = []
-        count = [0, 0]  # engine tokens in ``parts``; engine chunks produced
+        in_parts = 0  # engine tokens in ``parts``
+        produced = 0  # engine chunks produced (the watchdog reads it)
         lps: list[Any] = []  # logprobs of ``parts``, when the engine gives them
-        with_lps = [False]
+        with_lps = False
         waiting: list[asyncio.Future[None]] = []
-        any_token = [False]  # the waiter wakes on the first token, not only on a full batch
+        any_token = False  # the waiter wakes on the first token, not only on a full batch
         done = object()
-        ended = [False]  # the last item is queued
+        ended = False  # the last item is queued
 
         def wake() -> None:
             if waiting and not waiting[0].done():
                 waiting[0].set_result(None)
 
         def seal() -> None:
+            nonlocal in_parts, with_lps
             if parts:
                 text = parts[0] if len(parts) == 1 else "".join(parts)
-                ready.append(Chunk(text=text, n=count[0], logprobs=lps[:] if with_lps[0] else None))
+                ready.append(Chunk(text=text, n=in_parts, logprobs=lps[:] if with_lps else None))
                 parts.clear()
                 lps.clear()
-                count[0] = 0
-                with_lps[0] = False
+                in_parts = 0
+                with_lps = False
 
         def finish(item: Any) -> None:
+            nonlocal ended
             seal()
             ready.append(item)
-            ended[0] = True
+            ended = True
             wake()
 
         def release(fut: asyncio.Future[None]) -> None:
@@ -100,7 +103,8 @@ async def coalesce(
             """Wait for a sealed batch or the end, for the first token too when ``on_token``,
             or ``timeout``. A batch that fills up goes at once, not when the linger runs out:
             a fast engine is never held back by the linger (one stream: 1.8 -> 1.1 us a token)."""
-            any_token[0] = on_token
+            nonlocal any_token
+            any_token = on_token
             waiting.append(loop.create_future())
             timer = loop.call_later(timeout, release, waiting[0]) if timeout else None
             try:
@@ -111,21 +115,25 @@ async def coalesce(
                     timer.cancel()
 
         async def pump() -> None:
+            # Plain closure variables, not one-element lists: this loop runs once per engine
+            # token (in process, 4,000 tokens: 0.19 -> 0.16 us a token over the engine's own).
+            nonlocal in_parts, produced, with_lps
+            append = parts.append
             try:
                 async for chunk in chunks:
-                    count[1] += 1
+                    produced += 1
                     if chunk.finish_reason is not None:
                         finish(chunk)
                         continue
-                    parts.append(chunk.text)
-                    count[0] += chunk.n
+                    append(chunk.text)
+                    in_parts += chunk.n
                     if chunk.logprobs is not None:
-                        with_lps[0] = True
+                        with_lps = True
                         lps.extend(chunk.logprobs)
                     if len(parts) >= max_parts:
                         seal()
                         wake()
-                    elif any_token[0]:
+                    elif any_token:
                         wake()
             except Exception as exc:  # handed to the consumer, which raises it in order
                 finish(exc)
@@ -135,8 +143,8 @@ async def coalesce(
         def watchdog(limit: float, seen: int, since: float) -> None:
             """One timer per generation, not one per token, and no task: a hung engine becomes
             an error."""
-            if count[1] != seen:
-                seen, since = count[1], loop.time()
+            if produced != seen:
+                seen, since = produced, loop.time()
             elif loop.time() - since > limit:
                 finish(BackendError(f"the engine produced nothing for {limit:g}s", retryable=True))
                 return
@@ -144,7 +152,7 @@ async def coalesce(
 
         task = loop.create_task(pump(), name="coalesce-pump")
         if stall:
-            guard[0] = loop.call_later(stall / 4, watchdog, stall, count[1], loop.time())
+            guard[0] = loop.call_later(stall / 4, watchdog, stall, produced, loop.time())
         while True:
             if ready:
                 item = ready.popleft()
@@ -160,7 +168,7 @@ async def coalesce(
                 await until(None, on_token=True)
                 continue
             wait = sent + linger - loop.time()
-            if wait > 0 and not ended[0]:
+            if wait > 0 and not ended:
                 # Nothing more can come once the end is queued: the last batch goes at once.
                 await until(wait, on_token=False)
                 if ready:

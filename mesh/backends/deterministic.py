@@ -148,11 +148,15 @@ class DeterministicBackend:
                     yield _chunk(script, index, request)
             else:
                 # A plain loop, not a second generator: this backend stands in for an engine
-                # that costs nothing, so its own cost per token is kept low (1.28 -> 0.44 us).
-                for index in range(prefix_tokens, script.last(request.max_tokens)):
-                    yield _chunk(script, index, request)
-                    if index % 64 == 63:
-                        await asyncio.sleep(0)  # let the rest of the process run
+                # that costs nothing, so its own cost per token is kept low (1.28 -> 0.44 us,
+                # then 0.34 us with the token built here, 64 at a time between pauses).
+                last = script.last(request.max_tokens)
+                tag = script.tag
+                scored = request.logprobs
+                for begin in range(prefix_tokens, last, 64):
+                    for index in range(begin, min(begin + 64, last)):
+                        yield _chunk(script, index, request) if scored else Chunk(f" {tag}{index}")
+                    await asyncio.sleep(0)  # let the rest of the process run
             last = script.last(request.max_tokens)
             produced = max(0, last - prefix_tokens)
             yield Chunk(
