@@ -25,7 +25,6 @@ import structlog
 from nats import micro
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import APIError
 from nats.micro.request import Request
 from nats.micro.service import Service
 
@@ -39,15 +38,15 @@ from cloud_node.publisher import AnswerPublisher
 from cloud_node.puller import Puller
 from cloud_node.takeover import Takeover
 from mesh import __version__, kept
-from mesh.answer_store import AnswerStore, ensure_answer_stream
+from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import generate_into
+from mesh.hub import provision_hub
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, log_unknown_fields, trace_id
 from mesh.metrics import NatsMetrics, WorkerMetrics, exposition
-from mesh.provision import provision
 from mesh.queue import trace_headers
 from mesh.registry import Heartbeat, NodeInfo
 from mesh.tasks import TaskSet
@@ -238,28 +237,16 @@ class Worker(Lifecycle):
         created on a cluster, by several workers at once, can take longer than one call)."""
         for attempt in range(1, PROVISION_TRIES + 1):
             try:
-                jsm = self.conn.jsm()
-                await provision(jsm, self._stream, [self.backend.model])
-                await ensure_answer_stream(jsm, self._stream)
-                await kept.ensure(jsm, kept.answers_config(self._stream))
-                await self._provision_leases()
+                hub = await provision_hub(
+                    self.conn.jsm(), self._stream, [self.backend.model], leases_required=False
+                )
+                self.leases.enabled = hub.leases
                 return
             except MeshTimeoutError as err:
                 if attempt == PROVISION_TRIES:
                     raise
                 log.warning("provisioning slow; trying again", error=err.message)
                 await asyncio.sleep(0.5 * attempt)
-
-    async def _provision_leases(self) -> None:
-        """Best effort: without the lease stream (credentials minted before it, say), requests
-        that can wait are served without leases, as before."""
-        try:
-            await kept.ensure(self.conn.jsm(), kept.leases_config(self._stream))
-        except (MeshError, nats.errors.Error, APIError) as exc:
-            log.warning("lease stream unavailable; serving without leases", error=repr(exc))
-            self.leases.enabled = False
-        else:
-            self.leases.enabled = True
 
     async def _after_reconnect(self) -> None:
         """Events written to the old socket may be lost: publish again what the store lacks of

@@ -529,24 +529,13 @@ async def _status(settings: MeshSettings, as_json: bool) -> int:
 async def _provision(settings: MeshSettings, models: list[str] | None) -> int:
     """Everything the hub's workers use, so that workers under least-privilege credentials find
     it in place: the queue and its consumers, the answer store, kept answers, leases."""
-    from mesh import kept
-    from mesh.answer_store import ensure_answer_stream
     from mesh.connection import Connection
-    from mesh.provision import provision
+    from mesh.hub import provision_hub
 
     names = models or [settings.worker.model.name]
-    streams = settings.stream
-    stored = [kept.answers_config(streams), kept.leases_config(streams)]
     async with Connection(settings.nats, "mesh-provision") as conn:
-        jsm = conn.jsm()
-        await provision(jsm, streams, names)
-        await ensure_answer_stream(jsm, streams)
-        for config in stored:
-            await kept.ensure(jsm, config)
-    ready = [streams.name, *(str(config.name) for config in stored)]
-    if streams.answer_storage != "off":
-        ready.insert(1, streams.answer_stream)
-    print(f"streams ready: {', '.join(ready)}; consumers for: {', '.join(names)}")
+        hub = await provision_hub(conn.jsm(), settings.stream, names)
+    print(f"streams ready: {', '.join(hub.streams)}; consumers for: {', '.join(names)}")
     return 0
 
 

@@ -11,7 +11,9 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
+import pytest
 from nats.aio.msg import Msg
+from nats.js import api
 
 from cloud_node.lease import Lease
 from cloud_node.worker import Worker
@@ -19,16 +21,21 @@ from mesh.answer_store import ensure_answer_stream
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
+from mesh.hub import provision_hub
+from mesh.nats_server import NatsServer
 from protocol.codec import decode_event
+from protocol.errors import UnavailableError
 from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
 from protocol.stream import request_fingerprint
 from protocol.subjects import (
     ANSWERS_STREAM,
+    LEASE_WILDCARD,
     LEASES_STREAM,
     answer_subject,
     infer_subject,
     token_subject,
 )
+from tests.conftest import make_settings
 from tests.helpers import eventually, queue_drained
 
 MODEL = "leased"
@@ -402,3 +409,22 @@ async def test_a_request_that_can_wait_is_kept_whole_while_the_token_store_is_aw
         assert worker.stats.completed == 1
     finally:
         await asyncio.wait_for(worker.stop(), 10)  # not the 30 s grace: settling is cancelled
+
+
+async def test_a_worker_without_its_lease_stream_still_answers_requests_that_can_wait() -> None:
+    """Credentials minted before the lease stream existed, or its subjects taken: the worker
+    logs it, serves without leases, and a request that can wait is still answered and kept
+    whole. ``mesh provision``, which must leave the hub complete, says why instead."""
+    async with NatsServer(port=-1) as server:
+        settings = make_settings(server.url)
+        async with Connection(settings.nats, "lease-squat") as conn:
+            squat = api.StreamConfig(name="SQUAT", subjects=[LEASE_WILDCARD])
+            await conn.jsm().add_stream(squat)
+            with pytest.raises(UnavailableError, match=LEASES_STREAM):
+                await provision_hub(conn.jsm(), settings.stream, [MODEL])
+            backend = _backend()
+            async with _worker(settings, conn, "lease-less", backend) as worker:
+                assert not worker.leases.enabled
+                await _queue_copy(conn, settings, "no-lease-1", "1")
+                await _acked_and_kept_whole(conn, settings, "no-lease-1", 20, "acked")
+            assert backend.started == 1

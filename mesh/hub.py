@@ -1,0 +1,60 @@
+"""Everything the hub's workers use, provisioned in one place: the request queue and one consumer
+per model (:mod:`mesh.provision`), the answer store, kept answers and leases.
+
+Each worker runs it at start-up, and ``mesh provision`` runs it ahead of least-privilege workers,
+which then find it in place. Idempotent: existing streams are brought to the configured limits,
+never recreated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nats.errors
+from nats.js.errors import APIError
+from nats.js.manager import JetStreamManager
+
+from mesh import kept
+from mesh.answer_store import ensure_answer_stream
+from mesh.config import StreamSettings
+from mesh.logs import get_logger
+from mesh.provision import provision
+from protocol.errors import MeshError
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Hub:
+    streams: list[str]
+    """The streams in place, in the order they were provisioned."""
+    leases: bool
+    """Whether the lease stream is among them."""
+
+
+async def provision_hub(
+    jsm: JetStreamManager,
+    settings: StreamSettings,
+    models: list[str],
+    *,
+    leases_required: bool = True,
+) -> Hub:
+    """Provision the hub for ``models``. Without ``leases_required``, a lease stream that cannot
+    be had (credentials minted before it existed, say) is logged and left out: requests that can
+    wait are then served without leases."""
+    await provision(jsm, settings, models)
+    await ensure_answer_stream(jsm, settings)
+    answers = kept.answers_config(settings)
+    await kept.ensure(jsm, answers)
+    streams = [settings.name, str(answers.name)]
+    if settings.answer_storage != "off":
+        streams.insert(1, settings.answer_stream)
+    leases = kept.leases_config(settings)
+    try:
+        await kept.ensure(jsm, leases)
+    except (MeshError, nats.errors.Error, APIError) as exc:
+        if leases_required:
+            raise
+        log.warning("lease stream unavailable; serving without leases", error=repr(exc))
+        return Hub(streams, leases=False)
+    return Hub([*streams, str(leases.name)], leases=True)
