@@ -30,6 +30,16 @@ log = get_logger(__name__)
 KEEP_RETRY_PAUSES_S = (0.5, 1.0, 2.0, None)
 
 
+async def ack(msg: Msg) -> None:
+    """Ack without waiting for the server's confirmation: the outcome is stored already, so
+    a lost ack only means a redelivery, which finds the outcome and acks it without
+    generating again. (Waiting cost a round trip and ~10% of the worker's CPU per request.)"""
+    try:
+        await msg.ack()
+    except nats.errors.Error as exc:
+        log.warning("ack not sent", error=repr(exc))
+
+
 class Outcomes:
     def __init__(
         self,

@@ -13,6 +13,7 @@ drop the duplicates.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import nats.errors
 from nats.js.errors import APIError, NoStreamResponseError
@@ -20,6 +21,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from mesh.answer_store import AnswerStore
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.tasks import TaskSet
 from protocol.codec import CONTENT_TYPE, WireFormat, dump_event
 from protocol.errors import MeshError
 from protocol.messages import EndEvent, ErrorEvent, TokenEvent, WireEvent
@@ -30,6 +32,8 @@ CATCH_UP_RETRY_S = 0.25
 """Seconds before the end's second check of the answer store, when the first finds it short;
 past that the worker settles the answer in the background (:meth:`AnswerPublisher.settle`),
 so that a store that is away does not hold the request's slot."""
+MAX_SETTLING = 256
+"""Answers whose store copy is made whole in the background at once, at most."""
 
 
 class AnswerPublisher:
@@ -167,3 +171,40 @@ class AnswerPublisher:
 
 def _key(event: WireEvent) -> tuple[str, int | None, int]:
     return (event.t, event.attempt, getattr(event, "seq", 0))
+
+
+class Settler:
+    """Answers acked while their store copy could not be confirmed (:meth:`AnswerPublisher.finish`
+    returned False), made whole in the background, for ``within`` seconds each and at most
+    MAX_SETTLING at once: past that, readers with a gap have their own timeouts. ``counted`` is
+    called with each publisher once it is done (to count what it published again)."""
+
+    def __init__(self, within: float, counted: Callable[[AnswerPublisher], None]) -> None:
+        self.within = within
+        self._counted = counted
+        self._tasks = TaskSet("settle")
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def later(self, publisher: AnswerPublisher) -> None:
+        if len(self._tasks) >= MAX_SETTLING:
+            log.warning("answer store incomplete; too many answers settling already")
+            return
+        self._tasks.spawn(self._settle(publisher), name="settle")
+
+    async def _settle(self, publisher: AnswerPublisher) -> None:
+        try:
+            whole = await publisher.settle(self.within)
+        finally:
+            self._counted(publisher)
+        if whole:
+            log.info("answer store whole again", request_id=publisher.request_id)
+        else:
+            log.warning("answer store still incomplete", request_id=publisher.request_id)
+
+    async def close(self) -> None:
+        """Stop at once: a worker that stops leaves what is still missing to the readers."""
+        if len(self._tasks):
+            log.warning("stopping with answers still settling", count=len(self._tasks))
+        await self._tasks.close(grace=0)

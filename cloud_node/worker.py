@@ -16,58 +16,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
-import structlog
 from nats import micro
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from cloud_node.admission import check
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.keeper import Keeper
-from cloud_node.lease import OTHER_COPY, Lease, Leases
-from cloud_node.outcomes import Outcomes
-from cloud_node.progress import KeepAlive
-from cloud_node.publisher import AnswerPublisher
+from cloud_node.lease import Leases
+from cloud_node.outcomes import Outcomes, ack
+from cloud_node.publisher import AnswerPublisher, Settler
 from cloud_node.puller import Puller
+from cloud_node.serve import Handler
 from cloud_node.takeover import Takeover
 from mesh import __version__, kept
 from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.generate import generate_into
 from mesh.hub import provision_hub
 from mesh.lifecycle import Lifecycle
-from mesh.logs import get_logger, log_unknown_fields, trace_id
+from mesh.logs import get_logger
 from mesh.metrics import NatsMetrics, WorkerMetrics, exposition
-from mesh.queue import trace_headers
 from mesh.registry import Heartbeat, NodeInfo
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
-from protocol.codec import decode_request, error_event
 from protocol.errors import (
-    CancelledByClientError,
-    DeadlineExceededError,
-    InvalidRequestError,
-    MeshError,
     MeshTimeoutError,
 )
-from protocol.messages import InferRequest
-from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import (
     CANCEL_WILDCARD,
     address_of,
     consumer_name,
     is_token,
     model_token,
-    scope_of,
     token_subject,
     worker_cancels,
     worker_status_subject,
@@ -75,8 +62,6 @@ from protocol.subjects import (
 
 log = get_logger(__name__)
 PROVISION_TRIES = 4
-MAX_SETTLING = 256
-"""Answers whose store copy is made whole in the background at once, at most."""
 CAPACITY_POLL_S = 0.25
 
 
@@ -133,11 +118,14 @@ class Worker(Lifecycle):
             count=self._count,
             stats=self.stats,
             takeovers=self.metrics.takeovers,
-            ack=self._ack,
+            ack=ack,
         )
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
+        self.settler = Settler(settings.stream.answer_max_age / 2, self._count_republished)
+        """Answers acked before their store copy was confirmed, made whole in the background
+        (for half as long as the store keeps answers: readers give up before that)."""
         self.outcomes = Outcomes(
             conn,
             self.store,
@@ -147,14 +135,28 @@ class Worker(Lifecycle):
             publish_timeout=settings.worker.publish_timeout,
             count=self._count,
             exhausted=self._exhausted,
-            settle=self._settle_later,
+            settle=self.settler.later,
         )
-        self._inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
-        self._publishers: dict[str, AnswerPublisher] = {}
         self._reserved = 0
         self._cancels = CancelBook(ttl=self._stream.ack_wait * self._stream.max_deliver + 60)
         self._tasks = TaskSet("worker")
-        self._settles = TaskSet("settle")
+        self.handler = Handler(
+            settings,
+            conn,
+            backend,
+            store=self.store,
+            keeper=self.keeper,
+            leases=self.leases,
+            takeover=self.takeover,
+            outcomes=self.outcomes,
+            settler=self.settler,
+            cancels=self._cancels,
+            tasks=self._tasks,
+            tracing=self.tracing,
+            metrics=self.metrics,
+            count=self._count,
+            republished=self._count_republished,
+        )
         self._stopping = False
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
@@ -172,7 +174,7 @@ class Worker(Lifecycle):
             deliver=self._accept,
             expires=self._ws.fetch_timeout,
         )
-        self.metrics.in_flight.set_function(lambda: len(self._inflight))
+        self.metrics.in_flight.set_function(lambda: len(self.handler.inflight))
         self.metrics.free_slots.set_function(self.free_slots)
         self.metrics.slots.set_function(lambda: self.backend.capacity().total)
 
@@ -254,7 +256,7 @@ class Worker(Lifecycle):
         restart may also have lost memory-stored state: put it back (idempotent)."""
         self._puller.forget()  # pull requests may have gone with the old connection
         await self._puller.top_up()
-        publishers = list(self._publishers.values())
+        publishers = list(self.handler.publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)
         for publisher in publishers:
             self._count_republished(publisher)
@@ -280,16 +282,14 @@ class Worker(Lifecycle):
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        if self._inflight:
+        if self.handler.inflight:
             log.info(
                 "draining in-flight requests",
-                count=len(self._inflight),
+                count=len(self.handler.inflight),
                 grace_s=self._ws.drain_grace,
             )
         await self._tasks.close(grace=self._ws.drain_grace)
-        if len(self._settles):
-            log.warning("stopping with answers still settling", count=len(self._settles))
-        await self._settles.close(grace=0)
+        await self.settler.close()
         for sub in self._subs:
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
@@ -318,7 +318,7 @@ class Worker(Lifecycle):
             "model": self.backend.model,
             "slots": self.backend.capacity().total,
             "free": self.free_slots(),
-            "in_flight": len(self._inflight),
+            "in_flight": len(self.handler.inflight),
             **vars(self.stats),
         }
 
@@ -366,7 +366,7 @@ class Worker(Lifecycle):
         address = token_subject(scope, request_id)
         key = cancel_key_of(msg.data, msg.headers)
         self._cancels.add(address, key)
-        entry = self._inflight.get(address)
+        entry = self.handler.inflight.get(address)
         held = entry is not None and allows(entry[1], key)
         if msg.reply:  # an addressed cancel: say whether it found the request here
             with contextlib.suppress(nats.errors.Error):
@@ -384,248 +384,12 @@ class Worker(Lifecycle):
     # -- one request -----------------------------------------------------------------------
     async def _handle(self, msg: Msg) -> None:
         try:
-            await self._handle_inner(msg)
+            await self.handler.handle(msg)
         finally:
             self._reserved -= 1
             await self._puller.top_up()
-
-    async def _handle_inner(self, msg: Msg) -> None:
-        attempt = msg.metadata.num_delivered
-        if attempt > 1:
-            self.metrics.redeliveries.inc()
-        request: InferRequest | None = None
-        scope: str | None = None
-        try:
-            request, fmt = decode_request(
-                msg.data,
-                msg.headers,
-                limits=self.settings.limits.request_limits(),
-                strict=self.settings.strict_decode,
-                on_unknown=log_unknown_fields,
-            )
-            scope = scope_of(msg.subject)
-            if scope is None:
-                raise InvalidRequestError(
-                    f"queued on {msg.subject!r}: requests go to mesh.v1.infer.<model>.<scope>",
-                    request_id=request.id,
-                )
-            address = token_subject(scope, request.id)
-            check(request, address, self.backend.model, self._cancels)
-        except MeshError as err:
-            if request is not None and request.deferrable and scope is not None:
-                kept = await self.outcomes.kept_or_nak(
-                    msg, scope, request, error_event(err, request.id)
-                )
-                if not kept:
-                    return
-            await self.outcomes.reject(msg, err, attempt)
-            return
-        task = asyncio.current_task()
-        assert task is not None
-        self._inflight[address] = (task, request)
-        traced = trace_headers(msg.headers)
-        traced_id = trace_id(traced.get("traceparent"))
-        with structlog.contextvars.bound_contextvars(
-            request_id=request.id,
-            node_id=self.node_id,
-            subject=msg.subject,
-            attempt=attempt,
-            **traced,
-            **({"trace_id": traced_id} if traced_id else {}),
-        ):
-            try:
-                with self.tracing.span(
-                    "mesh.worker.request",
-                    msg.headers,
-                    **{"mesh.request_id": request.id, "mesh.attempt": attempt},
-                ):
-                    await self._serve(msg, request, scope, fmt.reply_format, attempt)
-            finally:
-                self._inflight.pop(address, None)
-
-    async def _serve(
-        self, msg: Msg, request: InferRequest, scope: str, fmt: Any, attempt: int
-    ) -> None:
-        queued_ms = max(0.0, (time.time() - msg.metadata.timestamp.timestamp()) * 1000)
-        publisher = AnswerPublisher(
-            self.conn, self.store, scope, request.id, fmt, timeout=self._ws.publish_timeout
-        )
-        address = publisher.subject
-        fingerprint = request_fingerprint(request)  # once: a hash of the whole conversation
-        lease: Lease | None = None
-        if request.deferrable:
-            claimed = await self._claim(scope, request, msg.metadata.sequence.stream, fingerprint)
-            if claimed == OTHER_COPY:  # that copy is still queued, or its answer is kept
-                self._count("other_copy")
-                log.info("another copy of this request is being answered; acking this one")
-                await self._ack(msg)
-                return
-            lease = claimed if isinstance(claimed, Lease) else None
-        history = await self.takeover.history(request, fingerprint, publisher, attempt)
-        writer = AnswerWriter(
-            request.id, attempt=attempt, node=f"cloud:{self.node_id}", fingerprint=fingerprint
-        )
-        if history is not None and history.done:
-            await self.takeover.already_done(msg, publisher, history, request, scope)
-            return
-        if request.deferrable and await self.keeper.exists(scope, request.id):
-            # Forwarded again after its answer was kept (a flap outlived the dedupe window).
-            self._count("already_done")
-            log.info("answer already kept; acking without generating")
-            await self._ack(msg)
-            return
-        started_before = history is not None and history.started
-        if not started_before and request.start_by is not None and time.time() >= request.start_by:
-            late = DeadlineExceededError(
-                "no worker could start the request before its start_by time",
-                request_id=request.id,
-            )
-            if request.deferrable and not await self.outcomes.kept_or_nak(
-                msg, scope, request, error_event(late, request.id)
-            ):
-                return
-            await self.outcomes.reject(msg, late, attempt)
-            return
-        if history is not None and history.started:
-            # Another copy's attempts may be in the store too (a request that can wait, queued
-            # twice): this attempt numbers after all of them. ``attempt`` stays the delivery
-            # count, which decides retries.
-            writer = self.takeover.writer(request, history, max(attempt, history.attempt + 1))
-        generating = asyncio.current_task()
-        assert generating is not None
-        keepalive = KeepAlive(
-            self._tasks,
-            self._stream.ack_wait * self._ws.progress_fraction,
-            msg=msg,
-            lease=lease,
-            ack_wait=self._stream.ack_wait,
-            leases=self.leases,
-            claim=lambda copy, fingerprint: self._claim(scope, request, copy, fingerprint),
-            generating=generating,
-        )
-        self._publishers[address] = publisher
-        try:
-            await publisher.send(writer.start())
-            gen = await generate_into(self.backend, request, writer, publisher.send, self._ws)
-            timings = gen.timings(since=gen.started, queue_ms=queued_ms)
-            end = writer.end(
-                finish_reason=gen.finish_reason,
-                usage=gen.usage,
-                timings=timings,
-                served_by=f"cloud:{self.node_id}",
-                routing=request.routing,
-            )
-            stored = await publisher.finish(end)
-            self._count_republished(publisher)
-            if not stored:  # acked all the same; its events still go to the store when it can
-                self._settle_later(publisher)
-            if request.deferrable and not await self._keep(msg, scope, request, publisher):
-                return
-            await self._ack(msg)
-            self._count("completed")
-            self.metrics.observe(gen, timings)
-            log.info(
-                "request done",
-                tokens=gen.usage.completion_tokens,
-                positions=end.seq,
-                resumed_at=writer.resume.seq,
-                queue_ms=timings.queue_ms,
-                ttft_ms=timings.ttft_ms,
-                total_ms=timings.total_ms,
-                stored=stored,
-            )
-        except asyncio.CancelledError:
-            if self._cancels.cancels(address, request):
-                self._count("cancelled")
-                log.info("request cancelled by client")
-                cancelled = CancelledByClientError("cancelled", request_id=request.id)
-                with contextlib.suppress(MeshError, nats.errors.Error):
-                    await publisher.finish(writer.error(cancelled))
-                    if request.deferrable:  # asked for again by id, it says so
-                        await self.keeper.keep(
-                            scope, request, None, error_event(cancelled, request.id)
-                        )
-                    await msg.ack()  # not acked: the redelivery is refused, kept and answered
-                return  # the cancel was ours to act on; the task ends normally
-            # Shutdown or a lost lease: give it back so another worker continues it promptly,
-            # after what this attempt generated (the next one resumes from the store).
-            self._count("requeued")
-            await self.conn.flush_outbox()
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak()
-            raise
-        except MeshError as err:
-            await self.outcomes.failed(msg, publisher, writer, err, attempt, request=request)
-        except Exception as exc:  # a bug: answer typed, keep the worker alive
-            log.exception("request crashed")
-            await self.outcomes.failed(
-                msg,
-                publisher,
-                writer,
-                MeshError(f"worker failure: {type(exc).__name__}", retryable=True),
-                attempt,
-                request=request,
-            )
-        finally:
-            keepalive.stop()
-            self._publishers.pop(address, None)
-
-    def _settle_later(self, publisher: AnswerPublisher) -> None:
-        """Make the store whole for this answer in the background (see :meth:`_settle`), for
-        at most MAX_SETTLING answers at once: past that, readers with a gap have their own
-        timeouts."""
-        if len(self._settles) >= MAX_SETTLING:
-            log.warning("answer store incomplete; too many answers settling already")
-            return
-        self._settles.spawn(self._settle(publisher), name="settle")
-
-    async def _settle(self, publisher: AnswerPublisher) -> None:
-        """Make the store whole for an answer that ended while it could not be confirmed, for
-        half as long as the store keeps answers (readers give up before that)."""
-        try:
-            whole = await publisher.settle(self._stream.answer_max_age / 2)
-        finally:
-            self._count_republished(publisher)
-        if whole:
-            log.info("answer store whole again", request_id=publisher.request_id)
-        else:
-            log.warning("answer store still incomplete", request_id=publisher.request_id)
 
     def _count_republished(self, publisher: AnswerPublisher) -> None:
         count = publisher.take_republished()
         self.stats.republished += count
         self.metrics.republished.inc(count)
-
-    async def _keep(
-        self, msg: Msg, scope: str, request: InferRequest, publisher: AnswerPublisher
-    ) -> bool:
-        """Keep a finished answer for its site; False when it cannot be kept now. The message
-        is then handed back, not failed (its answer is out already): a later delivery finds it
-        done and keeps it without generating again."""
-        try:
-            await self.keeper.keep(scope, request, publisher)
-        except MeshError as err:
-            log.warning("answer not kept; handing the request back", error=err.message)
-            self._count("requeued")
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
-            return False
-        return True
-
-    async def _ack(self, msg: Msg) -> None:
-        """Ack without waiting for the server's confirmation: the outcome is stored already, so
-        a lost ack only means a redelivery, which finds the outcome and acks it without
-        generating again. (Waiting cost a round trip and ~10% of the worker's CPU per request.)"""
-        try:
-            await msg.ack()
-        except nats.errors.Error as exc:
-            log.warning("ack not sent", error=repr(exc))
-
-    async def _claim(
-        self, scope: str, request: InferRequest, copy: int, fingerprint: str
-    ) -> Lease | str | None:
-        """The lease for queued copy ``copy`` of a request that can wait (see
-        :meth:`Leases.claim`); a copy whose answer is kept already counts as answered."""
-        return await self.leases.claim(
-            scope, request.id, copy, fingerprint, lambda: self.keeper.exists(scope, request.id)
-        )

@@ -1,0 +1,311 @@
+"""Serving one delivered request, from its queue message to its ack.
+
+Decode and admit it (a request that can never run is rejected with a typed error), claim it
+when it can wait (one queued copy answers), take over what an earlier attempt left in the
+answer store, generate, publish its events, store the outcome, keep it for its site when it
+can wait, and only then ack. A cancel, a shutdown, a lost lease or a failure each end it in
+exactly one way (:mod:`cloud_node.outcomes`). The worker (:mod:`cloud_node.worker`) owns the
+intake and the process's lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+
+from cloud_node.admission import check
+from cloud_node.cancels import CancelBook
+from cloud_node.keeper import Keeper
+from cloud_node.lease import OTHER_COPY, Lease, Leases
+from cloud_node.outcomes import Outcomes, ack
+from cloud_node.progress import KeepAlive
+from cloud_node.publisher import AnswerPublisher, Settler
+from cloud_node.takeover import Takeover
+from mesh.answer_store import AnswerStore
+from mesh.backends.base import Backend
+from mesh.config import MeshSettings
+from mesh.connection import Connection
+from mesh.generate import generate_into
+from mesh.logs import get_logger, log_unknown_fields, trace_id
+from mesh.metrics import WorkerMetrics
+from mesh.queue import trace_headers
+from mesh.tasks import TaskSet
+from mesh.tracing import Tracing
+from protocol.codec import decode_request, error_event
+from protocol.errors import (
+    CancelledByClientError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    MeshError,
+)
+from protocol.messages import InferRequest
+from protocol.stream import AnswerWriter, request_fingerprint
+from protocol.subjects import scope_of, token_subject
+
+log = get_logger(__name__)
+
+
+class Handler:
+    """Serves the requests a worker's puller delivers, one task each (:meth:`handle`)."""
+
+    def __init__(
+        self,
+        settings: MeshSettings,
+        conn: Connection,
+        backend: Backend,
+        *,
+        store: AnswerStore,
+        keeper: Keeper,
+        leases: Leases,
+        takeover: Takeover,
+        outcomes: Outcomes,
+        settler: Settler,
+        cancels: CancelBook,
+        tasks: TaskSet,
+        tracing: Tracing,
+        metrics: WorkerMetrics,
+        count: Callable[..., None],
+        republished: Callable[[AnswerPublisher], None],
+    ) -> None:
+        self.settings = settings
+        self.conn = conn
+        self.backend = backend
+        self.node_id = settings.worker.node_id
+        self.store = store
+        self.keeper = keeper
+        self.leases = leases
+        self.takeover = takeover
+        self.outcomes = outcomes
+        self.settler = settler
+        self.cancels = cancels
+        self._tasks = tasks
+        """Where progress reports run (the worker's own tasks)."""
+        self.tracing = tracing
+        self.metrics = metrics
+        self.count = count
+        """Counts one delivery's outcome (``count("failed", code)``)."""
+        self.republished = republished
+        """Counts the events a publisher published again."""
+        self._ws = settings.worker
+        self._stream = settings.stream
+        self.inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
+        """Requests being served, by token subject (cancels find them here)."""
+        self.publishers: dict[str, AnswerPublisher] = {}
+        """Their publishers (a reconnect has each catch up)."""
+        self.ack = ack
+        """Acks a served request without waiting (:func:`cloud_node.outcomes.ack`)."""
+
+    async def handle(self, msg: Msg) -> None:
+        """One delivery, in its own task; returns once the queue message is acked, handed back
+        or left to its redelivery, never raising for the request's sake."""
+        attempt = msg.metadata.num_delivered
+        if attempt > 1:
+            self.metrics.redeliveries.inc()
+        request: InferRequest | None = None
+        scope: str | None = None
+        try:
+            request, fmt = decode_request(
+                msg.data,
+                msg.headers,
+                limits=self.settings.limits.request_limits(),
+                strict=self.settings.strict_decode,
+                on_unknown=log_unknown_fields,
+            )
+            scope = scope_of(msg.subject)
+            if scope is None:
+                raise InvalidRequestError(
+                    f"queued on {msg.subject!r}: requests go to mesh.v1.infer.<model>.<scope>",
+                    request_id=request.id,
+                )
+            address = token_subject(scope, request.id)
+            check(request, address, self.backend.model, self.cancels)
+        except MeshError as err:
+            if request is not None and request.deferrable and scope is not None:
+                kept = await self.outcomes.kept_or_nak(
+                    msg, scope, request, error_event(err, request.id)
+                )
+                if not kept:
+                    return
+            await self.outcomes.reject(msg, err, attempt)
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self.inflight[address] = (task, request)
+        traced = trace_headers(msg.headers)
+        traced_id = trace_id(traced.get("traceparent"))
+        with structlog.contextvars.bound_contextvars(
+            request_id=request.id,
+            node_id=self.node_id,
+            subject=msg.subject,
+            attempt=attempt,
+            **traced,
+            **({"trace_id": traced_id} if traced_id else {}),
+        ):
+            try:
+                with self.tracing.span(
+                    "mesh.worker.request",
+                    msg.headers,
+                    **{"mesh.request_id": request.id, "mesh.attempt": attempt},
+                ):
+                    await self._serve(msg, request, scope, fmt.reply_format, attempt)
+            finally:
+                self.inflight.pop(address, None)
+
+    async def _serve(
+        self, msg: Msg, request: InferRequest, scope: str, fmt: Any, attempt: int
+    ) -> None:
+        queued_ms = max(0.0, (time.time() - msg.metadata.timestamp.timestamp()) * 1000)
+        publisher = AnswerPublisher(
+            self.conn, self.store, scope, request.id, fmt, timeout=self._ws.publish_timeout
+        )
+        address = publisher.subject
+        fingerprint = request_fingerprint(request)  # once: a hash of the whole conversation
+        lease: Lease | None = None
+        if request.deferrable:
+            claimed = await self._claim(scope, request, msg.metadata.sequence.stream, fingerprint)
+            if claimed == OTHER_COPY:  # that copy is still queued, or its answer is kept
+                self.count("other_copy")
+                log.info("another copy of this request is being answered; acking this one")
+                await self.ack(msg)
+                return
+            lease = claimed if isinstance(claimed, Lease) else None
+        history = await self.takeover.history(request, fingerprint, publisher, attempt)
+        writer = AnswerWriter(
+            request.id, attempt=attempt, node=f"cloud:{self.node_id}", fingerprint=fingerprint
+        )
+        if history is not None and history.done:
+            await self.takeover.already_done(msg, publisher, history, request, scope)
+            return
+        if request.deferrable and await self.keeper.exists(scope, request.id):
+            # Forwarded again after its answer was kept (a flap outlived the dedupe window).
+            self.count("already_done")
+            log.info("answer already kept; acking without generating")
+            await self.ack(msg)
+            return
+        started_before = history is not None and history.started
+        if not started_before and request.start_by is not None and time.time() >= request.start_by:
+            late = DeadlineExceededError(
+                "no worker could start the request before its start_by time",
+                request_id=request.id,
+            )
+            if request.deferrable and not await self.outcomes.kept_or_nak(
+                msg, scope, request, error_event(late, request.id)
+            ):
+                return
+            await self.outcomes.reject(msg, late, attempt)
+            return
+        if history is not None and history.started:
+            # Another copy's attempts may be in the store too (a request that can wait, queued
+            # twice): this attempt numbers after all of them. ``attempt`` stays the delivery
+            # count, which decides retries.
+            writer = self.takeover.writer(request, history, max(attempt, history.attempt + 1))
+        generating = asyncio.current_task()
+        assert generating is not None
+        keepalive = KeepAlive(
+            self._tasks,
+            self._stream.ack_wait * self._ws.progress_fraction,
+            msg=msg,
+            lease=lease,
+            ack_wait=self._stream.ack_wait,
+            leases=self.leases,
+            claim=lambda copy, fingerprint: self._claim(scope, request, copy, fingerprint),
+            generating=generating,
+        )
+        self.publishers[address] = publisher
+        try:
+            await publisher.send(writer.start())
+            gen = await generate_into(self.backend, request, writer, publisher.send, self._ws)
+            timings = gen.timings(since=gen.started, queue_ms=queued_ms)
+            end = writer.end(
+                finish_reason=gen.finish_reason,
+                usage=gen.usage,
+                timings=timings,
+                served_by=f"cloud:{self.node_id}",
+                routing=request.routing,
+            )
+            stored = await publisher.finish(end)
+            self.republished(publisher)
+            if not stored:  # acked all the same; its events still go to the store when it can
+                self.settler.later(publisher)
+            if request.deferrable and not await self._keep(msg, scope, request, publisher):
+                return
+            await self.ack(msg)
+            self.count("completed")
+            self.metrics.observe(gen, timings)
+            log.info(
+                "request done",
+                tokens=gen.usage.completion_tokens,
+                positions=end.seq,
+                resumed_at=writer.resume.seq,
+                queue_ms=timings.queue_ms,
+                ttft_ms=timings.ttft_ms,
+                total_ms=timings.total_ms,
+                stored=stored,
+            )
+        except asyncio.CancelledError:
+            if self.cancels.cancels(address, request):
+                self.count("cancelled")
+                log.info("request cancelled by client")
+                cancelled = CancelledByClientError("cancelled", request_id=request.id)
+                with contextlib.suppress(MeshError, nats.errors.Error):
+                    await publisher.finish(writer.error(cancelled))
+                    if request.deferrable:  # asked for again by id, it says so
+                        await self.keeper.keep(
+                            scope, request, None, error_event(cancelled, request.id)
+                        )
+                    await msg.ack()  # not acked: the redelivery is refused, kept and answered
+                return  # the cancel was ours to act on; the task ends normally
+            # Shutdown or a lost lease: give it back so another worker continues it promptly,
+            # after what this attempt generated (the next one resumes from the store).
+            self.count("requeued")
+            await self.conn.flush_outbox()
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak()
+            raise
+        except MeshError as err:
+            await self.outcomes.failed(msg, publisher, writer, err, attempt, request=request)
+        except Exception as exc:  # a bug: answer typed, keep the worker alive
+            log.exception("request crashed")
+            await self.outcomes.failed(
+                msg,
+                publisher,
+                writer,
+                MeshError(f"worker failure: {type(exc).__name__}", retryable=True),
+                attempt,
+                request=request,
+            )
+        finally:
+            keepalive.stop()
+            self.publishers.pop(address, None)
+
+    async def _keep(
+        self, msg: Msg, scope: str, request: InferRequest, publisher: AnswerPublisher
+    ) -> bool:
+        """Keep a finished answer for its site; False when it cannot be kept now. The message
+        is then handed back, not failed (its answer is out already): a later delivery finds it
+        done and keeps it without generating again."""
+        try:
+            await self.keeper.keep(scope, request, publisher)
+        except MeshError as err:
+            log.warning("answer not kept; handing the request back", error=err.message)
+            self.count("requeued")
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return False
+        return True
+
+    async def _claim(
+        self, scope: str, request: InferRequest, copy: int, fingerprint: str
+    ) -> Lease | str | None:
+        """The lease for queued copy ``copy`` of a request that can wait (see
+        :meth:`Leases.claim`); a copy whose answer is kept already counts as answered."""
+        return await self.leases.claim(
+            scope, request.id, copy, fingerprint, lambda: self.keeper.exists(scope, request.id)
+        )
