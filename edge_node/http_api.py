@@ -29,7 +29,7 @@ from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
 from mesh.logs import get_logger
 from mesh.metrics import exposition
 from mesh.queue import trace_headers
-from protocol.codec import error_event, to_exception
+from protocol.codec import check_nesting, error_event, to_exception
 from protocol.errors import (
     BadPayloadError,
     IncompleteAnswerError,
@@ -270,10 +270,11 @@ class EdgeHTTP:
             ) from None
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadPayloadError(f"invalid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # nested too deep; a number too long
+            raise BadPayloadError(f"invalid JSON: {str(exc)[:200]}") from None
         if not isinstance(data, dict):
             raise InvalidRequestError("the body must be a JSON object")
+        check_nesting(data)
         body = parse(kind, data)
         edge = self.edge
         model = body.model or edge.backend.model

@@ -19,7 +19,13 @@ from edge_node.records import NatsSink, Record
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.queue import trace_headers
 from protocol.codec import CONTENT_TYPE, decode_request, dump, error_event, load, sniff
-from protocol.errors import InvalidRequestError, MeshError, OverloadedError, UnavailableError
+from protocol.errors import (
+    CancelledByClientError,
+    InvalidRequestError,
+    MeshError,
+    OverloadedError,
+    UnavailableError,
+)
 from protocol.subjects import is_reply_inbox, is_token, sender_scope
 
 if TYPE_CHECKING:
@@ -96,8 +102,19 @@ class NatsIntake:
         record, inbox = self._own_record(request)
         cancelled = record is not None and record.task is not None
         if record is not None and record.task is not None:
-            log.info("cancel from the client", request_id=record.client_id)
-            record.task.cancel()
+            mine = [s for s in record.sinks if getattr(s, "inbox", None) == inbox]
+            others = [s for s in record.sinks if getattr(s, "inbox", None) != inbox]
+            if others:
+                # Another sender of the same request still reads it: only this one leaves.
+                log.info("reader of a joined request left", request_id=record.client_id)
+                record.sinks[:] = others
+                error = CancelledByClientError("cancelled", request_id=record.client_id)
+                for sink in mine:
+                    with contextlib.suppress(MeshError):
+                        await sink.send(error_event(error, record.client_id))
+            else:
+                log.info("cancel from the client", request_id=record.client_id)
+                record.task.cancel()
         elif record is None and inbox:
             self.node.metrics.inc("refused.cancel")  # not the sender's inbox, or an unknown id
         if reply_of(request):
@@ -140,7 +157,7 @@ class NatsIntake:
             try:
                 raw = json.loads(request.data or b"{}")
                 attempt, seq = int(raw.get("attempt", 0)), int(raw.get("seq", 0))
-            except (ValueError, TypeError, AttributeError):
+            except (ValueError, TypeError, AttributeError, OverflowError):
                 attempt, seq = 0, 0
             sink = next(s for s in record.sinks if getattr(s, "inbox", None) == inbox)
             for event in record.lacking(attempt, seq):

@@ -55,6 +55,7 @@ from protocol.errors import (
     DuplicateRequestError,
     ErrorCode,
     MeshError,
+    OverloadedError,
     UnavailableError,
     UnknownModelError,
 )
@@ -297,7 +298,13 @@ class EdgeNode(Lifecycle):
             return None
         if not new:
             self.metrics.inc("rejoined")
-            await record.attach(sink)
+            try:
+                await record.attach(sink)
+            except OverloadedError as err:
+                self.metrics.inc("error.overloaded")
+                with contextlib.suppress(MeshError):
+                    await sink.send(error_event(err, req.id))
+                return None
             return record
         record.sinks.append(sink)
         record.task = asyncio.current_task()

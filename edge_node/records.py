@@ -27,7 +27,7 @@ import nats.errors
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event
-from protocol.errors import DuplicateRequestError, MeshError, status_of
+from protocol.errors import DuplicateRequestError, MeshError, OverloadedError, status_of
 from protocol.messages import EndEvent, ErrorEvent, StartEvent, TokenEvent, WireEvent
 from protocol.stream import AnswerState
 
@@ -35,6 +35,8 @@ log = get_logger(__name__)
 SERVICE_ERROR = "Nats-Service-Error"
 SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 MAX_RECORDS = 10_000
+MAX_SINKS = 16
+"""Readers one request in flight may have (its sender's re-sends joined to it)."""
 
 
 class Sink(Protocol):
@@ -142,8 +144,17 @@ class Record:
         await self.emit(self.state.fail(error).out)
 
     async def attach(self, sink: Sink) -> None:
-        """A second sink for the same request: what was sent so far, then the rest live."""
-        self.sinks.append(sink)
+        """A second sink for the same request: what was sent so far, then the rest live.
+        Raises :class:`OverloadedError` when the request already has ``MAX_SINKS`` readers."""
+        if not self.done:  # a finished answer is only sent again: nothing more will come
+            if len(self.sinks) >= MAX_SINKS:
+                raise OverloadedError(
+                    f"request id {self.client_id!r} already has {len(self.sinks)} readers here; "
+                    "ask again once it is answered",
+                    retry_after=1.0,
+                    request_id=self.client_id,
+                )
+            self.sinks.append(sink)
         for event in list(self.log):
             try:
                 await sink.send(event)

@@ -82,6 +82,24 @@ class RequestLimits:
 
 
 UnknownFieldsHook = Callable[[str, frozenset[str]], None]
+MAX_NESTING = 64
+"""Deepest nesting of maps and lists a request may have (a JSON schema included): deeper ones
+would make hashing or encoding the request recurse past Python's limit."""
+
+
+def check_nesting(value: Any, limit: int = MAX_NESTING, request_id: str | None = None) -> None:
+    """Raise :class:`InvalidRequestError` when ``value`` nests maps/lists deeper than ``limit``."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        children = item.values() if isinstance(item, dict) else item
+        if depth > limit:
+            raise InvalidRequestError(
+                f"the request nests deeper than {limit} levels", request_id=request_id
+            )
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def sniff(data: bytes, headers: Mapping[str, str] | None = None) -> WireFormat:
@@ -119,6 +137,8 @@ def load(data: bytes, fmt: WireFormat) -> Any:
         raise BadPayloadError(
             f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+    except (RecursionError, ValueError) as exc:  # nested too deep; a number too long to read
+        raise BadPayloadError(f"unreadable JSON: {str(exc)[:120]}") from None
 
 
 def dump(message: BaseModel, fmt: WireFormat) -> bytes:
@@ -172,6 +192,7 @@ def decode_request(
             f"a request must be a map/object or a text prompt, not {type(raw).__name__}"
         )
     request_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+    check_nesting(raw, request_id=request_id)
     unknown = frozenset(str(k) for k in raw) - _REQUEST_FIELDS
     if unknown:
         if strict:
@@ -303,8 +324,10 @@ def invalid_request_error(exc: ValidationError, request_id: str | None) -> Inval
 __all__ = [
     "CONTENT_TYPE",
     "MAX_TOKENS_CEILING",
+    "MAX_NESTING",
     "RequestLimits",
     "WireFormat",
+    "check_nesting",
     "decode_event",
     "decode_request",
     "dump",

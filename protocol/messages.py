@@ -103,7 +103,8 @@ class InferRequest(_Wire):
     temperature: float = Field(default=0.7, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    """Within 64 bits: what msgpack carries to a worker."""
     deadline: float | None = Field(default=None, gt=0)
     """Absolute time (Unix seconds) by which the answer must be complete."""
     start_by: float | None = Field(default=None, gt=0)
