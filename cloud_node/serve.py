@@ -27,7 +27,7 @@ from cloud_node.lease import OTHER_COPY, Lease, Leases
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive
 from cloud_node.publisher import AnswerPublisher, Settler
-from cloud_node.takeover import Takeover
+from cloud_node.takeover import Takeover, Unread, unseen_attempt
 from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -176,9 +176,14 @@ class Handler:
                 await self.ack(msg)
                 return
             lease = claimed if isinstance(claimed, Lease) else None
-        history = await self.takeover.history(request, fingerprint, publisher, attempt)
+        found = await self.takeover.history(request, fingerprint, publisher, attempt)
+        history = None if found is Unread.STORE else found
         writer = AnswerWriter(
-            request.id, attempt=attempt, node=f"cloud:{self.node_id}", fingerprint=fingerprint
+            request.id,
+            # Another copy may have begun it unseen: number above it (see unseen_attempt).
+            attempt=unseen_attempt() if found is Unread.STORE else attempt,
+            node=f"cloud:{self.node_id}",
+            fingerprint=fingerprint,
         )
         if history is not None and history.done:
             await self.takeover.already_done(msg, publisher, history, request, scope)

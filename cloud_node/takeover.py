@@ -5,7 +5,9 @@ stored already) make that outcome final without generating again."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
+from enum import Enum
 from typing import Any
 
 import nats.errors
@@ -20,6 +22,23 @@ from protocol.messages import ErrorEvent, InferRequest
 from protocol.stream import AnswerState, AnswerWriter, Resume
 
 log = get_logger(__name__)
+
+
+class Unread(Enum):
+    """What :meth:`Takeover.history` finds for a request that can wait when the answer store
+    cannot be read: another queued copy may have begun the answer, unseen."""
+
+    STORE = "the answer store could not be read"
+
+
+def unseen_attempt() -> int:
+    """An attempt number above any the answer store can hold: microseconds since the epoch
+    (about 1.8e15, exact in JSON's doubles too). Given to a copy of a request that can wait
+    which could not read the store: another copy may have begun the answer unseen, numbered
+    from 1, and readers would take two attempts numbered alike for one and mix their tokens.
+    Numbered above, this attempt's start is the newest: readers start over with it, and drop
+    the other copy's later events. Attempts that read the store later number after it."""
+    return time.time_ns() // 1000
 
 
 class Takeover:
@@ -51,18 +70,18 @@ class Takeover:
 
     async def history(
         self, request: InferRequest, fingerprint: str, publisher: AnswerPublisher, attempt: int
-    ) -> AnswerState | None:
+    ) -> AnswerState | Unread | None:
         """What earlier attempts left in the answer store (None on a first delivery of a request
         that cannot wait, or when the store cannot be read: then the answer starts over). A
         request that can wait is looked up on its first delivery too: it may be a second copy of
-        one another copy began."""
+        one another copy began; when the store cannot be read, :attr:`Unread.STORE` says so."""
         if (attempt == 1 and not request.deferrable) or not self.store.enabled:
             return None
         try:
             events = await self.store.replay(publisher.subject)
         except MeshError as err:
             log.warning("cannot read the answer store; starting over", error=err.message)
-            return None
+            return Unread.STORE if request.deferrable else None
         state = AnswerState(request.id, fingerprint=fingerprint)
         state.feed_all(events)
         return state

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from nats.aio.msg import Msg
@@ -18,15 +19,17 @@ from nats.js import api
 from cloud_node.lease import Lease
 from cloud_node.worker import Worker
 from mesh.answer_store import ensure_answer_stream
+from mesh.backends.base import Chunk
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.hub import provision_hub
 from mesh.nats_server import NatsServer
+from mesh.reader import AnswerReader
 from protocol.codec import decode_event
 from protocol.errors import UnavailableError
 from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
-from protocol.stream import request_fingerprint
+from protocol.stream import AnswerState, request_fingerprint
 from protocol.subjects import (
     ANSWERS_STREAM,
     LEASE_WILDCARD,
@@ -428,3 +431,58 @@ async def test_a_worker_without_its_lease_stream_still_answers_requests_that_can
                 await _queue_copy(conn, settings, "no-lease-1", "1")
                 await _acked_and_kept_whole(conn, settings, "no-lease-1", 20, "acked")
             assert backend.started == 1
+
+
+class _Marked(DeterministicBackend):
+    """The deterministic backend with every token marked by its worker: two workers' answers
+    to one prompt differ, so a reader that mixed them would show it."""
+
+    def __init__(self, mark: str, token_delay_ms: int) -> None:
+        super().__init__(
+            ModelSettings(
+                backend="deterministic", name=MODEL, slots=1, token_delay_ms=token_delay_ms
+            )
+        )
+        self.mark = mark
+
+    async def generate(  # type: ignore[override]
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncIterator[Chunk]:
+        async with contextlib.aclosing(super().generate(request)) as chunks:
+            async for chunk in chunks:
+                yield replace(chunk, text=chunk.text.replace(" q", f" {self.mark}"))
+
+
+async def test_a_second_copy_that_cannot_read_the_store_never_mixes_with_the_first() -> None:
+    """Two queued copies of a request that can wait, no leases (their stream cannot be had),
+    and the answer store gone while the first copy's answer streams: the second copy cannot
+    see that the first began. It numbers its attempt above anything the store could hold, so a
+    reader takes it as the newest and starts over with it, rather than taking two attempts
+    numbered alike for one and mixing their tokens. The reader ends with one worker's whole
+    answer."""
+    async with NatsServer(port=-1) as server:
+        # The first copy's end waits for a store that is gone: 1 s, not 5, before it says so.
+        settings = make_settings(server.url, worker__publish_timeout=1.0)
+        async with Connection(settings.nats, "mix") as conn:
+            await conn.jsm().add_stream(api.StreamConfig(name="SQUAT", subjects=[LEASE_WILDCARD]))
+            rid = "mix-1"
+            reader = AnswerReader(conn, AnswerState(rid), None, what="the cloud")
+            await reader.subscribe(token_subject(SCOPE, rid))
+            slow, fast = _Marked("a", 60), _Marked("b", 5)
+            got: list[object] = []
+            async with _worker(settings, conn, "mix-a", slow):
+                await _queue_copy(conn, settings, rid, "1")
+                while reader.state.positions < 5:  # the first copy's answer is under way
+                    got.extend(await reader.next(10))
+                async with _worker(settings, conn, "mix-b", fast) as b:
+                    await conn.jsm().delete_stream(settings.stream.answer_stream)
+                    await _queue_copy(conn, settings, rid, "2")
+                    while not reader.state.done:
+                        out = await reader.next(10)
+                        assert out, f"no outcome: {reader.state.missing()}"
+                        got.extend(out)
+                    assert fast.started == 1 and b.stats.fetched == 1
+            await reader.close()
+    outcome = reader.state.outcome
+    assert isinstance(outcome, EndEvent), outcome
+    assert reader.state.text() in ("".join(f" {m}{i}" for i in range(TOKENS)) for m in "ab")
