@@ -1,4 +1,14 @@
-"""Keeping a request the worker is generating: progress reports, and its lease refreshed."""
+"""Keeping a request the worker is generating: progress reports, and its lease refreshed.
+
+A worker that stood still (its process paused, its event loop stalled) or lost its link for
+most of ``ack_wait`` may no longer hold its delivery: JetStream may have given the request to
+another worker, which continues the answer as a newer attempt. Acks, naks and terms name the
+message, not the delivery, so a stale one would let go of the other worker's delivery too (an
+ack deletes the request while that worker still answers it). :class:`KeepAlive` notices such a
+lapse; from then on this worker does not settle the message (the holder of the newest delivery,
+or a redelivery that finds the outcome stored, does), and once the answer store shows a newer
+attempt it stops generating.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +22,15 @@ from nats.aio.msg import Msg
 from cloud_node.lease import OTHER_COPY, Lease, Leases
 from mesh.logs import get_logger
 from mesh.tasks import TaskSet
+from protocol.errors import MeshError
 
 log = get_logger(__name__)
 
 Claim = Callable[[int, str], Awaitable[Lease | str | None]]
 """Take the lease again for (queued copy, fingerprint): see :meth:`Leases.claim`."""
+LAPSE_FRACTION = 0.8
+"""A gap of ack_wait x this since the delivery or the last progress report counts as a lapse:
+JetStream may have redelivered the request (reports normally come every ack_wait x 0.2)."""
 
 
 async def keep_alive(
@@ -29,6 +43,7 @@ async def keep_alive(
     claim: Claim,
     generating: asyncio.Task[Any],
     since: float,
+    keeper: KeepAlive,
 ) -> None:
     """Progress reports every ``interval``, the first at once (:class:`KeepAlive` starts this
     one interval into the generation). The lease (if any) is refreshed with them, at most every
@@ -36,12 +51,20 @@ async def keep_alive(
     times as many); ``since`` is the loop time the generation began, a little after the lease
     was taken. A lease lost to another copy (it lapsed while this worker could not reach the
     store) hands this copy back: ``generating`` is cancelled, the other copy is answered, and
-    this one is let go."""
+    this one is let go. After a lapse (see :class:`KeepAlive`), a newer attempt in the answer
+    store stops this one: ``generating`` is cancelled and the message left to its holder."""
     loop = asyncio.get_running_loop()
     refreshed = since
     while True:
+        if keeper.lapsed() and await keeper.superseded():
+            log.warning("another worker took the request over while this one stood still; stopping")
+            keeper.stopped = True
+            generating.cancel()  # neither acked nor handed back: the delivery is not ours
+            return
         try:
             await msg.in_progress()
+            if keeper.connected():  # else nats-py only buffered it: JetStream has not heard
+                keeper.reported = loop.time()
         except nats.errors.Error as exc:
             log.warning("in_progress failed", error=repr(exc))
         if lease is not None and loop.time() - refreshed >= ack_wait / 2:
@@ -58,19 +81,58 @@ async def keep_alive(
 
 class KeepAlive:
     """Starts :func:`keep_alive` one ``interval`` into a generation, so that an answer done
-    sooner (most short ones) costs a timer, not a task; :meth:`stop` ends either."""
+    sooner (most short ones) costs a timer, not a task; :meth:`stop` ends either.
 
-    def __init__(self, tasks: TaskSet, interval: float, **kwargs: Any) -> None:
+    ``received``: the loop time the delivery arrived. ``newer_attempt``: whether the answer
+    store holds an attempt newer than this one (read only after a lapse). ``connected``:
+    whether the worker's connection is up; a report made while it is down does not count (a
+    link down that long is a lapse too)."""
+
+    def __init__(
+        self,
+        tasks: TaskSet,
+        interval: float,
+        *,
+        received: float,
+        newer_attempt: Callable[[], Awaitable[bool]],
+        connected: Callable[[], bool],
+        **kwargs: Any,
+    ) -> None:
         loop = asyncio.get_running_loop()
         self._task: asyncio.Task[Any] | None = None
         since = loop.time()
+        self.reported = received
+        """Loop time of the last progress report (at first: the delivery's arrival)."""
+        self._limit = kwargs["ack_wait"] * LAPSE_FRACTION
+        self._lapsed = False
+        self._newer_attempt = newer_attempt
+        self.connected = connected
+        self.stopped = False
+        """Generation was stopped: a newer attempt took the request over."""
 
         def begin() -> None:
             self._task = tasks.spawn(
-                keep_alive(interval=interval, since=since, **kwargs), name="in-progress"
+                keep_alive(interval=interval, since=since, keeper=self, **kwargs),
+                name="in-progress",
             )
 
         self._timer = loop.call_later(interval, begin)
+
+    def lapsed(self) -> bool:
+        """Whether this worker went ack_wait x LAPSE_FRACTION without reporting progress: its
+        delivery may be another worker's by now, so it must not ack, nak or term the message."""
+        if not self._lapsed and asyncio.get_running_loop().time() - self.reported >= self._limit:
+            self._lapsed = True
+            log.warning("progress reports lapsed; the request may have been redelivered")
+        return self._lapsed
+
+    async def superseded(self) -> bool:
+        """After a lapse: whether the answer store holds a newer attempt (False if unreadable)."""
+        try:
+            return await self._newer_attempt()
+        except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("cannot tell whether the request was taken over", error=repr(exc))
+            return False
 
     def stop(self) -> None:
         self._timer.cancel()

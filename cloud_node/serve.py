@@ -45,7 +45,7 @@ from protocol.errors import (
     InvalidRequestError,
     MeshError,
 )
-from protocol.messages import InferRequest
+from protocol.messages import InferRequest, StartEvent
 from protocol.stream import AnswerWriter, request_fingerprint
 from protocol.subjects import scope_of, token_subject
 
@@ -105,6 +105,7 @@ class Handler:
     async def handle(self, msg: Msg) -> None:
         """One delivery, in its own task; returns once the queue message is acked, handed back
         or left to its redelivery, never raising for the request's sake."""
+        received = asyncio.get_running_loop().time()
         attempt = msg.metadata.num_delivered
         if attempt > 1:
             self.metrics.redeliveries.inc()
@@ -154,12 +155,12 @@ class Handler:
                     msg.headers,
                     **{"mesh.request_id": request.id, "mesh.attempt": attempt},
                 ):
-                    await self._serve(msg, request, scope, fmt.reply_format, attempt)
+                    await self._serve(msg, request, scope, fmt.reply_format, attempt, received)
             finally:
                 self.inflight.pop(address, None)
 
-    async def _serve(
-        self, msg: Msg, request: InferRequest, scope: str, fmt: Any, attempt: int
+    async def _serve(  # noqa: PLR0917
+        self, msg: Msg, request: InferRequest, scope: str, fmt: Any, attempt: int, received: float
     ) -> None:
         queued_ms = max(0.0, (time.time() - msg.metadata.timestamp.timestamp()) * 1000)
         publisher = AnswerPublisher(
@@ -213,9 +214,13 @@ class Handler:
             writer = self.takeover.writer(request, history, max(attempt, history.attempt + 1))
         generating = asyncio.current_task()
         assert generating is not None
+        ours = writer.attempt
         keepalive = KeepAlive(
             self._tasks,
             self._stream.ack_wait * self._ws.progress_fraction,
+            received=received,
+            newer_attempt=lambda: self._newer_attempt(address, ours),
+            connected=lambda: self.conn.connected,
             msg=msg,
             lease=lease,
             ack_wait=self._stream.ack_wait,
@@ -239,9 +244,12 @@ class Handler:
             self.republished(publisher)
             if not stored:  # acked all the same; its events still go to the store when it can
                 self.settler.later(publisher)
-            if request.deferrable and not await self._keep(msg, scope, request, publisher):
+            if keepalive.lapsed():  # the delivery may be another worker's: it settles the message
+                log.warning("answer done after a lapse; leaving the request to its holder")
+            elif request.deferrable and not await self._keep(msg, scope, request, publisher):
                 return
-            await self.ack(msg)
+            else:
+                await self.ack(msg)
             self.count("completed")
             self.metrics.observe(gen, timings)
             log.info(
@@ -267,17 +275,26 @@ class Handler:
                         )
                     await msg.ack()  # not acked: the redelivery is refused, kept and answered
                 return  # the cancel was ours to act on; the task ends normally
+            if keepalive.stopped:  # a newer attempt took it over while this worker stood still
+                self.count("superseded")
+                return
             # Shutdown or a lost lease: give it back so another worker continues it promptly,
             # after what this attempt generated (the next one resumes from the store).
             self.count("requeued")
             await self.conn.flush_outbox()
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak()
+            if not keepalive.lapsed():  # else not ours to give back: its holder continues it
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak()
             raise
         except MeshError as err:
+            if keepalive.lapsed():  # not ours to fail: its holder (or redelivery) continues it
+                log.warning("generation failed after a lapse", code=err.code.value)
+                return
             await self.outcomes.failed(msg, publisher, writer, err, attempt, request=request)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
+            if keepalive.lapsed():
+                return
             await self.outcomes.failed(
                 msg,
                 publisher,
@@ -289,6 +306,13 @@ class Handler:
         finally:
             keepalive.stop()
             self.publishers.pop(address, None)
+
+    async def _newer_attempt(self, address: str, attempt: int) -> bool:
+        """Whether the answer store holds an attempt newer than ``attempt``: another worker took
+        the request over (read only after this worker's progress reports lapsed)."""
+        timeout = min(self._ws.publish_timeout, 0.2 * self._stream.ack_wait)
+        events = await self.store.replay(address, timeout=timeout)
+        return any(isinstance(e, StartEvent) and e.attempt > attempt for e in events)
 
     async def _keep(
         self, msg: Msg, scope: str, request: InferRequest, publisher: AnswerPublisher

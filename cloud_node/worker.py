@@ -87,6 +87,8 @@ class WorkerStats:
     """Cancels whose key did not match the request's."""
     max_deliveries: int = 0
     """Requests answered with max_deliveries after the last delivery's worker died."""
+    superseded: int = 0
+    """Generations stopped after this worker stood still (paused) and another took them over."""
 
 
 class Worker(Lifecycle):

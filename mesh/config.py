@@ -254,10 +254,11 @@ class WorkerSettings(_Section):
 
     fetch_timeout: float = Field(default=2.0, gt=0)
     """Seconds a pull request waits for work; also bounds how fast intake stops on shutdown."""
-    progress_fraction: float = Field(default=0.2, gt=0, lt=1)
+    progress_fraction: float = Field(default=0.2, gt=0, le=0.5)
     """Tell JetStream 'in progress' every ack_wait x this while generating (1 s by default: a
     link that drops for a few seconds does not cost a redelivery, a dead worker is noticed after
-    ack_wait)."""
+    ack_wait). At most 0.5: a worker that goes ack_wait x 0.8 without a report takes its
+    delivery for lost (:mod:`cloud_node.progress`)."""
     stall_timeout: float = Field(default=30.0, gt=0)
     """Seconds the engine may go without producing a token before the worker gives the request
     up as hung and hands it to another worker."""

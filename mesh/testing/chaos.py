@@ -3,6 +3,8 @@ a cuttable link, exact answers.
 
 - :class:`MeshProcess`: a real ``mesh worker`` or ``mesh edge`` process on the deterministic
   backend; killed by its own PID only.
+- :func:`paused`: SIGSTOP one process by its PID for a block, SIGCONT when the block ends: the
+  process comes back with the state it had (a delivery it no longer holds, a lease since lost).
 - :class:`TcpProxy`: a loopback TCP relay in front of nats-server; ``cut(seconds)`` drops every
   connection through it and refuses new ones for that long.
 - :class:`Server`: a nats-server with file storage on a fixed port and store directory, so it
@@ -23,6 +25,7 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,6 +200,19 @@ class TcpProxy:
                 self._writers.discard(writer)
 
 
+# -- paused processes ----------------------------------------------------------------------
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """SIGSTOP ``pid`` (one process, by its PID) for the ``with`` block, and SIGCONT it when the
+    block ends, however it ends. The connections stay open: nobody sees a disconnect."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 # -- mesh processes ------------------------------------------------------------------------
 @dataclass
 class MeshProcess:
@@ -238,6 +254,7 @@ class MeshProcess:
         if self.proc is None or self.proc.returncode is not None:
             return
         os.kill(self.proc.pid, signal.SIGTERM)
+        os.kill(self.proc.pid, signal.SIGCONT)  # a paused process acts on its SIGTERM
         try:
             await asyncio.wait_for(self.proc.wait(), timeout)
         except asyncio.TimeoutError:
