@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from edge_node.records import Record
 from mesh.logs import get_logger
 from mesh.queue import CloudCall
+from mesh.tasks import raise_if_cancelled
 from protocol.errors import DeadlineExceededError, ErrorCode, MeshError, UnavailableError
 from protocol.messages import (
     EndEvent,
@@ -191,6 +192,7 @@ class CloudRelay:
             stream.ack_wait + self.edge.settings.worker.fetch_timeout + es.cloud_first_token_timeout
         )
         while True:
+            raise_if_cancelled()
             now = clock()
             if now >= hard_end:
                 raise DeadlineExceededError(
@@ -265,3 +267,4 @@ class CloudRelay:
         if self.tried:
             update["fallback"] = f"served by the {self.req.model!r} pool after {self.tried}"
         return end.model_copy(update=update)
+

@@ -30,6 +30,7 @@ from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.tasks import raise_if_cancelled
 from protocol.codec import decode_event
 from protocol.errors import IncompleteAnswerError, MeshError, UnavailableError
 from protocol.messages import Answer, WireEvent
@@ -118,6 +119,7 @@ class AnswerReader:
         connection is closed or nobody serves the subject."""
         deadline = time.monotonic() + max(0.0, timeout)
         while not self.state.done:
+            raise_if_cancelled()
             now = time.monotonic()
             if self._send_again_at is not None and now >= self._send_again_at:
                 assert self._unserved is not None
