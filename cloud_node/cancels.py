@@ -36,21 +36,32 @@ def allows(request: InferRequest, key: str) -> bool:
 
 class CancelBook:
     """A bounded map of recently cancelled ids to the keys their cancels carried; each entry is
-    forgotten ``ttl`` seconds after its last cancel."""
+    forgotten ``ttl`` seconds after its last cancel.
 
-    def __init__(self, ttl: float, max_size: int = 10_000) -> None:
+    Anyone may send cancels in their own scope, with ids of their choosing: one scope holds at
+    most ``per_scope`` entries (its own oldest go first), so that a flood of cancels in one scope
+    cannot push another scope's cancels out before their requests are fetched."""
+
+    def __init__(self, ttl: float, max_size: int = 20_000, per_scope: int = 5_000) -> None:
         self._ttl = ttl
         self._max = max_size
+        self._per_scope = min(per_scope, max_size)
         self._ids: OrderedDict[str, tuple[float, set[str]]] = OrderedDict()
+        self._scopes: dict[str, OrderedDict[str, None]] = {}
+        """Each scope's entries, oldest first (the addresses in ``_ids``)."""
 
     def add(self, address: str, key: str = NO_KEY) -> None:
         self._expire()
-        keys = self._ids.pop(address, (0.0, set()))[1]
+        keys = self._forget(address)
         if len(keys) < 8:
             keys.add(key)
         self._ids[address] = (time.monotonic() + self._ttl, keys)
+        own = self._scopes.setdefault(_scope_of(address), OrderedDict())
+        own[address] = None
+        while len(own) > self._per_scope:
+            self._forget(next(iter(own)))
         while len(self._ids) > self._max:
-            self._ids.popitem(last=False)
+            self._forget(next(iter(self._ids)))
 
     def cancels(self, address: str, request: InferRequest) -> bool:
         """True when a remembered cancel for ``address`` (the request's token subject) acts on
@@ -63,10 +74,28 @@ class CancelBook:
         self._expire()
         return address in self._ids
 
+    def _forget(self, address: str) -> set[str]:
+        """Drop ``address`` (its keys are returned; empty when it was not there)."""
+        entry = self._ids.pop(address, None)
+        if entry is None:
+            return set()
+        scope = _scope_of(address)
+        own = self._scopes.get(scope)
+        if own is not None:
+            own.pop(address, None)
+            if not own:
+                del self._scopes[scope]
+        return entry[1]
+
     def _expire(self) -> None:
         now = time.monotonic()
         while self._ids:
             oldest, (expires, _keys) = next(iter(self._ids.items()))
             if expires > now:
                 break
-            del self._ids[oldest]
+            self._forget(oldest)
+
+
+def _scope_of(address: str) -> str:
+    """The scope of a token subject ``mesh.v1.tok.<scope>.<id>``."""
+    return address.rpartition(".")[0].rpartition(".")[2]

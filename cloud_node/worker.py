@@ -53,6 +53,7 @@ from protocol.subjects import (
     CANCEL_WILDCARD,
     address_of,
     consumer_name,
+    is_reply_inbox,
     is_token,
     model_token,
     token_subject,
@@ -370,7 +371,11 @@ class Worker(Lifecycle):
         self._cancels.add(address, key)
         entry = self.handler.inflight.get(address)
         held = entry is not None and allows(entry[1], key)
-        if msg.reply:  # an addressed cancel: say whether it found the request here
+        # An addressed cancel: say whether it found the request here, to the sender's own inbox
+        # only. The reply subject is the sender's word: named as a mesh or server subject (a
+        # kept answer, a registry key, a JetStream API call), the worker's publish rights
+        # would write this reply there for the sender, in any scope.
+        if msg.reply and is_reply_inbox(msg.reply):
             with contextlib.suppress(nats.errors.Error):
                 await msg.respond(b'{"held": true}' if held else b'{"held": false}')
         if entry is None:
