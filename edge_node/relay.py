@@ -267,4 +267,3 @@ class CloudRelay:
         if self.tried:
             update["fallback"] = f"served by the {self.req.model!r} pool after {self.tried}"
         return end.model_copy(update=update)
-
