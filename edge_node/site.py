@@ -26,6 +26,7 @@ import hmac
 import json
 import time
 from collections import deque
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import nats.errors
@@ -93,6 +94,7 @@ class SiteStore:
         self.collected = 0
         self.forward_order: deque[str] = deque(maxlen=1000)
         """Ids of the latest forwarded requests, in the order they reached the hub."""
+        self._lane_secret = _lane_secret(self.settings.nats.creds_file)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -275,6 +277,19 @@ class SiteStore:
                         await asyncio.wait_for(asyncio.shield(msg.nak()), 1.0)
                     raise
 
+    def _queue_id(self, scope: str, request_id: str) -> str:
+        """The held request's message id in the hub's queue: ``<scope>.<id>``, so that a
+        repeat of its forward (or the same id held again, whatever its content) is dropped
+        there, then a tag only this site can make. JetStream drops a publish whose id it has
+        seen, whoever sent it, and a sender may put any id on a message in its own lane: with
+        ``<scope>.<id>`` alone, another site knowing an id could keep this site's request out
+        of the queue. The tag comes from the site's credentials (none on an open server, where
+        nothing keeps senders apart anyway)."""
+        if self._lane_secret is None:
+            return f"{scope}.{request_id}"
+        tag = hmac.new(self._lane_secret, request_id.encode(), hashlib.sha256).hexdigest()
+        return f"{scope}.{request_id}.{tag[:16]}"
+
     async def _forward(self, msg: Msg) -> None:
         """Publish one held request to the hub's queue, retrying until the hub acks it; then
         let the outbox copy go."""
@@ -282,7 +297,7 @@ class SiteStore:
         headers = {
             k: v for k, v in (msg.headers or {}).items() if k not in (MSG_ID_HEADER, HELD_ID_HEADER)
         }
-        headers[MSG_ID_HEADER] = f"{scope}.{_held_id(msg)}"
+        headers[MSG_ID_HEADER] = self._queue_id(scope, _held_id(msg))
         last_progress = time.monotonic()
         while True:
             try:
@@ -401,6 +416,16 @@ def _outbox_parts(subject: str) -> tuple[str, str]:
     """(model, scope) of ``mesh.v1.outbox.<model>.<scope>``."""
     parts = subject.split(".")
     return parts[3], parts[4]
+
+
+def _lane_secret(creds_file: str | None) -> bytes | None:
+    """A secret of this site's: a hash of its credentials file (its user's seed is in it)."""
+    if not creds_file:
+        return None
+    try:
+        return hashlib.sha256(Path(creds_file).expanduser().read_bytes()).digest()
+    except OSError:
+        return None
 
 
 def _held_id(msg: Msg) -> str:

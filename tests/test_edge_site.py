@@ -24,9 +24,11 @@ from mesh.client import Completion, MeshClient
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
+from mesh.queue import MSG_ID_HEADER
 from mesh.testing.chaos import TcpProxy
 from mesh_app.creds import Minted, mint
 from protocol.errors import DuplicateRequestError, MeshError, UnavailableError
+from protocol.subjects import infer_subject, token_subject
 from tests.helpers import eventually
 from tests.test_security import TEST_ENV, Certs, certs, read_env  # noqa: F401 - certs is a fixture
 
@@ -436,3 +438,38 @@ async def test_an_http_request_that_can_wait_is_kept_for_its_sender_only(
             assert resp.status == 200, again
             assert again["choices"][0]["message"]["content"] == expected("h", 6)
             assert topology.backend.started == generated  # kept, not generated again
+
+
+async def test_another_site_cannot_keep_a_held_request_out_of_the_hubs_queue(
+    topology: Topology,
+) -> None:
+    """JetStream drops a publish whose message id it has seen, whoever sent it, and a sender may
+    put any id on a message in its own lane. Site A queues a request of its own under the id
+    site B's forward would have carried (``<scope>.<id>``): B's held request is still queued,
+    answered, and collected."""
+    squatter = topology.hub_settings("edge-site-a")
+    async with running_mesh(topology):
+        async with Connection(squatter.nats, "squatter") as sq:
+            answered = asyncio.Event()
+
+            async def on_event(msg: Msg) -> None:
+                if b'"end"' in msg.data or b"\xa3end" in msg.data:
+                    answered.set()
+
+            await sq.nc.subscribe(token_subject("site-a", "squat-1"), cb=on_event)
+            await sq.nc.publish(
+                infer_subject(squatter.edge.cloud_model, "site-a"),
+                b'{"id": "squat-1", "prompt": "[tag:z] x", "max_tokens": 2}',
+                headers={MSG_ID_HEADER: "site-b.job-9"},
+            )
+            await asyncio.wait_for(answered.wait(), 10)  # queued (and answered) at the hub
+        settings = topology.site_settings("site-b", "client")
+        async with MeshClient(settings=settings) as client:
+            answer = await asyncio.wait_for(
+                client.complete(
+                    "[tag:b] x", route="cloud", max_tokens=6, deferrable=True, request_id="job-9"
+                ),
+                20,
+            )
+    assert answer.text == expected("b", 6)
+    assert answer.end.served_by.startswith("cloud:")

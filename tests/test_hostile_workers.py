@@ -211,11 +211,12 @@ async def test_an_edge_cannot_forge_answers_leases_or_advisories_under_creds(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="JetStream dedupes by Nats-Msg-Id across the whole stream, and the id is "
-    "'<scope>.<request id>', which any sender may set on its own lane: a squatter keeps another "
-    "scope's request out of the queue (answered nowhere) for the 2-minute window. The fix "
-    "(a message id no other sender can know, e.g. with the request's fingerprint) also belongs "
-    "in edge_node/site.py's forward, which this review may not edit.",
+    reason="JetStream dedupes by Nats-Msg-Id across the whole stream, and a direct publisher's "
+    "id is '<scope>.<request id>' on purpose (one id, one request, across a scope's senders), "
+    "which any sender may set on its own lane. Under mesh creds only edges publish to the "
+    "queue: their relays draw random ids, and a site's forward of a held request carries a tag "
+    "only that site can make (tests/test_edge_site.py). Left open for direct publishers (the "
+    "SDK via the cloud with an id of its own), on servers where senders share more anyway.",
 )
 async def test_a_sender_cannot_keep_another_scopes_request_out_of_the_queue(
     mesh: Hub,  # noqa: F811
