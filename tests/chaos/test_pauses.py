@@ -133,6 +133,18 @@ class Wire:
             answer = self.answers.setdefault(msg.subject, Answer(msg.subject))
             answer.events.append((time.monotonic(), event))
 
+    async def under_way(self, tags: list[str], what: str, *, positions: int = 10) -> None:
+        """Wait (20 s at most) until every tagged answer has ``positions`` positions of its
+        first attempt on the wire."""
+
+        async def ready() -> bool:
+            found = self.by_tag(tags)
+            return len(found) == len(tags) and all(
+                len(a.positions(1)) >= positions for a in found.values()
+            )
+
+        await eventually(ready, 20, what)
+
     def by_tag(self, tags: list[str]) -> dict[str, Answer]:
         found = {a.tag: a for a in self.answers.values()}
         return {tag: found[tag] for tag in tags if tag in found}
@@ -206,16 +218,7 @@ async def test_worker_paused_past_ack_wait_is_taken_over_and_comes_back_stale(
     asks += [ask(client, t, n, via="cloud") for t in tags[2:]]
     pending = [asyncio.ensure_future(a) for a in asks]
     try:
-        await eventually(
-            check(
-                lambda: (
-                    len(found := wire.by_tag(tags)) == 4
-                    and all(len(a.positions(1)) >= 10 for a in found.values())
-                )
-            ),
-            20,
-            "every answer under way on the stale worker",
-        )
+        await wire.under_way(tags, "every answer under way on the stale worker")
         stale_lines = len(stale.log_lines())
         with paused(stale.pid):
             paused_at = time.monotonic()
@@ -333,16 +336,7 @@ async def test_a_takeover_stays_protected_after_the_paused_worker_resumes(
     asks += [ask(client, tags[2], n, via="edge", route="cloud")]
     pending = [asyncio.ensure_future(a) for a in asks]
     try:
-        await eventually(
-            check(
-                lambda: (
-                    len(found := wire.by_tag(tags)) == 3
-                    and all(len(a.positions(1)) >= 10 for a in found.values())
-                )
-            ),
-            20,
-            "every answer under way on the stale worker",
-        )
+        await wire.under_way(tags, "every answer under way on the stale worker")
         with paused(stale.pid):
             survivor = await cluster.worker("survivor", slots=8, token_ms=40)
             await eventually(
@@ -399,16 +393,7 @@ async def test_worker_paused_shorter_than_ack_wait_just_carries_on(
     asks += [ask(client, t, n, via="cloud") for t in tags[2:]]
     pending = [asyncio.ensure_future(a) for a in asks]
     try:
-        await eventually(
-            check(
-                lambda: (
-                    len(found := wire.by_tag(tags)) == 4
-                    and all(len(a.positions(1)) >= 10 for a in found.values())
-                )
-            ),
-            20,
-            "every answer under way",
-        )
+        await wire.under_way(tags, "every answer under way")
         with paused(worker.pid):
             await asyncio.sleep(pause)  # the pause length is the fault
         outcomes = await asyncio.wait_for(asyncio.gather(*pending), 60)
@@ -450,16 +435,7 @@ async def test_worker_link_down_past_ack_wait_lets_its_old_deliveries_be(
     n, tags = 200, ["la", "lb", "lc"]
     pending = [asyncio.ensure_future(ask(client, t, n, via="cloud")) for t in tags]
     try:
-        await eventually(
-            check(
-                lambda: (
-                    len(found := wire.by_tag(tags)) == 3
-                    and all(len(a.positions(1)) >= 10 for a in found.values())
-                )
-            ),
-            20,
-            "every answer under way on the worker about to be cut off",
-        )
+        await wire.under_way(tags, "every answer under way on the worker about to be cut off")
         link.cut(60)
         await cluster.worker("survivor", slots=8, token_ms=40)
         await eventually(
@@ -528,16 +504,7 @@ async def test_edge_paused_for_two_seconds_mid_answer(cluster: Cluster) -> None:
     short = asyncio.ensure_future(impatient_ask())
     cloud_tags = ["pa", "pb", "pc", "pn", "ps", "pi"]
     try:
-        await eventually(
-            check(
-                lambda: (
-                    len(found := wire.by_tag(cloud_tags)) == 6
-                    and all(len(a.positions(1)) >= 10 for a in found.values())
-                )
-            ),
-            20,
-            "every cloud answer under way",
-        )
+        await wire.under_way(cloud_tags, "every cloud answer under way")
         with paused(edge.pid):
             await asyncio.sleep(2.0)  # the pause length is the fault
         outcomes = await asyncio.wait_for(asyncio.gather(*pending), 60)
@@ -585,16 +552,7 @@ async def test_nats_server_paused_for_two_seconds_mid_answer(cluster: Cluster) -
     pending = [asyncio.ensure_future(a) for a in asks]
     cloud_tags = ["ra", "rb", "rc", "rd", "rn"]
     try:
-        await eventually(
-            check(
-                lambda: (
-                    len(found := wire.by_tag(cloud_tags)) == 5
-                    and all(len(a.positions(1)) >= 10 for a in found.values())
-                )
-            ),
-            20,
-            "every cloud answer under way",
-        )
+        await wire.under_way(cloud_tags, "every cloud answer under way")
         assert cluster.server.pid is not None
         with paused(cluster.server.pid):
             await asyncio.sleep(2.0)  # the pause length is the fault
@@ -644,16 +602,7 @@ async def test_paused_worker_holding_a_lease_is_taken_over_and_keeps_away(
     tags = ["da", "db"]
     pending = [asyncio.ensure_future(ask(client, t, n, via="cloud", deferrable=True)) for t in tags]
     try:
-        await eventually(
-            check(
-                lambda: (
-                    len(found := wire.by_tag(tags)) == 2
-                    and all(len(a.positions(1)) >= 10 for a in found.values())
-                )
-            ),
-            20,
-            "both answers under way on the stale worker",
-        )
+        await wire.under_way(tags, "both answers under way on the stale worker")
         with paused(stale.pid):
             await cluster.worker("survivor", slots=8, token_ms=30)
             await eventually(
