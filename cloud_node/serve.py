@@ -228,6 +228,14 @@ class Handler:
             claim=lambda copy, fingerprint: self._claim(scope, request, copy, fingerprint),
             generating=generating,
         )
+        last = attempt >= self._stream.max_deliver
+
+        def lapsed() -> bool:
+            """The delivery may be another worker's. Never on the last delivery: JetStream gives
+            it to nobody else, and a message left unsettled there is given up on (the
+            MAX_DELIVERIES advisory), its outcome decided without this answer."""
+            return not last and keepalive.lapsed()
+
         self.publishers[address] = publisher
         try:
             await publisher.send(writer.start())
@@ -244,7 +252,7 @@ class Handler:
             self.republished(publisher)
             if not stored:  # acked all the same; its events still go to the store when it can
                 self.settler.later(publisher)
-            if keepalive.lapsed():  # the delivery may be another worker's: it settles the message
+            if lapsed():  # the delivery may be another worker's: it settles the message
                 log.warning("answer done after a lapse; leaving the request to its holder")
             elif request.deferrable and not await self._keep(msg, scope, request, publisher):
                 return
@@ -282,18 +290,18 @@ class Handler:
             # after what this attempt generated (the next one resumes from the store).
             self.count("requeued")
             await self.conn.flush_outbox()
-            if not keepalive.lapsed():  # else not ours to give back: its holder continues it
+            if not lapsed():  # else not ours to give back: its holder continues it
                 with contextlib.suppress(nats.errors.Error):
                     await msg.nak()
             raise
         except MeshError as err:
-            if keepalive.lapsed():  # not ours to fail: its holder (or redelivery) continues it
+            if lapsed():  # not ours to fail: its holder (or redelivery) continues it
                 log.warning("generation failed after a lapse", code=err.code.value)
                 return
             await self.outcomes.failed(msg, publisher, writer, err, attempt, request=request)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
-            if keepalive.lapsed():
+            if lapsed():
                 return
             await self.outcomes.failed(
                 msg,
