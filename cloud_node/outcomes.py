@@ -16,13 +16,14 @@ from nats.aio.msg import Msg
 
 from cloud_node.keeper import Keeper
 from cloud_node.publisher import AnswerPublisher
+from mesh import kept
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from protocol.codec import decode_request, error_event, reply_target, sniff
 from protocol.errors import ErrorCode, MaxDeliveriesError, MeshError
-from protocol.messages import ErrorEvent, InferRequest
+from protocol.messages import Answer, ErrorEvent, InferRequest, WireEvent
 from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import address_of, is_token, scope_of, token_subject
 
@@ -154,7 +155,9 @@ class Outcomes:
             return False
         return True
 
-    async def _keep_patiently(self, scope: str, request: InferRequest, outcome: ErrorEvent) -> None:
+    async def _keep_patiently(
+        self, scope: str, request: InferRequest, outcome: Answer | ErrorEvent
+    ) -> None:
         """Keep the final error of a request that can wait, trying for a few seconds: the queue
         message is deleted after this, and with it the last chance to keep anything."""
         for pause in KEEP_RETRY_PAUSES_S:
@@ -177,42 +180,59 @@ class Outcomes:
             queued = await jsm.get_msg(self.stream.name, stream_seq)
             request_id, _ = reply_target(queued.data or b"", queued.headers)
             scope = scope_of(queued.subject or "")
-            with contextlib.suppress(MeshError):  # a request that can wait: keep its error
+            state: AnswerState | None = None
+            events: list[WireEvent] = []
+            store_error: MeshError | None = None
+            if request_id is not None and scope is not None:
+                try:
+                    events = await self.store.replay(token_subject(scope, request_id))
+                    state = AnswerState(request_id)
+                    state.feed_all(events)
+                except MeshError as err:
+                    store_error = err
+            with contextlib.suppress(MeshError):  # a request that can wait: keep its outcome
                 held, _fmt = decode_request(queued.data or b"", queued.headers)
                 if held.deferrable and scope is not None and held.id == request_id:
+                    # The last worker may have stored the whole answer (or a final error) and
+                    # died before keeping it: that outcome is the request's, not this one.
+                    stored = kept.whole_answer(events, held.id) if state and state.done else None
                     exhausted = MaxDeliveriesError(
                         f"{deliveries} deliveries ended without an answer", request_id=held.id
                     )
-                    await self._keep_patiently(scope, held, error_event(exhausted, held.id))
-            if request_id is not None and scope is not None:
-                events = await self.store.replay(token_subject(scope, request_id))
-                state = AnswerState(request_id)
-                state.feed_all(events)
-                if not state.done:
-                    fmt = sniff(queued.data or b"", queued.headers).reply_format
-                    publisher = AnswerPublisher(
-                        self.conn,
-                        self.store,
-                        scope,
-                        request_id,
-                        fmt,
-                        timeout=self.publish_timeout,
-                    )
-                    # Above every attempt the store holds (a second copy of a request that can
-                    # wait numbers after the first's), so readers take it as the newest.
-                    writer = AnswerWriter(request_id, attempt=max(1, deliveries, state.attempt))
-                    await publisher.finish(
-                        writer.error(
-                            MaxDeliveriesError(
-                                f"{deliveries} deliveries ended without an answer (workers "
-                                "stopped mid-request)",
-                                request_id=request_id,
-                                retryable=False,
-                            )
+                    outcome = stored or error_event(exhausted, held.id)
+                    await self._keep_patiently(scope, held, outcome)
+            if store_error is not None:
+                raise store_error
+            if (
+                request_id is not None
+                and scope is not None
+                and state is not None
+                and not state.done
+            ):
+                fmt = sniff(queued.data or b"", queued.headers).reply_format
+                publisher = AnswerPublisher(
+                    self.conn,
+                    self.store,
+                    scope,
+                    request_id,
+                    fmt,
+                    timeout=self.publish_timeout,
+                )
+                # Above every attempt the store holds (a second copy of a request that can
+                # wait numbers after the first's), so readers take it as the newest.
+                writer = AnswerWriter(request_id, attempt=max(1, deliveries, state.attempt))
+                await publisher.finish(
+                    writer.error(
+                        MaxDeliveriesError(
+                            f"{deliveries} deliveries ended without an answer (workers "
+                            "stopped mid-request)",
+                            request_id=request_id,
+                            retryable=False,
                         )
                     )
-                    self.exhausted()
-                    log.warning("request exhausted its deliveries", request_id=request_id)
+                )
+                self.exhausted()
+                log.warning("request exhausted its deliveries", request_id=request_id)
             await jsm.delete_msg(self.stream.name, stream_seq)
         except Exception as exc:  # already gone, or the store cannot be read: nothing to do
             log.info("max-deliveries advisory not handled", error=repr(exc))

@@ -94,6 +94,10 @@ async def _kept(conn: Connection, rid: str) -> Answer | None:
     return outcome if isinstance(outcome, Answer) else None
 
 
+async def _started(worker: Worker) -> bool:
+    return worker.stats.fetched > 0
+
+
 async def _stored_events(worker: Worker, rid: str) -> list[object]:
     return list(await worker.store.replay(token_subject(SCOPE, rid)))
 
@@ -486,3 +490,29 @@ async def test_a_second_copy_that_cannot_read_the_store_never_mixes_with_the_fir
     outcome = reader.state.outcome
     assert isinstance(outcome, EndEvent), outcome
     assert reader.state.text() in ("".join(f" {m}{i}" for i in range(TOKENS)) for m in "ab")
+
+
+async def test_a_whole_answer_stored_before_its_worker_died_is_kept_not_max_deliveries() -> None:
+    """The last delivery's worker stored the whole answer, then died before keeping it and
+    acking: the consumer gives up on the request (max_deliver 1), and the worker that handles
+    that advisory keeps the stored answer, not a max_deliveries error."""
+    async with NatsServer(port=-1) as server:
+        settings = make_settings(server.url, stream__ack_wait=1.0, stream__max_deliver=1)
+        async with Connection(settings.nats, "survivor") as conn:
+            dying_conn = await Connection(settings.nats, "dying").connect()
+            try:
+                async with _worker(settings, dying_conn, "dies", _backend()) as dying:
+
+                    async def dies_before_keeping(*_args: object) -> bool:
+                        await dying_conn.nc.close()  # the end is stored; keep and ack never come
+                        return False
+
+                    dying.handler._keep = dies_before_keeping  # type: ignore[method-assign]
+                    await _queue_copy(conn, settings, "died-1", "1")
+                    await eventually(
+                        lambda: _started(dying), 10, "the request taken by the dying worker"
+                    )
+                    async with _worker(settings, conn, "stays", _backend()):
+                        await _acked_and_kept_whole(conn, settings, "died-1", 20, "advisory")
+            finally:
+                await dying_conn.close()
