@@ -16,14 +16,13 @@ from nats.aio.msg import Msg
 
 from cloud_node.keeper import Keeper
 from cloud_node.publisher import AnswerPublisher
-from mesh import kept
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from protocol.codec import decode_request, error_event, reply_target, sniff
 from protocol.errors import ErrorCode, MaxDeliveriesError, MeshError
-from protocol.messages import Answer, ErrorEvent, InferRequest, WireEvent
+from protocol.messages import Answer, ErrorEvent, InferRequest
 from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import address_of, is_token, scope_of, token_subject
 
@@ -158,8 +157,8 @@ class Outcomes:
     async def _keep_patiently(
         self, scope: str, request: InferRequest, outcome: Answer | ErrorEvent
     ) -> None:
-        """Keep the final error of a request that can wait, trying for a few seconds: the queue
-        message is deleted after this, and with it the last chance to keep anything."""
+        """Keep the final outcome of a request that can wait, trying for a few seconds: the
+        queue message is deleted after this, and with it the last chance to keep anything."""
         for pause in KEEP_RETRY_PAUSES_S:
             try:
                 await self.keeper.keep(scope, request, None, outcome)
@@ -181,7 +180,6 @@ class Outcomes:
             request_id, _ = reply_target(queued.data or b"", queued.headers)
             scope = scope_of(queued.subject or "")
             state: AnswerState | None = None
-            events: list[WireEvent] = []
             store_error: MeshError | None = None
             if request_id is not None and scope is not None:
                 try:
@@ -195,7 +193,7 @@ class Outcomes:
                 if held.deferrable and scope is not None and held.id == request_id:
                     # The last worker may have stored the whole answer (or a final error) and
                     # died before keeping it: that outcome is the request's, not this one.
-                    stored = kept.whole_answer(events, held.id) if state and state.done else None
+                    stored = state.whole() if state is not None else None
                     exhausted = MaxDeliveriesError(
                         f"{deliveries} deliveries ended without an answer", request_id=held.id
                     )

@@ -46,9 +46,7 @@ from mesh.metrics import NatsMetrics, WorkerMetrics, exposition
 from mesh.registry import Heartbeat, NodeInfo
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
-from protocol.errors import (
-    MeshTimeoutError,
-)
+from protocol.errors import MeshTimeoutError
 from protocol.subjects import (
     CANCEL_WILDCARD,
     address_of,

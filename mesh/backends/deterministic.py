@@ -142,6 +142,7 @@ class DeterministicBackend:
         self.started += 1
         settings = self.settings
         paced = settings.prefill_delay_ms > 0 or settings.token_delay_ms > 0
+        last = script.last(request.max_tokens)
         try:
             if paced or script.hang_after is not None or script.fail_after is not None:
                 async for index in tokens(script, request.max_tokens, prefix_tokens, settings):
@@ -150,14 +151,12 @@ class DeterministicBackend:
                 # A plain loop, not a second generator: this backend stands in for an engine
                 # that costs nothing, so its own cost per token is kept low (1.28 -> 0.44 us,
                 # then 0.34 us with the token built here, 64 at a time between pauses).
-                last = script.last(request.max_tokens)
                 tag = script.tag
                 scored = request.logprobs
                 for begin in range(prefix_tokens, last, 64):
                     for index in range(begin, min(begin + 64, last)):
                         yield _chunk(script, index, request) if scored else Chunk(f" {tag}{index}")
                     await asyncio.sleep(0)  # let the rest of the process run
-            last = script.last(request.max_tokens)
             produced = max(0, last - prefix_tokens)
             yield Chunk(
                 finish_reason="length" if last >= request.max_tokens else "stop",
