@@ -19,7 +19,6 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +144,21 @@ class Wire:
 
         await eventually(ready, 20, what)
 
+    async def taken_over(
+        self, tags: list[str], what: str, timeout: float, *, positions: int = 5
+    ) -> None:
+        """Wait until every tagged answer has a later attempt (another worker took it over)
+        with ``positions`` positions of its own on the wire."""
+
+        async def ready() -> bool:
+            found = self.by_tag(tags)
+            return len(found) == len(tags) and all(
+                len(a.starts()) >= 2 and len(a.positions(a.starts()[-1].attempt)) >= positions
+                for a in found.values()
+            )
+
+        await eventually(ready, timeout, what)
+
     def by_tag(self, tags: list[str]) -> dict[str, Answer]:
         found = {a.tag: a for a in self.answers.values()}
         return {tag: found[tag] for tag in tags if tag in found}
@@ -153,13 +167,6 @@ class Wire:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
-
-
-def check(predicate: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
-    async def run() -> bool:
-        return predicate()
-
-    return run
 
 
 async def worker_status(cluster: Cluster, node_id: str) -> dict[str, Any]:
@@ -223,15 +230,8 @@ async def test_worker_paused_past_ack_wait_is_taken_over_and_comes_back_stale(
         with paused(stale.pid):
             paused_at = time.monotonic()
             survivor = await cluster.worker("survivor", slots=8, token_ms=30)
-            await eventually(
-                check(
-                    lambda: all(
-                        len(a.starts()) >= 2 and len(a.positions(a.starts()[-1].attempt)) >= 5
-                        for a in wire.by_tag(tags).values()
-                    )
-                ),
-                ack_wait + 20,
-                "every answer taken over and under way on the survivor",
+            await wire.taken_over(
+                tags, "every answer taken over and under way on the survivor", ack_wait + 20
             )
             pause = time.monotonic() - paused_at
         resumed_at = time.monotonic()
@@ -339,15 +339,8 @@ async def test_a_takeover_stays_protected_after_the_paused_worker_resumes(
         await wire.under_way(tags, "every answer under way on the stale worker")
         with paused(stale.pid):
             survivor = await cluster.worker("survivor", slots=8, token_ms=40)
-            await eventually(
-                check(
-                    lambda: all(
-                        len(a.starts()) >= 2 and len(a.positions(2)) >= 5
-                        for a in wire.by_tag(tags).values()
-                    )
-                ),
-                ack_wait + 20,
-                "every answer taken over and under way on the survivor",
+            await wire.taken_over(
+                tags, "every answer taken over and under way on the survivor", ack_wait + 20
             )
         await eventually(
             lambda: idle(cluster, "stale"), 15, "the stale worker let its old deliveries go"
@@ -438,15 +431,8 @@ async def test_worker_link_down_past_ack_wait_lets_its_old_deliveries_be(
         await wire.under_way(tags, "every answer under way on the worker about to be cut off")
         link.cut(60)
         await cluster.worker("survivor", slots=8, token_ms=40)
-        await eventually(
-            check(
-                lambda: (
-                    len(wire.by_tag(tags)) == 3
-                    and all(len(a.starts()) >= 2 for a in wire.by_tag(tags).values())
-                )
-            ),
-            ack_wait + 20,
-            "every answer taken over by the survivor",
+        await wire.taken_over(
+            tags, "every answer taken over by the survivor", ack_wait + 20, positions=0
         )
         link.restore()
         await eventually(lambda: idle(cluster, "cut"), 15, "the cut worker back, and idle")
@@ -605,15 +591,8 @@ async def test_paused_worker_holding_a_lease_is_taken_over_and_keeps_away(
         await wire.under_way(tags, "both answers under way on the stale worker")
         with paused(stale.pid):
             await cluster.worker("survivor", slots=8, token_ms=30)
-            await eventually(
-                check(
-                    lambda: all(
-                        len(a.starts()) >= 2 and len(a.positions(2)) >= 5
-                        for a in wire.by_tag(tags).values()
-                    )
-                ),
-                ack_wait + 20,
-                "both answers taken over and under way on the survivor",
+            await wire.taken_over(
+                tags, "both answers taken over and under way on the survivor", ack_wait + 20
             )
         resumed_at = time.monotonic()
         await eventually(
