@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -174,46 +174,6 @@ async def test_http_stream_cut_off_is_a_retryable_backend_error() -> None:
         await runner.cleanup()
 
 
-def _gpu_reason() -> str | None:
-    if shutil.which("nvidia-smi") is None:
-        return "no NVIDIA GPU on this machine (nvidia-smi not found); vLLM needs CUDA"
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return "vLLM is not installed (pip install 'nats-llm-mesh[vllm]' on a CUDA host)"
-    return None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(_gpu_reason() is not None, reason=_gpu_reason() or "")
-async def test_vllm_backend_streams_and_aborts() -> None:
-    from mesh.backends.vllm import VLLMBackend
-
-    backend = VLLMBackend(
-        ModelSettings(
-            backend="vllm", name="qwen", slots=8, path="Qwen/Qwen2.5-0.5B-Instruct", n_ctx=2048
-        )
-    )
-    await backend.start()
-    try:
-        chunks = [
-            c
-            async for c in backend.generate(
-                InferRequest(prompt="Say hi.", max_tokens=8, temperature=0)
-            )
-        ]
-        assert "".join(c.text for c in chunks).strip() and chunks[-1].usage is not None
-        stream = backend.generate(
-            InferRequest(id="abort-me", prompt="Count to 1000.", max_tokens=512)
-        )
-        async for _chunk in stream:
-            break
-        await stream.aclose()  # closing aborts the request in the engine
-        assert backend.capacity().free == backend.capacity().total
-    finally:
-        await backend.close()
-
-
 async def test_a_closed_backend_leaves_no_session_open() -> None:
     # The HTTP backend must not leak connections: closing it closes its aiohttp session.
     backend = OpenAIHTTPBackend(ModelSettings(backend="openai"))
@@ -317,3 +277,39 @@ def test_an_engine_that_queues_or_fills_its_cache_takes_no_more_work() -> None:
     assert backend.capacity().free == 0  # the engine queues: the work waits in JetStream
     backend.engine = {"running": 4.0, "waiting": 0.0, "kv_cache": 0.97}
     assert backend.capacity().free == 0  # its KV cache is nearly full
+
+
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(_vllm_installed(), reason="vLLM is installed here: the worker would start")
+async def test_a_vllm_worker_without_vllm_exits_saying_what_to_install(tmp_path: Path) -> None:
+    """The worker process exits with a clear error, and whoever waits for it hears at once."""
+    from mesh.testing.chaos import MeshProcess, Server, wait_for_worker
+
+    server = Server(tmp_path / "store")
+    await server.start()
+    env = {
+        "MESH_NATS_URL": server.url,
+        "MESH_WORKER_NODE_ID": "no-vllm",
+        "MESH_WORKER_MODEL_BACKEND": "vllm",
+        "MESH_WORKER_MODEL_PATH": "some/model",
+    }
+    worker = MeshProcess("worker", "no-vllm", env, tmp_path / "worker.log")
+    try:
+        await worker.start()
+        settings = MeshSettings.model_validate({"nats": {"url": server.url}})
+        began = time.monotonic()
+        async with Connection(settings.nats, "probe") as conn:
+            with pytest.raises(AssertionError, match="exited") as failed:
+                await wait_for_worker(conn, "no-vllm", timeout=60, process=worker)
+        assert time.monotonic() - began < 30
+        assert "needs 'vllm', which this install lacks" in str(failed.value)
+        assert "nats-llm-mesh[vllm]" in str(failed.value)
+        assert worker.proc is not None and worker.proc.returncode != 0
+    finally:
+        await worker.stop()
+        await server.stop()

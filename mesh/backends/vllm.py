@@ -9,6 +9,7 @@ the conversation with the assistant's text so far as its last message
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -53,7 +54,8 @@ class VLLMBackend:
             ) from None
         args = AsyncEngineArgs(**self.engine_options())
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._load_logger()])
-        self._tokenizer = await self._engine.get_tokenizer()
+        tokenizer = self._engine.get_tokenizer()  # a coroutine before vLLM 0.11 or so
+        self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
         log.info(
             "vllm engine started",
             model=self.model,
@@ -126,6 +128,13 @@ class VLLMBackend:
         except Exception as exc:  # the engine reports death as various exception types
             return Health(ok=False, detail=f"{type(exc).__name__}: {exc}")
         return Health(ok=True, detail=f"{self._busy}/{self.settings.slots} busy")
+
+    def engine_requests(self) -> int:
+        """Requests the engine itself still tracks (its output processor's unfinished ones):
+        what an abort must bring down, whatever this backend's own count says."""
+        if self._engine is None:
+            return 0
+        return int(self._engine.output_processor.get_num_unfinished_requests())
 
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:

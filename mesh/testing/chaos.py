@@ -300,13 +300,23 @@ def edge_env(url: str, edge_id: str, *, token_ms: float = 5) -> dict[str, str]:
     }
 
 
-async def wait_for_worker(conn: Connection, node_id: str, timeout: float = 30.0) -> None:
+async def wait_for_worker(
+    conn: Connection, node_id: str, timeout: float = 30.0, process: MeshProcess | None = None
+) -> None:
+    """Until worker ``node_id`` is in the registry; fails at once when ``process`` (the worker's
+    own) exits first, with the end of its log."""
     from mesh.registry import node_key
     from protocol.subjects import NODES_BUCKET
 
     suffix = "." + node_key("worker", node_id).split(".", 1)[1]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.proc is not None and process.proc.returncode is not None:
+            tail = process.log_path.read_text(errors="replace")[-2000:]
+            raise AssertionError(
+                f"worker {node_id} exited ({process.proc.returncode}) before it announced "
+                f"itself; its log ends:\n{tail}"
+            )
         with contextlib.suppress(Exception):  # the worker creates the bucket: wait for it
             kv = await conn.js.key_value(NODES_BUCKET)
             if any(key.endswith(suffix) for key in await kv.keys()):
