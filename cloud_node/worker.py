@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +179,16 @@ class Worker(Lifecycle):
         self.metrics.in_flight.set_function(lambda: len(self.handler.inflight))
         self.metrics.free_slots.set_function(self.free_slots)
         self.metrics.slots.set_function(lambda: self.backend.capacity().total)
+        if hasattr(self.backend, "engine"):  # its own figures (vLLM in process or behind HTTP)
+            for figure in ("running", "waiting", "kv_cache"):
+                self.metrics.engine.labels(figure).set_function(self._engine_figure(figure))
+
+    def _engine_figure(self, figure: str) -> Callable[[], float]:
+        def read() -> float:
+            load: dict[str, float] = getattr(self.backend, "engine", {})
+            return load.get(figure, 0.0)
+
+        return read
 
     @property
     def consumer(self) -> str:

@@ -179,6 +179,13 @@ class WorkerMetrics:
             "mesh_worker_slots", "Requests the engine generates at once.", registry=r
         )
         self.free_slots = Gauge("mesh_worker_free_slots", "Slots free now.", registry=r)
+        self.engine = Gauge(
+            "mesh_worker_engine_load",
+            "The engine's own load, by figure (running and waiting requests, KV-cache share), "
+            "as of its last step; vLLM backends only.",
+            ["figure"],
+            registry=r,
+        )
         self.tokens = Counter(
             "mesh_worker_tokens",
             "Prompt (in) and completion (out) tokens.",
