@@ -194,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
         "part",
         nargs="?",
         default="all",
-        choices=["paths", "relay", "model", "overload", "fleet", "cascade", "all"],
+        choices=["paths", "relay", "model", "overload", "fleet", "cascade", "vllm", "all"],
+        help="one part, or all of them but vllm (which needs a CUDA GPU and vLLM)",
     )
     bench.add_argument("--json", dest="json_path", help="also write the figures to this file")
     creds = sub.add_parser(
