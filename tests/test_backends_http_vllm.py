@@ -313,3 +313,18 @@ async def test_a_vllm_worker_without_vllm_exits_saying_what_to_install(tmp_path:
     finally:
         await worker.stop()
         await server.stop()
+
+
+async def test_the_worker_exports_the_engine_s_own_load(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """Operators see what the engine reports (the gauges read the backend's figures live)."""
+    backend = OpenAIHTTPBackend(ModelSettings(backend="openai", slots=8))
+    registry = Worker(settings, conn, backend).metrics.registry
+
+    def load(figure: str) -> float | None:
+        return registry.get_sample_value("mesh_worker_engine_load", {"figure": figure})
+
+    assert (load("running"), load("waiting"), load("kv_cache")) == (0.0, 0.0, 0.0)
+    backend.engine = {"running": 8.0, "waiting": 3.0, "kv_cache": 0.42}
+    assert (load("running"), load("waiting"), load("kv_cache")) == (8.0, 3.0, 0.42)
