@@ -6,7 +6,7 @@ mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
 mesh worker | mesh edge        run one role against MESH_NATS_URL
 mesh provision                 create/update the hub's streams and consumers
 mesh status [--json]           workers, edges, capacity, queue depth and pending acks
-mesh bench [PART] [--json F]   paths, relay, model, overload, fleet, cascade: costs, capacity
+mesh bench [PART] [--json F]   paths, relay, model, overload, fleet, cascade, vllm (GPU)
 mesh router train | eval       rebuild the shipped router weights / evaluate the router
 mesh router score --data DIR   score labelled data with the shipped weights [--json]
 mesh creds --out DIR --edge ID... --worker ID... [--expires-in 30d]
