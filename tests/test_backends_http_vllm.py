@@ -328,3 +328,24 @@ async def test_the_worker_exports_the_engine_s_own_load(
     assert (load("running"), load("waiting"), load("kv_cache")) == (0.0, 0.0, 0.0)
     backend.engine = {"running": 8.0, "waiting": 3.0, "kv_cache": 0.42}
     assert (load("running"), load("waiting"), load("kv_cache")) == (8.0, 3.0, 0.42)
+
+
+def test_a_data_parallel_server_s_load_sums_requests_and_takes_the_fullest_cache() -> None:
+    """vllm serve --data-parallel-size 2 reports each engine under its own label set."""
+    from mesh.backends.openai_http import engine_load
+
+    text = "\n".join(
+        [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0",model_name="qwen"} 5.0',
+            'vllm:num_requests_running{engine="1",model_name="qwen"} 7.0',
+            'vllm:num_requests_waiting{engine="0",model_name="qwen"} 0.0',
+            'vllm:num_requests_waiting{engine="1",model_name="qwen"} 2.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="qwen"} 0.5',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="qwen"} 0.625',
+        ]
+    )
+    # Two half-full caches are not one full one.
+    assert engine_load(text) == {"running": 12.0, "waiting": 2.0, "kv_cache": 0.625}
+    assert engine_load("# no vLLM here\nhttp_requests_total 3.0") is None

@@ -42,6 +42,23 @@ log = get_logger(__name__)
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
 
+def engine_load(text: str) -> dict[str, float] | None:
+    """vLLM's own load from its Prometheus text: running and waiting requests summed over its
+    engines (a data-parallel server has one label set each), and the fullest engine's KV-cache
+    share, since the next request may land there. None when the text has no vLLM figures."""
+    values: dict[str, list[float]] = {}
+    for name, value in _METRIC.findall(text):
+        values.setdefault(name, []).append(float(value))
+    if not values:
+        return None
+    kv_cache = values.get("vllm:kv_cache_usage_perc") or values.get("vllm:gpu_cache_usage_perc")
+    return {
+        "running": sum(values.get("vllm:num_requests_running", [])),
+        "waiting": sum(values.get("vllm:num_requests_waiting", [])),
+        "kv_cache": max(kv_cache or [0.0]),
+    }
+
+
 class OpenAIHTTPBackend:
     continues = False
 
@@ -99,18 +116,10 @@ class OpenAIHTTPBackend:
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
-        found: dict[str, float] = {}
-        for name, value in _METRIC.findall(text):
-            found[name] = found.get(name, 0.0) + float(value)  # summed over label sets
-        if not found:
+        load = engine_load(text)
+        if load is None:
             return False
-        self.engine = {
-            "running": found.get("vllm:num_requests_running", 0.0),
-            "waiting": found.get("vllm:num_requests_waiting", 0.0),
-            "kv_cache": found.get(
-                "vllm:kv_cache_usage_perc", found.get("vllm:gpu_cache_usage_perc", 0.0)
-            ),
-        }
+        self.engine = load
         return True
 
     async def _poll_engine(self) -> None:
