@@ -113,6 +113,10 @@ class StreamSettings(_Section):
     example a zone or the servers with fast disks."""
     max_msgs: int = Field(default=10_000, ge=1)
     """Queued requests (all models) beyond which publishers get 'overloaded'."""
+    max_msgs_per_scope: int = Field(default=2_500, ge=-1)
+    """Queued requests one sender (one <scope>, for one model) may hold at once; beyond them its
+    next gets 'overloaded' while other senders still get in, so no one sender fills the queue.
+    JetStream's own per-subject limit (discard new per subject); -1: no limit."""
     max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
     """Queued bytes beyond which publishers get 'overloaded'."""
     max_age: float = Field(default=3600.0, gt=0)

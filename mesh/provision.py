@@ -41,6 +41,8 @@ def stream_config(settings: StreamSettings) -> api.StreamConfig:
         max_bytes=settings.max_bytes,
         max_age=settings.max_age,
         discard=api.DiscardPolicy.NEW,
+        max_msgs_per_subject=settings.max_msgs_per_scope,
+        discard_new_per_subject=settings.max_msgs_per_scope > 0,
         duplicate_window=settings.duplicate_window,
         num_replicas=settings.replicas,
         placement=placement(settings),
@@ -107,6 +109,8 @@ async def ensure_stream(jsm: JetStreamManager, settings: StreamSettings) -> api.
         "max_bytes",
         "max_age",
         "discard",
+        "max_msgs_per_subject",
+        "discard_new_per_subject",
         "duplicate_window",
         "num_replicas",
     )

@@ -92,8 +92,9 @@ async def publish_request(
         )
     except APIError as exc:
         if exc.err_code in STORE_FULL_CODES or "maximum" in (exc.description or ""):
+            whose = "this sender's share of " if "per subject" in (exc.description or "") else ""
             raise OverloadedError(
-                f"the cloud queue is full ({exc.description})",
+                f"{whose}the cloud queue is full ({exc.description})",
                 retry_after=stream.retry_after,
                 request_id=request.id,
             ) from None
