@@ -33,9 +33,12 @@ log = get_logger(__name__)
 class Connection(Lifecycle):
     """An open NATS connection; ``nc``/``js``/``jsm`` raise a clear error before ``connect()``."""
 
-    def __init__(self, settings: NatsSettings, name: str) -> None:
+    def __init__(self, settings: NatsSettings, name: str, *, patient: bool = True) -> None:
+        """``patient=False`` (one-shot commands): give up as soon as every server has refused
+        the connection once, instead of trying again until ``connect_timeout``."""
         self.settings = settings
         self.name = name
+        self.patient = patient
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._outbox: Outbox | None = None
@@ -121,8 +124,15 @@ class Connection(Lifecycle):
         client = Client()
         refused: list[str] = []
         failures: list[str] = []
+        turned_away = 0
+        nobody_listens = asyncio.Event()
 
         async def on_error(exc: Exception) -> None:
+            nonlocal turned_away
+            if isinstance(exc, ConnectionRefusedError) and not self.connected:
+                turned_away += 1
+                if not self.patient and turned_away >= len(servers):
+                    nobody_listens.set()
             if isinstance(exc, nats.errors.SlowConsumerError):
                 self._lost()
             if _is_auth_error(exc):
@@ -147,7 +157,7 @@ class Connection(Lifecycle):
                 task.add_done_callback(self._reconnect_done)
 
         try:
-            await asyncio.wait_for(
+            await _first_of(
                 client.connect(
                     **_auth(self.settings),
                     servers=servers,
@@ -160,10 +170,16 @@ class Connection(Lifecycle):
                     disconnected_cb=on_disconnected,
                     reconnected_cb=on_reconnected,
                 ),
+                nobody_listens,
                 timeout=self.settings.connect_timeout,
             )
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(client)
+            if nobody_listens.is_set():
+                raise UnavailableError(
+                    f"cannot connect to NATS at {', '.join(servers)}: nothing accepts "
+                    "connections there; is nats-server running? `mesh up` starts a local one"
+                ) from None
             if _is_auth_error(exc) or refused:
                 raise UnauthorizedError(
                     f"NATS at {', '.join(servers)} refused this process's credentials "
@@ -207,6 +223,30 @@ class Connection(Lifecycle):
 
     start = connect
     stop = close
+
+
+async def _first_of(
+    connecting: Coroutine[Any, Any, Any], gave_up: asyncio.Event, timeout: float
+) -> None:
+    """Await ``connecting`` for at most ``timeout`` seconds; ConnectionRefusedError as soon as
+    ``gave_up`` is set."""
+    task = asyncio.ensure_future(connecting)
+    waiter = asyncio.ensure_future(gave_up.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        waiter.cancel()
+    if task in done:
+        task.result()
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    if waiter in done:
+        raise ConnectionRefusedError("every server refused the connection")
+    raise asyncio.TimeoutError
 
 
 def _reason(exc: ssl.SSLError) -> str:

@@ -388,8 +388,12 @@ async def _demo(settings: MeshSettings, args: argparse.Namespace) -> int:
 
 async def _ask(settings: MeshSettings, args: argparse.Namespace) -> int:
     from mesh.client import MeshClient
+    from mesh.connection import Connection
 
-    async with MeshClient(settings=settings) as client:
+    async with (
+        Connection(settings.nats, "mesh-ask", patient=False) as conn,
+        MeshClient(settings=settings, connection=conn) as client,
+    ):
         if args.json:
             answer = await client.complete(
                 args.prompt,
@@ -521,7 +525,7 @@ async def _status(settings: MeshSettings, as_json: bool) -> int:
     from mesh.connection import Connection
     from mesh.status import collect_status, render
 
-    async with Connection(settings.nats, "mesh-status") as conn:
+    async with Connection(settings.nats, "mesh-status", patient=False) as conn:
         status = await collect_status(conn, settings)
     print(json.dumps(status, indent=2) if as_json else "\n".join(render(status)))
     return 0

@@ -123,10 +123,24 @@ def test_mesh_up_ask_and_ctrl_c_leaves_no_orphans() -> None:
             up.wait()
 
 
-def test_mesh_ask_without_a_mesh_says_how_to_start_one() -> None:
-    result = _mesh("ask", "--nats-url", "nats://127.0.0.1:1", "hello", timeout=60)
+@pytest.mark.parametrize("command", [["ask", "hello"], ["status"]])
+def test_one_shot_commands_without_a_mesh_say_at_once_how_to_start_one(
+    command: list[str],
+) -> None:
+    """Nothing listens at the URL: the command says so on the first refusal, not after the
+    connect timeout (60 s here, which the subprocess's own 30 s limit would not reach)."""
+    env = {**ENV, "MESH_NATS_CONNECT_TIMEOUT": "60"}
+    result = subprocess.run(
+        [*MESH, command[0], "--nats-url", "nats://127.0.0.1:1", *command[1:]],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        check=False,
+    )
     assert result.returncode == 1
-    assert "cannot connect to NATS" in result.stderr and "mesh up" in result.stderr
+    assert "cannot connect to NATS at nats://127.0.0.1:1" in result.stderr
+    assert "nothing accepts connections there" in result.stderr and "mesh up" in result.stderr
 
 
 def test_mesh_demo_with_a_missing_model_file_names_it() -> None:
