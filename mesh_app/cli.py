@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
 
             _settings(args, quiet=True)
             parts = list(PARTS) if args.part == "all" else [args.part]
+            if "vllm" in parts:
+                _require("vllm", "vllm", "mesh bench vllm")
             return _run(lambda: run_bench(parts, args.json_path))
         if args.command == "status":
             return _run(lambda: _status(_settings(args, quiet=True), args.json))

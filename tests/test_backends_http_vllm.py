@@ -349,3 +349,29 @@ def test_a_data_parallel_server_s_load_sums_requests_and_takes_the_fullest_cache
     # Two half-full caches are not one full one.
     assert engine_load(text) == {"running": 12.0, "waiting": 2.0, "kv_cache": 0.625}
     assert engine_load("# no vLLM here\nhttp_requests_total 3.0") is None
+
+
+@pytest.mark.skipif(_vllm_installed(), reason="vLLM is installed here: the bench would run")
+def test_mesh_bench_vllm_without_vllm_says_what_to_install() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mesh_app.cli", "bench", "vllm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "mesh bench vllm needs 'vllm', which this install lacks" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_converting_the_bundled_model_without_torch_says_what_to_install() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here: the conversion would run")
+    from mesh.testing.hf_model import hf_from_gguf
+
+    with pytest.raises(UnavailableError, match=r"nats-llm-mesh\[vllm\]") as failed:
+        hf_from_gguf(Path("/nonexistent/smollm2-hf"))
+    assert not failed.value.retryable

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from mesh.models import resolve_model_path
+from protocol.errors import UnavailableError
 
 
 def default_dir() -> Path:
@@ -25,8 +26,15 @@ def hf_from_gguf(out: Path | None = None, gguf: Path | None = None) -> Path:
     out = out or default_dir()
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise UnavailableError(
+            f"turning the bundled GGUF into a model directory needs torch, transformers and "
+            f"gguf ({exc}): pip install 'nats-llm-mesh[vllm]'",
+            retryable=False,
+        ) from None
 
     gguf = gguf or resolve_model_path(None)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
