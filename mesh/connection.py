@@ -236,6 +236,9 @@ async def _first_of(
         done, _ = await asyncio.wait(
             {task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
+    except BaseException:  # cancelled: the connect goes too, as under wait_for
+        task.cancel()
+        raise
     finally:
         waiter.cancel()
     if task in done:

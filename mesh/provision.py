@@ -114,7 +114,38 @@ async def ensure_stream(jsm: JetStreamManager, settings: StreamSettings) -> api.
         "duplicate_window",
         "num_replicas",
     )
-    return await ensure_config(jsm, stream_config(settings), managed, work_queue)
+    wanted = stream_config(settings)
+    wanted.max_msgs_per_subject = await _per_scope_limit(jsm, settings)
+    return await ensure_config(jsm, wanted, managed, work_queue)
+
+
+async def _per_scope_limit(jsm: JetStreamManager, settings: StreamSettings) -> int:
+    """The per-scope limit to set now. Lowering it on a live queue makes JetStream drop the
+    oldest queued requests of every sender above it, so while one sender holds more than
+    ``max_msgs_per_scope``, the limit stays at what it holds (provisioning again, once they
+    have drained, lowers it)."""
+    limit = settings.max_msgs_per_scope
+    if limit <= 0:
+        return limit
+    try:
+        info = await jsm.stream_info(settings.name, subjects_filter=">")
+    except NotFoundError:
+        return limit
+    except asyncio.TimeoutError:
+        raise MeshTimeoutError(f"JetStream did not answer about {settings.name}") from None
+    except APIError as exc:
+        raise UnavailableError(f"JetStream refused {settings.name}: {exc.description}") from None
+    held = max((info.state.subjects or {}).values(), default=0)
+    if held > limit:
+        log.warning(
+            "a sender holds more queued requests than max_msgs_per_scope; the limit stays at "
+            "what it holds until they drain, so that none is dropped",
+            stream=settings.name,
+            held=held,
+            max_msgs_per_scope=limit,
+        )
+        return held
+    return limit
 
 
 async def ensure_consumer(

@@ -56,3 +56,25 @@ async def test_the_share_can_be_lifted_on_a_live_queue(
     for n in range(1, 5):
         await publish_request(conn, settings.stream, _request(n), scope="alice")
     assert (await queue_state(conn, settings))["messages"] == 5
+
+
+async def test_a_share_lowered_on_a_live_queue_drops_nothing_queued(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """JetStream drops the oldest messages of every subject above a lowered per-subject limit.
+    Provisioning keeps the limit at what a sender holds instead, until those have drained."""
+    settings.stream.max_msgs_per_scope = -1
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    for n in range(5):
+        await publish_request(conn, settings.stream, _request(n), scope="alice")
+    settings.stream.max_msgs_per_scope = 3
+    info = await ensure_stream(conn.jsm(), settings.stream)
+    assert info.config.max_msgs_per_subject == 5 and info.config.discard_new_per_subject
+    assert (await queue_state(conn, settings))["messages"] == 5  # all of alice's requests
+    with pytest.raises(OverloadedError):
+        await publish_request(conn, settings.stream, _request(5), scope="alice")
+    await publish_request(conn, settings.stream, _request(6), scope="bob")
+    # Once alice's requests are gone, provisioning again sets the limit asked for.
+    await conn.jsm().purge_stream(settings.stream.name, subject="mesh.v1.infer.smollm2.alice")
+    info = await ensure_stream(conn.jsm(), settings.stream)
+    assert info.config.max_msgs_per_subject == 3

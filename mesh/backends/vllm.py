@@ -54,7 +54,7 @@ class VLLMBackend:
             ) from None
         args = AsyncEngineArgs(**self.engine_options())
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._load_logger()])
-        tokenizer = self._engine.get_tokenizer()  # a coroutine before vLLM 0.11 or so
+        tokenizer = self._engine.get_tokenizer()  # a coroutine in older vLLM, a method in 0.26
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
         log.info(
             "vllm engine started",
