@@ -3,7 +3,8 @@
 - workers: the node registry (who is alive, their slots) and each worker's micro-service STATS
   (in flight, completed, taken over...);
 - edges: each edge's micro-service INFO and STATS (readiness, routes, fallbacks);
-- the work queue: messages waiting, and per model consumer what is pending and unacked;
+- the work queue: messages waiting, the senders holding most of them beside their share, and
+  per model consumer what is pending and unacked;
 - the answer store: events kept.
 """
 
@@ -88,13 +89,15 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
     }
     jsm = conn.jsm()
     try:
-        stream = await jsm.stream_info(settings.stream.name)
+        stream = await jsm.stream_info(settings.stream.name, subjects_filter=">")
     except NotFoundError:
         status["queue"] = None
     else:
         status["queue"] = {
             "stream": settings.stream.name,
             "waiting": stream.state.messages,
+            "share": stream.config.max_msgs_per_subject,
+            "top_senders": top_senders(stream.state.subjects or {}),
             "consumers": [
                 {
                     "name": c.name,
@@ -117,6 +120,20 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
             "bytes": store.state.bytes,
         }
     return status
+
+
+def top_senders(subjects: dict[str, int], most: int = 5) -> list[dict[str, Any]]:
+    """The senders holding the most queued requests (``mesh.v1.infer.<model>.<scope>``), to
+    set beside their share of the queue."""
+    held = sorted(
+        ((-waiting, subject) for subject, waiting in subjects.items() if waiting > 0),
+    )
+    rows: list[dict[str, Any]] = []
+    for negative, subject in held:
+        parts = subject.split(".")
+        if len(parts) == 5:
+            rows.append({"model": parts[3], "scope": parts[4], "waiting": -negative})
+    return rows[:most]
 
 
 def pools(workers: list[Any], queue: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -179,7 +196,19 @@ def render(status: dict[str, Any]) -> list[str]:
     if queue is None:
         lines.append("queue: not provisioned")
     else:
-        lines.append(f"queue {queue['stream']}: {queue['waiting']} waiting")
+        share = queue.get("share", -1)
+        lines.append(
+            f"queue {queue['stream']}: {queue['waiting']} waiting"
+            + (f", at most {share} per sender and model" if share and share > 0 else "")
+        )
+        if queue.get("top_senders"):
+            lines.append(
+                "  most queued: "
+                + ", ".join(
+                    f"{row['scope']} ({row['model']}) {row['waiting']}"
+                    for row in queue["top_senders"]
+                )
+            )
         lines += [
             f"  {c['name']:<32} pending={c['pending']} in_flight={c['unacked']} "
             f"redelivered={c['redelivered']}"

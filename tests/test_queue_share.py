@@ -12,6 +12,7 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.provision import ensure_stream, provision
 from mesh.queue import publish_request
+from mesh.status import collect_status, render
 from protocol.errors import OverloadedError
 from protocol.messages import InferRequest
 from tests.helpers import queue_state
@@ -40,6 +41,15 @@ async def test_a_sender_past_its_share_is_overloaded_while_others_get_in(
             await sdk.complete("one more", via="cloud", max_tokens=4)
     assert sdk_refused.value.retry_after == settings.stream.retry_after
     assert (await queue_state(conn, settings))["messages"] == 4  # alice's 3 and bob's 1
+    # An operator sees who holds the queue, beside the share.
+    status = await collect_status(conn, settings)
+    assert status["queue"]["share"] == 3
+    assert status["queue"]["top_senders"] == [
+        {"model": "smollm2", "scope": "alice", "waiting": 3},
+        {"model": "smollm2", "scope": "bob", "waiting": 1},
+    ]
+    text = "\n".join(render(status))
+    assert "at most 3 per sender and model" in text and "alice (smollm2) 3" in text
 
 
 async def test_the_share_can_be_lifted_on_a_live_queue(
