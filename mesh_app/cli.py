@@ -19,17 +19,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from mesh import __version__
-from mesh.config import MeshSettings, describe_settings, load_settings
-from mesh.logs import configure_logging
-from protocol.errors import ErrorCode, MeshError
+from mesh.config import MeshSettings, describe_settings
+from mesh_app.args import ENGINE_EXTRAS
+from mesh_app.args import build_parser as _parser
+from mesh_app.args import require_extra as _require
+from mesh_app.args import settings_from_args as _settings
+from protocol.errors import MeshError
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
 
 if TYPE_CHECKING:
@@ -41,208 +42,6 @@ DEMO_PROMPTS = (
     "A train leaves at 3:15 pm and travels 240 km at 80 km/h. Explain step by step when it "
     "arrives, then compute 17 * 23 as a check.",
 )
-
-# CLI flag -> config path. Flags left unset fall through to env vars, then defaults.
-_FLAGS: dict[str, tuple[str, ...]] = {
-    "nats_url": ("nats", "url"),
-    "port": ("nats", "local_port"),
-    "log_level": ("log", "level"),
-    "log_format": ("log", "format"),
-    "edge_id": ("edge", "edge_id"),
-    "cloud_model": ("edge", "cloud_model"),
-    "threshold": ("edge", "router", "threshold"),
-    "router": ("edge", "router", "kind"),
-    "start_timeout": ("edge", "cloud_start_timeout"),
-    "http_port": ("edge", "http_port"),
-    "data": ("edge", "router", "data_dir"),
-}
-_MODEL_FLAGS = {
-    "model": "path",
-    "model_name": "name",
-    "backend": "backend",
-    "base_url": "base_url",
-    "slots": "slots",
-    "tensor_parallel_size": "tensor_parallel_size",
-    "quantization": "quantization",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "gpu_memory_utilization": "gpu_memory_utilization",
-    "speculative_config": "speculative_config",
-}
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mesh", description="NATS JetStream edge/cloud LLM mesh")
-    parser.add_argument("--version", action="version", version=f"mesh {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--nats-url", help="NATS server URL (env MESH_NATS_URL)")
-    common.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    common.add_argument("--log-format", choices=["auto", "json", "console"])
-    model = argparse.ArgumentParser(add_help=False)
-    model.add_argument(
-        "--model", help="GGUF path (llama_cpp) or model id (vllm); default: bundled SmolLM2-135M"
-    )
-    model.add_argument("--model-name", help="model name on the queue subject (default smollm2)")
-    model.add_argument("--backend", choices=["llama_cpp", "openai", "vllm", "deterministic"])
-    model.add_argument("--base-url", help="OpenAI-compatible server base URL (openai backend)")
-    model.add_argument("--slots", type=int, help="concurrent generations (vLLM: max_num_seqs)")
-    model.add_argument("--tensor-parallel-size", type=int, help="vLLM: GPUs per replica")
-    model.add_argument("--quantization", help="vLLM: awq, gptq, fp8, ...")
-    model.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="vLLM: reuse the KV cache of shared prompt prefixes",
-    )
-    model.add_argument("--gpu-memory-utilization", type=float, help="vLLM: share of GPU memory")
-    model.add_argument(
-        "--speculative-config", type=json.loads, help="vLLM: speculative decoding, as JSON"
-    )
-    edge = argparse.ArgumentParser(add_help=False)
-    edge.add_argument("--edge-id", help="edge id (subject mesh.v1.edge.<id>.infer)")
-    edge.add_argument("--cloud-model", help="cloud model escalations go to")
-    edge.add_argument("--threshold", type=float, help="router threshold (escalate at score >= it)")
-    edge.add_argument("--router", choices=["heuristic", "learned"])
-    edge.add_argument("--start-timeout", type=float, help="seconds to wait for the cloud to start")
-    edge.add_argument(
-        "--http-port",
-        type=int,
-        help="OpenAI-compatible HTTP API port (default 8080; -1 off; 0 any free)",
-    )
-    ask_opts = argparse.ArgumentParser(add_help=False)
-    ask_opts.add_argument("--route", choices=["auto", "local", "cloud"], default="auto")
-    ask_opts.add_argument(
-        "--via",
-        choices=["edge", "cloud"],
-        default="edge",
-        help="ask an edge (routes) or the cloud queue directly",
-    )
-    ask_opts.add_argument("--max-tokens", type=int, default=256)
-    ask_opts.add_argument("--temperature", type=float, default=0.7)
-    ask_opts.add_argument("--seed", type=int)
-
-    sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser(
-        "up",
-        parents=[common, model, edge],
-        help="run a local mesh (nats-server + worker + edge) until Ctrl-C",
-    )
-    up.add_argument("--port", type=int, help="local nats-server port (default 4222; -1: any free)")
-    demo = sub.add_parser(
-        "demo",
-        parents=[common, model, edge, ask_opts],
-        help="start a local mesh, stream sample answers, stop",
-    )
-    demo.add_argument("prompts", nargs="*", help="prompts to ask (default: two samples)")
-    demo.set_defaults(max_tokens=96)
-    ask = sub.add_parser(
-        "ask", parents=[common, ask_opts], help="stream an answer from a running mesh"
-    )
-    ask.add_argument("prompt")
-    ask.add_argument("--edge-id", help="edge to ask (default: local)")
-    ask.add_argument("--model", dest="ask_model", help="cloud model to use")
-    ask.add_argument("--json", action="store_true", help="print the whole answer as JSON")
-    sub.add_parser("worker", parents=[common, model], help="run a cloud worker")
-    sub.add_parser("edge", parents=[common, model, edge], help="run an edge node")
-    prov = sub.add_parser(
-        "provision", parents=[common], help="create/update the hub's streams and consumers"
-    )
-    prov.add_argument(
-        "--model-name",
-        action="append",
-        dest="models",
-        help="model to provision a consumer for (repeatable)",
-    )
-    status = sub.add_parser(
-        "status", parents=[common], help="workers, edges, capacity, queue depth, pending acks"
-    )
-    status.add_argument("--json", action="store_true", help="print the status as JSON")
-    router = sub.add_parser("router", help="train, evaluate or score the learned router")
-    router_sub = router.add_subparsers(dest="router_command", required=True)
-    data = argparse.ArgumentParser(add_help=False)
-    data.add_argument("--data", help="routing data directory (default ../shared/routing)")
-    train = router_sub.add_parser("train", parents=[data], help="rebuild the router weights")
-    train.add_argument("--out", help="weights file (default: the one the edge ships with)")
-    evaluate = router_sub.add_parser("eval", parents=[data], help="metrics vs baselines")
-    evaluate.add_argument(
-        "--group-seeds",
-        type=int,
-        default=3,
-        help="extra shuffled subject-held-out splits to average (default 3)",
-    )
-    evaluate.add_argument(
-        "--latency-n",
-        type=int,
-        default=1000,
-        help="single decisions timed for p50/p99 (default 1000)",
-    )
-    score = router_sub.add_parser(
-        "score",
-        parents=[data],
-        help="score a labelled directory with the shipped weights (no retraining)",
-    )
-    score.add_argument("--json", action="store_true", help="print the results as JSON")
-    score.add_argument(
-        "--window",
-        type=int,
-        default=500,
-        help="prompts per window for the realized cloud share (default 500)",
-    )
-    bench = sub.add_parser(
-        "bench", parents=[common], help="measure paths, relay, model and overload; table + JSON"
-    )
-    bench.add_argument(
-        "part",
-        nargs="?",
-        default="all",
-        choices=["paths", "relay", "model", "overload", "fleet", "cascade", "vllm", "all"],
-        help="one part, or all of them but vllm (which needs a CUDA GPU and vLLM)",
-    )
-    bench.add_argument("--json", dest="json_path", help="also write the figures to this file")
-    creds = sub.add_parser(
-        "creds", help="write the hub's auth config and credentials for edges, workers, operator"
-    )
-    creds.add_argument("--out", required=True, help="directory for auth.conf, *.creds, *.env")
-    creds.add_argument("--edge", action="append", default=[], help="an edge id (repeatable)")
-    creds.add_argument("--worker", action="append", default=[], help="a worker id (repeatable)")
-    creds.add_argument(
-        "--client",
-        action="append",
-        default=[],
-        metavar="EDGE:APP",
-        help="credentials of their own for one app of an edge (repeatable)",
-    )
-    creds.add_argument("--expires-in", help="user credentials expire after this (90s, 12h, 30d)")
-    creds.add_argument("--mount", help="where processes will see --out (a container volume)")
-    creds.add_argument(
-        "--hub-leaf-url",
-        default="nats-leaf://nats-hub:7422",
-        help="the hub's leafnode URL, which edge sites dial",
-    )
-    creds.add_argument("--leaf-tls-ca", help="CA file edge sites verify the hub's TLS with")
-    sub.add_parser("config", help="list settings, env vars and defaults")
-    return parser
-
-
-def _settings(args: argparse.Namespace, *, quiet: bool = False) -> MeshSettings:
-    overrides: dict[tuple[str, ...], Any] = {}
-    for flag, path in _FLAGS.items():
-        if getattr(args, flag, None) is not None:
-            overrides[path] = getattr(args, flag)
-    for flag, key in _MODEL_FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides[("worker", "model", key)] = value
-            overrides[("edge", "model", key)] = value
-    if quiet and getattr(args, "log_level", None) is None:
-        overrides.setdefault(("log", "level"), "warning")
-    settings = load_settings(overrides)
-    configure_logging(settings.log, cache=True)
-    if settings.log.otel:
-        from mesh.tracing import install_provider
-
-        _require("opentelemetry.exporter.otlp.proto.http", "otel", "MESH_LOG_OTEL=true")
-        install_provider(service=f"mesh-{getattr(args, 'command', 'cli')}")
-    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,35 +250,14 @@ def _summary(end: EndEvent) -> str:
     return line
 
 
-_ENGINE_EXTRAS = {  # backends whose engine is an extra (the openai backend needs only aiohttp)
-    "llama_cpp": ("llama_cpp", "edge"),
-    "vllm": ("vllm", "vllm"),
-}
-
-
-def _require(module: str, extra: str, what: str) -> None:
-    """A clear error naming the extra to install, instead of an ImportError deep inside."""
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a dotted name whose parent package is missing
-        found = False
-    if not found:
-        raise MeshError(
-            f"{what} needs {module!r}, which this install lacks: "
-            f"pip install 'nats-llm-mesh[{extra}]'",
-            code=ErrorCode.UNAVAILABLE,
-            retryable=False,
-        )
-
-
 async def _serve_role(settings: MeshSettings, role: str) -> int:
     from mesh.backends import create_backend
     from mesh.connection import Connection
     from mesh.metrics import exposition
 
     model_settings = settings.worker.model if role == "worker" else settings.edge.model
-    if model_settings.backend in _ENGINE_EXTRAS:
-        module, extra = _ENGINE_EXTRAS[model_settings.backend]
+    if model_settings.backend in ENGINE_EXTRAS:
+        module, extra = ENGINE_EXTRAS[model_settings.backend]
         _require(module, extra, f"the {role}'s {model_settings.backend} backend")
     if role == "edge":
         _require("numpy", "edge", "the edge's router")

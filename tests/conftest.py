@@ -29,14 +29,14 @@ configure_logging(load_settings(environ={}).log.model_copy(update={"level": "war
 def _loggers_stay_reconfigurable(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI caches each logger on first use (faster); a test that runs the CLI in-process
     would freeze the loggers of every test after it, log capture included."""
-    import mesh_app.cli
+    import mesh_app.args
 
-    real = mesh_app.cli.configure_logging
+    real = mesh_app.args.configure_logging
 
     def uncached(settings: Any, stream: Any = None, *, cache: bool = False) -> None:
         real(settings, stream)
 
-    monkeypatch.setattr(mesh_app.cli, "configure_logging", uncached)
+    monkeypatch.setattr(mesh_app.args, "configure_logging", uncached)
 
 
 @pytest.fixture(scope="session")
