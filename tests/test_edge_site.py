@@ -25,7 +25,7 @@ from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.queue import MSG_ID_HEADER
-from mesh.testing.chaos import TcpProxy
+from mesh.testing.chaos import TcpProxy, expected_text
 from mesh_app.creds import Minted, mint
 from protocol.errors import DuplicateRequestError, MeshError, UnavailableError
 from protocol.subjects import infer_subject, token_subject
@@ -174,14 +174,10 @@ async def test_edges_on_their_leaf_nodes_escalate_to_the_hub_over_tls(topology: 
                     )
         for answer, tag in zip(answers, "ab", strict=True):
             assert answer.path == "cloud" and answer.end.served_by == "cloud:w1"
-            assert answer.text == "".join(f" {tag}{i}" for i in range(25))
+            assert answer.text == expected_text(tag, 25)
         # B's own answer reached B's leaf; nothing of A's ever crossed into it.
         assert any(s.startswith("mesh.v1.tok.site-b.") for s in seen)
         assert not any("site-a" in s for s in seen)
-
-
-def expected(tag: str, n: int) -> str:
-    return "".join(f" {tag}{i}" for i in range(n))
 
 
 async def test_an_offline_site_holds_requests_that_can_wait_and_loses_none(
@@ -197,8 +193,8 @@ async def test_an_offline_site_holds_requests_that_can_wait_and_loses_none(
             first = await client.complete(
                 "[tag:w] x", route="cloud", max_tokens=12, deferrable=True, request_id="warm-1"
             )
-            assert first.path == "cloud" and first.text == expected("w", 12)
-            assert (await client.answer("warm-1")).text == expected("w", 12)
+            assert first.path == "cloud" and first.text == expected_text("w", 12)
+            assert (await client.answer("warm-1")).text == expected_text("w", 12)
 
             # The uplink goes down.
             uplink.cut(3600)
@@ -244,11 +240,11 @@ async def test_an_offline_site_holds_requests_that_can_wait_and_loses_none(
             collected_in_outage = edge.site.collected
             answers = await asyncio.wait_for(asyncio.gather(*waits), timeout=60)
             for i, answer in enumerate(answers):
-                assert answer.path == "cloud" and answer.text == expected(f"h{i}", 20)
+                assert answer.path == "cloud" and answer.text == expected_text(f"h{i}", 20)
             assert collected_in_outage < len(ids)  # the flap did fall mid-way
             # Asked again by id, each answer comes from the site's own store.
             for i, rid in enumerate(ids):
-                assert (await client.answer(rid)).text == expected(f"h{i}", 20)
+                assert (await client.answer(rid)).text == expected_text(f"h{i}", 20)
         generated = topology.backend.started - started_before
         print(
             f"\nheld 10, forwarded {edge.site.forwarded - 1}, answered {len(answers)}, "
@@ -308,9 +304,9 @@ async def test_held_requests_survive_an_edge_restart_and_a_reused_id_gets_no_for
             # typed duplicate error: never the first one's answer.
             first_answer = results["first"]
             assert not isinstance(first_answer, BaseException), first_answer
-            assert first_answer.text == expected("first", 10)
+            assert first_answer.text == expected_text("first", 10)
             assert isinstance(results["other"], DuplicateRequestError), results["other"]
-            assert (await first.answer("shared-id")).text == expected("first", 10)
+            assert (await first.answer("shared-id")).text == expected_text("first", 10)
 
         # Held while the edge daemon restarts: the site's streams keep it.
         uplink.cut(3600)
@@ -341,7 +337,7 @@ async def test_held_requests_survive_an_edge_restart_and_a_reused_id_gets_no_for
                     return await restarted.site.kept("across-restart") is not None  # type: ignore[union-attr]
 
                 await eventually(answered, timeout=30, what="the held request to be answered")
-                assert (await client.answer("across-restart")).text == expected("r", 10)
+                assert (await client.answer("across-restart")).text == expected_text("r", 10)
             finally:
                 await restarted.stop(grace=0.5)
 
@@ -369,7 +365,7 @@ async def test_a_request_the_hub_refuses_for_good_gets_a_typed_error_and_blocks_
             after = await client.complete(
                 "[tag:n] x", route="cloud", max_tokens=5, deferrable=True, request_id="next"
             )
-            assert after.text == expected("n", 5)  # held behind it, forwarded all the same
+            assert after.text == expected_text("n", 5)  # held behind it, forwarded all the same
             with pytest.raises(UnavailableError, match="refused"):
                 await too_big
             with pytest.raises(UnavailableError, match="refused"):
@@ -384,8 +380,8 @@ async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) 
             first = await mine.complete(
                 "[tag:k] x", route="cloud", max_tokens=6, deferrable=True, request_id="job-1"
             )
-            assert first.text == expected("k", 6)
-            assert (await mine.answer("job-1")).text == expected("k", 6)  # its own key
+            assert first.text == expected_text("k", 6)
+            assert (await mine.answer("job-1")).text == expected_text("k", 6)  # its own key
             # Another app at the site, asking for the same id: as if nothing were kept.
             with pytest.raises(UnavailableError, match="not for this key"):
                 await other.answer("job-1")
@@ -401,7 +397,7 @@ async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) 
             )
         async with MeshClient(settings=settings) as restarted:
             answer = await restarted.answer("job-2", cancel_key="the-apps-own-secret")
-            assert answer.text == expected("q", 6)
+            assert answer.text == expected_text("q", 6)
             with pytest.raises(UnavailableError):
                 await restarted.answer("job-2")  # its per-instance key is not that one
 
@@ -428,7 +424,7 @@ async def test_an_http_request_that_can_wait_is_kept_for_its_sender_only(
             async with web.post("/v1/chat/completions", json=body, headers=headers) as resp:
                 first = await resp.json()
             assert resp.status == 200, first
-            assert first["choices"][0]["message"]["content"] == expected("h", 6)
+            assert first["choices"][0]["message"]["content"] == expected_text("h", 6)
             generated = topology.backend.started
             async with MeshClient(settings=topology.site_settings(site, "client")) as other:
                 with pytest.raises(UnavailableError, match="not for this key"):
@@ -436,7 +432,7 @@ async def test_an_http_request_that_can_wait_is_kept_for_its_sender_only(
             async with web.post("/v1/chat/completions", json=body, headers=headers) as resp:
                 again = await resp.json()
             assert resp.status == 200, again
-            assert again["choices"][0]["message"]["content"] == expected("h", 6)
+            assert again["choices"][0]["message"]["content"] == expected_text("h", 6)
             assert topology.backend.started == generated  # kept, not generated again
 
 
@@ -471,5 +467,5 @@ async def test_another_site_cannot_keep_a_held_request_out_of_the_hubs_queue(
                 ),
                 20,
             )
-    assert answer.text == expected("b", 6)
+    assert answer.text == expected_text("b", 6)
     assert answer.end.served_by.startswith("cloud:")

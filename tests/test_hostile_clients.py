@@ -25,6 +25,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.queue import MSG_ID_HEADER
+from mesh.testing.chaos import expected_text
 from protocol.codec import decode_event
 from protocol.messages import ErrorEvent
 from protocol.subjects import (
@@ -37,11 +38,6 @@ from tests.helpers import eventually, queue_drained
 from tests.nats_wire import RawNatsClient, WireMsg
 
 CHAT = "/v1/chat/completions"
-
-
-def tagged(tag: str, n: int) -> str:
-    """The deterministic backend's whole answer to a ``[tag:<tag>]`` prompt of ``n`` tokens."""
-    return "".join(f" {tag}{i}" for i in range(n))
 
 
 def nested_json(depth: int) -> str:
@@ -88,7 +84,7 @@ async def ask_edge(
 async def answered_normally(settings: MeshSettings, edge: EdgeNode) -> None:
     body = {"prompt": "[tag:after] hi", "max_tokens": 5, "route": "local"}
     answer = await ask_edge(settings, edge, body)
-    assert answer["t"] == "answer" and answer["text"] == tagged("after", 5), answer
+    assert answer["t"] == "answer" and answer["text"] == expected_text("after", 5), answer
 
 
 # -- payloads that broke the decoder ---------------------------------------------------------
@@ -209,7 +205,7 @@ async def test_worker_terminates_pathological_queued_json_and_keeps_serving(
     while not events or events[-1]["t"] not in ("end", "err"):
         events.append(json.loads((await good.next_msg(timeout=5)).data))
     assert events[-1]["t"] == "end"
-    assert "".join(e["text"] for e in events if e["t"] == "tok") == tagged("g", 4)
+    assert "".join(e["text"] for e in events if e["t"] == "tok") == expected_text("g", 4)
 
 
 # -- one request id, several clients ---------------------------------------------------------
@@ -258,7 +254,7 @@ async def test_rejoins_of_one_request_are_bounded(
     await eventually(all_ended, timeout=10, what="every re-send answered")
     first = got[f"{prefix}.first"]
     assert first[-1]["t"] == "end"
-    assert "".join(str(e["text"]) for e in first if e["t"] == "tok") == tagged("a", 150)
+    assert "".join(str(e["text"]) for e in first if e["t"] == "tok") == expected_text("a", 150)
     ends = [n for n in range(rejoins) if outcome(f"{prefix}.{n}")["t"] == "end"]  # type: ignore[index]
     refused = [outcome(f"{prefix}.{n}") for n in range(rejoins) if n not in ends]
     assert len(ends) <= 16, len(ends)
@@ -294,7 +290,7 @@ async def test_a_second_sender_of_the_same_request_cannot_cancel_the_first(
             said = await attacker.next_msg(timeout=5)
         answer = (await victim.next_msg(timeout=10)).json()
         assert answer["t"] == "answer", answer
-        assert answer["text"] == tagged("v", 120)
+        assert answer["text"] == expected_text("v", 120)
     finally:
         await victim.close()
         await attacker.close()
@@ -331,7 +327,12 @@ async def test_two_http_clients_and_a_nats_client_with_one_request_id_get_their_
     texts = await asyncio.gather(
         over_http("h1", "cloud"), over_http("h2", "cloud"), over_http("h3", "local"), over_nats("n")
     )
-    assert list(texts) == [tagged("h1", 30), tagged("h2", 30), tagged("h3", 30), tagged("n", 30)]
+    assert list(texts) == [
+        expected_text("h1", 30),
+        expected_text("h2", 30),
+        expected_text("h3", 30),
+        expected_text("n", 30),
+    ]
 
 
 # -- headers and control messages that lie ---------------------------------------------------

@@ -23,6 +23,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.queue import MSG_ID_HEADER, publish_request
+from mesh.testing.chaos import expected_text
 from protocol.codec import decode_event
 from protocol.errors import MeshError
 from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest
@@ -37,10 +38,6 @@ from tests.helpers import eventually
 from tests.test_security import Denials, Hub, hub, mesh  # noqa: F401 - the secured hub's fixtures
 
 MODEL = "smollm2"
-
-
-def tagged(tag: str, n: int) -> str:
-    return "".join(f" {tag}{i}" for i in range(n))
 
 
 @pytest.fixture
@@ -158,7 +155,7 @@ async def test_a_cancel_cannot_make_a_worker_write_its_reply_into_another_scope(
                 assert json.loads(reply.data) == {"held": False}  # its own inbox still hears
             await op.nc.flush()
             answer = await kept()
-            assert answer is not None and answer.text == tagged("k", 5), answer
+            assert answer is not None and answer.text == expected_text("k", 5), answer
             events = await _raw_events(op, token_subject("site-b", "kept-1"))
             assert events and all(b"held" not in e for e in events), events
     finally:

@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from mesh.answer_store import AnswerStore
 from mesh.testing.chaos import (
     MeshProcess,
+    Outcome,
     Tally,
     ask,
     expected_text,
@@ -200,6 +201,14 @@ async def drained(cluster: Cluster, timeout: float = 15.0) -> None:
     )
 
 
+def sound(outcomes: list[Outcome], fault: str, *extra: object) -> Tally:
+    """Print the fault's row of the tally, and check the property: nothing lost or corrupt."""
+    tally = Tally(list(outcomes))
+    print("\n" + tally.row(fault), *extra)
+    tally.assert_sound()
+    return tally
+
+
 def log_events(proc: MeshProcess, since_line: int) -> list[dict[str, Any]]:
     return proc.log_lines()[since_line:]
 
@@ -245,16 +254,13 @@ async def test_worker_paused_past_ack_wait_is_taken_over_and_comes_back_stale(
         )
         assert cluster.conn is not None
         held = await queue_state(cluster.conn, cluster.settings())
-        tally = Tally()
-        for outcome in await asyncio.wait_for(asyncio.gather(*pending), 60):
-            tally.add(outcome)
+        outcomes = await asyncio.wait_for(asyncio.gather(*pending), 60)
     finally:
         for task in pending:
             task.cancel()
-    print(
-        "\n" + tally.row(f"worker paused {pause:.1f} s, until taken over (ack_wait {ack_wait:g} s)")
+    tally = sound(
+        outcomes, f"worker paused {pause:.1f} s, until taken over (ack_wait {ack_wait:g} s)"
     )
-    tally.assert_sound()
     assert tally.counts()["correct"] == 4, (tally.outcomes, cluster.logs())
     assert all(o.attempts >= 2 and o.restarts == 0 for o in tally.outcomes), tally.outcomes
     assert all(o.path == "cloud" for o in tally.outcomes), tally.outcomes
@@ -350,15 +356,11 @@ async def test_a_takeover_stays_protected_after_the_paused_worker_resumes(
             e.attempt == 2 for a in wire.by_tag(tags).values() for _at, e in a.outcomes()
         ), "the survivor finished before it could be killed mid-answer"
         survivor.kill()
-        tally = Tally()
         outcomes = await asyncio.wait_for(asyncio.gather(*pending), 60)
     finally:
         for task in pending:
             task.cancel()
-    for outcome in outcomes:
-        tally.add(outcome)
-    print("\n" + tally.row("worker paused past ack_wait, resumed, then its heir killed"))
-    tally.assert_sound()
+    sound(outcomes, "worker paused past ack_wait, resumed, then its heir killed")
     assert all(o.kind == "correct" and o.path == "cloud" for o in outcomes), (
         outcomes,
         cluster.logs(),
@@ -393,11 +395,7 @@ async def test_worker_paused_shorter_than_ack_wait_just_carries_on(
     finally:
         for task in pending:
             task.cancel()
-    tally = Tally()
-    for outcome in outcomes:
-        tally.add(outcome)
-    print("\n" + tally.row(f"worker paused {pause:g} s (< ack_wait {ack_wait:g} s)"))
-    tally.assert_sound()
+    sound(outcomes, f"worker paused {pause:g} s (< ack_wait {ack_wait:g} s)")
     assert all(
         o.kind == "correct" and o.path == "cloud" and o.attempts == 1 and o.restarts == 0
         for o in outcomes
@@ -445,11 +443,7 @@ async def test_worker_link_down_past_ack_wait_lets_its_old_deliveries_be(
     finally:
         for task in pending:
             task.cancel()
-    tally = Tally()
-    for outcome in outcomes:
-        tally.add(outcome)
-    print("\n" + tally.row(f"worker link down past ack_wait ({ack_wait:g} s)"), held)
-    tally.assert_sound()
+    tally = sound(outcomes, f"worker link down past ack_wait ({ack_wait:g} s)", held)
     assert tally.counts()["correct"] == 3, (outcomes, cluster.logs())
     assert survivor_busy, "the survivor finished before the cut worker came back: no check made"
     assert held["num_ack_pending"] == 3, f"the returning worker let go of the survivor's: {held}"
@@ -498,12 +492,8 @@ async def test_edge_paused_for_two_seconds_mid_answer(cluster: Cluster) -> None:
     finally:
         for task in [*pending, short]:
             task.cancel()
-    tally = Tally()
-    for outcome in outcomes:
-        tally.add(outcome)
-    print("\n" + tally.row("edge paused 2 s (patient clients)"))
-    print(f"impatient client (idle timeout 1 s): {short_err!r}")
-    tally.assert_sound()
+    print(f"\nimpatient client (idle timeout 1 s): {short_err!r}")
+    sound(outcomes, "edge paused 2 s (patient clients)")
     assert all(o.kind == "correct" for o in outcomes), (outcomes, cluster.logs())
     assert [o.path for o in outcomes] == ["cloud", "cloud", "local", "cloud", "cloud", "cloud"]
     assert isinstance(short_err, MeshTimeoutError) and short_err.code.value == "timeout", short_err
@@ -546,11 +536,7 @@ async def test_nats_server_paused_for_two_seconds_mid_answer(cluster: Cluster) -
     finally:
         for task in pending:
             task.cancel()
-    tally = Tally()
-    for outcome in outcomes:
-        tally.add(outcome)
-    print("\n" + tally.row("nats-server paused 2 s"))
-    tally.assert_sound()
+    sound(outcomes, "nats-server paused 2 s")
     assert all(o.kind == "correct" for o in outcomes), (outcomes, cluster.logs())
     assert [o.path for o in outcomes] == ["cloud", "cloud", "local", "cloud", "cloud", "cloud"]
     assert all(o.attempts == 1 and o.restarts == 0 for o in outcomes), outcomes
@@ -604,11 +590,7 @@ async def test_paused_worker_holding_a_lease_is_taken_over_and_keeps_away(
     finally:
         for task in pending:
             task.cancel()
-    tally = Tally()
-    for outcome in outcomes:
-        tally.add(outcome)
-    print("\n" + tally.row("worker holding leases paused past ack_wait, resumed"))
-    tally.assert_sound()
+    sound(outcomes, "worker holding leases paused past ack_wait, resumed")
     assert all(o.kind == "correct" and o.attempts >= 2 for o in outcomes), (
         outcomes,
         cluster.logs(),
