@@ -14,6 +14,7 @@ from collections import OrderedDict
 from protocol.codec import load, sniff
 from protocol.errors import MeshError
 from protocol.messages import InferRequest
+from protocol.subjects import address_of
 
 NO_KEY = ""
 
@@ -56,7 +57,7 @@ class CancelBook:
         if len(keys) < 8:
             keys.add(key)
         self._ids[address] = (time.monotonic() + self._ttl, keys)
-        own = self._scopes.setdefault(_scope_of(address), OrderedDict())
+        own = self._scopes.setdefault(address_of(address)[0], OrderedDict())
         own[address] = None
         while len(own) > self._per_scope:
             self._forget(next(iter(own)))
@@ -79,7 +80,7 @@ class CancelBook:
         entry = self._ids.pop(address, None)
         if entry is None:
             return set()
-        scope = _scope_of(address)
+        scope = address_of(address)[0]
         own = self._scopes.get(scope)
         if own is not None:
             own.pop(address, None)
@@ -94,8 +95,3 @@ class CancelBook:
             if expires > now:
                 break
             self._forget(oldest)
-
-
-def _scope_of(address: str) -> str:
-    """The scope of a token subject ``mesh.v1.tok.<scope>.<id>``."""
-    return address.rpartition(".")[0].rpartition(".")[2]

@@ -29,9 +29,8 @@ from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
 from mesh.logs import get_logger
 from mesh.metrics import exposition
 from mesh.queue import trace_headers
-from protocol.codec import check_nesting, error_event, to_exception
+from protocol.codec import WireFormat, check_nesting, error_event, load, to_exception
 from protocol.errors import (
-    BadPayloadError,
     IncompleteAnswerError,
     InvalidRequestError,
     MeshError,
@@ -268,10 +267,7 @@ class EdgeHTTP:
             raise PayloadTooLargeError(
                 f"body over this edge's limit of {limits.max_payload_bytes} bytes"
             ) from None
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # nested too deep; a number too long
-            raise BadPayloadError(f"invalid JSON: {str(exc)[:200]}") from None
+        data = load(raw, WireFormat.JSON)  # the codec's rules: UTF-8, readable, not too deep
         if not isinstance(data, dict):
             raise InvalidRequestError("the body must be a JSON object")
         check_nesting(data)
