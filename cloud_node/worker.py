@@ -232,7 +232,11 @@ class Worker(Lifecycle):
         )
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         await self._heartbeat.start()
-        self._undo_reconnect = self.conn.on_reconnect(self._after_reconnect)
+        undo = [
+            self.conn.on_reconnect("answers in flight", self._catch_up),
+            self.conn.on_reconnect("queue and registry", self._restore),
+        ]
+        self._undo_reconnect = lambda: [u() for u in undo]
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.add(registry)
         await self._puller.start()
@@ -262,10 +266,10 @@ class Worker(Lifecycle):
                 log.warning("provisioning slow; trying again", error=err.message)
                 await asyncio.sleep(0.5 * attempt)
 
-    async def _after_reconnect(self) -> None:
-        """Events written to the old socket may be lost: publish again what the store lacks of
-        every answer in flight, so readers' gaps close now, not at the answer's end. A server
-        restart may also have lost memory-stored state: put it back (idempotent)."""
+    async def _catch_up(self) -> None:
+        """After a reconnect, events written to the old socket may be lost: publish again what
+        the store lacks of every answer in flight, so readers' gaps close now, not at the
+        answer's end."""
         self._puller.forget()  # pull requests may have gone with the old connection
         await self._puller.top_up()
         publishers = list(self.handler.publishers.values())
@@ -278,6 +282,10 @@ class Worker(Lifecycle):
                 answers=len(publishers),
                 confirmed=sum(1 for r in results if r is True),
             )
+
+    async def _restore(self) -> None:
+        """After a reconnect: a server restart may have lost memory-stored state (the queue's
+        consumer, the registry bucket): put it back (idempotent), and announce this worker."""
         await self._provision()
         await self._heartbeat.beat()
 
@@ -331,6 +339,9 @@ class Worker(Lifecycle):
             "slots": self.backend.capacity().total,
             "free": self.free_slots(),
             "in_flight": len(self.handler.inflight),
+            # What a reconnect took and is not back yet (the queue's consumer, the registry).
+            "health": "restoring" if self.conn.restoring else "ok",
+            "restoring": self.conn.restoring,
             **vars(self.stats),
         }
 

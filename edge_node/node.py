@@ -253,16 +253,22 @@ class EdgeNode(Lifecycle):
             "nats": "connected" if self.conn.connected else "disconnected",
             "cloud": cloud,
             "intake": "open" if self.accepting else "closed",
+            "recovery": (
+                "restoring " + ", ".join(self.conn.restoring) if self.conn.restoring else "restored"
+            ),
         }
         ready = health.ok and self.conn.connected and self.accepting
-        status = "not_ready" if not ready else ("ready" if serves is not False else "degraded")
+        healthy = serves is not False and not self.conn.restoring
+        status = "not_ready" if not ready else ("ready" if healthy else "degraded")
         reason = ""
         if not ready:
             reason = "; ".join(
                 v
                 for k, v in checks.items()
-                if k != "cloud" and v not in ("loaded", "connected", "open")
+                if k not in ("cloud", "recovery") and v not in ("loaded", "connected", "open")
             )
+        elif self.conn.restoring:
+            reason = f"{checks['recovery']} after a reconnect (retrying until restored)"
         elif status == "degraded":
             reason = f"no live worker serves {self._es.cloud_model!r}: answering locally"
         return {"status": status, "reason": reason, "checks": checks, "edge_id": self.edge_id}

@@ -25,6 +25,7 @@ from mesh.credentials import check_creds_file
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.outbox import Outbox
+from mesh.recovery import Recovery, Step
 from protocol.errors import UnauthorizedError, UnavailableError
 
 log = get_logger(__name__)
@@ -49,8 +50,8 @@ class Connection(Lifecycle):
         """Reconnects plus slow-consumer drops: when this moves, messages may have been lost."""
         self.lost = asyncio.Event()
         """Set whenever ``losses`` moves; readers clear it when they have caught up."""
-        self._on_reconnect: list[Callable[[], Coroutine[Any, Any, None]]] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.recovery = Recovery(name)
+        """What a reconnect may have lost, put back until it is (see :mod:`mesh.recovery`)."""
 
     @property
     def nc(self) -> Client:
@@ -98,24 +99,19 @@ class Connection(Lifecycle):
     def site_jsm(self) -> JetStreamManager:
         return self.nc.jsm(timeout=self.settings.request_timeout)
 
-    def on_reconnect(self, callback: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
-        """Run ``callback`` (a coroutine function) after every reconnect; returns an undo."""
-        self._on_reconnect.append(callback)
+    def on_reconnect(self, name: str, step: Step) -> Callable[[], None]:
+        """Run ``step`` (a coroutine function) after every reconnect, again and again with
+        backoff until it succeeds; returns an undo. :attr:`restoring` names it meanwhile."""
+        return self.recovery.add(name, step)
 
-        def undo() -> None:
-            if callback in self._on_reconnect:
-                self._on_reconnect.remove(callback)
-
-        return undo
+    @property
+    def restoring(self) -> list[str]:
+        """The after-reconnect steps not restored yet: while any is, the node is degraded."""
+        return self.recovery.pending
 
     def _lost(self) -> None:
         self.losses += 1
         self.lost.set()
-
-    def _reconnect_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("after-reconnect step failed", error=repr(task.exception()))
 
     async def connect(self) -> Connection:
         servers = self.settings.servers()
@@ -151,10 +147,7 @@ class Connection(Lifecycle):
             self.reconnects += 1
             self._lost()
             log.info("nats reconnected", connection=self.name, server=str(client.connected_url))
-            for callback in list(self._on_reconnect):
-                task = asyncio.get_running_loop().create_task(callback(), name="on-reconnect")
-                self._tasks.add(task)
-                task.add_done_callback(self._reconnect_done)
+            self.recovery.reconnected()
 
         try:
             await _first_of(
@@ -207,8 +200,7 @@ class Connection(Lifecycle):
         """Drain subscriptions and flush pending publishes, within the drain timeout."""
         client, self._nc, self._js = self._nc, None, None
         outbox, self._outbox = self._outbox, None
-        for task in list(self._tasks):
-            task.cancel()
+        await self.recovery.close()
         if client is None or client.is_closed:
             return
         if outbox is not None:

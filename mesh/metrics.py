@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -243,11 +243,18 @@ class NatsMetrics(Collector):
             "Reconnects plus slow-consumer drops: times a reader may have missed messages.",
             labels=["connection"],
         )
+        restoring = GaugeMetricFamily(
+            "mesh_nats_restoring",
+            "After-reconnect steps (watches, consumers, registry) not restored yet.",
+            labels=["connection"],
+        )
         for name, conn in self._connections.items():
             reconnects.add_metric([name], conn.reconnects)
             drops.add_metric([name], conn.losses)
+            restoring.add_metric([name], len(conn.restoring))
         yield reconnects
         yield drops
+        yield restoring
 
 
 class _Union(Collector):

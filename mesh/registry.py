@@ -189,7 +189,7 @@ class NodeView:
 
     async def start(self) -> None:
         await self._watch()
-        self._undo_reconnect = self._conn.on_reconnect(self._rewatch)
+        self._undo_reconnect = self._conn.on_reconnect("registry watch", self._rewatch)
 
     async def _watch(self) -> None:
         kv = await open_bucket(self._conn, self._ttl)
@@ -200,13 +200,13 @@ class NodeView:
 
     async def _rewatch(self) -> None:
         """After a reconnect the bucket may have been recreated: follow it afresh. Entries seen
-        before stay until they age out; a live worker refreshes its own within a heartbeat."""
+        before stay until they age out; a live worker refreshes its own within a heartbeat.
+        Raises when the watch cannot be made now (an election, no quorum): the connection's
+        recovery tries again until it can, and the view is not ready meanwhile."""
         self._reconnected_at = time.monotonic()
+        self._ready = False
         await self._stop_watch()
-        try:
-            await self._watch()
-        except MeshError as err:
-            log.warning("registry watch not restored", error=err.message)
+        await self._watch()
 
     async def _follow(self, watcher: Any) -> None:
         async for entry in watcher:

@@ -170,6 +170,7 @@ def render(status: dict[str, Any]) -> list[str]:
             f"  {w['node_id']:<32} models={','.join(w['models'])} slots={w['slots']} "
             f"free={w['free']} in_flight={w.get('in_flight', '?')} "
             f"completed={w.get('completed', '?')} continued={w.get('continued', '?')}"
+            + (f" restoring={','.join(w['restoring'])}" if w.get("restoring") else "")
         )
     lines.append(f"edges: {len(status['edges'])}")
     for e in status["edges"]:

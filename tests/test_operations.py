@@ -69,6 +69,7 @@ async def test_ready_says_degraded_without_workers_and_ready_with_one(
         "nats": "connected",
         "cloud": "unreachable",
         "intake": "open",
+        "recovery": "restored",
     }
     async with Worker(settings, conn, deterministic()):
 

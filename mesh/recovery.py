@@ -1,0 +1,121 @@
+"""Putting back what a reconnect may have lost, until it is back.
+
+A server restart, a leader election or a link cut can take a node's watches, consumers, KV
+handles and registry entries with it. Each node names the steps that put them back; after every
+reconnect :class:`Recovery` runs each step, and when one fails (the hub is still electing a
+leader, JetStream has no quorum yet, the request timed out) runs it again with a growing delay
+(0.1 s doubling to 2 s) until it succeeds. It never gives up: a step that failed once used to
+leave an edge answering every cloud request locally for good while every worker was healthy.
+
+A newer reconnect restarts a step still being retried. While any step is not restored,
+:attr:`Recovery.pending` names it, and readiness (the edge's ``/ready``, a worker's status and
+``mesh status``) says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from mesh.logs import get_logger
+
+log = get_logger(__name__)
+
+Step = Callable[[], Coroutine[Any, Any, None]]
+
+FIRST_DELAY = 0.1
+"""Seconds before the first retry of a failed step; doubled after each failure."""
+MAX_DELAY = 2.0
+"""The longest wait between two tries: a step is restored at most this long after its cause
+is gone (an election typically ends within a few seconds)."""
+STEP_TIMEOUT = 30.0
+"""A bound on one try, on top of the steps' own network timeouts."""
+
+
+class Recovery:
+    """The steps one connection runs after every reconnect, each retried until it succeeds."""
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._steps: dict[int, tuple[str, Step]] = {}
+        self._running: dict[int, tuple[str, asyncio.Task[None]]] = {}
+        self._next = 0
+        self.failures = 0
+        """Failed tries since start (every step): a figure for metrics."""
+
+    def add(self, name: str, step: Step) -> Callable[[], None]:
+        """Run ``step`` after every reconnect, until it succeeds; returns an undo. ``name``
+        says what it restores (several steps may share one)."""
+        key = self._next
+        self._next += 1
+        self._steps[key] = (name, step)
+
+        def undo() -> None:
+            self._steps.pop(key, None)
+            running = self._running.pop(key, None)
+            if running is not None:
+                running[1].cancel()
+
+        return undo
+
+    @property
+    def pending(self) -> list[str]:
+        """What is not restored since the last reconnect, by name."""
+        return sorted({name for name, _task in self._running.values()})
+
+    def reconnected(self) -> None:
+        """Start (or start again) every step."""
+        loop = asyncio.get_running_loop()
+        for key, (name, step) in list(self._steps.items()):
+            old = self._running.pop(key, None)
+            if old is not None:
+                old[1].cancel()
+            task = loop.create_task(self._restore(name, step), name=f"restore-{name}")
+            self._running[key] = (name, task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        for key, (_name, running) in list(self._running.items()):
+            if running is task:
+                del self._running[key]
+
+    async def _restore(self, name: str, step: Step) -> None:
+        delay = FIRST_DELAY
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                await asyncio.wait_for(step(), STEP_TIMEOUT)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.failures += 1
+                # Every failure is worth a line while it lasts, but not ten a second.
+                if tries == 1 or delay >= MAX_DELAY:
+                    log.warning(
+                        "not restored after a reconnect; trying again",
+                        connection=self._owner,
+                        step=name,
+                        tries=tries,
+                        error=repr(exc),
+                        retry_in_s=delay,
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_DELAY)
+                continue
+            if tries > 1:
+                log.info(
+                    "restored after a reconnect", connection=self._owner, step=name, tries=tries
+                )
+            return
+
+    async def close(self) -> None:
+        tasks = [task for _name, task in self._running.values()]
+        self._running.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

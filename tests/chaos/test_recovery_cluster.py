@@ -1,0 +1,81 @@
+"""Nothing stays broken: an edge's registry watch that cannot be made after a reconnect (the hub
+has no JetStream quorum) is tried again until it is back, with no further reconnect, and the
+edge says it is restoring meanwhile. Before, it was tried once: the edge then answered every
+cloud request locally for good, saying no worker served the model, while workers heartbeat.
+
+Real 3-node nats-server cluster, a TCP proxy in front of the node the edge uses."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from mesh.config import StreamSettings
+from mesh.connection import Connection
+from mesh.registry import Heartbeat, NodeInfo, NodeView
+from mesh.testing.chaos import JsCluster, TcpProxy
+from tests.conftest import make_settings
+from tests.helpers import eventually
+
+pytestmark = pytest.mark.chaos
+
+
+@pytest.fixture
+async def js_cluster(tmp_path: Path) -> AsyncIterator[JsCluster]:
+    cluster = JsCluster(tmp_path)
+    await cluster.start()
+    try:
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+async def test_registry_watch_is_restored_after_quorum_returns_without_a_reconnect(
+    js_cluster: JsCluster,
+) -> None:
+    n1 = f"nats://127.0.0.1:{js_cluster.ports['n1'][0]}"
+    proxy = await TcpProxy(js_cluster.ports["n1"][0]).start()
+    edge_settings = make_settings(proxy.url)
+    edge_settings.nats.reconnect_wait = 0.1
+    worker_settings = make_settings(n1)
+    stream = StreamSettings(replicas=3)
+    info = NodeInfo(node_id="w1", role="worker", models=["smollm2"], slots=1, free=1)
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(proxy.stop)
+        worker_conn = await stack.enter_async_context(Connection(worker_settings.nats, "worker"))
+        beat = Heartbeat(worker_conn, lambda: info, 0.5, 3.0, stream)
+        await beat.start()
+        stack.push_async_callback(beat.stop)
+        edge_conn = await stack.enter_async_context(Connection(edge_settings.nats, "edge"))
+        view = NodeView(edge_conn, 3.0, pool="smollm2")
+        await view.start()
+        stack.push_async_callback(view.stop)
+
+        async def serves() -> bool:
+            return view.serves("smollm2") is True
+
+        await eventually(serves, timeout=20, what="the edge to see the worker")
+
+        # No quorum: JetStream cannot answer, core NATS still does.
+        await js_cluster.kill("n2")
+        await js_cluster.kill("n3")
+        before = edge_conn.reconnects
+        proxy.cut(0.3)  # the edge's link drops and comes back while JetStream is down
+
+        async def restoring() -> bool:
+            return edge_conn.reconnects > before and edge_conn.restoring == ["registry watch"]
+
+        await eventually(restoring, timeout=20, what="the edge to say its watch is restoring")
+        assert view.serves("smollm2") is None  # it cannot tell, and does not pretend
+
+        await js_cluster.start("n2")
+        await js_cluster.start("n3")
+
+        async def restored() -> bool:
+            return edge_conn.restoring == [] and view.serves("smollm2") is True
+
+        await eventually(restored, timeout=60, what="the watch restored once quorum returned")
+        assert edge_conn.reconnects == before + 1, "restored by retrying, not by a new reconnect"

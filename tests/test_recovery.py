@@ -1,0 +1,65 @@
+"""The recovery helper every after-reconnect step goes through (:mod:`mesh.recovery`): a step
+that fails is tried again, with backoff, until it succeeds, and is named as pending meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mesh.recovery import Recovery
+from tests.helpers import eventually
+
+
+async def test_a_failing_step_is_retried_until_it_succeeds_and_is_pending_meanwhile() -> None:
+    recovery = Recovery("test")
+    tries = 0
+    healed = asyncio.Event()
+
+    async def step() -> None:
+        nonlocal tries
+        tries += 1
+        if not healed.is_set():
+            raise TimeoutError("the hub is electing a leader")
+
+    recovery.add("registry watch", step)
+    assert recovery.pending == []
+    recovery.reconnected()
+    await eventually(lambda: _at_least(lambda: tries, 3), what="three failed tries")
+    assert recovery.pending == ["registry watch"]
+    assert recovery.failures >= 3
+    healed.set()
+    await eventually(lambda: _true(recovery.pending == []), what="the step restored")
+    done = tries
+    await asyncio.sleep(0.3)
+    assert tries == done, "a restored step is not run again until the next reconnect"
+    await recovery.close()
+
+
+async def test_a_new_reconnect_restarts_a_step_and_undo_removes_it() -> None:
+    recovery = Recovery("test")
+    started: list[int] = []
+    release = asyncio.Event()
+
+    async def step() -> None:
+        started.append(len(started))
+        await release.wait()
+
+    undo = recovery.add("consumer", step)
+    recovery.reconnected()
+    await eventually(lambda: _true(len(started) == 1), what="the first run")
+    recovery.reconnected()  # the first run is cancelled, a second begins
+    await eventually(lambda: _true(len(started) == 2), what="the second run")
+    assert recovery.pending == ["consumer"]
+    undo()
+    assert recovery.pending == []
+    recovery.reconnected()
+    await asyncio.sleep(0.05)
+    assert len(started) == 2
+    await recovery.close()
+
+
+async def _at_least(value: object, n: int) -> bool:
+    return bool(value() >= n)  # type: ignore[operator]
+
+
+async def _true(value: bool) -> bool:
+    return value
