@@ -56,7 +56,7 @@ async def keep_alive(
     loop = asyncio.get_running_loop()
     refreshed = since
     while True:
-        if keeper.lapsed() and await keeper.superseded():
+        if (keeper.lapsed() or keeper.interrupted()) and await keeper.superseded():
             log.warning("another worker took the request over while this one stood still; stopping")
             keeper.stopped = True
             generating.cancel()  # neither acked nor handed back: the delivery is not ours
@@ -86,7 +86,8 @@ class KeepAlive:
     ``received``: the loop time the delivery arrived. ``newer_attempt``: whether the answer
     store holds an attempt newer than this one (read only after a lapse). ``connected``:
     whether the worker's connection is up; a report made while it is down does not count (a
-    link down that long is a lapse too)."""
+    link down that long is a lapse too). ``interrupted``: whether the connection dropped or the
+    process stood still since the delivery (then the store decides, see :meth:`taken_over`)."""
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class KeepAlive:
         received: float,
         newer_attempt: Callable[[], Awaitable[bool]],
         connected: Callable[[], bool],
+        interrupted: Callable[[], bool] = lambda: False,
         **kwargs: Any,
     ) -> None:
         loop = asyncio.get_running_loop()
@@ -107,8 +109,13 @@ class KeepAlive:
         self._lapsed = False
         self._newer_attempt = newer_attempt
         self.connected = connected
+        self.interrupted = interrupted
+        """Whether the connection dropped or the process stood still since the delivery: a live
+        worker may have handed the delivery back meanwhile (:mod:`cloud_node.orphans`)."""
         self.stopped = False
         """Generation was stopped: a newer attempt took the request over."""
+        self._generating: asyncio.Task[Any] = kwargs["generating"]
+        self._tasks = tasks
 
         def begin() -> None:
             self._task = tasks.spawn(
@@ -126,6 +133,35 @@ class KeepAlive:
             log.warning("progress reports lapsed; the request may have been redelivered")
         return self._lapsed
 
+    def recheck(self) -> None:
+        """Now, not at the next progress report: the connection came back or the process
+        stood still, so another worker may hold the request; if the store shows it does, stop
+        generating (its readers follow the newer attempt and drop this one's events)."""
+        self._tasks.spawn(self._stop_if_superseded(), name="recheck")
+
+    async def _stop_if_superseded(self) -> None:
+        if self.stopped or self._generating.done() or not await self.superseded():
+            return
+        log.warning("another worker took the request over while this one was cut off or still")
+        self.stopped = True
+        self._generating.cancel()  # neither acked nor handed back: the delivery is not ours
+
+    async def taken_over(self) -> bool:
+        """Whether the delivery may be another worker's: it lapsed, or it was interrupted and
+        the answer store shows a newer attempt (or cannot be read). Asked before settling."""
+        if self.lapsed():
+            return True
+        if not self.interrupted():
+            return False
+        try:
+            newer = await self._newer_attempt()
+        except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("cannot tell whether the request was handed back", error=repr(exc))
+            return True
+        if newer:
+            log.warning("the request was handed back while this worker was cut off or stood still")
+        return newer
+
     async def superseded(self) -> bool:
         """After a lapse: whether the answer store holds a newer attempt (False if unreadable)."""
         try:
@@ -138,3 +174,41 @@ class KeepAlive:
         self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
+
+
+class LoopStalls:
+    """Counts the times this process stood still (SIGSTOP, a starved or blocked event loop) for
+    ``STALL_S`` or more: a ticker every ``TICK_S`` and the gaps between its ticks.
+
+    A live worker hands back the delivery of a worker that does not answer "are you there?"
+    within :data:`cloud_node.orphans.ALIVE_WAIT_S` (0.4 s): only a process that stood still at
+    least that long can have lost a delivery so, and this counts every such stand-still
+    (0.3 s), the one still under way included, so the worker checks the answer store before it
+    settles anything."""
+
+    TICK_S = 0.05
+    STALL_S = 0.3
+
+    def __init__(self, on_stall: Callable[[], None] = lambda: None) -> None:
+        self.stalls = 0
+        self._last: float | None = None
+        self._on_stall = on_stall
+
+    def count(self) -> int:
+        """Stand-stills so far, counting one under way (the ticker is late by ``STALL_S``)."""
+        if self._last is None:
+            return self.stalls
+        late = asyncio.get_running_loop().time() - self._last >= self.STALL_S
+        return self.stalls + (1 if late else 0)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        while True:
+            await asyncio.sleep(self.TICK_S)
+            now = loop.time()
+            if now - self._last >= self.STALL_S:
+                self.stalls += 1
+                log.warning("this process stood still", seconds=round(now - self._last, 2))
+                self._on_stall()
+            self._last = now

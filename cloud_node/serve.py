@@ -25,7 +25,7 @@ from cloud_node.cancels import CancelBook
 from cloud_node.keeper import Keeper
 from cloud_node.lease import OTHER_COPY, Lease, Leases
 from cloud_node.outcomes import Outcomes, ack
-from cloud_node.progress import KeepAlive
+from cloud_node.progress import KeepAlive, LoopStalls
 from cloud_node.publisher import AnswerPublisher, Settler
 from cloud_node.takeover import Takeover, Unread, unseen_attempt
 from mesh.answer_store import AnswerStore
@@ -101,11 +101,17 @@ class Handler:
         """Their publishers (a reconnect has each catch up)."""
         self.ack = ack
         """Acks a served request without waiting (:func:`cloud_node.outcomes.ack`)."""
+        self.keepalives: dict[str, KeepAlive] = {}
+        """The answers being generated, by token subject: checked again after a stand-still
+        or a reconnect (:meth:`recheck`)."""
+        self.stalls = LoopStalls(on_stall=self.recheck)
+        """This process's stand-stills (the worker runs its ticker)."""
 
     async def handle(self, msg: Msg) -> None:
         """One delivery, in its own task; returns once the queue message is acked, handed back
         or left to its redelivery, never raising for the request's sake."""
         received = asyncio.get_running_loop().time()
+        drops, stalls = self.conn.drops, self.stalls.count()
         attempt = msg.metadata.num_delivered
         if attempt > 1:
             self.metrics.redeliveries.inc()
@@ -155,14 +161,24 @@ class Handler:
                     msg.headers,
                     **{"mesh.request_id": request.id, "mesh.attempt": attempt},
                 ):
-                    await self._serve(msg, request, scope, fmt.reply_format, attempt, received)
+                    await self._serve(
+                        msg, request, scope, fmt.reply_format, attempt, received, (drops, stalls)
+                    )
             finally:
                 self.inflight.pop(address, None)
 
     async def _serve(  # noqa: PLR0917
-        self, msg: Msg, request: InferRequest, scope: str, fmt: Any, attempt: int, received: float
+        self,
+        msg: Msg,
+        request: InferRequest,
+        scope: str,
+        fmt: Any,
+        attempt: int,
+        received: float,
+        since: tuple[int, int],
     ) -> None:
         queued_ms = max(0.0, (time.time() - msg.metadata.timestamp.timestamp()) * 1000)
+        drops, stalls = since  # the connection's drops and the loop's stalls at delivery
         publisher = AnswerPublisher(
             self.conn, self.store, scope, request.id, fmt, timeout=self._ws.publish_timeout
         )
@@ -212,6 +228,7 @@ class Handler:
             # twice): this attempt numbers after all of them. ``attempt`` stays the delivery
             # count, which decides retries.
             writer = self.takeover.writer(request, history, max(attempt, history.attempt + 1))
+        writer.delivery = msg.reply  # a survivor hands it back at once if this worker dies
         generating = asyncio.current_task()
         assert generating is not None
         ours = writer.attempt
@@ -221,6 +238,7 @@ class Handler:
             received=received,
             newer_attempt=lambda: self._newer_attempt(address, ours),
             connected=lambda: self.conn.connected,
+            interrupted=lambda: self.conn.drops != drops or self.stalls.count() != stalls,
             msg=msg,
             lease=lease,
             ack_wait=self._stream.ack_wait,
@@ -229,12 +247,14 @@ class Handler:
             generating=generating,
         )
         last = attempt >= self._stream.max_deliver
+        self.keepalives[address] = keepalive
 
-        def lapsed() -> bool:
+        async def lapsed() -> bool:
             """The delivery may be another worker's. Never on the last delivery: JetStream gives
-            it to nobody else, and a message left unsettled there is given up on (the
-            MAX_DELIVERIES advisory), its outcome decided without this answer."""
-            return not last and keepalive.lapsed()
+            it to nobody else (and no worker hands it back), and a message left unsettled there
+            is given up on (the MAX_DELIVERIES advisory), its outcome decided without this
+            answer."""
+            return not last and await keepalive.taken_over()
 
         self.publishers[address] = publisher
         try:
@@ -252,7 +272,7 @@ class Handler:
             self.republished(publisher)
             if not stored:  # acked all the same; its events still go to the store when it can
                 self.settler.later(publisher)
-            if lapsed():  # the delivery may be another worker's: it settles the message
+            if await lapsed():  # the delivery may be another worker's: it settles the message
                 log.warning("answer done after a lapse; leaving the request to its holder")
             elif request.deferrable and not await self._keep(msg, scope, request, publisher):
                 return
@@ -290,18 +310,18 @@ class Handler:
             # after what this attempt generated (the next one resumes from the store).
             self.count("requeued")
             await self.conn.flush_outbox()
-            if not lapsed():  # else not ours to give back: its holder continues it
+            if not await lapsed():  # else not ours to give back: its holder continues it
                 with contextlib.suppress(nats.errors.Error):
                     await msg.nak()
             raise
         except MeshError as err:
-            if lapsed():  # not ours to fail: its holder (or redelivery) continues it
+            if await lapsed():  # not ours to fail: its holder (or redelivery) continues it
                 log.warning("generation failed after a lapse", code=err.code.value)
                 return
             await self.outcomes.failed(msg, publisher, writer, err, attempt, request=request)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
-            if lapsed():
+            if await lapsed():
                 return
             await self.outcomes.failed(
                 msg,
@@ -314,6 +334,13 @@ class Handler:
         finally:
             keepalive.stop()
             self.publishers.pop(address, None)
+            self.keepalives.pop(address, None)
+
+    def recheck(self) -> None:
+        """After a stand-still or a reconnect: stop at once every answer another worker took
+        over meanwhile (see :mod:`cloud_node.orphans`)."""
+        for keepalive in list(self.keepalives.values()):
+            keepalive.recheck()
 
     async def _newer_attempt(self, address: str, attempt: int) -> bool:
         """Whether the answer store holds an attempt newer than ``attempt``: another worker took

@@ -30,6 +30,7 @@ from nats.micro.service import Service
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.keeper import Keeper
 from cloud_node.lease import Leases
+from cloud_node.orphans import Orphans
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.publisher import AnswerPublisher, Settler
 from cloud_node.puller import Puller
@@ -50,10 +51,9 @@ from mesh.tracing import Tracing
 from protocol.errors import MeshTimeoutError
 from protocol.subjects import (
     CANCEL_WILDCARD,
-    address_of,
+    addressed,
     consumer_name,
     is_reply_inbox,
-    is_token,
     model_token,
     token_subject,
     worker_cancels,
@@ -159,9 +159,18 @@ class Worker(Lifecycle):
             count=self._count,
             republished=self._count_republished,
         )
+        self.orphans = Orphans(
+            conn,
+            self.store,
+            settings.stream,
+            node_id=self.node_id,
+            holds=lambda address: address in self.handler.inflight,
+            request_limits=settings.limits.request_limits(),
+        )
         self._stopping = False
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
+        self._stall_task: asyncio.Task[Any] | None = None
         self._undo_reconnect: Any = None
         self._heartbeat = Heartbeat(
             conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl, self._stream
@@ -218,6 +227,7 @@ class Worker(Lifecycle):
                 queue=f"mesh-advisories-{model_token(self.backend.model)}",
                 cb=self.outcomes.on_max_deliveries,
             ),
+            *await self.orphans.subscribe(),
         ]
         self._service = await micro.add_service(
             nc,
@@ -241,6 +251,10 @@ class Worker(Lifecycle):
             exposition.add(registry)
         await self._puller.start()
         self._loop_task = self._tasks.supervise(self._tick, name="pull")
+        # Not one of self._tasks: it watches until the last answer is drained (see stop()).
+        self._stall_task = asyncio.get_running_loop().create_task(
+            self.handler.stalls.run(), name="stall-watch"
+        )
         log.info(
             "worker started",
             node_id=self.node_id,
@@ -270,6 +284,7 @@ class Worker(Lifecycle):
         """After a reconnect, events written to the old socket may be lost: publish again what
         the store lacks of every answer in flight, so readers' gaps close now, not at the
         answer's end."""
+        self.handler.recheck()  # another worker may have been handed what we held
         self._puller.forget()  # pull requests may have gone with the old connection
         await self._puller.top_up()
         publishers = list(self.handler.publishers.values())
@@ -309,7 +324,12 @@ class Worker(Lifecycle):
                 grace_s=self._ws.drain_grace,
             )
         await self._tasks.close(grace=self._ws.drain_grace)
+        if self._stall_task is not None:
+            self._stall_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stall_task
         await self.settler.close()
+        await self.orphans.close()
         for sub in self._subs:
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
@@ -342,6 +362,7 @@ class Worker(Lifecycle):
             # What a reconnect took and is not back yet (the queue's consumer, the registry).
             "health": "restoring" if self.conn.restoring else "ok",
             "restoring": self.conn.restoring,
+            "handed_back": self.orphans.handed_back,
             **vars(self.stats),
         }
 
@@ -383,9 +404,10 @@ class Worker(Lifecycle):
         self._tasks.spawn(self._handle(msg), name="request")
 
     async def _on_cancel(self, msg: Msg) -> None:
-        scope, request_id = address_of(msg.subject)
-        if not (is_token(scope) and is_token(request_id)):
+        found = addressed(msg.subject)
+        if found is None:
             return
+        scope, request_id = found
         address = token_subject(scope, request_id)
         key = cancel_key_of(msg.data, msg.headers)
         self._cancels.add(address, key)

@@ -79,6 +79,8 @@ def with_id(event: WireEvent, request_id: str) -> WireEvent:
         return token_event(
             request_id, event.seq, event.text, event.attempt, event.n, event.logprobs
         )
+    if isinstance(event, StartEvent):  # the hub's queue delivery is none of the client's
+        return event.model_copy(update={"id": request_id, "delivery": None})
     return event.model_copy(update={"id": request_id})
 
 
@@ -236,11 +238,17 @@ class CloudRelay:
                     "no_first_token",
                 )
             live = self.edge.nodes.is_live(worker, model)
-            if live is False:
+            lost = call.lost_worker == worker  # the server says its connection is gone
+            if live is False or lost:
                 if gone_since is None:
                     gone_since = now
                     log.warning("the worker serving the request stopped", worker=worker)
-                if state.positions == 0 and self.local_fits:
+                if call.no_worker_left and lost:
+                    raise self._give_up(
+                        f"worker {worker} stopped and no live worker can continue the answer",
+                        "worker_stopped" if state.positions == 0 else "not_continued",
+                    )
+                if live is False and state.positions == 0 and self.local_fits:
                     raise Fallback(
                         f"worker {worker} stopped before its first token", "worker_stopped"
                     )

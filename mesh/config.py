@@ -256,8 +256,11 @@ class WorkerSettings(_Section):
             raise ValueError(f"worker models must be distinct and named: {names}")
         return self
 
-    fetch_timeout: float = Field(default=2.0, gt=0)
-    """Seconds a pull request waits for work; also bounds how fast intake stops on shutdown."""
+    fetch_timeout: float = Field(default=0.5, gt=0)
+    """Seconds a pull request waits for work; also bounds how fast intake stops on shutdown.
+    Short, because JetStream hands a request to whichever pull request waits longest: one a
+    frozen worker left behind would swallow the delivery of a request handed back from it
+    (``cloud_node.orphans`` hands back after about 0.8 s; 2 s here once did that)."""
     progress_fraction: float = Field(default=0.2, gt=0, le=0.5)
     """Tell JetStream 'in progress' every ack_wait x this while generating (1 s by default: a
     link that drops for a few seconds does not cost a redelivery, a dead worker is noticed after

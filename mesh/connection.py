@@ -46,6 +46,10 @@ class Connection(Lifecycle):
         self._closing = False
         self.reconnects = 0
         """Reconnects since connect()."""
+        self.drops = 0
+        """Times the connection dropped since connect() (not counting close()): what this
+        process published or held meanwhile may be another's now (a worker's delivery handed
+        back while it was cut off, see :mod:`cloud_node.orphans`)."""
         self.losses = 0
         """Reconnects plus slow-consumer drops: when this moves, messages may have been lost."""
         self.lost = asyncio.Event()
@@ -141,6 +145,7 @@ class Connection(Lifecycle):
             if self._closing:
                 log.debug("nats connection closed", connection=self.name)
             else:
+                self.drops += 1
                 log.warning("nats disconnected", connection=self.name)
 
         async def on_reconnected() -> None:

@@ -35,7 +35,9 @@ from protocol.stream import AnswerState, request_fingerprint
 from protocol.subjects import (
     cancel_subject,
     infer_subject,
+    orphan_subject,
     token_subject,
+    worker_alive_subject,
     worker_cancel_subject,
 )
 
@@ -44,9 +46,22 @@ log = get_logger(__name__)
 # JetStream error codes for "stream is full" with discard=new.
 STORE_FULL_CODES = frozenset({10077, 10078, 10027, 10028})
 MSG_ID_HEADER = "Nats-Msg-Id"
+CLUSTER_UNAVAILABLE = 10008
+"""JetStream's "system temporarily unavailable": no leader for the call (an election, a lost
+quorum)."""
+ELECTION_RETRY_S = 2.0
+"""A retry-after for that: nats-server's elections took 2 to 8 s in tests/chaos/test_cluster.py."""
 ADDRESSED_CANCEL_WAIT_S = 0.5
 """How long a cancel addressed to the worker holding a request waits for its word before the
 cancel goes to every worker (the holder died, or handed the request on)."""
+ALIVE_WAIT_S = 0.2
+"""How long a reader waits for the worker generating its answer to say it is there. No word in
+time proves nothing by itself (it may be busy): a live worker then asks again, for longer."""
+ORPHAN_WAIT_S = 0.5
+"""How long a reader waits for a live worker to hand a dead one's delivery back (its own check
+takes 0.4 s at most) before it asks again. Workers claim each hand-back once (see
+:mod:`cloud_node.orphans`), so asking again hands nothing back twice."""
+ORPHAN_TRIES = 2
 TRACE_HEADERS = ("traceparent", "tracestate")
 """W3C trace context: carried from the client's request to the queued one, unchanged."""
 
@@ -98,13 +113,22 @@ async def publish_request(
                 retry_after=stream.retry_after,
                 request_id=request.id,
             ) from None
+        if exc.err_code == CLUSTER_UNAVAILABLE:
+            raise UnavailableError(
+                "the hub's JetStream cannot take requests now: it is electing a leader or short "
+                f"of quorum; retry in ~{ELECTION_RETRY_S:g}s",
+                retry_after=ELECTION_RETRY_S,
+                request_id=request.id,
+            ) from None
         raise UnavailableError(
             f"JetStream refused the request: {exc.description}", request_id=request.id
         ) from None
     except NoStreamResponseError:
         raise UnavailableError(
-            f"no JetStream stream answers {subject}: is JetStream enabled and "
-            "provisioned (`mesh provision`)?",
+            f"no JetStream stream took the request on {subject}: the hub may be electing a "
+            f"leader (retry in ~{ELECTION_RETRY_S:g}s), or JetStream is not enabled or not "
+            "provisioned there (`mesh provision`)",
+            retry_after=ELECTION_RETRY_S,
             request_id=request.id,
         ) from None
     except (asyncio.TimeoutError, nats.errors.TimeoutError):
@@ -153,7 +177,14 @@ class CloudCall(Lifecycle):
             store_repair(self.store.replay, self.subject),
             what="the cloud",
             pending_limit=pending_limit,
+            watch=self.watch_worker,
         )
+        self.lost_worker: str | None = None
+        """The worker (node id) that started the newest attempt and is gone: the server said
+        nobody subscribes to its subjects any more."""
+        self.no_worker_left = False
+        """Set when, the worker being gone, no live worker at all heard of it."""
+        self._reported: set[tuple[str, int]] = set()
 
     async def open(self) -> CloudCall:
         await self.reader.subscribe(self.subject)
@@ -169,6 +200,63 @@ class CloudCall(Lifecycle):
             log.info("request already queued (duplicate publish)", request_id=self.request.id)
             self.reader.repair_now()
         return self
+
+    async def watch_worker(self, state: AnswerState) -> None:
+        """The answer went quiet: ask the worker that started it whether it is still there.
+        When the server says nobody listens there (its process died, its connection is gone),
+        or it says nothing in time (it stands still), say so to the live workers: one of them
+        checks for itself and hands the delivery back to the queue at once (see
+        :mod:`cloud_node.orphans`), and the answer goes on from the store within a second
+        rather than after ``ack_wait``."""
+        if not state.node.startswith("cloud:"):
+            return
+        node = state.node.removeprefix("cloud:")
+        if (node, state.attempt) in self._reported:
+            return
+        nc = self.conn.nc
+        try:
+            await nc.request(
+                worker_alive_subject(node, self.scope, self.request.id), b"", timeout=ALIVE_WAIT_S
+            )
+            return
+        except nats.errors.NoRespondersError:
+            gone = True
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            gone = False  # standing still, or merely busy: a live worker tells them apart
+        except nats.errors.Error:
+            return  # our own link is down: nothing proven
+        if gone:
+            self.lost_worker = node
+            log.warning("the worker answering is gone", worker=node, request_id=self.request.id)
+        reply = None
+        for _try in range(ORPHAN_TRIES):
+            try:
+                reply = await nc.request(
+                    orphan_subject(self.scope, self.request.id),
+                    json.dumps({"worker": node}).encode(),
+                    timeout=ORPHAN_WAIT_S,
+                )
+                break
+            except nats.errors.NoRespondersError:
+                if gone:
+                    self.no_worker_left = True
+                    self._reported.add((node, state.attempt))
+                    log.warning(
+                        "no live worker can continue the answer", request_id=self.request.id
+                    )
+                return
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except nats.errors.Error:
+                return
+        if reply is None:
+            return  # ack_wait still hands it on
+        verdict = ""
+        with contextlib.suppress(ValueError, AttributeError):
+            verdict = str(json.loads(reply.data).get("verdict", ""))
+        if gone or verdict.startswith("handed back"):
+            self._reported.add((node, state.attempt))  # once per attempt
+        log.info("takeover asked", worker=node, verdict=verdict, request_id=self.request.id)
 
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""

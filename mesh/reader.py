@@ -41,11 +41,18 @@ NO_RESPONDERS = "503"
 DEFAULT_PENDING = DEFAULT_SUB_PENDING_MSGS_LIMIT
 Repair = Callable[[AnswerState], Awaitable[list[WireEvent]]]
 """Fetch what was kept of the answer, given what the reader has; events in their stored order."""
+Watch = Callable[[AnswerState], Awaitable[None]]
+"""Look after whoever is generating the answer, given what the reader has (see
+:meth:`mesh.queue.CloudCall.watch_worker`)."""
 
 _QUIET_FIRST_S = 1.0
 _QUIET_MAX_S = 8.0
 _GAP_RETRY_FIRST_S = 0.2
 _UNSERVED_FIRST_S = 0.05
+WATCH_QUIET_S = 0.25
+"""After this long with nothing from a started answer, the reader checks on its generator
+(then again each time as long): a round trip when it is alive, a takeover when it is dead.
+Token gaps are tens of milliseconds; a prefill or a busy worker costs a few round trips."""
 
 
 class AnswerReader:
@@ -63,6 +70,7 @@ class AnswerReader:
         pending_limit: int | None = None,
         unserved: Callable[[], Awaitable[None]] | None = None,
         unserved_for: float = 0.0,
+        watch: Watch | None = None,
     ) -> None:
         self.conn = conn
         self.state = state
@@ -87,6 +95,8 @@ class AnswerReader:
         self._unserved_until = time.monotonic() + unserved_for
         self._unserved_delay = _UNSERVED_FIRST_S
         self._send_again_at: float | None = None
+        self._watch = watch
+        self._watched = self.last_event
 
     async def subscribe(self, subject: str) -> None:
         """Start receiving ``subject`` (before anything is published to it)."""
@@ -126,6 +136,11 @@ class AnswerReader:
                 self._send_again_at = None
                 await self._unserved()
                 continue
+            if self._watch_due(now):
+                assert self._watch is not None
+                self._watched = now
+                await self._watch(self.state)
+                continue
             if self._repair is not None and self._repair_due(now):
                 out = await self._run_repair()
                 if out:
@@ -144,6 +159,8 @@ class AnswerReader:
             wait = left if self._repair is None else min(left, self._next_check(now) - now)
             if self._send_again_at is not None:
                 wait = min(wait, self._send_again_at - now)
+            if self._watch is not None and self.state.started:
+                wait = min(wait, max(self.last_event, self._watched) + WATCH_QUIET_S - now)
             await self._wait(max(0.001, wait))
         return []
 
@@ -193,6 +210,14 @@ class AnswerReader:
             raise UnavailableError(f"nobody is serving {self.what}")
         self._send_again_at = min(now + self._unserved_delay, self._unserved_until)
         self._unserved_delay *= 2
+
+    def _watch_due(self, now: float) -> bool:
+        return (
+            self._watch is not None
+            and self.state.started
+            and now - max(self.last_event, self._watched) >= WATCH_QUIET_S
+            and self.conn.connected
+        )
 
     def _repair_due(self, now: float) -> bool:
         if self.conn.losses != self._losses:

@@ -35,6 +35,7 @@ from protocol.subjects import NODES_BUCKET, model_token
 
 log = get_logger(__name__)
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
+HANDBACK = "handback"
 
 
 class NodeInfo(BaseModel):
@@ -53,6 +54,12 @@ def node_key(role: str, node_id: str, pool: str | None = None) -> str:
     can follow one pool only), or ``<role>.<node>``."""
     node = _KEY_UNSAFE.sub("_", node_id)
     return f"{role}.{pool}.{node}" if pool else f"{role}.{node}"
+
+
+def handback_key(scope: str, request_id: str, attempt: int) -> str:
+    """A worker's claim on handing back a dead worker's delivery (``cloud_node.orphans``): kept
+    in this bucket for its atomic create and its TTL; views skip these keys."""
+    return f"{HANDBACK}.{scope}.{request_id}.{attempt}"
 
 
 def pool_of(info: NodeInfo) -> str | None:
@@ -213,6 +220,8 @@ class NodeView:
             if entry is None:  # end of the initial snapshot
                 self._ready = True
                 continue
+            if entry.key.startswith(f"{HANDBACK}."):
+                continue  # a claim, not a node
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 self._nodes.pop(entry.key, None)
                 continue

@@ -33,11 +33,13 @@ from protocol.subjects import (
     LEASE_WILDCARD,
     LEASES_STREAM,
     NODES_BUCKET,
+    ORPHAN_WILDCARD,
     PREFIX,
     TOKEN_WILDCARD,
     is_token,
     site_answers_filter,
     site_consumer,
+    worker_alives,
     worker_cancels,
 )
 
@@ -76,6 +78,9 @@ def edge_permissions(edge: str, hub_domain: str | None = HUB_DOMAIN) -> Permissi
             f"{PREFIX}.infer.*.{edge}",
             f"{PREFIX}.cancel.{edge}.*",
             f"{PREFIX}.worker.*.cancel.{edge}.*",  # to the worker holding its request
+            # Is the worker answering still there? If not, a live one hands the request back.
+            f"{PREFIX}.worker.*.alive.{edge}.*",
+            f"{PREFIX}.orphan.{edge}.*",
             *(f"{prefix}.{call}" for prefix in prefixes for call in api),
             f"$JS.ACK.{ANSWERS_STREAM}.{site}.>",
             f"$JS.ACK.*.*.{ANSWERS_STREAM}.{site}.>",
@@ -118,13 +123,17 @@ def worker_permissions(node: str) -> Permissions:
             f"$JS.API.DIRECT.GET.{LEASES_STREAM}.>",
             ANSWER_WILDCARD,
             LEASE_WILDCARD,
+            f"{PREFIX}.worker.*.alive.*.*",  # is a worker named dead really gone?
             f"$KV.{NODES_BUCKET}.worker.*.{node}",  # its own key, in its model's pool
+            f"$KV.{NODES_BUCKET}.handback.>",  # claims on handing back a dead worker's requests
             *(f"$JS.API.{call}" for call in _registry_reader()),
             *_flow_control(),
         ),
         sub_allow=(
             CANCEL_WILDCARD,
+            ORPHAN_WILDCARD,
             worker_cancels(node),
+            worker_alives(node),
             f"{PREFIX}.worker.{node}.status",
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{INFER_STREAM}.*",
             f"{inbox}.>",

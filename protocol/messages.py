@@ -279,6 +279,10 @@ class StartEvent(_Wire):
     learns it is not its answer."""
     reason: str | None = None
     """Why this attempt began (``redelivered``, ``continued after a worker stopped``...)."""
+    delivery: str | None = None
+    """The queue delivery this attempt holds (its JetStream ack subject), set by a worker: when
+    that worker dies, another reads it from the answer store to hand the delivery back at once
+    rather than after ``ack_wait``. An edge does not pass it on to its clients."""
 
 
 class _Outcome(_Wire):

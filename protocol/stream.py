@@ -116,6 +116,8 @@ class AnswerWriter:
         self.seq = resume.seq
         self.digest = resume.digest
         self.tokens = resume.tokens
+        self.delivery: str | None = None
+        """The queue delivery this attempt holds (a worker's; see ``StartEvent.delivery``)."""
 
     def start(self) -> StartEvent:
         return StartEvent(
@@ -126,6 +128,7 @@ class AnswerWriter:
             node=self.node,
             req=self.fingerprint,
             reason=self.reason,
+            delivery=self.delivery,
         )
 
     def token(

@@ -31,7 +31,14 @@ import re
 PREFIX = "mesh.v1"
 INFER_STREAM = "MESH_INFER"
 INFER_WILDCARD = f"{PREFIX}.infer.*.*"
-CANCEL_WILDCARD = f"{PREFIX}.cancel.*.*"
+# What workers subscribe to for words addressed by <scope>.<id>: a ``>`` tail, not ``*.*``. An
+# edge on a leaf node reaches a hub subscription only when the hub passes its interest over the
+# link, and the hub passes a wildcard subscription only if the leaf's permissions
+# (``mesh.v1.cancel.<edge>.*``) match it: ``mesh.v1.cancel.*.*`` never does, ``mesh.v1.cancel.>``
+# does (measured with `mesh creds` permissions: every ``*.*`` form got "no responders" from a
+# site). Handlers check the token count themselves (:func:`addressed`).
+CANCEL_WILDCARD = f"{PREFIX}.cancel.>"
+ORPHAN_WILDCARD = f"{PREFIX}.orphan.>"
 TOKEN_WILDCARD = f"{PREFIX}.tok.*.*"
 ANSWERS_STREAM = "MESH_ANSWERS"
 ANSWER_WILDCARD = f"{PREFIX}.ans.*.*"
@@ -198,7 +205,28 @@ def worker_cancel_subject(node_id: str, scope: str, request_id: str) -> str:
 
 def worker_cancels(node_id: str) -> str:
     """What a worker subscribes to for the cancels addressed to it."""
-    return f"{PREFIX}.worker.{model_token(node_id)}.cancel.*.*"
+    return f"{PREFIX}.worker.{model_token(node_id)}.cancel.>"
+
+
+def worker_alive_subject(node_id: str, scope: str, request_id: str) -> str:
+    """Where a reader asks the worker that started its request whether it is still there: it
+    answers while it lives; once its connection is gone the server answers "no responders"."""
+    _check_token(scope, "scope")
+    _check_token(request_id, "request id")
+    return f"{PREFIX}.worker.{model_token(node_id)}.alive.{scope}.{request_id}"
+
+
+def worker_alives(node_id: str) -> str:
+    """What a worker subscribes to for those questions."""
+    return f"{PREFIX}.worker.{model_token(node_id)}.alive.>"
+
+
+def orphan_subject(scope: str, request_id: str) -> str:
+    """Where a reader says the worker answering its request is gone: one live worker (a queue
+    group) checks that for itself and hands the dead worker's delivery back to the queue."""
+    _check_token(scope, "scope")
+    _check_token(request_id, "request id")
+    return f"{PREFIX}.orphan.{scope}.{request_id}"
 
 
 def worker_status_subject(node_id: str) -> str:
@@ -212,9 +240,21 @@ def consumer_name(model: str) -> str:
 
 
 def address_of(subject: str) -> tuple[str, str]:
-    """(scope, request id): the last two tokens of a ``tok`` or ``cancel`` subject."""
+    """(scope, request id): the last two tokens of a ``tok``, ``cancel``, ``alive`` or
+    ``orphan`` subject."""
     head, _, request_id = subject.rpartition(".")
     return head.rpartition(".")[2], request_id
+
+
+def addressed(subject: str) -> tuple[str, str] | None:
+    """(scope, request id) of a word addressed to one request: ``mesh.v1.<verb>.<scope>.<id>``
+    or ``mesh.v1.worker.<node>.<verb>.<scope>.<id>``; None for any other shape (workers
+    subscribe with ``>`` tails, so a subject may carry more tokens than a sender meant)."""
+    tokens = subject.split(".")
+    if len(tokens) not in (5, 7) or (len(tokens) == 7) != (tokens[2] == "worker"):
+        return None
+    scope, request_id = tokens[-2], tokens[-1]
+    return (scope, request_id) if is_token(scope) and is_token(request_id) else None
 
 
 def _check_token(value: str, what: str) -> None:

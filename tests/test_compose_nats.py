@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import MeshProcess, wait_for_edge, wait_for_worker
 from mesh_app.creds import mint
+from protocol.subjects import orphan_subject, worker_alive_subject, worker_cancel_subject
 from tests.helpers import eventually
 from tests.test_security import read_env
 
@@ -181,3 +183,37 @@ async def test_the_compose_topology_runs_as_processes(
     assert cloud.path == "cloud" and cloud.end.served_by == "cloud:cpu-1" and cloud.text.strip()
     assert local.path == "local" and local.end.served_by == "edge:site1"
     assert held.path == "cloud" and held.text == cloud.text  # greedy: the same answer
+
+
+async def test_an_edge_site_reaches_the_workers_words_across_its_leaf_node(
+    deployed: tuple[NatsServer, NatsServer, Path], tmp_path: Path
+) -> None:
+    """From a site's leaf node, under the edge's own credentials, the subjects a worker listens
+    on for one request (are you there, a cancel addressed to it, a worker gone) reach the hub's
+    worker. The hub passes a subscription's interest to a leaf only when the leaf's permissions
+    match it, which ``*.*`` subscriptions never did: every one of these was "no responders"
+    from a site before."""
+    hub, leaf, creds = deployed
+    worker = MeshProcess(
+        "worker",
+        "cpu-1",
+        _env("worker-cpu", creds, MESH_NATS_URL=hub.url, MESH_WORKER_METRICS_PORT="-1"),
+        tmp_path / "worker.log",
+    )
+    operator = load_settings(environ={**read_env(creds / "operator.env"), "MESH_NATS_URL": hub.url})
+    edge = load_settings(environ={**read_env(creds / "edge-site1.env"), "MESH_NATS_URL": leaf.url})
+    try:
+        await worker.start()
+        async with Connection(operator.nats, "operator") as op:
+            await wait_for_worker(op, "cpu-1", timeout=60, process=worker)
+        async with Connection(edge.nats, "edge") as conn:
+            for subject in (
+                worker_alive_subject("cpu-1", "site1", "r1"),
+                worker_cancel_subject("cpu-1", "site1", "r1"),
+                orphan_subject("site1", "r1"),
+            ):
+                reply = await conn.nc.request(subject, b"", timeout=5)
+                answer = json.loads(reply.data)
+                assert answer in ({"held": False}, {"verdict": "not started"}), (subject, answer)
+    finally:
+        await worker.stop()

@@ -92,7 +92,11 @@ def hub_conf(tmp: Path, minted: Minted) -> Path:
 @pytest.fixture
 async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
     minted = mint(
-        tmp_path, edges=list(EDGES), workers=["w1"], clients=[("site-a", "kiosk")], expires_in=3600
+        tmp_path,
+        edges=list(EDGES),
+        workers=["w1", "w2"],
+        clients=[("site-a", "kiosk")],
+        expires_in=3600,
     )
     async with NatsServer(config=str(hub_conf(tmp_path, minted))) as server:
         yield Hub(server, minted)
@@ -422,3 +426,60 @@ async def test_tls_client_connections_with_credentials(tmp_path: Path, certs: Ce
         assert time.monotonic() - began < 5
         assert "TLS" in str(excinfo.value) or "certificate" in str(excinfo.value).lower()
         assert hub.violations() == []
+
+
+@pytest.mark.chaos
+async def test_a_killed_workers_answer_continues_at_once_under_credentials(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """The fast takeover works within the roles' permissions: the edge asks the dead worker,
+    then the live ones (its own scope only), and a live worker hands the delivery back; nothing
+    is refused. ack_wait is 30 s, so only that path explains a continuation within seconds."""
+    from mesh.testing.chaos import MeshProcess, wait_for_worker
+
+    slow = {"MESH_STREAM_ACK_WAIT": "30", "MESH_WORKER_MODEL_TOKEN_DELAY_MS": "20"}
+    doomed_env = {
+        **read_env(hub.minted.out / "worker-w1.env"),
+        **TEST_ENV,
+        **slow,
+        "MESH_NATS_URL": hub.server.url,
+    }
+    doomed = MeshProcess("worker", "w1", doomed_env, tmp_path / "w1.log")
+    edge_settings = hub.settings("edge-site-a", **slow)
+    async with contextlib.AsyncExitStack() as stack:
+        await doomed.start()
+        stack.push_async_callback(doomed.stop)
+        econn = await stack.enter_async_context(Connection(edge_settings.nats, "edge"))
+        await wait_for_worker(econn, "w1", process=doomed)
+        local = DeterministicBackend(edge_settings.edge.model)
+        await stack.enter_async_context(EdgeNode(edge_settings, econn, local, HeuristicRouter()))
+        client = await stack.enter_async_context(MeshClient(settings=hub.settings("client-site-a")))
+        first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        texts: list[str] = []
+
+        async def read() -> object:
+            async for event in client.stream("[tag:k] go", route="cloud", max_tokens=80):
+                text = getattr(event, "text", None)
+                if text is not None:
+                    texts.append(text)
+                    if not first.done():
+                        first.set_result(None)
+                last = event
+            return last
+
+        answer = asyncio.ensure_future(read())
+        await asyncio.wait_for(first, 20)
+        w2_settings = hub.settings("worker-w2", **slow)
+        w2conn = await stack.enter_async_context(Connection(w2_settings.nats, "w2"))
+        w2 = await stack.enter_async_context(
+            Worker(w2_settings, w2conn, DeterministicBackend(w2_settings.worker.model))
+        )
+        killed = time.monotonic()
+        doomed.kill()
+        end = await asyncio.wait_for(answer, 20)
+        took = time.monotonic() - killed
+        assert "".join(texts) == "".join(f" k{i}" for i in range(80))
+        assert getattr(end, "served_by", "") == "cloud:w2"
+        assert took < 10, f"the answer ended {took:.1f}s after the kill (ack_wait is 30 s)"
+        assert w2.orphans.handed_back == 1
+    assert hub.violations() == []

@@ -347,6 +347,8 @@ class Outcome:
     first_continued: float | None = None
     """When the first token of a later attempt arrived (``time.monotonic()``)."""
     elapsed: float = 0.0
+    first_restarted: float | None = None
+    """When the first token after a restart arrived (``time.monotonic()``)."""
 
 
 @dataclass
@@ -393,11 +395,14 @@ async def ask(
     restarts = 0
     attempts = 1
     first_continued: float | None = None
+    first_restarted: float | None = None
     end: EndEvent | None = None
     try:
         async for event in client.stream(prompt(tag, *directives), max_tokens=max_tokens, **kwargs):
             if isinstance(event, TokenEvent):
                 parts.append(event.text)
+                if restarts and first_restarted is None:
+                    first_restarted = time.monotonic()
                 if event.attempt > attempts:
                     attempts = event.attempt
                     first_continued = first_continued or time.monotonic()
@@ -422,6 +427,7 @@ async def ask(
         attempts=max(attempts, end.attempt),
         first_continued=first_continued,
         elapsed=elapsed,
+        first_restarted=first_restarted,
     )
 
 

@@ -56,9 +56,10 @@ class Cluster:
         url: str | None = None,
         backend_url: str | None = None,
         continuation: str = "vllm",
+        extra_env: dict[str, str] | None = None,
         **kw: Any,
     ) -> MeshProcess:
-        env = worker_env(url or self.server.url, node_id, **kw)
+        env = {**worker_env(url or self.server.url, node_id, **kw), **(extra_env or {})}
         if backend_url is not None:  # the OpenAI-HTTP backend in front of a server
             env.update(
                 MESH_WORKER_MODEL_BACKEND="openai",

@@ -1,0 +1,324 @@
+"""A dead or frozen worker's deliveries, handed back at once instead of after ``ack_wait``.
+
+When a worker's process dies (kill -9, an OOM kill, a lost host), the server closes its
+connection at once and forgets its subscriptions, but JetStream redelivers its requests only
+when their ``ack_wait`` runs out (5 s). The answer's reader notices first: after a quiet spell
+(0.25 s) it asks the worker that started the answer whether it is there
+(``mesh.v1.worker.<node>.alive.<scope>.<id>``). A dead worker has no subscription, so the server
+itself answers "no responders" within a round trip; a frozen one (SIGSTOP, a stalled loop) says
+nothing. The reader then says so on ``mesh.v1.orphan.<scope>.<id>``, naming the worker. Every
+live worker hears it (a queue group could pick the very worker that stands still), and:
+
+1. asks the named worker itself (one question per worker at a time, shared by its requests):
+   one that answers within ``ALIVE_WAIT_S`` keeps its deliveries;
+2. reads the answer's newest ``start`` from the answer store (written by a worker, not the
+   reader): which worker holds the request, and the delivery (its ack subject) it holds, and
+   asks that one if it is another;
+3. checks that the delivery is this queue's and that the queued message under it is this very
+   request of this scope (a forged ``start`` cannot make it hand back another's request), and
+   that it is not the last delivery (``max_deliver``: JetStream would give it to nobody);
+4. claims the hand-back of that attempt, once across all workers (an atomic create in the
+   registry bucket, expiring with its TTL), and naks the delivery: JetStream gives the request
+   to a worker with room at once, which continues the answer from the store as after any
+   redelivery.
+
+A worker taken for gone or frozen that was neither (its link dropped and came back, its loop
+stood still 0.4 s) knows it: it counts its connection's drops and its own stand-stills from
+0.3 s (:class:`cloud_node.progress.LoopStalls`), and after either it checks the store for a
+newer attempt before it settles anything, and stops generating once it sees one. No reply at all
+means no worker is alive: the reader knows that too (an edge then answers locally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.errors import APIError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from mesh.answer_store import AnswerStore
+from mesh.config import StreamSettings
+from mesh.connection import Connection
+from mesh.logs import get_logger
+from mesh.registry import handback_key, open_bucket
+from protocol.codec import RequestLimits, decode_request
+from protocol.errors import MeshError
+from protocol.messages import EndEvent, ErrorEvent, StartEvent, WireEvent
+from protocol.subjects import (
+    ORPHAN_WILDCARD,
+    addressed,
+    is_reply_inbox,
+    scope_of,
+    token_subject,
+    worker_alive_subject,
+    worker_alives,
+)
+
+log = get_logger(__name__)
+
+ALIVE_WAIT_S = 0.4
+"""How long a worker waits for another's word before taking it for standing still. A worker
+counts its own stand-stills from 0.3 s (:class:`cloud_node.progress.LoopStalls`), so one that
+was taken for standing still knows it, and checks the answer store before it settles."""
+REMEMBER_S = 60.0
+"""How long a handed-back delivery is remembered (a second word about it changes nothing)."""
+MAX_AT_ONCE = 256
+"""Words about dead workers handled at once; past it they wait for ack_wait like before."""
+VERDICT_TTL_S = 0.5
+"""How long one answer about a worker (alive, gone, standing still) stands for its requests."""
+
+
+def delivery_of(ack_subject: str) -> tuple[str, int, int] | None:
+    """(stream, times delivered, stream sequence) from a JetStream ack subject, in either of its
+    forms (``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...`` or, with a domain and account
+    hash, ``$JS.ACK.<domain>.<hash>.<stream>...``); None when it is not one."""
+    tokens = ack_subject.split(".")
+    if tokens[:2] != ["$JS", "ACK"]:
+        return None
+    if len(tokens) == 9:
+        stream, delivered, sseq = tokens[2], tokens[4], tokens[5]
+    elif len(tokens) >= 12:
+        stream, delivered, sseq = tokens[4], tokens[6], tokens[7]
+    else:
+        return None
+    if not (delivered.isdigit() and sseq.isdigit()):
+        return None
+    return stream, int(delivered), int(sseq)
+
+
+def orphan_payload(node: str) -> bytes:
+    """What a reader says on ``mesh.v1.orphan.<scope>.<id>``: the worker it found gone."""
+    return json.dumps({"worker": node}).encode()
+
+
+def orphan_worker(data: bytes) -> str | None:
+    """The worker a reader's word names (a hint only: the store and the server decide)."""
+    try:
+        node = json.loads(data).get("worker") if data else None
+    except (ValueError, AttributeError):
+        return None
+    return node if isinstance(node, str) and 0 < len(node) <= 256 else None
+
+
+def newest_start(events: list[WireEvent]) -> tuple[StartEvent | None, bool]:
+    """The newest attempt's start in stored events, and whether the answer has an outcome."""
+    start: StartEvent | None = None
+    done = False
+    for event in events:
+        if isinstance(event, StartEvent) and (start is None or event.attempt >= start.attempt):
+            start = event
+        elif isinstance(event, (EndEvent, ErrorEvent)):
+            done = True
+    return start, done
+
+
+class Orphans:
+    """Answers "are you there?" for this worker, and hands back dead workers' deliveries."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        store: AnswerStore,
+        stream: StreamSettings,
+        *,
+        node_id: str,
+        holds: Callable[[str], bool],
+        request_limits: RequestLimits,
+    ) -> None:
+        self.conn = conn
+        self.store = store
+        self.stream = stream
+        self.node_id = node_id
+        self.holds = holds
+        """Whether this worker holds the request on a token subject."""
+        self._limits = request_limits
+        self._handed: dict[tuple[str, int], float] = {}
+        self._busy: set[asyncio.Task[None]] = set()
+        self._asking: dict[str, asyncio.Future[str]] = {}
+        self._verdicts: dict[str, tuple[str, float]] = {}
+        self._kv: KeyValue | None = None
+        self.handed_back = 0
+        self.handed_back_silent = 0
+        """Of those, deliveries of workers that stood still (not gone): each may have been a
+        live worker's, taken over (a cost its client sees as a continuation)."""
+
+    async def subscribe(self) -> list[Subscription]:
+        nc = self.conn.nc
+        return [
+            await nc.subscribe(worker_alives(self.node_id), cb=self._on_alive),
+            # Every live worker hears it (no queue group: one picked at random could be the
+            # very worker that stands still); their claims make one of them act.
+            await nc.subscribe(ORPHAN_WILDCARD, cb=self._on_orphan),
+        ]
+
+    async def _on_alive(self, msg: Msg) -> None:
+        address = addressed(msg.subject)
+        if address is None or not (msg.reply and is_reply_inbox(msg.reply)):
+            return
+        scope, request_id = address
+        held = self.holds(token_subject(scope, request_id))
+        with contextlib.suppress(nats.errors.Error):
+            await msg.respond(b'{"held": true}' if held else b'{"held": false}')
+
+    async def _on_orphan(self, msg: Msg) -> None:
+        """Each word in a task of its own: a worker that stood still holds many answers, and
+        their readers speak at once (one after another, the last waited ALIVE_WAIT_S each)."""
+        if len(self._busy) >= MAX_AT_ONCE:
+            return  # a flood: ack_wait still hands every delivery on
+        task = asyncio.get_running_loop().create_task(self._answer(msg), name="orphan")
+        self._busy.add(task)
+        task.add_done_callback(self._busy.discard)
+
+    async def _answer(self, msg: Msg) -> None:
+        address = addressed(msg.subject)
+        if address is None:
+            return
+        scope, request_id = address
+        named = orphan_worker(msg.data)
+        try:
+            if named is not None and named != self.node_id:
+                # The reader's word names the worker: a cheap first look (one question per
+                # worker, shared), before anything is read for this request.
+                subject = worker_alive_subject(named, scope, request_id)
+                if await self._probe(named, subject) == "alive":
+                    return  # nothing to do, and no word: another worker may know better
+            verdict = await self.hand_back(scope, request_id)
+        except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            verdict = f"cannot tell now ({type(exc).__name__})"
+        log.info("told a worker is gone", request_id=request_id, scope=scope, verdict=verdict)
+        # Replies go to an ordinary inbox only (see the worker's cancels).
+        if msg.reply and is_reply_inbox(msg.reply):
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(json.dumps({"verdict": verdict}).encode())
+
+    async def hand_back(self, scope: str, request_id: str) -> str:
+        """Hand back the delivery of the worker that started this answer, if it is dead; what
+        was found, in a few words (``handed back`` when it was)."""
+        address = token_subject(scope, request_id)
+        events = await self.store.replay(address, timeout=self.conn.settings.request_timeout)
+        start, done = newest_start(events)
+        if start is None or done:
+            return "done" if done else "not started"
+        node = start.node.removeprefix("cloud:")
+        if not start.node.startswith("cloud:") or not start.delivery:
+            return "not a worker's delivery"
+        if node == self.node_id:
+            return "alive"  # this very worker: it holds it, or it let it go already
+        key = (address, start.attempt)
+        self._forget_old()
+        if key in self._handed:
+            return "handed back already"
+        found = delivery_of(start.delivery)
+        if found is None or found[0] != self.stream.name:
+            return "not this queue's delivery"
+        _stream, delivered, sseq = found
+        if delivered >= self.stream.max_deliver:
+            return "last delivery: left to JetStream"
+        why = await self._probe(node, worker_alive_subject(node, scope, request_id))
+        if why == "alive":
+            return why
+        if not await self._queued_as(sseq, scope, request_id):
+            return "not this request's delivery"
+        self._handed[key] = time.monotonic()
+        if not await self._claim(scope, request_id, start.attempt):
+            return "handed back already"
+        await self.conn.nc.publish(start.delivery, b"-NAK")
+        self.handed_back += 1
+        if why != "gone":
+            self.handed_back_silent += 1
+        log.warning(
+            "handed back a dead worker's delivery",
+            why=why,
+            request_id=request_id,
+            worker=node,
+            attempt=start.attempt,
+            delivered=delivered,
+        )
+        return "handed back"
+
+    async def _probe(self, node: str, subject: str) -> str:
+        """``alive``, ``gone`` (no responders) or ``standing still`` (no word in time). One
+        question per worker at a time, its answer shared by every request asked about and kept
+        VERDICT_TTL_S: a worker holding 32 answers is asked once, not 32 times."""
+        now = time.monotonic()
+        known = self._verdicts.get(node)
+        if known is not None and now - known[1] < VERDICT_TTL_S:
+            return known[0]
+        asking = self._asking.get(node)
+        if asking is None:
+            asking = asyncio.ensure_future(self._ask(subject))
+            self._asking[node] = asking
+        try:
+            why = await asyncio.shield(asking)
+        finally:
+            if asking.done() and self._asking.get(node) is asking:
+                del self._asking[node]
+        self._verdicts[node] = (why, time.monotonic())
+        return why
+
+    async def _ask(self, subject: str) -> str:
+        try:
+            await self.conn.nc.request(subject, b"", timeout=ALIVE_WAIT_S)
+        except nats.errors.NoRespondersError:
+            return "gone"
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return "standing still"
+        return "alive"
+
+    async def close(self) -> None:
+        pending: list[asyncio.Future[Any]] = [*self._busy, *self._asking.values()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _claim(self, scope: str, request_id: str, attempt: int) -> bool:
+        """Claim the hand-back of this attempt's delivery, once across every worker: a key
+        created in the registry bucket (an atomic create; it expires with the bucket's TTL).
+        Two workers that each heard of one death must not both nak: the second nak would
+        name the message again after it was given to its next worker, and take it from
+        under that one. False when another claimed it, or when no claim can be made now."""
+        try:
+            if self._kv is None:
+                self._kv = await open_bucket(self.conn, self.stream.node_ttl)
+            await asyncio.wait_for(
+                self._kv.create(handback_key(scope, request_id, attempt), b"1"),
+                self.conn.settings.request_timeout,
+            )
+        except KeyWrongLastSequenceError:
+            return False
+        except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("cannot claim the hand-back; left to ack_wait", error=repr(exc))
+            self._kv = None
+            return False
+        return True
+
+    async def _queued_as(self, sseq: int, scope: str, request_id: str) -> bool:
+        """Whether the queue's message ``sseq`` is request ``request_id`` of ``scope``."""
+        try:
+            stored = await self.conn.jsm().get_msg(self.stream.name, sseq)
+        except (APIError, asyncio.TimeoutError, nats.errors.Error):
+            return False  # gone: acked, deleted, or not there
+        if stored.subject is None or scope_of(stored.subject) != scope or stored.data is None:
+            return False
+        try:
+            request, _fmt = decode_request(stored.data, stored.headers, limits=self._limits)
+        except MeshError:
+            return False
+        return request.id == request_id
+
+    def _forget_old(self) -> None:
+        horizon = time.monotonic() - REMEMBER_S
+        for key, at in list(self._handed.items()):
+            if at < horizon:
+                del self._handed[key]
+        for node, (_why, seen) in list(self._verdicts.items()):
+            if seen < horizon:
+                del self._verdicts[node]

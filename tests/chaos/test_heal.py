@@ -1,0 +1,123 @@
+"""Heal on events, not timers: a worker killed mid-answer has its answers continued by another
+worker, and a fleet killed mid-answer has the edge answer locally, long before ``ack_wait``.
+
+``ack_wait`` is 30 s here, so only the event path (the reader's "are you there?", the server's
+"no responders", a live worker handing the delivery back) can explain an answer continued within
+seconds. Real worker and edge processes, kill -9 by PID, every answer checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mesh.testing.chaos import Tally, ask, paused
+from tests.chaos.conftest import Cluster
+
+pytestmark = pytest.mark.chaos
+
+LONG_ACK_WAIT = {"MESH_STREAM_ACK_WAIT": "30"}
+WITHIN_S = 5.0
+"""Far below ack_wait (30 s): a bound the timer path cannot meet, loose for a busy machine."""
+
+
+async def test_kill_9_continues_on_another_worker_long_before_ack_wait(cluster: Cluster) -> None:
+    doomed = await cluster.worker("doomed", slots=8, extra_env=LONG_ACK_WAIT)
+    await cluster.edge(**LONG_ACK_WAIT)
+    client = await cluster.client()
+    n = 80  # tokens at 20 ms
+    asks = [ask(client, f"e{i}", n, via="edge", route="cloud") for i in range(3)]
+    asks += [ask(client, f"c{i}", n, via="cloud") for i in range(3)]
+    pending = [asyncio.ensure_future(a) for a in asks]
+    await asyncio.sleep(0.6)
+    await cluster.worker("survivor", slots=8, extra_env=LONG_ACK_WAIT)
+    killed_at = time.monotonic()
+    doomed.kill()
+    tally = Tally()
+    for outcome in await asyncio.gather(*pending):
+        tally.add(outcome)
+    waits = sorted(
+        round(o.first_continued - killed_at, 2)
+        for o in tally.outcomes
+        if o.first_continued is not None
+    )
+    print("\n" + tally.row("kill -9, ack_wait 30 s"), "kill -> first continued token:", waits)
+    tally.assert_sound()
+    assert tally.counts()["correct"] == len(asks), cluster.logs()
+    assert all(o.path == "cloud" and o.restarts == 0 for o in tally.outcomes), tally.outcomes
+    assert len(waits) == len(asks), f"not every answer was continued: {tally.outcomes}"
+    assert max(waits) < WITHIN_S, f"continued only after {max(waits)} s: {cluster.logs()}"
+    from tests.chaos.test_pauses import worker_status
+
+    status = await worker_status(cluster, "survivor")
+    assert status["handed_back"] == len(asks) and status["continued"] == len(asks), status
+
+
+async def test_fleet_killed_mid_answer_edge_answers_locally_long_before_ack_wait(
+    cluster: Cluster,
+) -> None:
+    doomed = await cluster.worker("only", slots=8, extra_env=LONG_ACK_WAIT)
+    await cluster.edge(**LONG_ACK_WAIT)
+    client = await cluster.client()
+    n = 80
+    pending = [
+        asyncio.ensure_future(ask(client, f"f{i}", n, via="edge", route="cloud")) for i in range(3)
+    ]
+    await asyncio.sleep(0.6)
+    killed_at = time.monotonic()
+    doomed.kill()
+    tally = Tally()
+    for outcome in await asyncio.gather(*pending):
+        tally.add(outcome)
+    local = sorted(
+        round(o.first_restarted - killed_at, 2)
+        for o in tally.outcomes
+        if o.first_restarted is not None
+    )
+    print("\n" + tally.row("every worker killed, ack_wait 30 s"), "kill -> first local:", local)
+    tally.assert_sound()
+    assert all(o.kind == "correct" and o.path == "local" for o in tally.outcomes), tally.outcomes
+    assert len(local) == len(pending), "each answer restarts locally, announced"
+    assert max(local) < WITHIN_S, cluster.logs()
+
+
+async def test_a_frozen_worker_is_taken_over_long_before_ack_wait_and_lets_go(
+    cluster: Cluster,
+) -> None:
+    """SIGSTOP mid-answer: the reader's "are you there?" goes unanswered, a live worker asks
+    for itself, gets no word either, and hands the delivery back. The frozen worker, once
+    resumed, knows it stood still: it checks the store, sees the newer attempt and stops, and
+    settles nothing (the survivor's delivery stays protected)."""
+    from tests.chaos.test_pauses import drained, idle, worker_status
+    from tests.helpers import eventually
+
+    frozen = await cluster.worker("frozen", slots=8, extra_env=LONG_ACK_WAIT)
+    await cluster.edge(**LONG_ACK_WAIT)
+    client = await cluster.client()
+    n = 150  # 3 s at 20 ms a token
+    asks = [ask(client, f"e{i}", n, via="edge", route="cloud") for i in range(2)]
+    asks += [ask(client, f"c{i}", n, via="cloud") for i in range(2)]
+    pending = [asyncio.ensure_future(a) for a in asks]
+    await cluster.worker("survivor", slots=8, extra_env=LONG_ACK_WAIT)
+    await asyncio.sleep(0.8)
+    with paused(frozen.pid):
+        frozen_at = time.monotonic()
+        await asyncio.sleep(4.0)  # the pause length is the fault
+    tally = Tally()
+    for outcome in await asyncio.wait_for(asyncio.gather(*pending), 60):
+        tally.add(outcome)
+    waits = sorted(
+        round(o.first_continued - frozen_at, 2)
+        for o in tally.outcomes
+        if o.first_continued is not None
+    )
+    print("\n" + tally.row("SIGSTOP 4 s, ack_wait 30 s"), "freeze -> first continued:", waits)
+    tally.assert_sound()
+    assert all(o.kind == "correct" and o.restarts == 0 for o in tally.outcomes), tally.outcomes
+    assert len(waits) == len(asks) and max(waits) < WITHIN_S, (waits, cluster.logs())
+    await drained(cluster)
+    await eventually(lambda: idle(cluster, "frozen"), 15, "the resumed worker let go")
+    status = await worker_status(cluster, "frozen")
+    assert status["completed"] == 0 and status["superseded"] == len(asks), status
