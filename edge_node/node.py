@@ -457,9 +457,8 @@ class EdgeNode(Lifecycle):
         cached = self._served.get(model)
         if cached is not None and cached[1] > now:
             return cached[0]
-        try:
-            served = await model_is_served(self.conn.jsm(), self.settings.stream, model)
-        except (MeshError, nats.errors.Error):
+        served = await model_is_served(self.conn.jsm(), self.settings.stream, model)
+        if served is None:
             return cached[0] if cached else True  # cannot tell now: let the publish decide
         self._served[model] = (served, now + _SERVED_TTL_S[served])
         return served

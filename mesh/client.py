@@ -261,7 +261,7 @@ class MeshClient(Lifecycle):
         served = await model_is_served(self.conn.jsm(), self.settings.stream, model)
         if served:
             self._served[model] = now + 30.0
-        return served
+        return served is not False  # cannot tell now: the publish decides, typed
 
     def _cancel_key(self, request_id: str) -> str:
         """The same key for the same id from this client: a request sent again can cancel."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import nats.errors
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 from nats.js.manager import JetStreamManager
@@ -169,16 +170,18 @@ async def provision(jsm: JetStreamManager, settings: StreamSettings, models: lis
         log.debug("consumer ready", stream=settings.name, consumer=consumer_name(model))
 
 
-async def model_is_served(jsm: JetStreamManager, settings: StreamSettings, model: str) -> bool:
-    """True when a consumer exists for ``model``: some worker pool was deployed for it."""
+async def model_is_served(
+    jsm: JetStreamManager, settings: StreamSettings, model: str
+) -> bool | None:
+    """True when a consumer exists for ``model`` (some worker pool was deployed for it), False
+    when none does, None when JetStream cannot say now (no answer in time, a leader election,
+    no quorum, a dropped link): then callers let the publish decide, which fails typed if the
+    queue cannot take the request. The one rule for the edge and the SDK alike."""
     try:
         await jsm.consumer_info(settings.name, consumer_name(model))
     except NotFoundError:
         return False
-    except asyncio.TimeoutError:
-        # Nothing was sent yet: the cloud is out of reach now, which is not an accepted request
-        # going silent (a timeout).
-        raise UnavailableError(
-            "JetStream did not answer a consumer lookup", retry_after=1.0
-        ) from None
+    except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        log.info("cannot tell whether a pool serves the model now", model=model, error=repr(exc))
+        return None
     return True

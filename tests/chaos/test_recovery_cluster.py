@@ -15,8 +15,12 @@ import pytest
 
 from mesh.config import StreamSettings
 from mesh.connection import Connection
+from mesh.provision import model_is_served
+from mesh.queue import publish_request
 from mesh.registry import Heartbeat, NodeInfo, NodeView
 from mesh.testing.chaos import JsCluster, TcpProxy
+from protocol.errors import MeshError
+from protocol.messages import InferRequest
 from tests.conftest import make_settings
 from tests.helpers import eventually
 
@@ -70,6 +74,14 @@ async def test_registry_watch_is_restored_after_quorum_returns_without_a_reconne
 
         await eventually(restoring, timeout=20, what="the edge to say its watch is restoring")
         assert view.serves("smollm2") is None  # it cannot tell, and does not pretend
+
+        # Meanwhile every JetStream call a client makes fails typed, saying what happened.
+        assert await model_is_served(edge_conn.jsm(), edge_settings.stream, "smollm2") is None
+        request = InferRequest(id="q1", model="smollm2", prompt="hi", max_tokens=4)
+        with pytest.raises(MeshError) as refused:
+            await publish_request(edge_conn, edge_settings.stream, request, "scope-a")
+        print("publish without quorum:", type(refused.value).__name__, refused.value.message)
+        assert refused.value.retryable
 
         await js_cluster.start("n2")
         await js_cluster.start("n3")
