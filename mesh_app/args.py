@@ -165,7 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
         "part",
         nargs="?",
         default="all",
-        choices=["paths", "relay", "model", "overload", "fleet", "cascade", "vllm", "all"],
+        choices=[
+            "paths",
+            "relay",
+            "model",
+            "overload",
+            "fleet",
+            "cascade",
+            "failover",
+            "vllm",
+            "all",
+        ],
         help="one part, or all of them but vllm (which needs a CUDA GPU and vLLM)",
     )
     bench.add_argument("--json", dest="json_path", help="also write the figures to this file")

@@ -349,6 +349,8 @@ class Outcome:
     elapsed: float = 0.0
     first_restarted: float | None = None
     """When the first token after a restart arrived (``time.monotonic()``)."""
+    token_times: list[float] = field(default_factory=list)
+    """When each token message arrived (``time.monotonic()``)."""
 
 
 @dataclass
@@ -396,11 +398,13 @@ async def ask(
     attempts = 1
     first_continued: float | None = None
     first_restarted: float | None = None
+    token_times: list[float] = []
     end: EndEvent | None = None
     try:
         async for event in client.stream(prompt(tag, *directives), max_tokens=max_tokens, **kwargs):
             if isinstance(event, TokenEvent):
                 parts.append(event.text)
+                token_times.append(time.monotonic())
                 if restarts and first_restarted is None:
                     first_restarted = time.monotonic()
                 if event.attempt > attempts:
@@ -428,6 +432,7 @@ async def ask(
         first_continued=first_continued,
         elapsed=elapsed,
         first_restarted=first_restarted,
+        token_times=token_times,
     )
 
 

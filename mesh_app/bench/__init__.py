@@ -1,6 +1,6 @@
 """``mesh bench``: what the mesh costs and carries, measured on this machine.
 
-    mesh bench [paths|relay|model|overload|fleet|cascade|vllm|all] [--json FILE]
+    mesh bench [paths|relay|model|overload|fleet|cascade|failover|vllm|all] [--json FILE]
 
 Each part prints a table and the figures go to a JSON file too. Nothing is asserted: figures
 come from one run, on a machine whose other load is not ours to control.
@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-PARTS = ("paths", "relay", "model", "overload", "fleet", "cascade")
+PARTS = ("paths", "relay", "model", "overload", "fleet", "cascade", "failover")
 """What ``all`` runs; ``vllm`` needs a CUDA GPU and vLLM, so it runs only when named."""
 
 
 async def run(parts: list[str], json_path: str | None) -> int:
-    from mesh_app.bench import cascade, fleet, model, overload, paths, relay, vllm
+    from mesh_app.bench import cascade, failover, fleet, model, overload, paths, relay, vllm
 
     modules: dict[str, Any] = {
         "paths": paths,
@@ -28,6 +28,7 @@ async def run(parts: list[str], json_path: str | None) -> int:
         "overload": overload,
         "fleet": fleet,
         "cascade": cascade,
+        "failover": failover,
         "vllm": vllm,  # imports vLLM only when it runs
     }
     figures: dict[str, Any] = {"taken_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -1,0 +1,193 @@
+"""``mesh bench failover``: how long a client's answer stands still when what serves it fails.
+
+Real ``mesh worker`` and ``mesh edge`` processes on the deterministic engine (20 ms a token),
+one nats-server, faults made by PID. Each fault gets fresh processes; every answer is checked
+exactly. For each fault, the wait from the fault to the first token the client gets after it:
+
+- **kill -9**: the worker generating the answers dies; another continues them, via the SDK
+  straight to the queue and via an edge;
+- **freeze**: the same worker stands still (SIGSTOP, 3 s) instead: another continues them, or
+  they go on when it wakes;
+- **fleet death**: every worker dies mid-answer; the edge answers locally (first local token);
+- **engine hang**: the engine stops producing tokens mid-answer while the worker lives; the edge
+  answers locally.
+
+``ack_wait`` is the default (5 s): the timer path stays the backstop, so a figure near 5 s
+would mean the event path did not work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from mesh.client import MeshClient
+from mesh.config import load_settings
+from mesh.connection import Connection
+from mesh.testing.chaos import (
+    MeshProcess,
+    Outcome,
+    Server,
+    ask,
+    edge_env,
+    paused,
+    wait_for_edge,
+    wait_for_worker,
+    worker_env,
+)
+from mesh_app.bench.common import pct, table
+
+ROUNDS = 5
+"""Faults of each kind; each round asks REQUESTS answers (half via an edge)."""
+REQUESTS = 4
+TOKENS = 100
+"""Per answer: 2 s at 20 ms a token; the fault lands 0.6 s in."""
+FREEZE_S = 3.0
+ON_THE_WIRE_S = 0.05
+HANG = "[hang-after:30]"
+HANG_AFTER_S = 30 * 0.020 + 0.020
+"""30 tokens at 20 ms after a 20 ms prefill: when the engine stops producing."""
+
+
+class _Mesh:
+    """One nats-server, an edge and workers, all processes, for one round."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.server = Server(tmp / "store")
+        self.processes: list[MeshProcess] = []
+        self.conn: Connection | None = None
+        self.client: MeshClient | None = None
+
+    async def worker(self, name: str) -> MeshProcess:
+        env = worker_env(self.server.url, name, slots=16)
+        proc = await MeshProcess("worker", name, env, self.tmp / f"{name}.log").start()
+        self.processes.append(proc)
+        assert self.conn is not None
+        await wait_for_worker(self.conn, name, process=proc)
+        return proc
+
+
+@contextlib.asynccontextmanager
+async def _mesh(tmp: Path) -> AsyncIterator[_Mesh]:
+    mesh = _Mesh(tmp)
+    await mesh.server.start()
+    settings = load_settings(
+        {("nats", "url"): mesh.server.url, ("edge", "edge_id"): "bench"}, environ={}
+    )
+    try:
+        async with (
+            Connection(settings.nats, "bench") as conn,
+            MeshClient(settings=settings, first_event_timeout=60, idle_timeout=60) as client,
+        ):
+            mesh.conn, mesh.client = conn, client
+            edge = MeshProcess("edge", "bench", edge_env(mesh.server.url, "bench"), tmp / "e.log")
+            mesh.processes.append(await edge.start())
+            await wait_for_edge(conn, "bench")
+            yield mesh
+    finally:
+        await asyncio.gather(*(p.stop() for p in mesh.processes), return_exceptions=True)
+        await mesh.server.stop()
+
+
+def _asks(client: MeshClient, tag: str, *directives: str) -> list[asyncio.Future[Outcome]]:
+    half = REQUESTS // 2
+    asks = [ask(client, f"{tag}c{i}", TOKENS, *directives, via="cloud") for i in range(half)]
+    asks += [
+        ask(client, f"{tag}e{i}", TOKENS, *directives, via="edge", route="cloud")
+        for i in range(REQUESTS - half)
+    ]
+    return [asyncio.ensure_future(a) for a in asks]
+
+
+async def _round(tmp: Path, fault: str, n: int) -> tuple[list[Outcome], float]:
+    """One fault; the outcomes and the loop time it struck."""
+    async with _mesh(tmp / f"{fault.replace(' ', '-')}{n}") as mesh:
+        assert mesh.client is not None
+        doomed = await mesh.worker(f"doomed{n}")
+        if fault == "engine hang":  # only the edge can answer instead: every ask goes via it
+            hung = [
+                asyncio.ensure_future(
+                    ask(mesh.client, f"h{n}e{i}", TOKENS, HANG, via="edge", route="cloud")
+                )
+                for i in range(REQUESTS)
+            ]
+            struck = time.monotonic() + HANG_AFTER_S  # about when the engine stops
+            return list(await asyncio.gather(*hung)), struck
+        pending: list[asyncio.Future[Outcome]]
+        if fault == "fleet death":  # only the edge can answer instead: every ask goes via it
+            pending = [
+                asyncio.ensure_future(
+                    ask(mesh.client, f"f{n}e{i}", TOKENS, via="edge", route="cloud")
+                )
+                for i in range(REQUESTS)
+            ]
+        else:
+            pending = _asks(mesh.client, f"{fault[0]}{n}")
+            await mesh.worker(f"survivor{n}")
+        await asyncio.sleep(0.6)
+        struck = time.monotonic()
+        if fault == "freeze":
+            with paused(doomed.pid):
+                await asyncio.sleep(FREEZE_S)
+        else:
+            doomed.kill()
+        return list(await asyncio.gather(*pending)), struck
+
+
+def _wait(outcome: Outcome, struck: float) -> float | None:
+    """Fault -> the first token the client got after it: of the continued attempt, of the local
+    restart, or of the same attempt once its worker woke. Tokens within ON_THE_WIRE_S of the
+    fault left before it."""
+    after = [t for t in outcome.token_times if t > struck + ON_THE_WIRE_S]
+    return after[0] - struck if after else None
+
+
+async def run(rounds: int = ROUNDS) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-failover-"))
+    results: dict[str, Any] = {"rounds": rounds, "requests": REQUESTS, "tokens": TOKENS}
+    for fault in ("kill -9", "freeze", "fleet death", "engine hang"):
+        waits: dict[str, list[float]] = {"sdk": [], "edge": []}
+        kinds: dict[str, int] = {}
+        for n in range(rounds):
+            outcomes, struck = await _round(tmp, fault, n)
+            for i, outcome in enumerate(outcomes):
+                kinds[outcome.kind] = kinds.get(outcome.kind, 0) + 1
+                wait = _wait(outcome, struck)
+                alone = fault in ("fleet death", "engine hang")
+                via = "edge" if alone or i >= REQUESTS // 2 else "sdk"
+                if wait is not None:
+                    waits[via].append(wait)
+        results[fault] = {
+            via: {
+                "n": len(w),
+                "p50_s": pct(w, 0.5) if w else None,
+                "p99_s": pct(w, 0.99) if w else None,
+                "max_s": max(w) if w else None,
+            }
+            for via, w in waits.items()
+            if w or fault in ("kill -9", "freeze")
+        }
+        results[fault]["answers"] = kinds
+    return results
+
+
+def render(results: dict[str, Any]) -> str:
+    rows = []
+    for fault in ("kill -9", "freeze", "fleet death", "engine hang"):
+        entry = results.get(fault, {})
+        kinds = entry.get("answers", {})
+        checked = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+        for via in ("sdk", "edge"):
+            row = entry.get(via)
+            if row is None:
+                continue
+            rows.append([fault, via, row["n"], row["p50_s"], row["p99_s"], row["max_s"], checked])
+    return "failover: fault -> first token after it (continued, or local), seconds\n" + table(
+        ["fault", "via", "n", "p50", "p99", "max", "answers"], rows
+    )
