@@ -130,15 +130,16 @@ class Orphans:
         stream: StreamSettings,
         *,
         node_id: str,
-        holds: Callable[[str], bool],
+        alive: Callable[[str], dict[str, bool]],
         request_limits: RequestLimits,
     ) -> None:
         self.conn = conn
         self.store = store
         self.stream = stream
         self.node_id = node_id
-        self.holds = holds
-        """Whether this worker holds the request on a token subject."""
+        self.alive = alive
+        """What this worker says of the request on a token subject: whether it holds it, and
+        whether its engine stands still on it."""
         self._limits = request_limits
         self._handed: dict[tuple[str, int], float] = {}
         self._busy: set[asyncio.Task[None]] = set()
@@ -164,9 +165,9 @@ class Orphans:
         if address is None or not (msg.reply and is_reply_inbox(msg.reply)):
             return
         scope, request_id = address
-        held = self.holds(token_subject(scope, request_id))
+        word = self.alive(token_subject(scope, request_id))
         with contextlib.suppress(nats.errors.Error):
-            await msg.respond(b'{"held": true}' if held else b'{"held": false}')
+            await msg.respond(json.dumps(word).encode())
 
     async def _on_orphan(self, msg: Msg) -> None:
         """Each word in a task of its own: a worker that stood still holds many answers, and

@@ -13,6 +13,7 @@ drop the duplicates.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import nats.errors
@@ -59,6 +60,9 @@ class AnswerPublisher:
         self._failures = conn.outbox.failures
         self._lock = asyncio.Lock()
         self.republished = 0
+        self.last_token: float | None = None
+        """When this attempt last published a token (``time.monotonic()``); None before its
+        first: what tells an engine that stands still mid-answer (see ``Handler.stalled``)."""
 
     def sent(self) -> list[WireEvent]:
         """This attempt's events, in the order they were published."""
@@ -72,7 +76,11 @@ class AnswerPublisher:
         # Tokens go without headers: their first byte tells msgpack from JSON, and a header
         # costs both ends a parse per message (relay without coalescing: the client's CPU per
         # 10k tokens 111 -> 90-99 ms, the worker's 94 -> 80-87 ms).
-        headers = None if isinstance(event, TokenEvent) else self._headers
+        headers = None
+        if isinstance(event, TokenEvent):
+            self.last_token = time.monotonic()
+        else:
+            headers = self._headers
         self.conn.outbox.put(self.subject, data, headers, now=len(self._sent) <= 2)
 
     async def finish(self, event: EndEvent | ErrorEvent) -> bool:

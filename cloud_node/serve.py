@@ -336,6 +336,25 @@ class Handler:
             self.publishers.pop(address, None)
             self.keepalives.pop(address, None)
 
+    def alive(self, address: str) -> dict[str, bool]:
+        """What this worker says of the request on ``address`` to a reader who asks whether it
+        is there: whether it holds it, and whether its engine stands still on it."""
+        if address not in self.inflight:
+            return {"held": False}
+        return {"held": True, "stalled": self.stalled(address)}
+
+    def stalled(self, address: str) -> bool:
+        """Whether the engine stands still on this answer: no token for ``report_stall_after``
+        after its first, and none for any other answer it generates either (an engine busy with
+        others, or one that preempted this answer, still moves: that is slow, not stalled)."""
+        publisher = self.publishers.get(address)
+        if publisher is None or publisher.last_token is None:
+            return False  # before the first token: the edge's first-token timeout judges
+        now, bound = time.monotonic(), self._ws.report_stall_after
+        return all(
+            p.last_token is None or now - p.last_token >= bound for p in self.publishers.values()
+        )
+
     def recheck(self) -> None:
         """After a stand-still or a reconnect: stop at once every answer another worker took
         over meanwhile (see :mod:`cloud_node.orphans`)."""

@@ -164,7 +164,7 @@ class Worker(Lifecycle):
             self.store,
             settings.stream,
             node_id=self.node_id,
-            holds=lambda address: address in self.handler.inflight,
+            alive=self.handler.alive,
             request_limits=settings.limits.request_limits(),
         )
         self._stopping = False

@@ -183,7 +183,10 @@ class EdgeHTTP:
         app.router.add_get("/metrics", self._metrics)
         # A client that disconnects cancels its handler, which aborts the generation.
         self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.edge.settings.edge.drain_grace,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

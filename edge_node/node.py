@@ -205,15 +205,17 @@ class EdgeNode(Lifecycle):
             cloud_model=self._es.cloud_model,
         )
 
-    async def stop(self, grace: float = 10.0) -> None:
-        """Ordered: stop intake, let in-flight requests finish (grace), cancel the rest."""
+    async def stop(self, grace: float | None = None) -> None:
+        """Ordered: stop intake, let in-flight requests finish (one ``grace`` for all of them,
+        ``drain_grace`` by default), cancel the rest: each ends in a typed ``unavailable``."""
         if not self.accepting:
             return
         self.accepting = False
+        ends = time.monotonic() + (self._es.drain_grace if grace is None else grace)
         await self._background.close()
         if self.http is not None:
-            await self.http.stop()  # stops accepting; in-flight HTTP answers finish first
-        await self.tasks.close(grace=grace)
+            await self.http.stop()  # stops accepting; in-flight HTTP answers get the grace
+        await self.tasks.close(grace=max(0.0, ends - time.monotonic()))
         if self.site is not None:
             await self.site.stop()
         if self._service is not None:

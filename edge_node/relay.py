@@ -65,7 +65,7 @@ _TICK_S = 0.25
 class Fallback(Exception):
     """The cloud could not serve this request; answer locally, saying why. ``kind`` is one of a
     few words (for metrics): no_pool, no_worker, queue, deadline, not_started, no_first_token,
-    worker_stopped, not_continued, idle, cloud_error."""
+    worker_stopped, not_continued, stalled, idle, cloud_error."""
 
     def __init__(self, reason: str, kind: str) -> None:
         super().__init__(reason)
@@ -256,6 +256,10 @@ class CloudRelay:
                     raise self._give_up(
                         f"no worker continued the answer after {worker} stopped", "not_continued"
                     )
+            elif call.stalled_worker == worker and state.positions > 0:
+                raise self._give_up(
+                    f"worker {worker} says its engine stands still mid-answer", "stalled"
+                )
             elif now - reader.last_event > es.cloud_idle_timeout and state.positions > 0:
                 raise self._give_up(
                     f"nothing from worker {worker} for {es.cloud_idle_timeout:g}s", "idle"

@@ -273,6 +273,12 @@ class WorkerSettings(_Section):
     """Most tokens per token message."""
     coalesce_ms: float = Field(default=5.0, ge=0)
     """Wait up to this long to batch tokens into one message (never for the first token)."""
+    report_stall_after: float = Field(default=2.0, gt=0)
+    """Seconds an answer may go without a token mid-answer, while no other answer of the
+    engine got one either, before the worker tells the answer's reader that its engine stands
+    still (an edge then answers locally). A long prefill is not covered (the edge's first-token
+    timeout is), nor an engine busy with other answers (it moves): only an engine that makes no
+    progress at all for this long."""
     drain_grace: float = Field(default=30.0, ge=0)
     """Seconds in-flight requests get to finish on shutdown before they are cancelled."""
     publish_timeout: float = Field(default=5.0, gt=0)
@@ -367,6 +373,10 @@ class EdgeSettings(_Section):
     """Requests the edge handles at once (local and relayed); more get 'overloaded'."""
     local_queue: int = Field(default=8, ge=0)
     """Requests that may wait for the local model beyond its slots; more get 'overloaded'."""
+    drain_grace: float = Field(default=1.5, ge=0)
+    """Seconds answers in flight get to finish when the edge stops (SIGTERM); the rest end in a
+    typed ``unavailable`` (retry elsewhere). Requests that can wait are safe in the site's
+    outbox meanwhile. With this the edge stops within about 2 s, whatever its uplink."""
     http_host: str = "127.0.0.1"
     """Address of the OpenAI-compatible HTTP API."""
     http_port: int = Field(default=8080, ge=-1, le=65535)

@@ -184,6 +184,9 @@ class CloudCall(Lifecycle):
         nobody subscribes to its subjects any more."""
         self.no_worker_left = False
         """Set when, the worker being gone, no live worker at all heard of it."""
+        self.stalled_worker: str | None = None
+        """The worker that said its engine stands still on this answer (no progress at all for
+        its ``report_stall_after``): alive, but the answer will not go on there."""
         self._reported: set[tuple[str, int]] = set()
 
     async def open(self) -> CloudCall:
@@ -215,9 +218,12 @@ class CloudCall(Lifecycle):
             return
         nc = self.conn.nc
         try:
-            await nc.request(
+            word = await nc.request(
                 worker_alive_subject(node, self.scope, self.request.id), b"", timeout=ALIVE_WAIT_S
             )
+            with contextlib.suppress(ValueError, AttributeError):
+                if json.loads(word.data).get("stalled"):
+                    self.stalled_worker = node
             return
         except nats.errors.NoRespondersError:
             gone = True

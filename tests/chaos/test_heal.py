@@ -121,3 +121,40 @@ async def test_a_frozen_worker_is_taken_over_long_before_ack_wait_and_lets_go(
     await eventually(lambda: idle(cluster, "frozen"), 15, "the resumed worker let go")
     status = await worker_status(cluster, "frozen")
     assert status["completed"] == 0 and status["superseded"] == len(asks), status
+
+
+async def test_an_engine_that_stands_still_mid_answer_has_the_edge_answer_locally_within_3_s(
+    cluster: Cluster,
+) -> None:
+    """The worker lives, but its engine stops producing mid-answer: the worker says so when the
+    reader asks (no token for 2 s on any answer it holds), and the edge restarts the answer
+    locally, announced. Before, the edge waited for its idle timeout (15 s)."""
+    await cluster.worker("w1", slots=8, extra_env=LONG_ACK_WAIT)
+    await cluster.edge(**LONG_ACK_WAIT)
+    client = await cluster.client()
+    began = time.monotonic()
+    outcomes = await asyncio.gather(
+        *(ask(client, f"s{i}", 80, "[hang-after:20]", via="edge", route="cloud") for i in range(3))
+    )
+    hung_at = began + 0.02 + 20 * 0.02  # the prefill, then 20 tokens at 20 ms
+    tally = Tally()
+    for outcome in outcomes:
+        tally.add(outcome)
+    local = sorted(
+        round(o.first_restarted - hung_at, 2) for o in outcomes if o.first_restarted is not None
+    )
+    print("\n" + tally.row("engine stands still after 20 tokens"), "hang -> first local:", local)
+    tally.assert_sound()
+    assert all(o.kind == "correct" and o.path == "local" for o in outcomes), outcomes
+    assert len(local) == len(outcomes) and max(local) < 3.0, (local, cluster.logs())
+
+
+async def test_a_slow_engine_is_never_taken_for_one_that_stands_still(cluster: Cluster) -> None:
+    """1.2 s between tokens, under the 2 s bound: the reader asks again and again, the worker
+    says it is there and not stalled, and the answer comes from the cloud, whole."""
+    await cluster.worker("slow", slots=4, token_ms=1200)
+    await cluster.edge()
+    client = await cluster.client()
+    outcome = await ask(client, "slow", 4, via="edge", route="cloud")
+    assert outcome.kind == "correct" and outcome.path == "cloud", (outcome, cluster.logs())
+    assert outcome.restarts == 0 and outcome.attempts == 1, outcome
