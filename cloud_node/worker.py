@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 from nats.micro.service import Service
+from pydantic import ValidationError
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.keeper import Keeper
@@ -45,10 +46,10 @@ from mesh.hub import provision_hub
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.metrics import NatsMetrics, WorkerMetrics, exposition
-from mesh.registry import Heartbeat, NodeInfo
+from mesh.registry import Heartbeat, NodeInfo, open_bucket
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
-from protocol.errors import MeshTimeoutError
+from protocol.errors import MeshError, MeshTimeoutError
 from protocol.subjects import (
     CANCEL_WILDCARD,
     addressed,
@@ -317,13 +318,13 @@ class Worker(Lifecycle):
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        if self.handler.inflight:
-            log.info(
-                "draining in-flight requests",
-                count=len(self.handler.inflight),
-                grace_s=self._ws.drain_grace,
-            )
-        await self._tasks.close(grace=self._ws.drain_grace)
+        grace = self._ws.drain_grace
+        if self.handler.inflight and self._ws.hand_over and await self._peers_with_room():
+            grace = 0.0  # another worker continues each answer from the store, at once
+            log.info("handing in-flight requests over", count=len(self.handler.inflight))
+        elif self.handler.inflight:
+            log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
+        await self._tasks.close(grace=grace)
         if self._stall_task is not None:
             self._stall_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -340,6 +341,26 @@ class Worker(Lifecycle):
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.remove(registry)
         log.info("worker stopped", node_id=self.node_id, **vars(self.stats))
+
+    async def _peers_with_room(self) -> bool:
+        """Whether another live worker of this pool announced free slots (the registry): then a
+        stopping worker hands its answers over rather than making them wait for its drain."""
+        pool = model_token(self.backend.model)
+        try:
+            kv = await open_bucket(self.conn, self._stream.node_ttl)
+            prefix = f"worker.{pool}."
+            # nats-py's keys() filters by substring, on the client: check the prefix here.
+            keys = await asyncio.wait_for(
+                kv.keys(filters=[prefix]), self.conn.settings.request_timeout
+            )
+            for key in (k for k in keys if k.startswith(prefix)):
+                entry = await kv.get(key)
+                info = NodeInfo.model_validate_json(entry.value or b"")
+                if info.node_id != self.node_id and info.free > 0:
+                    return True
+        except (MeshError, nats.errors.Error, asyncio.TimeoutError, ValidationError) as exc:
+            log.info("cannot tell whether another worker has room; draining", error=repr(exc))
+        return False
 
     def _metadata(self) -> dict[str, str]:
         capacity = self.backend.capacity()

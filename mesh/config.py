@@ -280,7 +280,13 @@ class WorkerSettings(_Section):
     timeout is), nor an engine busy with other answers (it moves): only an engine that makes no
     progress at all for this long."""
     drain_grace: float = Field(default=30.0, ge=0)
-    """Seconds in-flight requests get to finish on shutdown before they are cancelled."""
+    """Seconds in-flight requests get to finish on shutdown before they are handed back to the
+    queue (another worker continues each from the answer store)."""
+    hand_over: bool = True
+    """On shutdown, hand in-flight requests over at once when another worker of the pool has
+    free slots (the registry says so): it continues each answer from the store within
+    milliseconds, so a rolling restart waits for nothing. Without such a worker, or with this
+    off, in-flight requests get ``drain_grace`` to finish here."""
     publish_timeout: float = Field(default=5.0, gt=0)
     """Seconds to wait for the end message to be flushed before acking."""
     metrics_port: int = Field(default=-1, ge=-1, le=65535)

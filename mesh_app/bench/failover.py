@@ -8,6 +8,8 @@ exactly. For each fault, the wait from the fault to the first token the client g
   straight to the queue and via an edge;
 - **freeze**: the same worker stands still (SIGSTOP, 3 s) instead: another continues them, or
   they go on when it wakes;
+- **SIGTERM**: the same worker is stopped, as a rolling restart stops each in turn: it hands its
+  answers over (or drains them) while another has room;
 - **fleet death**: every worker dies mid-answer; the edge answers locally (first local token);
 - **engine hang**: the engine stops producing tokens mid-answer while the worker lives; the edge
   answers locally.
@@ -49,6 +51,7 @@ TOKENS = 100
 """Per answer: 2 s at 20 ms a token; the fault lands 0.6 s in."""
 FREEZE_S = 3.0
 ON_THE_WIRE_S = 0.05
+FAULTS = ("kill -9", "freeze", "SIGTERM", "fleet death", "engine hang")
 HANG = "[hang-after:30]"
 HANG_AFTER_S = 30 * 0.020 + 0.020
 """30 tokens at 20 ms after a 20 ms prefill: when the engine stops producing."""
@@ -105,8 +108,9 @@ def _asks(client: MeshClient, tag: str, *directives: str) -> list[asyncio.Future
     return [asyncio.ensure_future(a) for a in asks]
 
 
-async def _round(tmp: Path, fault: str, n: int) -> tuple[list[Outcome], float]:
-    """One fault; the outcomes and the loop time it struck."""
+async def _round(tmp: Path, fault: str, n: int) -> tuple[list[Outcome], float, float | None]:
+    """One fault; the outcomes, the loop time it struck, and how long a SIGTERM'd worker took
+    to exit."""
     async with _mesh(tmp / f"{fault.replace(' ', '-')}{n}") as mesh:
         assert mesh.client is not None
         doomed = await mesh.worker(f"doomed{n}")
@@ -118,7 +122,7 @@ async def _round(tmp: Path, fault: str, n: int) -> tuple[list[Outcome], float]:
                 for i in range(REQUESTS)
             ]
             struck = time.monotonic() + HANG_AFTER_S  # about when the engine stops
-            return list(await asyncio.gather(*hung)), struck
+            return list(await asyncio.gather(*hung)), struck, None
         pending: list[asyncio.Future[Outcome]]
         if fault == "fleet death":  # only the edge can answer instead: every ask goes via it
             pending = [
@@ -132,12 +136,16 @@ async def _round(tmp: Path, fault: str, n: int) -> tuple[list[Outcome], float]:
             await mesh.worker(f"survivor{n}")
         await asyncio.sleep(0.6)
         struck = time.monotonic()
+        took = None
         if fault == "freeze":
             with paused(doomed.pid):
                 await asyncio.sleep(FREEZE_S)
+        elif fault == "SIGTERM":
+            await doomed.stop()  # a rolling restart's step: it hands its answers over
+            took = time.monotonic() - struck
         else:
             doomed.kill()
-        return list(await asyncio.gather(*pending)), struck
+        return list(await asyncio.gather(*pending)), struck, took
 
 
 def _wait(outcome: Outcome, struck: float) -> float | None:
@@ -151,11 +159,14 @@ def _wait(outcome: Outcome, struck: float) -> float | None:
 async def run(rounds: int = ROUNDS) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-failover-"))
     results: dict[str, Any] = {"rounds": rounds, "requests": REQUESTS, "tokens": TOKENS}
-    for fault in ("kill -9", "freeze", "fleet death", "engine hang"):
+    for fault in FAULTS:
         waits: dict[str, list[float]] = {"sdk": [], "edge": []}
         kinds: dict[str, int] = {}
+        stops: list[float] = []
         for n in range(rounds):
-            outcomes, struck = await _round(tmp, fault, n)
+            outcomes, struck, took = await _round(tmp, fault, n)
+            if took is not None:
+                stops.append(took)
             for i, outcome in enumerate(outcomes):
                 kinds[outcome.kind] = kinds.get(outcome.kind, 0) + 1
                 wait = _wait(outcome, struck)
@@ -171,15 +182,17 @@ async def run(rounds: int = ROUNDS) -> dict[str, Any]:
                 "max_s": max(w) if w else None,
             }
             for via, w in waits.items()
-            if w or fault in ("kill -9", "freeze")
+            if w or fault not in ("fleet death", "engine hang")
         }
         results[fault]["answers"] = kinds
+        if stops:
+            results[fault]["worker_exit_s"] = {"p50": pct(stops, 0.5), "max": max(stops)}
     return results
 
 
 def render(results: dict[str, Any]) -> str:
     rows = []
-    for fault in ("kill -9", "freeze", "fleet death", "engine hang"):
+    for fault in FAULTS:
         entry = results.get(fault, {})
         kinds = entry.get("answers", {})
         checked = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))

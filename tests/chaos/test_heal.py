@@ -158,3 +158,46 @@ async def test_a_slow_engine_is_never_taken_for_one_that_stands_still(cluster: C
     outcome = await ask(client, "slow", 4, via="edge", route="cloud")
     assert outcome.kind == "correct" and outcome.path == "cloud", (outcome, cluster.logs())
     assert outcome.restarts == 0 and outcome.attempts == 1, outcome
+
+
+async def test_a_worker_stopped_with_answers_in_flight_hands_them_over_without_a_pause(
+    cluster: Cluster,
+) -> None:
+    """SIGTERM while another worker has room: the stopping worker hands every answer in flight
+    back to the queue at once (no drain wait), the other continues each from the store, and no
+    client's answer stands still for a second; the stopped worker exits well within its 30 s
+    drain grace."""
+    from tests.chaos.test_pauses import drained
+
+    grace = {"MESH_WORKER_DRAIN_GRACE": "30"}
+    leaving = await cluster.worker("leaving", slots=8, extra_env=grace)
+    await cluster.edge()
+    client = await cluster.client()
+    n = 100
+    asks = [ask(client, f"e{i}", n, via="edge", route="cloud") for i in range(2)]
+    asks += [ask(client, f"c{i}", n, via="cloud") for i in range(2)]
+    pending = [asyncio.ensure_future(a) for a in asks]
+    await cluster.worker("staying", slots=8, extra_env=grace)
+    await asyncio.sleep(0.6)
+    stopping = time.monotonic()
+    await leaving.stop()
+    stopped_in = time.monotonic() - stopping
+    tally = Tally()
+    for outcome in await asyncio.wait_for(asyncio.gather(*pending), 60):
+        tally.add(outcome)
+    silences = [
+        max(b - a for a, b in zip(o.token_times, o.token_times[1:], strict=False))
+        for o in tally.outcomes
+    ]
+    print(
+        "\n" + tally.row("worker SIGTERM, answers handed over"),
+        f"stopped in {stopped_in:.2f}s; longest silence per answer:",
+        sorted(round(s, 2) for s in silences),
+    )
+    tally.assert_sound()
+    assert all(
+        o.kind == "correct" and o.restarts == 0 and o.attempts == 2 for o in tally.outcomes
+    ), tally.outcomes
+    assert stopped_in < 10.0, stopped_in  # not the 30 s drain
+    assert max(silences) < 1.0, silences
+    await drained(cluster)
