@@ -201,6 +201,10 @@ def render(results: dict[str, Any]) -> str:
             if row is None:
                 continue
             rows.append([fault, via, row["n"], row["p50_s"], row["p99_s"], row["max_s"], checked])
-    return "failover: fault -> first token after it (continued, or local), seconds\n" + table(
-        ["fault", "via", "n", "p50", "p99", "max", "answers"], rows
-    )
+    text = "failover: fault -> first token after it (continued, or local), seconds\n"
+    text += table(["fault", "via", "n", "p50", "p99", "max", "answers"], rows)
+    exits = results.get("SIGTERM", {}).get("worker_exit_s")
+    if exits:
+        p50, worst = exits["p50"], exits["max"]
+        text += f"\nSIGTERM: the worker exited in {p50:.2f} s p50, {worst:.2f} s max"
+    return text
