@@ -15,7 +15,7 @@ import pytest
 
 from mesh.config import StreamSettings
 from mesh.connection import Connection
-from mesh.provision import model_is_served
+from mesh.provision import model_is_served, provision
 from mesh.queue import publish_request
 from mesh.registry import Heartbeat, NodeInfo, NodeView
 from mesh.testing.chaos import JsCluster, TcpProxy
@@ -62,6 +62,8 @@ async def test_registry_watch_is_restored_after_quorum_returns_without_a_reconne
             return view.serves("smollm2") is True
 
         await eventually(serves, timeout=20, what="the edge to see the worker")
+        await provision(worker_conn.jsm(), stream, ["smollm2"])  # the queue and its pool
+        assert await model_is_served(edge_conn.jsm(), edge_settings.stream, "smollm2") is True
 
         # No quorum: JetStream cannot answer, core NATS still does.
         await js_cluster.kill("n2")
@@ -75,8 +77,9 @@ async def test_registry_watch_is_restored_after_quorum_returns_without_a_reconne
         await eventually(restoring, timeout=20, what="the edge to say its watch is restoring")
         assert view.serves("smollm2") is None  # it cannot tell, and does not pretend
 
-        # Meanwhile every JetStream call a client makes fails typed, saying what happened.
-        assert await model_is_served(edge_conn.jsm(), edge_settings.stream, "smollm2") is None
+        # Meanwhile every JetStream call a client makes fails typed, saying what happened, and
+        # a pool that exists is never called gone.
+        assert await model_is_served(edge_conn.jsm(), edge_settings.stream, "smollm2") is not False
         request = InferRequest(id="q1", model="smollm2", prompt="hi", max_tokens=4)
         with pytest.raises(MeshError) as refused:
             await publish_request(edge_conn, edge_settings.stream, request, "scope-a")
