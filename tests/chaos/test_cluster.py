@@ -33,6 +33,8 @@ from mesh.testing.chaos import (
 )
 from tests.helpers import eventually
 
+pytestmark = pytest.mark.chaos
+
 KILLS = int(os.environ.get("MESH_CHAOS_KILLS", "3"))
 """Leader kills per run (3 in the suite; more for tighter figures)."""
 STREAMS = 32
@@ -145,6 +147,16 @@ async def test_killing_the_stream_leader_loses_nothing(
                 await eventually(
                     lambda: _replicas_current(op), timeout=120, what="the streams caught up"
                 )
+            # The edge escalates still, answered by the cloud: every watch it depends on came
+            # back after the elections (a local answer would not count). It once stopped
+            # escalating for good after a badly timed server loss.
+            tries = iter(range(1000))
+
+            async def escalates() -> bool:
+                outcome = await ask(clients[1], f"after{next(tries)}", 5, via="edge", route="cloud")
+                return outcome.kind == "correct" and outcome.path == "cloud"
+
+            await eventually(escalates, timeout=30, what="the edge to escalate again")
         finally:
             for client in clients:
                 await client.close()
