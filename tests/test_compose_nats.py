@@ -96,6 +96,16 @@ def _env(service: str, creds: Path, **overrides: str) -> dict[str, str]:
     return {**read_env(Path(env_file)), **SERVICES[service]["environment"], **overrides}
 
 
+def _cpu_worker(creds: Path, hub: NatsServer, tmp_path: Path) -> MeshProcess:
+    """The compose file's CPU worker, on the hub, as a process (not started)."""
+    return MeshProcess(
+        "worker",
+        "cpu-1",
+        _env("worker-cpu", creds, MESH_NATS_URL=hub.url, MESH_WORKER_METRICS_PORT="-1"),
+        tmp_path / "worker.log",
+    )
+
+
 @pytest.fixture
 async def deployed(tmp_path: Path) -> AsyncIterator[tuple[NatsServer, NatsServer, Path]]:
     creds = tmp_path / "creds"
@@ -149,12 +159,7 @@ async def test_the_compose_topology_runs_as_processes(
     deployed: tuple[NatsServer, NatsServer, Path], tmp_path: Path
 ) -> None:
     hub, leaf, creds = deployed
-    worker = MeshProcess(
-        "worker",
-        "cpu-1",
-        _env("worker-cpu", creds, MESH_NATS_URL=hub.url, MESH_WORKER_METRICS_PORT="-1"),
-        tmp_path / "worker.log",
-    )
+    worker = _cpu_worker(creds, hub, tmp_path)
     edge = MeshProcess(
         "edge",
         "site1",
@@ -194,12 +199,7 @@ async def test_an_edge_site_reaches_the_workers_words_across_its_leaf_node(
     match it, which ``*.*`` subscriptions never did: every one of these was "no responders"
     from a site before."""
     hub, leaf, creds = deployed
-    worker = MeshProcess(
-        "worker",
-        "cpu-1",
-        _env("worker-cpu", creds, MESH_NATS_URL=hub.url, MESH_WORKER_METRICS_PORT="-1"),
-        tmp_path / "worker.log",
-    )
+    worker = _cpu_worker(creds, hub, tmp_path)
     operator = load_settings(environ={**read_env(creds / "operator.env"), "MESH_NATS_URL": hub.url})
     edge = load_settings(environ={**read_env(creds / "edge-site1.env"), "MESH_NATS_URL": leaf.url})
     try:

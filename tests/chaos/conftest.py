@@ -17,6 +17,7 @@ from mesh.client import MeshClient
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import (
+    JsCluster,
     MeshProcess,
     Server,
     TcpProxy,
@@ -137,3 +138,14 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(cluster.conn.close(), 10)
         await server.stop()
+
+
+@pytest.fixture
+async def js_cluster(tmp_path: Path) -> AsyncIterator[JsCluster]:
+    """A 3-node JetStream cluster of real nats-servers (routes between them)."""
+    cluster = JsCluster(tmp_path)
+    await cluster.start()
+    try:
+        yield cluster
+    finally:
+        await cluster.stop()

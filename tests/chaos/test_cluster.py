@@ -13,7 +13,6 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -40,16 +39,6 @@ KILLS = int(os.environ.get("MESH_CHAOS_KILLS", "3"))
 STREAMS = 32
 QUEUED = 8
 R3 = {"MESH_STREAM_REPLICAS": "3"}
-
-
-@pytest.fixture
-async def js_cluster(tmp_path: Path) -> AsyncIterator[JsCluster]:
-    cluster = JsCluster(tmp_path)
-    await cluster.start()
-    try:
-        yield cluster
-    finally:
-        await cluster.stop()
 
 
 async def _leader(conn: Connection, stream: str) -> str | None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Sequence
 
 import pytest
 
-from mesh.testing.chaos import Tally, ask, paused
+from mesh.testing.chaos import Outcome, Tally, ask, paused
 from tests.chaos.conftest import Cluster
 
 pytestmark = pytest.mark.chaos
@@ -21,6 +22,18 @@ pytestmark = pytest.mark.chaos
 LONG_ACK_WAIT = {"MESH_STREAM_ACK_WAIT": "30"}
 WITHIN_S = 5.0
 """Far below ack_wait (30 s): a bound the timer path cannot meet, loose for a busy machine."""
+
+
+async def _tally(pending: Sequence[Awaitable[Outcome]]) -> Tally:
+    tally = Tally()
+    for outcome in await asyncio.wait_for(asyncio.gather(*pending), 60):
+        tally.add(outcome)
+    return tally
+
+
+def _since(fault: float, moments: list[float | None]) -> list[float]:
+    """Seconds from the fault to each moment that came (sorted, rounded for the print)."""
+    return sorted(round(m - fault, 2) for m in moments if m is not None)
 
 
 async def test_kill_9_continues_on_another_worker_long_before_ack_wait(cluster: Cluster) -> None:
@@ -35,14 +48,8 @@ async def test_kill_9_continues_on_another_worker_long_before_ack_wait(cluster: 
     await cluster.worker("survivor", slots=8, extra_env=LONG_ACK_WAIT)
     killed_at = time.monotonic()
     doomed.kill()
-    tally = Tally()
-    for outcome in await asyncio.gather(*pending):
-        tally.add(outcome)
-    waits = sorted(
-        round(o.first_continued - killed_at, 2)
-        for o in tally.outcomes
-        if o.first_continued is not None
-    )
+    tally = await _tally(pending)
+    waits = _since(killed_at, [o.first_continued for o in tally.outcomes])
     print("\n" + tally.row("kill -9, ack_wait 30 s"), "kill -> first continued token:", waits)
     tally.assert_sound()
     assert tally.counts()["correct"] == len(asks), cluster.logs()
@@ -68,14 +75,8 @@ async def test_fleet_killed_mid_answer_edge_answers_locally_long_before_ack_wait
     await asyncio.sleep(0.6)
     killed_at = time.monotonic()
     doomed.kill()
-    tally = Tally()
-    for outcome in await asyncio.gather(*pending):
-        tally.add(outcome)
-    local = sorted(
-        round(o.first_restarted - killed_at, 2)
-        for o in tally.outcomes
-        if o.first_restarted is not None
-    )
+    tally = await _tally(pending)
+    local = _since(killed_at, [o.first_restarted for o in tally.outcomes])
     print("\n" + tally.row("every worker killed, ack_wait 30 s"), "kill -> first local:", local)
     tally.assert_sound()
     assert all(o.kind == "correct" and o.path == "local" for o in tally.outcomes), tally.outcomes
@@ -105,14 +106,8 @@ async def test_a_frozen_worker_is_taken_over_long_before_ack_wait_and_lets_go(
     with paused(frozen.pid):
         frozen_at = time.monotonic()
         await asyncio.sleep(4.0)  # the pause length is the fault
-    tally = Tally()
-    for outcome in await asyncio.wait_for(asyncio.gather(*pending), 60):
-        tally.add(outcome)
-    waits = sorted(
-        round(o.first_continued - frozen_at, 2)
-        for o in tally.outcomes
-        if o.first_continued is not None
-    )
+    tally = await _tally(pending)
+    waits = _since(frozen_at, [o.first_continued for o in tally.outcomes])
     print("\n" + tally.row("SIGSTOP 4 s, ack_wait 30 s"), "freeze -> first continued:", waits)
     tally.assert_sound()
     assert all(o.kind == "correct" and o.restarts == 0 for o in tally.outcomes), tally.outcomes
@@ -133,16 +128,12 @@ async def test_an_engine_that_stands_still_mid_answer_has_the_edge_answer_locall
     await cluster.edge(**LONG_ACK_WAIT)
     client = await cluster.client()
     began = time.monotonic()
-    outcomes = await asyncio.gather(
-        *(ask(client, f"s{i}", 80, "[hang-after:20]", via="edge", route="cloud") for i in range(3))
+    tally = await _tally(
+        [ask(client, f"s{i}", 80, "[hang-after:20]", via="edge", route="cloud") for i in range(3)]
     )
+    outcomes = tally.outcomes
     hung_at = began + 0.02 + 20 * 0.02  # the prefill, then 20 tokens at 20 ms
-    tally = Tally()
-    for outcome in outcomes:
-        tally.add(outcome)
-    local = sorted(
-        round(o.first_restarted - hung_at, 2) for o in outcomes if o.first_restarted is not None
-    )
+    local = _since(hung_at, [o.first_restarted for o in outcomes])
     print("\n" + tally.row("engine stands still after 20 tokens"), "hang -> first local:", local)
     tally.assert_sound()
     assert all(o.kind == "correct" and o.path == "local" for o in outcomes), outcomes
@@ -182,9 +173,7 @@ async def test_a_worker_stopped_with_answers_in_flight_hands_them_over_without_a
     stopping = time.monotonic()
     await leaving.stop()
     stopped_in = time.monotonic() - stopping
-    tally = Tally()
-    for outcome in await asyncio.wait_for(asyncio.gather(*pending), 60):
-        tally.add(outcome)
+    tally = await _tally(pending)
     silences = [
         max(b - a for a, b in zip(o.token_times, o.token_times[1:], strict=False))
         for o in tally.outcomes

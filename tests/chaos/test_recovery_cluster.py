@@ -8,8 +8,6 @@ Real 3-node nats-server cluster, a TCP proxy in front of the node the edge uses.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -25,16 +23,6 @@ from tests.conftest import make_settings
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.chaos
-
-
-@pytest.fixture
-async def js_cluster(tmp_path: Path) -> AsyncIterator[JsCluster]:
-    cluster = JsCluster(tmp_path)
-    await cluster.start()
-    try:
-        yield cluster
-    finally:
-        await cluster.stop()
 
 
 async def test_registry_watch_is_restored_after_quorum_returns_without_a_reconnect(
