@@ -228,8 +228,11 @@ class Orphans:
             return why
         if not await self._queued_as(sseq, scope, request_id):
             return "not this request's delivery"
+        claim = await self._claim(scope, request_id, start.attempt)
+        if claim is None:
+            return "cannot claim the hand-back now: left to ack_wait"
         self._handed[key] = time.monotonic()
-        if not await self._claim(scope, request_id, start.attempt):
+        if not claim:
             return "handed back already"
         await self.conn.nc.publish(start.delivery, b"-NAK")
         self.handed_back += 1
@@ -262,7 +265,10 @@ class Orphans:
         finally:
             if asking.done() and self._asking.get(node) is asking:
                 del self._asking[node]
-        self._verdicts[node] = (why, time.monotonic())
+        now = time.monotonic()
+        if len(self._verdicts) >= MAX_AT_ONCE:  # words naming many workers: keep the fresh
+            self._verdicts = {n: v for n, v in self._verdicts.items() if now - v[1] < VERDICT_TTL_S}
+        self._verdicts[node] = (why, now)
         return why
 
     async def _ask(self, subject: str) -> str:
@@ -280,12 +286,13 @@ class Orphans:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _claim(self, scope: str, request_id: str, attempt: int) -> bool:
+    async def _claim(self, scope: str, request_id: str, attempt: int) -> bool | None:
         """Claim the hand-back of this attempt's delivery, once across every worker: a key
         created in the registry bucket (an atomic create; it expires with the bucket's TTL).
         Two workers that each heard of one death must not both nak: the second nak would
         name the message again after it was given to its next worker, and take it from
-        under that one. False when another claimed it, or when no claim can be made now."""
+        under that one. False when another claimed it, None when no claim can be made now (a
+        later word may try again)."""
         try:
             if self._kv is None:
                 self._kv = await open_bucket(self.conn, self.stream.node_ttl)
@@ -296,9 +303,9 @@ class Orphans:
         except KeyWrongLastSequenceError:
             return False
         except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("cannot claim the hand-back; left to ack_wait", error=repr(exc))
+            log.warning("cannot claim the hand-back now", error=repr(exc))
             self._kv = None
-            return False
+            return None
         return True
 
     async def _queued_as(self, sseq: int, scope: str, request_id: str) -> bool:
@@ -320,6 +327,3 @@ class Orphans:
         for key, at in list(self._handed.items()):
             if at < horizon:
                 del self._handed[key]
-        for node, (_why, seen) in list(self._verdicts.items()):
-            if seen < horizon:
-                del self._verdicts[node]
