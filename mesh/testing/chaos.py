@@ -104,6 +104,9 @@ class JsCluster:
             f"server_name: {node}\nlisten: 127.0.0.1:{client}\n"
             f'jetstream {{ store_dir: "{self.tmp / node}" }}\n'
             f"cluster {{ name: {self.name}\n listen: 127.0.0.1:{route}\n routes: [{routes}] }}\n"
+            # Lame duck (a rolling restart's step): 30 s is nats-server's least duration; it
+            # closes its few clients well before that and exits after the last one.
+            "lame_duck_duration: 30s\nlame_duck_grace_period: 1s\n"
         )
         return path
 
@@ -113,6 +116,17 @@ class JsCluster:
         servers = {n: NatsServer(config=str(self._conf(n)), port=self.ports[n][0]) for n in names}
         await asyncio.gather(*(s.start() for s in servers.values()))
         self.servers.update(servers)
+
+    async def lame_duck(self, node: str, timeout: float = 60.0) -> None:
+        """Put ``node`` in lame duck mode by its PID (SIGUSR2, what ``nats-server --signal ldm``
+        sends): it stops taking clients, moves them off and exits. Waits until it has."""
+        server = self.servers.pop(node)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGUSR2)
+        proc = server._proc
+        if proc is not None:
+            await asyncio.wait_for(proc.wait(), timeout)
+        await server.stop()  # only tidies up: the process is gone
 
     async def kill(self, node: str) -> None:
         """kill -9 ``node`` by its PID."""

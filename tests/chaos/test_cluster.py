@@ -180,3 +180,78 @@ async def _replicas_current(conn: Connection) -> bool:
         if not all(p.current and not p.offline for p in peers):
             return False
     return True
+
+
+async def test_a_rolling_restart_of_the_hub_in_lame_duck_mode(
+    js_cluster: JsCluster, tmp_path: Path
+) -> None:
+    """Each node in turn: lame duck (it moves its clients to the others and exits), started
+    again on its store, caught up. Answers stream all along, via the cloud and via an edge:
+    every one ends whole and exact; the longest silence any client saw is printed."""
+    url = js_cluster.url
+    edge_id = f"rr{uuid.uuid4().hex[:6]}"
+    settings = load_settings(
+        {("nats", "url"): url, ("edge", "edge_id"): edge_id, ("stream", "replicas"): 3},
+        environ={},
+    )
+    procs: list[MeshProcess] = []
+    async with Connection(settings.nats, "operator") as op:
+        await eventually(lambda: _js_ready(op), timeout=30, what="the cluster's meta leader")
+        for node_id in ("w1", "w2"):
+            env = {**worker_env(url, node_id, slots=16, token_ms=20), **R3}
+            procs.append(
+                await MeshProcess("worker", node_id, env, tmp_path / f"{node_id}.log").start()
+            )
+            await wait_for_worker(op, node_id, timeout=60)
+        env = {**edge_env(url, edge_id), **R3}
+        procs.append(await MeshProcess("edge", edge_id, env, tmp_path / "edge.log").start())
+        await wait_for_edge(op, edge_id, timeout=60)
+        await eventually(lambda: _replicas_current(op), timeout=60, what="R3 replicas current")
+        client = MeshClient(settings=settings, first_event_timeout=60, idle_timeout=60)
+        await client.connect()
+        tally: Tally = Tally()
+        try:
+            for node in list(js_cluster.ports):
+                asks = [
+                    asyncio.ensure_future(
+                        ask(
+                            client,
+                            f"{node}x{i}",
+                            150,
+                            via="cloud" if i % 2 else "edge",
+                            route="cloud",
+                        )
+                    )
+                    for i in range(8)
+                ]
+                await asyncio.sleep(0.6)  # mid-answer
+                await js_cluster.lame_duck(node)
+                await js_cluster.start(node)
+                for outcome in await asyncio.gather(*asks):
+                    tally.add(outcome)
+                await eventually(
+                    lambda: _replicas_current(op), timeout=120, what="the streams caught up"
+                )
+        finally:
+            await client.close()
+            await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+    silences = sorted(
+        round(max(b - a for a, b in zip(o.token_times, o.token_times[1:], strict=False)), 2)
+        for o in tally.outcomes
+        if len(o.token_times) > 1
+    )
+    print(
+        f"\n{tally.row('rolling restart of a 3-node hub, lame duck')} longest silence per "
+        f"answer: {silences}"
+    )
+    tally.assert_sound()
+    assert tally.counts()["correct"] == len(tally.outcomes), tally.outcomes
+    assert len(silences) == len(tally.outcomes) and max(silences) < 1.0, silences
+
+
+async def _js_ready(conn: Connection) -> bool:
+    try:
+        await conn.jsm().account_info()
+    except Exception:
+        return False
+    return True
