@@ -366,6 +366,13 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)
     """When each token message arrived (``time.monotonic()``)."""
 
+    @property
+    def longest_silence(self) -> float | None:
+        """The longest gap between two token messages, in seconds (None with fewer than two):
+        how long the client's answer stood still."""
+        gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+        return max(gaps) if gaps else None
+
 
 @dataclass
 class Tally:

@@ -12,7 +12,9 @@ exactly. For each fault, the wait from the fault to the first token the client g
   answers over (or drains them) while another has room;
 - **fleet death**: every worker dies mid-answer; the edge answers locally (first local token);
 - **engine hang**: the engine stops producing tokens mid-answer while the worker lives; the edge
-  answers locally.
+  answers locally;
+- **the hub**, 3 nodes with R3 streams: the stream leader killed (an election), then every node
+  restarted in turn in lame duck mode; for these, each answer's longest silence.
 
 ``ack_wait`` is the default (5 s): the timer path stays the backstop, so a figure near 5 s
 would mean the event path did not work.
@@ -32,6 +34,7 @@ from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import (
+    JsCluster,
     MeshProcess,
     Outcome,
     Server,
@@ -52,6 +55,8 @@ TOKENS = 100
 FREEZE_S = 3.0
 ON_THE_WIRE_S = 0.05
 FAULTS = ("kill -9", "freeze", "SIGTERM", "fleet death", "engine hang")
+HUB_KILLS = 3
+"""Stream-leader kills on the 3-node hub (each costs an election: 6 to 7 s here)."""
 HANG = "[hang-after:30]"
 HANG_AFTER_S = 30 * 0.020 + 0.020
 """30 tokens at 20 ms after a 20 ms prefill: when the engine stops producing."""
@@ -148,6 +153,92 @@ async def _round(tmp: Path, fault: str, n: int) -> tuple[list[Outcome], float, f
         return list(await asyncio.gather(*pending)), struck, took
 
 
+async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
+    """A 3-node hub (R3 streams) with two workers and an edge: the stream leader killed
+    ``rounds`` times, then every node restarted in turn in lame duck mode, answers streaming
+    through both. Each answer's longest silence, and the time to the first new answer after a
+    kill (the election)."""
+    cluster = JsCluster(tmp / "hub")
+    (tmp / "hub").mkdir()
+    await cluster.start()
+    url = cluster.url
+    r3 = {"MESH_STREAM_REPLICAS": "3"}
+    settings = load_settings(
+        {("nats", "url"): url, ("edge", "edge_id"): "benchhub", ("stream", "replicas"): 3},
+        environ={},
+    )
+    processes: list[MeshProcess] = []
+    silences: dict[str, list[float]] = {"leader kill": [], "hub lame duck": []}
+    kinds: dict[str, dict[str, int]] = {fault: {} for fault in silences}
+    elections: list[float] = []
+    try:
+        async with (
+            Connection(settings.nats, "bench") as conn,
+            MeshClient(settings=settings, first_event_timeout=60, idle_timeout=60) as client,
+        ):
+            for name in ("w1", "w2"):
+                env = {**worker_env(url, name, slots=16), **r3}
+                processes.append(
+                    await MeshProcess("worker", name, env, tmp / f"hub-{name}.log").start()
+                )
+                await wait_for_worker(conn, name, timeout=60)
+            env = {**edge_env(url, "benchhub"), **r3}
+            processes.append(await MeshProcess("edge", "benchhub", env, tmp / "hub-e.log").start())
+            await wait_for_edge(conn, "benchhub", timeout=60)
+            steps = [("leader kill", None)] * rounds + [("hub lame duck", n) for n in cluster.ports]
+            for n, (fault, node) in enumerate(steps):
+                pending = _asks(client, f"h{n}")
+                await asyncio.sleep(0.6)
+                if node is None:
+                    info = await conn.jsm().stream_info(settings.stream.name)
+                    leader = info.cluster.leader if info.cluster else None
+                    if leader is None:
+                        continue
+                    killed = time.monotonic()
+                    await cluster.kill(leader)
+                    for _probe in range(1200):  # a fresh answer, every 0.1 s, up to 2 min
+                        if (await ask(client, f"p{n}", 1, via="cloud")).kind == "correct":
+                            break
+                        await asyncio.sleep(0.1)
+                    elections.append(time.monotonic() - killed)
+                    await cluster.start(leader)
+                else:
+                    await cluster.lame_duck(node)
+                    await cluster.start(node)
+                for outcome in await asyncio.gather(*pending):
+                    kinds[fault][outcome.kind] = kinds[fault].get(outcome.kind, 0) + 1
+                    if outcome.longest_silence is not None:
+                        silences[fault].append(outcome.longest_silence)
+                await _caught_up(conn, settings.stream.name)
+    finally:
+        await asyncio.gather(*(p.stop() for p in processes), return_exceptions=True)
+        await cluster.stop()
+    return {
+        fault: {
+            "longest_silence": {
+                "n": len(s),
+                "p50_s": pct(s, 0.5) if s else None,
+                "p99_s": pct(s, 0.99) if s else None,
+                "max_s": max(s) if s else None,
+            },
+            "answers": kinds[fault],
+        }
+        for fault, s in silences.items()
+    } | {"election_s": elections}
+
+
+async def _caught_up(conn: Connection, stream: str, timeout: float = 120.0) -> None:
+    """Until the stream has a leader and two current followers again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            group = (await conn.jsm().stream_info(stream)).cluster
+            peers = (group.replicas if group else None) or []
+            if group and group.leader and len(peers) == 2 and all(p.current for p in peers):
+                return
+        await asyncio.sleep(0.25)
+
+
 def _wait(outcome: Outcome, struck: float) -> float | None:
     """Fault -> the first token the client got after it: of the continued attempt, of the local
     restart, or of the same attempt once its worker woke. Tokens within ON_THE_WIRE_S of the
@@ -187,6 +278,7 @@ async def run(rounds: int = ROUNDS) -> dict[str, Any]:
         results[fault]["answers"] = kinds
         if stops:
             results[fault]["worker_exit_s"] = {"p50": pct(stops, 0.5), "max": max(stops)}
+    results["hub"] = await _hub(tmp, rounds=min(rounds, HUB_KILLS))
     return results
 
 
@@ -207,4 +299,23 @@ def render(results: dict[str, Any]) -> str:
     if exits:
         p50, worst = exits["p50"], exits["max"]
         text += f"\nSIGTERM: the worker exited in {p50:.2f} s p50, {worst:.2f} s max"
+    hub = results.get("hub")
+    if hub:
+        rows = []
+        for fault in ("leader kill", "hub lame duck"):
+            entry = hub.get(fault, {})
+            row = entry.get("longest_silence", {})
+            checked = ", ".join(f"{k} {v}" for k, v in sorted(entry.get("answers", {}).items()))
+            rows.append(
+                [fault, row.get("n"), row.get("p50_s"), row.get("p99_s"), row.get("max_s"), checked]
+            )
+        text += "\n\n3-node hub: each answer's longest silence, seconds (SDK and edge together)\n"
+        text += table(["fault", "n", "p50", "p99", "max", "answers"], rows)
+        elections = hub.get("election_s") or []
+        if elections:
+            text += (
+                "\nleader kill: the first new answer after "
+                + ", ".join(f"{e:.2f}" for e in elections)
+                + " s (nats-server's election)"
+            )
     return text
