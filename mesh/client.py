@@ -273,12 +273,18 @@ class MeshClient(Lifecycle):
         payload = dump(request, WireFormat.MSGPACK)
 
         async def send() -> None:
-            await nc.publish(
-                edge_infer_subject(self.edge_id),
-                payload,
-                reply=inbox,
-                headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
-            )
+            try:
+                await nc.publish(
+                    edge_infer_subject(self.edge_id),
+                    payload,
+                    reply=inbox,
+                    headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
+                )
+            except nats.errors.Error as exc:  # closed, or its reconnect buffer is full
+                raise UnavailableError(
+                    f"cannot send to edge {self.edge_id!r}: {type(exc).__name__}",
+                    request_id=request.id,
+                ) from None
 
         reader = AnswerReader(
             self.conn,

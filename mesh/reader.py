@@ -99,8 +99,14 @@ class AnswerReader:
         self._watched = self.last_event
 
     async def subscribe(self, subject: str) -> None:
-        """Start receiving ``subject`` (before anything is published to it)."""
-        self._sub = await self.conn.nc.subscribe(subject, cb=self._on_msg)
+        """Start receiving ``subject`` (before anything is published to it). Raises
+        :class:`UnavailableError` when the connection cannot take a subscription now."""
+        try:
+            self._sub = await self.conn.nc.subscribe(subject, cb=self._on_msg)
+        except nats.errors.Error as exc:
+            raise UnavailableError(
+                f"cannot read {self.what}: the NATS connection is {type(exc).__name__}"
+            ) from None
 
     async def close(self) -> None:
         sub, self._sub = self._sub, None
