@@ -314,6 +314,32 @@ def edge_env(url: str, edge_id: str, *, token_ms: float = 5) -> dict[str, str]:
     }
 
 
+R3 = {"MESH_STREAM_REPLICAS": "3"}
+"""Every hub stream on three servers of a JetStream cluster."""
+
+
+async def start_r3_mesh(
+    conn: Connection,
+    url: str,
+    edge_id: str,
+    tmp: Path,
+    procs: list[MeshProcess],
+    *,
+    slots: int,
+) -> None:
+    """Workers ``w1`` and ``w2`` and edge ``edge_id``, as processes on a 3-node hub with every
+    stream R3; each is added to ``procs`` as it starts (the caller stops them), and each is
+    waited for in the registry or as a micro service."""
+    for node_id in ("w1", "w2"):
+        env = {**worker_env(url, node_id, slots=slots, token_ms=20), **R3}
+        log_path = tmp / f"{edge_id}-{node_id}.log"
+        procs.append(await MeshProcess("worker", node_id, env, log_path).start())
+        await wait_for_worker(conn, node_id, timeout=60)
+    env = {**edge_env(url, edge_id), **R3}
+    procs.append(await MeshProcess("edge", edge_id, env, tmp / f"{edge_id}.log").start())
+    await wait_for_edge(conn, edge_id, timeout=60)
+
+
 async def wait_for_worker(
     conn: Connection, node_id: str, timeout: float = 30.0, process: MeshProcess | None = None
 ) -> None:

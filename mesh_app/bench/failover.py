@@ -41,6 +41,7 @@ from mesh.testing.chaos import (
     ask,
     edge_env,
     paused,
+    start_r3_mesh,
     wait_for_edge,
     wait_for_worker,
     worker_env,
@@ -162,7 +163,6 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
     (tmp / "hub").mkdir()
     await cluster.start()
     url = cluster.url
-    r3 = {"MESH_STREAM_REPLICAS": "3"}
     settings = load_settings(
         {("nats", "url"): url, ("edge", "edge_id"): "benchhub", ("stream", "replicas"): 3},
         environ={},
@@ -176,15 +176,7 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
             Connection(settings.nats, "bench") as conn,
             MeshClient(settings=settings, first_event_timeout=60, idle_timeout=60) as client,
         ):
-            for name in ("w1", "w2"):
-                env = {**worker_env(url, name, slots=16), **r3}
-                processes.append(
-                    await MeshProcess("worker", name, env, tmp / f"hub-{name}.log").start()
-                )
-                await wait_for_worker(conn, name, timeout=60)
-            env = {**edge_env(url, "benchhub"), **r3}
-            processes.append(await MeshProcess("edge", "benchhub", env, tmp / "hub-e.log").start())
-            await wait_for_edge(conn, "benchhub", timeout=60)
+            await start_r3_mesh(conn, url, "benchhub", tmp, processes, slots=16)
             steps = [("leader kill", None)] * rounds + [("hub lame duck", n) for n in cluster.ports]
             for n, (fault, node) in enumerate(steps):
                 pending = _asks(client, f"h{n}")

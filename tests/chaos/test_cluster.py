@@ -25,10 +25,7 @@ from mesh.testing.chaos import (
     MeshProcess,
     Tally,
     ask,
-    edge_env,
-    wait_for_edge,
-    wait_for_worker,
-    worker_env,
+    start_r3_mesh,
 )
 from tests.helpers import eventually
 
@@ -38,7 +35,6 @@ KILLS = int(os.environ.get("MESH_CHAOS_KILLS", "3"))
 """Leader kills per run (3 in the suite; more for tighter figures)."""
 STREAMS = 32
 QUEUED = 8
-R3 = {"MESH_STREAM_REPLICAS": "3"}
 
 
 async def _leader(conn: Connection, stream: str) -> str | None:
@@ -60,15 +56,7 @@ async def test_killing_the_stream_leader_loses_nothing(
     )
     procs: list[MeshProcess] = []
     async with Connection(settings.nats, "operator") as op:
-
-        async def js_ready() -> bool:
-            try:
-                await op.jsm().account_info()
-            except Exception:
-                return False
-            return True
-
-        await eventually(js_ready, timeout=30, what="the cluster's JetStream meta leader")
+        await eventually(lambda: _js_ready(op), timeout=30, what="the cluster's meta leader")
         # Provisioned first with one replica, as a single-server mesh would have it: the
         # workers, configured for three, move the streams over.
         from mesh.provision import provision
@@ -76,15 +64,7 @@ async def test_killing_the_stream_leader_loses_nothing(
         one = load_settings({("nats", "url"): url}, environ={})
         await provision(op.jsm(), one.stream, ["smollm2"])
         assert (await op.jsm().stream_info("MESH_INFER")).config.num_replicas == 1
-        for node_id in ("w1", "w2"):
-            env = {**worker_env(url, node_id, slots=STREAMS // 2, token_ms=20), **R3}
-            procs.append(
-                await MeshProcess("worker", node_id, env, tmp_path / f"{node_id}.log").start()
-            )
-            await wait_for_worker(op, node_id, timeout=60)
-        env = {**edge_env(url, edge_id), **R3}
-        procs.append(await MeshProcess("edge", edge_id, env, tmp_path / "edge.log").start())
-        await wait_for_edge(op, edge_id, timeout=60)
+        await start_r3_mesh(op, url, edge_id, tmp_path, procs, slots=STREAMS // 2)
         info = await op.jsm().stream_info("MESH_INFER")
         assert info.config.num_replicas == 3 and info.cluster is not None
         # A leader and two followers, caught up.
@@ -197,15 +177,7 @@ async def test_a_rolling_restart_of_the_hub_in_lame_duck_mode(
     procs: list[MeshProcess] = []
     async with Connection(settings.nats, "operator") as op:
         await eventually(lambda: _js_ready(op), timeout=30, what="the cluster's meta leader")
-        for node_id in ("w1", "w2"):
-            env = {**worker_env(url, node_id, slots=16, token_ms=20), **R3}
-            procs.append(
-                await MeshProcess("worker", node_id, env, tmp_path / f"{node_id}.log").start()
-            )
-            await wait_for_worker(op, node_id, timeout=60)
-        env = {**edge_env(url, edge_id), **R3}
-        procs.append(await MeshProcess("edge", edge_id, env, tmp_path / "edge.log").start())
-        await wait_for_edge(op, edge_id, timeout=60)
+        await start_r3_mesh(op, url, edge_id, tmp_path, procs, slots=16)
         await eventually(lambda: _replicas_current(op), timeout=60, what="R3 replicas current")
         client = MeshClient(settings=settings, first_event_timeout=60, idle_timeout=60)
         await client.connect()
