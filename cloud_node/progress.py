@@ -56,10 +56,7 @@ async def keep_alive(
     loop = asyncio.get_running_loop()
     refreshed = since
     while True:
-        if (keeper.lapsed() or keeper.interrupted()) and await keeper.superseded():
-            log.warning("another worker took the request over while this one stood still; stopping")
-            keeper.stopped = True
-            generating.cancel()  # neither acked nor handed back: the delivery is not ours
+        if (keeper.lapsed() or keeper.interrupted()) and await keeper.stop_if_superseded():
             return
         try:
             await msg.in_progress()
@@ -137,14 +134,16 @@ class KeepAlive:
         """Now, not at the next progress report: the connection came back or the process
         stood still, so another worker may hold the request; if the store shows it does, stop
         generating (its readers follow the newer attempt and drop this one's events)."""
-        self._tasks.spawn(self._stop_if_superseded(), name="recheck")
+        self._tasks.spawn(self.stop_if_superseded(), name="recheck")
 
-    async def _stop_if_superseded(self) -> None:
+    async def stop_if_superseded(self) -> bool:
+        """Stop generating when the store shows a newer attempt; whether it did."""
         if self.stopped or self._generating.done() or not await self.superseded():
-            return
+            return self.stopped
         log.warning("another worker took the request over while this one was cut off or still")
         self.stopped = True
         self._generating.cancel()  # neither acked nor handed back: the delivery is not ours
+        return True
 
     async def taken_over(self) -> bool:
         """Whether the delivery may be another worker's: it lapsed, or it was interrupted and
