@@ -48,6 +48,7 @@ from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.queue import orphan_worker
 from mesh.registry import handback_key, open_bucket
 from protocol.codec import RequestLimits, decode_request
 from protocol.errors import MeshError
@@ -92,20 +93,6 @@ def delivery_of(ack_subject: str) -> tuple[str, int, int] | None:
     if not (delivered.isdigit() and sseq.isdigit()):
         return None
     return stream, int(delivered), int(sseq)
-
-
-def orphan_payload(node: str) -> bytes:
-    """What a reader says on ``mesh.v1.orphan.<scope>.<id>``: the worker it found gone."""
-    return json.dumps({"worker": node}).encode()
-
-
-def orphan_worker(data: bytes) -> str | None:
-    """The worker a reader's word names (a hint only: the store and the server decide)."""
-    try:
-        node = json.loads(data).get("worker") if data else None
-    except (ValueError, AttributeError):
-        return None
-    return node if isinstance(node, str) and 0 < len(node) <= 256 else None
 
 
 def newest_start(events: list[WireEvent]) -> tuple[StartEvent | None, bool]:

@@ -79,6 +79,20 @@ def cancel_payload(key: str | None) -> bytes:
     return bytes(msgpack.packb({"key": key})) if key else b""
 
 
+def orphan_payload(node: str) -> bytes:
+    """What a reader says on ``mesh.v1.orphan.<scope>.<id>``: the worker it found gone."""
+    return json.dumps({"worker": node}).encode()
+
+
+def orphan_worker(data: bytes) -> str | None:
+    """The worker a reader's word names (a hint only: the store and the server decide)."""
+    try:
+        node = json.loads(data).get("worker") if data else None
+    except (ValueError, AttributeError):
+        return None
+    return node if isinstance(node, str) and 0 < len(node) <= 256 else None
+
+
 async def publish_request(
     conn: Connection,
     stream: StreamSettings,
@@ -239,7 +253,7 @@ class CloudCall(Lifecycle):
             try:
                 reply = await nc.request(
                     orphan_subject(self.scope, self.request.id),
-                    json.dumps({"worker": node}).encode(),
+                    orphan_payload(node),
                     timeout=ORPHAN_WAIT_S,
                 )
                 break
