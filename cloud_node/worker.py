@@ -45,7 +45,7 @@ from mesh.connection import Connection
 from mesh.hub import provision_hub
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
-from mesh.metrics import NatsMetrics, WorkerMetrics, exposition
+from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition
 from mesh.registry import Heartbeat, NodeInfo, open_bucket
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
@@ -95,7 +95,16 @@ class WorkerStats:
 class Worker(Lifecycle):
     """One worker process (or model replica) serving ``backend.model``."""
 
-    def __init__(self, settings: MeshSettings, conn: Connection, backend: Backend) -> None:
+    def __init__(
+        self,
+        settings: MeshSettings,
+        conn: Connection,
+        backend: Backend,
+        *,
+        metrics_page: Exposition | None = None,
+    ) -> None:
+        """``metrics_page``: where the worker's Prometheus metrics appear (default: the process's
+        page, which an edge in the same process serves too)."""
         self.settings = settings
         self.conn = conn
         self.backend = backend
@@ -104,6 +113,7 @@ class Worker(Lifecycle):
         self.metrics = WorkerMetrics()
         self._nats_metrics = NatsMetrics()
         self._nats_metrics.watch(conn)
+        self._page = exposition if metrics_page is None else metrics_page
         # Workers may read any answer (they continue each other's); direct get is their right.
         self.store = AnswerStore(conn, settings.stream, filtered=False)
         self.keeper = Keeper(conn, self.store, settings.worker.publish_timeout)
@@ -249,7 +259,7 @@ class Worker(Lifecycle):
         ]
         self._undo_reconnect = lambda: [u() for u in undo]
         for registry in (self.metrics.registry, self._nats_metrics.registry):
-            exposition.add(registry)
+            self._page.add(registry)
         await self._puller.start()
         self._loop_task = self._tasks.supervise(self._tick, name="pull")
         # Not one of self._tasks: it watches until the last answer is drained (see stop()).
@@ -339,7 +349,7 @@ class Worker(Lifecycle):
             with contextlib.suppress(nats.errors.Error):
                 await self._service.stop()
         for registry in (self.metrics.registry, self._nats_metrics.registry):
-            exposition.remove(registry)
+            self._page.remove(registry)
         log.info("worker stopped", node_id=self.node_id, **vars(self.stats))
 
     async def _peers_with_room(self) -> bool:

@@ -2,9 +2,21 @@
 micro-service STATS.
 
 Each node owns its metrics in a registry of its own (a process may run a worker and an edge,
-as ``mesh up`` does, and tests run many nodes); :func:`exposition` joins the registries of a
-process for one ``/metrics`` page. Names follow Prometheus conventions: ``mesh_<role>_...``,
-base units (seconds), ``_total`` for counters; labels take a few known values only.
+as ``mesh up`` does, and tests run many nodes); an :class:`Exposition` joins registries for one
+``/metrics`` page: :data:`exposition`, the process's page, by default, or a page of its own
+(``mesh up`` gives its worker one when ``MESH_WORKER_METRICS_PORT`` is set, so that the worker
+is scraped where a standalone ``mesh worker`` would be, apart from the edge).
+
+A page is valid exposition: one family per name, one sample per label set. The node families
+never overlap (``mesh_edge_*``, ``mesh_worker_*``), but every node reports the NATS connection
+it uses (``mesh_nats_*``) and nodes in one process often share one (``mesh up``'s worker and
+edge use ``mesh-local``). So the page does not simply chain its registries: it gathers the
+connections of all its :class:`NatsMetrics` and reports each connection once, under one family
+per name. Merging by connection, not by label value, keeps apart distinct connections that
+happen to share a name (the later ones get ``#2``, ``#3``): they are counted, not dropped.
+
+Names follow Prometheus conventions: ``mesh_<role>_...``, base units (seconds), ``_total`` for
+counters; labels take a few known values only.
 """
 
 from __future__ import annotations
@@ -226,7 +238,7 @@ class NatsMetrics(Collector):
     from the connections' own counters."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = _NatsRegistry(self)
         self._connections: dict[str, Any] = {}
         self.registry.register(self)
 
@@ -234,36 +246,73 @@ class NatsMetrics(Collector):
         """``connection``: a :class:`mesh.connection.Connection`."""
         self._connections[connection.name] = connection
 
+    @property
+    def connections(self) -> list[Any]:
+        return list(self._connections.values())
+
     def collect(self) -> Iterator[Any]:
-        reconnects = CounterMetricFamily(
-            "mesh_nats_reconnects", "Reconnects of a NATS connection.", labels=["connection"]
-        )
-        drops = CounterMetricFamily(
-            "mesh_nats_message_losses",
-            "Reconnects plus slow-consumer drops: times a reader may have missed messages.",
-            labels=["connection"],
-        )
-        restoring = GaugeMetricFamily(
-            "mesh_nats_restoring",
-            "After-reconnect steps (watches, consumers, registry) not restored yet.",
-            labels=["connection"],
-        )
-        for name, conn in self._connections.items():
-            reconnects.add_metric([name], conn.reconnects)
-            drops.add_metric([name], conn.losses)
-            restoring.add_metric([name], len(conn.restoring))
-        yield reconnects
-        yield drops
-        yield restoring
+        return _nats_families(self.connections)
+
+
+class _NatsRegistry(CollectorRegistry):
+    """A :class:`NatsMetrics`' registry, which a page recognises to report its connections
+    together with other nodes' (each connection once)."""
+
+    def __init__(self, source: NatsMetrics) -> None:
+        super().__init__(auto_describe=False)
+        self.source = source
+
+
+def _nats_families(connections: list[Any]) -> Iterator[Any]:
+    """The ``mesh_nats_*`` families of ``connections``, each connection (object) once, labelled
+    by its name; a name already taken by another connection gets ``#2``, ``#3``..."""
+    reconnects = CounterMetricFamily(
+        "mesh_nats_reconnects", "Reconnects of a NATS connection.", labels=["connection"]
+    )
+    drops = CounterMetricFamily(
+        "mesh_nats_message_losses",
+        "Reconnects plus slow-consumer drops: times a reader may have missed messages.",
+        labels=["connection"],
+    )
+    restoring = GaugeMetricFamily(
+        "mesh_nats_restoring",
+        "After-reconnect steps (watches, consumers, registry) not restored yet.",
+        labels=["connection"],
+    )
+    seen: set[int] = set()
+    names: Tally[str] = Tally()
+    for conn in connections:
+        if id(conn) in seen:
+            continue
+        seen.add(id(conn))
+        names[conn.name] += 1
+        label = conn.name if names[conn.name] == 1 else f"{conn.name}#{names[conn.name]}"
+        reconnects.add_metric([label], conn.reconnects)
+        drops.add_metric([label], conn.losses)
+        restoring.add_metric([label], len(conn.restoring))
+    yield reconnects
+    yield drops
+    yield restoring
 
 
 class _Union(Collector):
+    """The families of a page's registries; the NATS connections of all of them in one set of
+    families, after the nodes' own."""
+
     def __init__(self, registries: list[CollectorRegistry]) -> None:
         self._registries = registries
 
     def collect(self) -> Iterator[Any]:
+        connections: list[Any] = []
+        nats = False
         for registry in list(self._registries):
-            yield from registry.collect()
+            if isinstance(registry, _NatsRegistry):
+                nats = True
+                connections.extend(registry.source.connections)
+            else:
+                yield from registry.collect()
+        if nats:
+            yield from _nats_families(connections)
 
 
 class Exposition:
@@ -293,10 +342,14 @@ class Exposition:
         self._servers[bound] = server
         return bound
 
-    def stop(self) -> None:
-        for server in self._servers.values():
-            server.shutdown()
-        self._servers.clear()
+    def stop(self, port: int | None = None) -> None:
+        """Stop serving on ``port`` (the port :meth:`serve` returned), or on every port."""
+        ports = list(self._servers) if port is None else [port]
+        for bound in ports:
+            server = self._servers.pop(bound, None)
+            if server is not None:
+                server.shutdown()
+                server.server_close()  # frees the port at once, for the next `mesh up`
 
 
 exposition = Exposition()

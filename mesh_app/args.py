@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         parents=[common, model, edge],
         help="run a local mesh (nats-server + worker + edge) until Ctrl-C",
+        description="Run a local mesh (nats-server + worker + edge) until Ctrl-C. Prometheus "
+        "metrics: the edge's on the HTTP API's /metrics (and on MESH_EDGE_METRICS_PORT when "
+        "set); the worker's there too, or only on MESH_WORKER_METRICS_PORT when that is set.",
     )
     up.add_argument("--port", type=int, help="local nats-server port (default 4222; -1: any free)")
     demo = sub.add_parser(

@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = _settings(args, quiet=True)
             settings.nats.local_port = -1  # never collide with a running `mesh up`
             settings.edge.http_port = -1
+            settings.worker.metrics_port = settings.edge.metrics_port = -1
             return _run(lambda: _demo(settings, args))
         if args.command == "up":
             return _run(lambda: _up(_settings(args)))
@@ -163,6 +164,8 @@ async def _up(settings: MeshSettings) -> int:
         print(f"mesh is up: NATS {mesh.nats_url}, edge subject {mesh.edge.subject}", flush=True)
         if mesh.edge.http is not None:
             print(f"  OpenAI-compatible API: {mesh.edge.http.url}/v1", flush=True)
+        for nodes, where in mesh.metrics_pages():
+            print(f"  Prometheus metrics ({nodes}): {where}", flush=True)
         print(f'  try: mesh ask --nats-url {mesh.nats_url} "What is 2+2?"', flush=True)
         print("  Ctrl-C stops everything", flush=True)
         await _until_signal()

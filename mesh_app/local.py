@@ -3,6 +3,14 @@
 ``mesh up`` runs it in the foreground; ``mesh demo`` starts it, asks, and stops it. Shutdown is
 ordered: the edge stops taking requests and drains, then the worker, then the engines, then the
 NATS connection, and the nats-server last.
+
+Prometheus metrics follow the standalone roles' settings. The edge's series are on its HTTP
+API's ``/metrics`` (and on ``MESH_EDGE_METRICS_PORT`` when set), as ``mesh edge`` serves them.
+The worker's are on ``MESH_WORKER_METRICS_PORT`` when set, as ``mesh worker`` serves them, and
+then only there: the worker gets a page of its own, so that one scrape job per role sees each
+series once. When it is not set (the default), the edge's page shows the worker's series too,
+so that one scrape of `mesh up` sees everything. Both nodes share one NATS connection,
+``mesh-local``, which each page reports once.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
+from mesh.metrics import Exposition, exposition
 from mesh.nats_server import NatsServer
 
 log = get_logger(__name__)
@@ -30,6 +39,10 @@ class LocalMesh(Lifecycle):
         self.worker: Worker | None = None
         self.edge: EdgeNode | None = None
         self._backends: list[Backend] = []
+        self.worker_page: Exposition | None = None
+        """The worker's own metrics page, when ``worker.metrics_port`` is set."""
+        self.worker_metrics_port: int | None = None
+        self.edge_metrics_port: int | None = None
 
     @property
     def nats_url(self) -> str:
@@ -58,7 +71,13 @@ class LocalMesh(Lifecycle):
         self._backends = [worker_backend, edge_backend]
         self.conn = await Connection(settings.nats, "mesh-local").connect()
         await asyncio.gather(worker_backend.start(), edge_backend.start())
-        self.worker = Worker(settings, self.conn, worker_backend)
+        # Ports before nodes: a port in use fails `mesh up` before anything answers requests.
+        if settings.worker.metrics_port >= 0:
+            self.worker_page = Exposition()
+            self.worker_metrics_port = self.worker_page.serve(settings.worker.metrics_port)
+        if settings.edge.metrics_port >= 0:
+            self.edge_metrics_port = exposition.serve(settings.edge.metrics_port)
+        self.worker = Worker(settings, self.conn, worker_backend, metrics_page=self.worker_page)
         await self.worker.start()
         self.edge = EdgeNode(settings, self.conn, edge_backend, create_router(settings.edge.router))
         await self.edge.start()
@@ -69,6 +88,10 @@ class LocalMesh(Lifecycle):
             await self.edge.stop()
         if self.worker is not None:
             await self.worker.stop()
+        if self.worker_page is not None:
+            self.worker_page.stop()
+        if self.edge_metrics_port is not None:
+            exposition.stop(self.edge_metrics_port)
         for backend in self._backends:
             await backend.close()
         if self.conn is not None:
@@ -77,3 +100,17 @@ class LocalMesh(Lifecycle):
             await self.server.stop()
         self.edge = self.worker = self.conn = self.server = None
         self._backends = []
+        self.worker_page = self.worker_metrics_port = self.edge_metrics_port = None
+
+    def metrics_pages(self) -> list[tuple[str, str]]:
+        """Whose Prometheus metrics are where: ``(nodes, URL or port)`` pairs, for the
+        operator."""
+        edge = "edge" if self.worker_page is not None else "edge and worker"
+        pages = []
+        if self.edge is not None and self.edge.http is not None:
+            pages.append((edge, f"{self.edge.http.url}/metrics"))
+        if self.edge_metrics_port is not None:
+            pages.append((edge, f"port {self.edge_metrics_port}"))
+        if self.worker_metrics_port is not None:
+            pages.append(("worker", f"port {self.worker_metrics_port}"))
+        return pages
