@@ -151,7 +151,7 @@ class Connection(Lifecycle):
         async def on_reconnected() -> None:
             self.reconnects += 1
             self._lost()
-            log.info("nats reconnected", connection=self.name, server=str(client.connected_url))
+            log.info("nats reconnected", connection=self.name, server=_server_url(client))
             self.recovery.reconnected()
 
         try:
@@ -198,7 +198,7 @@ class Connection(Lifecycle):
         self._js = client.jetstream(
             timeout=self.settings.request_timeout, domain=self.settings.hub_domain
         )
-        log.debug("nats connected", connection=self.name, server=str(client.connected_url))
+        log.debug("nats connected", connection=self.name, server=_server_url(client))
         return self
 
     async def close(self) -> None:
@@ -285,3 +285,11 @@ async def _close_quietly(client: Client) -> None:
         return
     with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error, OSError):
         await asyncio.wait_for(client.close(), timeout=2)
+
+
+def _server_url(client: Any) -> str:
+    """The server a client is connected to, as a person writes it (``nats://host:port``):
+    nats-py keeps it as a ``urllib`` ``ParseResult``, whose ``str`` is its repr. A user and
+    password in the URL are left out."""
+    url = client.connected_url
+    return f"{url.scheme}://{url.hostname}:{url.port}" if url is not None else "none"

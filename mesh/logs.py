@@ -90,8 +90,60 @@ class _SafeWriterFactory:
         return _SafeWriter(self.stream)
 
 
-def get_logger(name: str) -> Any:
-    return structlog.get_logger(name)
+# Library manners: until an entry point calls ``configure_logging``, the mesh's lines go to the
+# standard library's ``mesh`` logger, which carries only a ``NullHandler``. An application using
+# the SDK sees nothing on its stdout or stderr unless it configures logging itself
+# (``logging.basicConfig(level=logging.DEBUG)`` shows our lines).
+logging.getLogger("mesh").addHandler(logging.NullHandler())
+
+_STD_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "exception": logging.ERROR,
+}
+
+
+class MeshLogger:
+    """A structlog-style logger (``log.info("event", key=value)``) that writes through structlog
+    once logging is configured (the CLI and the daemons do that), and through the standard
+    library's logger of the same name before (an application using the SDK)."""
+
+    __slots__ = ("_proxy", "_std")
+
+    def __init__(self, name: str) -> None:
+        self._proxy = structlog.get_logger(name)
+        # The SDK's lines sit under ``mesh``, whatever module writes them.
+        self._std = logging.getLogger(name if name.startswith("mesh") else f"mesh.{name}")
+
+    def _emit(self, method: str, event: str, fields: dict[str, Any]) -> None:
+        if structlog.is_configured():
+            getattr(self._proxy, method)(event, **fields)
+            return
+        level = _STD_LEVELS[method]
+        if self._std.isEnabledFor(level):
+            text = " ".join([event, *(f"{key}={value}" for key, value in fields.items())])
+            self._std.log(level, "%s", text, exc_info=method == "exception")
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._emit("debug", event, fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._emit("info", event, fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._emit("warning", event, fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._emit("error", event, fields)
+
+    def exception(self, event: str, **fields: Any) -> None:
+        self._emit("exception", event, fields)
+
+
+def get_logger(name: str) -> MeshLogger:
+    return MeshLogger(name)
 
 
 def trace_id(traceparent: str | None) -> str | None:
@@ -109,6 +161,4 @@ def log_unknown_fields(kind: str, fields: frozenset[str]) -> None:
     """Tolerant decoding hook: note unknown fields once per message kind and field set."""
     if (kind, fields) not in _seen_unknown:
         _seen_unknown.add((kind, fields))
-        structlog.get_logger(__name__).info(
-            "ignoring unknown fields", message=kind, fields=sorted(fields)
-        )
+        get_logger(__name__).info("ignoring unknown fields", message=kind, fields=sorted(fields))
