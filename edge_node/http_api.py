@@ -3,6 +3,7 @@
     POST /v1/chat/completions   stream or not; routes like any other request
     POST /v1/completions        a raw prompt, no chat template; stream or not
     GET  /v1/models             the local model and the cloud model
+    GET  /v1/models/{model}     one of those, or a model a worker pool serves
     GET  /health                liveness: the process serves HTTP
     GET  /ready                 readiness: model loaded, NATS connected, cloud reachable
     GET  /metrics               Prometheus metrics of every node in this process
@@ -11,7 +12,16 @@ Request bodies are validated by :mod:`edge_node.openai_api`. Extensions: a ``rou
 (``auto|local|cloud``) or an ``X-Mesh-Route`` header forces a path; every answer carries a
 ``mesh`` object (path, served_by, routing, fallback, timings) and ``X-Mesh-Path`` /
 ``X-Mesh-Served-By`` headers. Errors use OpenAI's ``{"error": {...}}`` shape with the mesh's
-stable code and an HTTP status derived from it.
+stable code and an HTTP status derived from it, on every route: an unknown one is a 404, a
+method a route does not take a 405 (both ``invalid_request``, as OpenAI's own are
+``invalid_request_error``), so a client never has to parse aiohttp's plain text.
+
+``X-Request-Id``, when it is a token (``[A-Za-z0-9_-]``, at most 128), becomes the request's id:
+the answer's ``id`` (``chatcmpl-<id>``), its ``X-Request-Id`` header, the logs and traces. HTTP
+requests never join one another (each has a scope of its own): the same id sent again is
+answered again. Only ``service_tier: "flex"`` gives it more meaning: such a request is kept at
+the edge's site, and the same request under the same id gets the kept answer; an edge without a
+site refuses it (:meth:`EdgeHTTP._parse`).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
@@ -31,10 +42,12 @@ from mesh.metrics import exposition
 from mesh.queue import trace_headers
 from protocol.codec import WireFormat, check_nesting, error_event, load, to_exception
 from protocol.errors import (
+    ErrorCode,
     IncompleteAnswerError,
     InvalidRequestError,
     MeshError,
     PayloadTooLargeError,
+    UnknownModelError,
     status_of,
 )
 from protocol.messages import (
@@ -52,10 +65,15 @@ if TYPE_CHECKING:
     from edge_node.node import EdgeNode
 
 log = get_logger(__name__)
+ROUTES = (
+    "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, "
+    "GET /health, GET /ready and GET /metrics"
+)
 
 
-def error_response(err: MeshError) -> web.Response:
-    body = {
+def error_body(err: MeshError) -> dict[str, Any]:
+    """OpenAI's error object, with the mesh's stable code as its type and code."""
+    return {
         "error": {
             "message": err.message,
             "type": err.code.value,
@@ -64,8 +82,48 @@ def error_response(err: MeshError) -> web.Response:
             "retryable": err.retryable,
         }
     }
-    headers = {"Retry-After": str(max(1, round(err.retry_after)))} if err.retry_after else None
-    return web.json_response(body, status=status_of(err.code), headers=headers)
+
+
+def error_response(
+    err: MeshError, *, status: int | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    """The HTTP error for ``err``: its code's status unless ``status`` says otherwise."""
+    headers = dict(headers or {})
+    if err.retry_after:
+        headers["Retry-After"] = str(max(1, round(err.retry_after)))
+    return web.json_response(
+        error_body(err), status=status or status_of(err.code), headers=headers or None
+    )
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every route's errors in OpenAI's shape: a handler's typed error, aiohttp's own 404, 405
+    and friends, and a crash, which aiohttp would answer in plain text."""
+    try:
+        return await handler(request)
+    except MeshError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        where = f"{request.method} {request.path}"
+        if isinstance(exc, web.HTTPNotFound):
+            message = f"Invalid URL ({where}): this edge serves {ROUTES}"
+        elif isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            message = f"Invalid method ({where}): {request.path} takes {allowed}"
+        else:
+            message = f"{exc.reason} ({where})"
+        allow = exc.headers.get("Allow")
+        return error_response(
+            InvalidRequestError(message),
+            status=exc.status,
+            headers={"Allow": allow} if allow else None,
+        )
+    except Exception:
+        log.exception("HTTP handler crashed", path=request.path)
+        return error_response(MeshError("edge failure", code=ErrorCode.INTERNAL))
 
 
 class _CollectSink:
@@ -146,15 +204,7 @@ class _SSESink:
         if self.response is None:
             self.closed = True
             return  # the handler answers with a plain HTTP error
-        body = {
-            "error": {
-                "message": error.message,
-                "type": error.code.value,
-                "code": error.code.value,
-                "retryable": error.retryable,
-            }
-        }
-        await self._send(body)
+        await self._send(error_body(error))
         await self._send("[DONE]")
         self.closed = True
 
@@ -167,6 +217,8 @@ class EdgeHTTP:
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
+        self._created = int(time.time())
+        """The ``created`` of the models this edge lists (when it began serving them)."""
 
     @property
     def url(self) -> str:
@@ -174,10 +226,11 @@ class EdgeHTTP:
 
     async def start(self) -> None:
         limits = self.edge.settings.limits
-        app = web.Application(client_max_size=limits.max_payload_bytes)
+        app = web.Application(client_max_size=limits.max_payload_bytes, middlewares=[openai_errors])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)  # ids may hold a "/"
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
@@ -201,14 +254,32 @@ class EdgeHTTP:
         if runner is not None:
             await runner.cleanup()
 
-    async def _models(self, _request: web.Request) -> web.Response:
+    def _listed(self) -> dict[str, str]:
+        """The models ``GET /v1/models`` lists, by name: who owns each (edge or cloud)."""
         edge = self.edge
-        models = [(edge.backend.model, "edge"), (edge.settings.edge.cloud_model, "cloud")]
-        data = [
-            {"id": name, "object": "model", "owned_by": owner}
-            for name, owner in dict(models).items()
-        ]
+        return {edge.backend.model: "edge", edge.settings.edge.cloud_model: "cloud"}
+
+    def _model_object(self, name: str, owner: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": owner}
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        data = [self._model_object(name, owner) for name, owner in self._listed().items()]
         return web.json_response({"object": "list", "data": data})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """One model, as OpenAI's ``GET /v1/models/{model}``: a listed one, or any other a
+        worker pool serves (a request naming it goes to that pool)."""
+        name = request.match_info["model"]
+        owner = self._listed().get(name)
+        if owner is None and name != "auto" and await self.edge.is_served(name):
+            owner = "cloud"
+        if owner is None:
+            raise UnknownModelError(
+                f"The model {name!r} does not exist here: it is neither this edge's local model "
+                f"({self.edge.backend.model!r}) nor served by a worker pool",
+                details=[{"loc": "model", "msg": "unknown model"}],
+            )
+        return web.json_response(self._model_object(name, owner))
 
     async def _health(self, _request: web.Request) -> web.Response:
         """Liveness: this process answers HTTP (restart it if not)."""
@@ -234,7 +305,7 @@ class EdgeHTTP:
         try:
             req, model, include_usage = await self._parse(request, kind)
         except MeshError as err:
-            self.edge.metrics.inc(f"error.{err.code.value}")
+            self.edge.refused(err)
             return error_response(err)
         shaper = Shaper(kind, req.id, model)
         scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other
@@ -291,6 +362,13 @@ class EdgeHTTP:
             request_id=request_id if request_id and is_token(request_id) else None,
         )
         if req.deferrable:
+            if edge.site is None:
+                raise InvalidRequestError(
+                    "service_tier 'flex' needs an edge at a site with JetStream of its own, "
+                    "which keeps the request and its answer (MESH_NATS_HUB_DOMAIN names the "
+                    "hub's domain there); this edge has none: send the request without it",
+                    details=[{"loc": "service_tier", "msg": "needs an edge site"}],
+                )
             # Its answer is kept at the site; an HTTP client asks again by sending the same
             # request under the same X-Request-Id. A key nobody holds keeps the NATS lookup
             # by id (``mesh.v1.edge.<edge>.answer``) closed to everyone else at the site.

@@ -3,6 +3,12 @@
 Each handler checks what a client may ask (its own reply inbox, its own records) and hands the
 request to :meth:`EdgeNode.serve`; it returns at once, since nats-py runs one subscription's
 callbacks one at a time.
+
+``$SRV.STATS.mesh-edge`` counts, per endpoint, the typed errors it answered (``num_errors``,
+``last_error``). nats-py's micro counts an error only when a handler raises; the edge answers
+its errors from a task, after the handler returned (a served request's, seconds later), so it
+keeps that count itself, as Go's ``Request.Error`` does, and adds it to each endpoint's stats.
+Only ``infer`` carries the edge's counters as its ``data``: they are about its requests.
 """
 
 from __future__ import annotations
@@ -10,15 +16,27 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import nats.errors
+from nats.aio.client import Client
 from nats.micro.request import Request
+from nats.micro.service import EndpointStats, Service, ServiceConfig, ServiceStats
 
-from edge_node.records import NatsSink, Record
+from edge_node.records import SERVICE_ERROR, SERVICE_ERROR_CODE, NatsSink, Record, error_headers
+from mesh import __version__
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.queue import trace_headers
-from protocol.codec import CONTENT_TYPE, decode_request, dump, error_event, load, sniff
+from protocol.codec import (
+    CONTENT_TYPE,
+    WireFormat,
+    decode_request,
+    dump,
+    error_event,
+    load,
+    sniff,
+)
 from protocol.errors import (
     CancelledByClientError,
     InvalidRequestError,
@@ -26,7 +44,15 @@ from protocol.errors import (
     OverloadedError,
     UnavailableError,
 )
-from protocol.subjects import is_reply_inbox, is_token, sender_scope
+from protocol.messages import ErrorEvent
+from protocol.subjects import (
+    edge_answer_subject,
+    edge_cancel_subject,
+    edge_resend_subject,
+    is_reply_inbox,
+    is_token,
+    sender_scope,
+)
 
 if TYPE_CHECKING:
     from edge_node.node import EdgeNode
@@ -40,9 +66,81 @@ def reply_of(request: Request) -> str:
     return request._msg.reply or ""
 
 
+@dataclass
+class EndpointErrors:
+    """The typed errors one endpoint answered."""
+
+    count: int = 0
+    last: str | None = None
+
+    def sent(self, event: ErrorEvent) -> None:
+        headers = error_headers(event)  # as nats-py shows a raised ServiceError: "code:text"
+        self.count += 1
+        self.last = f"{headers[SERVICE_ERROR_CODE]}:{headers[SERVICE_ERROR]}"
+
+
+class EdgeService(Service):
+    """nats-py's micro service, with the typed errors the edge answered in each endpoint's
+    stats."""
+
+    def __init__(self, nc: Client, config: ServiceConfig, errors: dict[str, EndpointErrors]):
+        super().__init__(nc, config)
+        self.errors = errors
+
+    def stats(self) -> ServiceStats:
+        stats = super().stats()
+        for endpoint in stats.endpoints:
+            errors = self.errors.get(endpoint.name)
+            if errors is not None and errors.count:
+                endpoint.num_errors += errors.count
+                endpoint.last_error = errors.last
+        return stats
+
+
 class NatsIntake:
     def __init__(self, node: EdgeNode) -> None:
         self.node = node
+        self.errors = {name: EndpointErrors() for name in ("infer", "cancel", "resend", "answer")}
+        self.service: EdgeService | None = None
+
+    async def start(self, metadata: dict[str, str]) -> EdgeService:
+        """The micro service ``mesh-edge`` and its endpoints (``metadata``: the service keeps
+        this dict, so ``$SRV.INFO`` shows its updates)."""
+        node = self.node
+        config = ServiceConfig(
+            name="mesh-edge",
+            version=__version__,
+            description="mesh edge node: local inference with cloud escalation",
+            metadata=metadata,
+            stats_handler=self._stats_data,
+        )
+        self.service = service = EdgeService(node.conn.nc, config, self.errors)
+        await service.start()
+        group = f"mesh-edge-{node.edge_id}"
+        for name, subject, handler in (
+            ("infer", node.subject, self.on_request),
+            ("cancel", edge_cancel_subject(node.edge_id), self.on_cancel),
+            ("resend", edge_resend_subject(node.edge_id), self.on_resend),
+            ("answer", edge_answer_subject(node.edge_id), self.on_answer),
+        ):
+            await service.add_endpoint(
+                name=name, subject=subject, handler=handler, queue_group=group
+            )
+        return service
+
+    def _stats_data(self, endpoint: EndpointStats) -> dict[str, Any] | None:
+        return self.node.stats() if endpoint.name == "infer" else None
+
+    def _sink(self, reply: str, request_id: str, fmt: WireFormat, *, streaming: bool) -> NatsSink:
+        """A sink for a request on the ``infer`` endpoint, which counts its error replies."""
+        return NatsSink(
+            self.node.conn,
+            reply,
+            request_id,
+            fmt,
+            streaming=streaming,
+            on_error=self.errors["infer"].sent,
+        )
 
     async def on_request(self, request: Request) -> None:
         # nats-py runs one subscription's callbacks one at a time: hand off, return at once.
@@ -61,13 +159,14 @@ class NatsIntake:
             not self.node.accepting
             or len(self.node.tasks) >= self.node.settings.edge.max_concurrent
         ):
-            self.node.metrics.inc("error.overloaded")
             reason = (
                 "edge is at its concurrency limit" if self.node.accepting else "edge is stopping"
             )
-            sink = NatsSink(self.node.conn, reply, "", fmt, streaming=False)
+            error = OverloadedError(reason, retry_after=1.0)
+            self.node.refused(error)
+            sink = self._sink(reply, "", fmt, streaming=False)
             with contextlib.suppress(MeshError):
-                await sink.send(error_event(OverloadedError(reason, retry_after=1.0)))
+                await sink.send(error_event(error))
             return
         self.node.tasks.spawn(self._serve(request, reply), name="edge-request")
 
@@ -82,14 +181,14 @@ class NatsIntake:
                 on_unknown=log_unknown_fields,
             )
         except MeshError as err:
-            self.node.metrics.inc(f"error.{err.code.value}")
+            self.node.refused(err)
             log.info("request rejected", code=err.code.value, error=err.message)
             fmt = sniff(request.data, request.headers).reply_format
-            sink = NatsSink(self.node.conn, reply, err.request_id or "", fmt, streaming=False)
+            sink = self._sink(reply, err.request_id or "", fmt, streaming=False)
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(err, err.request_id))
             return
-        sink = NatsSink(self.node.conn, reply, req.id, fmt.reply_format, streaming=req.stream)
+        sink = self._sink(reply, req.id, fmt.reply_format, streaming=req.stream)
         await self.node.serve(
             req,
             sink,
@@ -144,11 +243,15 @@ class NatsIntake:
                 )
         except MeshError as err:
             outcome = error_event(err, err.request_id)
+        failed = isinstance(outcome, ErrorEvent)
+        headers = {CONTENT_TYPE: fmt.content_type, **(error_headers(outcome) if failed else {})}
         if reply_of(request):
             with contextlib.suppress(nats.errors.Error):
                 await self.node.conn.nc.publish(
-                    reply_of(request), dump(outcome, fmt), headers={CONTENT_TYPE: fmt.content_type}
+                    reply_of(request), dump(outcome, fmt), headers=headers
                 )
+                if failed:
+                    self.errors["answer"].sent(outcome)
 
     async def on_resend(self, request: Request) -> None:
         record, inbox = self._own_record(request)

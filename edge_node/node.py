@@ -1,13 +1,16 @@
 """The edge daemon: answers its clients from the on-device model or escalates to the cloud pool,
 and keeps answering (locally, saying so) when the cloud is slow, full or unreachable.
 
-Clients reach it through a NATS micro service ``mesh-edge`` with three endpoints:
+Clients reach it through a NATS micro service ``mesh-edge`` with four endpoints
+(:mod:`edge_node.nats_intake`):
 
 - ``mesh.v1.edge.<edge_id>.infer``: ``nats req`` with JSON or plain text gets one JSON answer;
   the SDK (``"stream": true``) gets the stream's events on its reply inbox;
 - ``mesh.v1.edge.<edge_id>.cancel``: ``{"id", "inbox"}`` cancels the sender's own request;
 - ``mesh.v1.edge.<edge_id>.resend``: ``{"id", "inbox", "attempt", "seq"}`` sends the sender's
-  inbox the events it lacks.
+  inbox the events it lacks;
+- ``mesh.v1.edge.<edge_id>.answer``: ``{"id", "key"}`` fetches the kept answer of a request
+  that could wait (an edge with a site).
 
 Every request ends at its client in one complete answer or one typed error
 (:mod:`protocol.stream`); :mod:`edge_node.records` scopes ids to their sender.
@@ -23,7 +26,6 @@ from typing import Any
 
 import nats.errors
 import structlog
-from nats import micro
 from nats.micro.service import Service
 
 from edge_node.cascade import Cascade
@@ -36,7 +38,6 @@ from edge_node.relay import CloudRelay, Fallback, estimate_prompt_tokens
 from edge_node.report import canonical_line, observe
 from edge_node.router import CloudBudget, Router, decide
 from edge_node.site import SiteStore
-from mesh import __version__
 from mesh.backends.base import Backend, Chunk, ScoringBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
@@ -61,13 +62,7 @@ from protocol.errors import (
 )
 from protocol.messages import EndEvent, InferRequest, RouteDecision, TokenEvent
 from protocol.stream import AnswerWriter, request_fingerprint
-from protocol.subjects import (
-    edge_answer_subject,
-    edge_cancel_subject,
-    edge_infer_subject,
-    edge_resend_subject,
-    model_token,
-)
+from protocol.subjects import edge_infer_subject, model_token
 
 log = get_logger(__name__)
 _SERVED_TTL_S = {True: 30.0, False: 3.0}
@@ -158,36 +153,7 @@ class EdgeNode(Lifecycle):
             "cloud_model": self._es.cloud_model,
             "status": "starting",
         }
-        self._service = await micro.add_service(
-            nc,
-            name="mesh-edge",
-            version=__version__,
-            description="mesh edge node: local inference with cloud escalation",
-            metadata=self._metadata,  # the service keeps this dict: INFO shows its updates
-            stats_handler=lambda _endpoint: self.stats(),
-        )
-        group = f"mesh-edge-{self.edge_id}"
-        await self._service.add_endpoint(
-            name="infer", subject=self.subject, handler=self.intake.on_request, queue_group=group
-        )
-        await self._service.add_endpoint(
-            name="cancel",
-            subject=edge_cancel_subject(self.edge_id),
-            handler=self.intake.on_cancel,
-            queue_group=group,
-        )
-        await self._service.add_endpoint(
-            name="resend",
-            subject=edge_resend_subject(self.edge_id),
-            handler=self.intake.on_resend,
-            queue_group=group,
-        )
-        await self._service.add_endpoint(
-            name="answer",
-            subject=edge_answer_subject(self.edge_id),
-            handler=self.intake.on_answer,
-            queue_group=group,
-        )
+        self._service = await self.intake.start(self._metadata)
         # Once start() returns, the server knows our subscriptions: clients can reach us.
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self.accepting = True
@@ -228,6 +194,15 @@ class EdgeNode(Lifecycle):
         for registry in (self.prom.registry, self._nats_metrics.registry):
             exposition.remove(registry)
         log.info("edge stopped", edge_id=self.edge_id, **self.metrics.snapshot())
+
+    def refused(self, error: MeshError) -> None:
+        """A request refused before it was served (unreadable, invalid, over a limit, no room,
+        its id taken): counted where the served ones are, in the STATS counters ``mesh status``
+        shows and in Prometheus (``path="none"``, as every request that ended in an error)."""
+        code = error.code.value
+        self.metrics.inc(f"error.{code}")
+        self.prom.requests.labels(path="none", route="none", outcome="error").inc()
+        self.prom.errors.labels(code=code).inc()
 
     def stats(self) -> dict[str, Any]:
         """What ``nats micro stats mesh-edge`` and ``mesh status`` show: counters and the
@@ -300,7 +275,7 @@ class EdgeNode(Lifecycle):
         try:
             record, new = self.records.open(scope, req.id, request_fingerprint(req))
         except DuplicateRequestError as err:
-            self.metrics.inc("error.duplicate")
+            self.refused(err)
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(err, req.id))
             return None
@@ -309,7 +284,7 @@ class EdgeNode(Lifecycle):
             try:
                 await record.attach(sink)
             except OverloadedError as err:
-                self.metrics.inc("error.overloaded")
+                self.refused(err)
                 with contextlib.suppress(MeshError):
                     await sink.send(error_event(err, req.id))
                 return None

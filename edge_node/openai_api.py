@@ -70,7 +70,8 @@ class _Body(BaseModel):
     """Mesh extension: force the local model or the cloud."""
     service_tier: str | None = None
     """``flex``: the request can wait for the cloud (a ``deferrable`` mesh request: held at an
-    offline site until the uplink returns). Other tiers change nothing here."""
+    offline site until the uplink returns, its answer kept there for a retry under the same
+    ``X-Request-Id``); an edge without a site refuses it. Other tiers change nothing here."""
 
 
 class ChatBody(_Body):

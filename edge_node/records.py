@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,10 +70,18 @@ class NatsSink:
 
     Streamed tokens go through the connection's outbox (:mod:`mesh.outbox`), written together
     with other answers' tokens; the first token never waits, and every other event is published
-    after what the outbox holds, so the client gets them in order."""
+    after what the outbox holds, so the client gets them in order. ``on_error`` learns of each
+    typed error sent (the micro endpoint's error count)."""
 
     def __init__(
-        self, conn: Connection, inbox: str, request_id: str, fmt: WireFormat, *, streaming: bool
+        self,
+        conn: Connection,
+        inbox: str,
+        request_id: str,
+        fmt: WireFormat,
+        *,
+        streaming: bool,
+        on_error: Callable[[ErrorEvent], None] | None = None,
     ):
         self.conn = conn
         self.inbox = inbox
@@ -81,10 +90,11 @@ class NatsSink:
         self._headers = {CONTENT_TYPE: fmt.content_type}
         self._answer = AnswerState(request_id)
         self._tokens = 0
+        self._on_error = on_error
 
     async def send(self, event: WireEvent) -> None:
         if isinstance(event, ErrorEvent):
-            await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
+            await self._error(event)
         elif self.streaming and isinstance(event, TokenEvent):
             self._tokens += 1
             data = dump_event(event, self.fmt)
@@ -95,11 +105,14 @@ class NatsSink:
             self._answer.feed(event)
             whole = self._answer.whole() if isinstance(event, EndEvent) else None
             if isinstance(whole, ErrorEvent):  # an end that did not match its text
-                await self._publish(
-                    dump(whole, self.fmt), {**self._headers, **error_headers(whole)}
-                )
+                await self._error(whole)
             elif whole is not None:
                 await self._publish(dump(whole, self.fmt), self._headers)
+
+    async def _error(self, event: ErrorEvent) -> None:
+        await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
+        if self._on_error is not None:
+            self._on_error(event)
 
     async def _publish(self, data: bytes, headers: dict[str, str]) -> None:
         await self.conn.outbox.flush()  # tokens still held go first

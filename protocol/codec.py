@@ -191,9 +191,11 @@ def decode_request(
         raise InvalidRequestError(
             f"a request must be a map/object or a text prompt, not {type(raw).__name__}"
         )
-    request_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+    # The id and names as they can be written back in an error or a log (a lone surrogate
+    # spelled out as \ud800): the error must reach its client even then.
+    request_id = _printable(raw["id"]) if isinstance(raw.get("id"), str) else None
     check_nesting(raw, request_id=request_id)
-    unknown = frozenset(str(k) for k in raw) - _REQUEST_FIELDS
+    unknown = frozenset(_printable(str(k)) for k in raw) - _REQUEST_FIELDS
     if unknown:
         if strict:
             raise InvalidRequestError(
@@ -301,6 +303,10 @@ def to_exception(event: ErrorEvent) -> MeshError:
 
 
 _REQUEST_FIELDS = frozenset(InferRequest.model_fields)
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _summary(exc: ValidationError, limit: int = 3) -> str:

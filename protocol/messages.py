@@ -17,7 +17,14 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from protocol.subjects import TOKEN_PATTERN, is_subject
 
@@ -35,13 +42,50 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def unicode_text(value: Any) -> Any:
+    """Refuse a string that is not Unicode text: one with a lone surrogate, which JSON can
+    carry (``"\\ud800"``) but UTF-8 cannot. Accepted, it would fail seconds later in a
+    tokenizer or in the msgpack encoder; refused here, every door (HTTP, the NATS endpoint, the
+    SDK, a worker's queue intake) answers ``invalid_request`` at once, naming the field. It runs
+    before pydantic's own checks, which catch it on length-limited fields only, less clearly."""
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"text is not valid Unicode: a lone surrogate U+{ord(value[exc.start]):04X} at "
+                f"character {exc.start} (send text as UTF-8)"
+            ) from None
+    return value
+
+
+def unicode_tree(value: Any) -> Any:
+    """:func:`unicode_text` for every key and string inside nested maps and lists."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        else:
+            unicode_text(item)
+    return value
+
+
+Text = Annotated[str, BeforeValidator(unicode_text)]
+"""A string that must be Unicode text: everything of a request that reaches a model, a log or
+the wire."""
+
+
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=False, populate_by_name=True)
 
 
 class ChatMessage(_Wire):
     role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=1_000_000)
+    content: Text = Field(max_length=1_000_000)
 
 
 class RouteDecision(_Wire):
@@ -72,7 +116,7 @@ class ResponseFormat(_Wire):
     """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
 
     type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict[str, Any] | None = None
+    json_schema: Annotated[dict[str, Any] | None, BeforeValidator(unicode_tree)] = None
     """For ``json_schema``: ``{"name": ..., "schema": {...}, "strict": ...}`` as OpenAI has it."""
 
     @model_validator(mode="after")
@@ -93,27 +137,27 @@ class InferRequest(_Wire):
     """An inference request: what a client sends to an edge and what an edge queues for workers."""
 
     v: int = Field(default=PROTOCOL_VERSION, ge=1)
-    id: str = Field(default_factory=new_request_id, pattern=TOKEN_PATTERN)
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    id: Text = Field(default_factory=new_request_id, pattern=TOKEN_PATTERN)
+    model: Text | None = Field(default=None, min_length=1, max_length=256)
     """Cloud model to escalate to; the edge's configured default when absent."""
     messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
-    prompt: str | None = None
+    prompt: Text | None = None
     """A single user turn; shorthand for ``messages=[{"role": "user", "content": prompt}]``."""
     max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_CEILING)
     temperature: float = Field(default=0.7, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: list[str] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    stop: list[Text] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     """Within 64 bits: what msgpack carries to a worker."""
     deadline: float | None = Field(default=None, gt=0)
     """Absolute time (Unix seconds) by which the answer must be complete."""
     start_by: float | None = Field(default=None, gt=0)
     """Absolute time (Unix seconds) after which a worker must not start this request."""
-    reply: str | None = None
+    reply: Text | None = None
     """Subject for token events. Workers publish only on ``mesh.v1.tok.<scope>.<id>``, the scope
     being the one the request was queued under: a queued request may leave this out or name
     exactly that subject, and is refused otherwise."""
-    origin: str | None = None
+    origin: Text | None = None
     """The edge id (or client name) that sent the request."""
     route: RouteChoice = "auto"
     """Client override: let the edge's router decide, or force local / cloud."""
@@ -134,7 +178,7 @@ class InferRequest(_Wire):
     answered locally when the cloud is out of reach. An edge whose site runs its own JetStream
     holds it durably while the uplink is down and forwards it when the link returns; its answer
     is kept at the site, where the client can fetch it again by id."""
-    cancel_key: str | None = Field(default=None, min_length=8, max_length=128)
+    cancel_key: Text | None = Field(default=None, min_length=8, max_length=128)
     """A secret of the sender's. When set, a cancel acts on this request only if it carries the
     same key, so only the sender can cancel. The SDK and the edge always set one."""
 

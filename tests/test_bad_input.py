@@ -157,3 +157,20 @@ async def test_msgpack_client_gets_msgpack_tokens(edge: EdgeNode, conn: Connecti
     second = await sub.next_msg(timeout=15)
     assert second.data[0] in range(0x80, 0x90)
     assert isinstance(decode_event(second.data), TokenEvent)
+
+
+async def test_worker_refuses_a_queued_lone_surrogate_at_once(
+    worker: Worker, conn: Connection, settings: MeshSettings
+) -> None:
+    """A request queued straight onto the work queue (``nats req mesh.v1.infer.<model>...``)
+    meets the same rule as one sent to an edge: text that is not Unicode is ``invalid_request``,
+    rejected once, never given to the engine or redelivered."""
+    sub = await conn.nc.subscribe(token_subject("tests", "w-surrogate"))
+    payload = b'{"id": "w-surrogate", "prompt": "hi \\ud800", "max_tokens": 4}'
+    await _publish_raw(conn, settings, payload, "w-surrogate")
+    msg = await sub.next_msg(timeout=5)
+    event = decode_event(msg.data, msg.headers)
+    assert isinstance(event, ErrorEvent) and event.code == "invalid_request", event
+    assert event.id == "w-surrogate" and "not valid Unicode" in event.message
+    await stat_reaches(worker.stats, "rejected", 1)
+    await eventually(lambda: queue_drained(conn, settings), what="terminated, not redelivered")

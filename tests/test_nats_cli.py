@@ -4,6 +4,7 @@ msgpack). The README's commands are these."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -107,3 +108,44 @@ async def test_nats_req_to_a_missing_edge_gets_no_responders(
 ) -> None:
     reply = await cli.request("mesh.v1.edge.nobody.infer", b"hello", timeout=5)
     assert reply.headers.get("Status") == "503"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"prompt": "hi \\ud800"}',
+        b'{"messages": [{"role": "system", "content": "\\ud800"},'
+        b' {"role": "user", "content": "hi"}]}',
+        b'{"prompt": "hi", "stop": ["\\ud800"]}',
+    ],
+    ids=["prompt", "system", "stop"],
+)
+async def test_nats_req_with_a_lone_surrogate_is_refused_at_once(
+    edge: EdgeNode, cli: RawNatsClient, payload: bytes
+) -> None:
+    # nats req mesh.v1.edge.<id>.infer '{"prompt": "hi \ud800"}': JSON can say it, UTF-8 cannot
+    began = time.monotonic()
+    reply = await cli.request(edge.subject, payload, timeout=5)
+    error = reply.json()
+    assert time.monotonic() - began < 2  # not the engine failing on it seconds later
+    assert error["t"] == "err" and error["code"] == "invalid_request", error
+    assert "not valid Unicode" in error["message"] and error["retryable"] is False
+    assert reply.headers["Nats-Service-Error-Code"] == "400"
+
+
+@pytest.mark.parametrize(
+    ("payload", "said"),
+    [
+        (b'{"prompt": "hi", "\\ud800": 1}', "unknown field(s): \\ud800"),
+        (b'{"id": "\\ud800", "prompt": "hi"}', "id: Value error, text is not valid Unicode"),
+    ],
+    ids=["field-name", "id"],
+)
+async def test_nats_req_with_a_lone_surrogate_outside_the_text_still_gets_its_error(
+    edge: EdgeNode, cli: RawNatsClient, payload: bytes, said: str
+) -> None:
+    # The error names what was wrong, spelled out so that it can be sent (it used to be lost).
+    reply = await cli.request(edge.subject, payload, timeout=5)
+    error = reply.json()
+    assert error["code"] == "invalid_request" and said in error["message"], error
+    assert reply.headers["Nats-Service-Error-Code"] == "400"

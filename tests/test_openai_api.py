@@ -278,3 +278,20 @@ def test_flex_service_tier_is_a_request_that_can_wait() -> None:
     body["service_tier"] = "default"
     plain = to_request(parse("chat", body), model=None, route="cloud", request_id=None)
     assert plain.deferrable is False
+
+
+async def test_the_openai_client_retrieves_models_and_reads_every_error(
+    oai: openai.AsyncOpenAI,
+) -> None:
+    """``models.retrieve`` as OpenAI has it; an unknown model and an endpoint the edge lacks
+    come back as the client's typed errors, with the mesh's code."""
+    listed = [m.id for m in (await oai.models.list()).data]
+    model = await oai.models.retrieve("smollm2")
+    assert model.id in listed and model.object == "model" and model.created > 0
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await oai.models.retrieve("gpt-9-ultra")
+    assert unknown.value.code == "unknown_model" and "gpt-9-ultra" in unknown.value.message
+    with pytest.raises(openai.NotFoundError) as missing:
+        await oai.embeddings.create(model="smollm2", input="hi")
+    assert missing.value.code == "invalid_request"
+    assert "POST /v1/embeddings" in missing.value.message

@@ -170,3 +170,89 @@ async def test_the_edge_keeps_and_exports_its_cloud_budget(
     assert sample(page, "mesh_edge_cloud_budget_threshold") == pytest.approx(router.threshold)
     saved = json.loads(state.read_text())  # written when the edge stopped
     assert saved["totals"]["auto"] == 3 and saved["totals"]["forced_cloud"] == 1
+
+
+async def test_refused_requests_are_counted_in_prometheus_as_in_mesh_status(
+    web: aiohttp.ClientSession, ops_edge: EdgeNode, settings: MeshSettings, conn: Connection
+) -> None:
+    """HTTP 400s (bad JSON, a refused field, a bad value, flex without a site) and the NATS
+    endpoint's bad_payload / invalid_request replies: each is a request that ended in an error,
+    in ``mesh_edge_requests_total`` and ``mesh_edge_errors_total`` as in `mesh status --json`."""
+    from mesh.status import collect_status
+    from protocol.codec import decode_event
+
+    body = {"messages": [{"role": "user", "content": "[tag:r] hi"}], "max_tokens": 2}
+    over_http = [
+        (b"{not json", "bad_payload"),
+        (json.dumps({**body, "tools": [{"type": "function"}]}).encode(), "invalid_request"),
+        (json.dumps({**body, "max_tokens": 0}).encode(), "invalid_request"),
+        (json.dumps({**body, "service_tier": "flex"}).encode(), "invalid_request"),
+    ]
+    for payload, code in over_http:
+        async with web.post(
+            "/v1/chat/completions", data=payload, headers={"Content-Type": "application/json"}
+        ) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["code"] == code
+    over_nats = [
+        (b'{"prompt": "hi",,}', "bad_payload"),
+        (b'{"prompt": "hi", "max_tokens": -1}', "invalid_request"),
+    ]
+    for payload, code in over_nats:
+        reply = await conn.nc.request(ops_edge.subject, payload, timeout=5)
+        assert decode_event(reply.data, reply.headers).code == code
+    async with web.post("/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200  # answered: not an error
+    async with web.get("/metrics") as resp:
+        page = await resp.text()
+    errors = {"bad_payload": 2, "invalid_request": 4}
+    assert {code: sample(page, "mesh_edge_errors_total", code=code) for code in errors} == errors
+    failed = {"path": "none", "route": "none", "outcome": "error"}
+    assert sample(page, "mesh_edge_requests_total", **failed) == 6
+    assert sample(page, "mesh_edge_requests_total", path="local", route="auto", outcome="ok") == 1
+    status = await collect_status(conn, settings)
+    counters = next(e["counters"] for e in status["edges"] if e["edge_id"] == ops_edge.edge_id)
+    assert {code: counters.get(f"error.{code}") for code in errors} == errors
+
+
+async def test_micro_stats_count_each_endpoints_typed_errors(
+    ops_edge: EdgeNode, conn: Connection
+) -> None:
+    """`nats micro stats mesh-edge`: ``num_errors`` and ``last_error`` of each endpoint count the
+    typed errors it answered, whether refused at once or failed once served; the edge's
+    counters are the ``data`` of ``infer`` alone."""
+    from protocol.subjects import edge_answer_subject
+
+    for payload in (
+        b'{"prompt": "hi",,}',
+        b'{"max_tokens": 3}',
+        b'{"prompt": "hi", "max_tokens": -1}',
+    ):
+        reply = await conn.nc.request(ops_edge.subject, payload, timeout=5)
+        assert reply.headers is not None and reply.headers["Nats-Service-Error-Code"] == "400"
+    served = b'{"prompt": "hi", "model": "gpt-9-ultra"}'  # fails once served: no such pool
+    reply = await conn.nc.request(ops_edge.subject, served, timeout=10)
+    assert reply.headers is not None and reply.headers["Nats-Service-Error-Code"] == "404"
+    reply = await conn.nc.request(ops_edge.subject, b'{"prompt": "[tag:s] hi"}', timeout=10)
+    assert json.loads(reply.data)["t"] == "answer"
+    kept = await conn.nc.request(edge_answer_subject(ops_edge.edge_id), b'{"id": "x"}', timeout=5)
+    assert kept.headers is not None and kept.headers["Nats-Service-Error-Code"] == "503"
+    assert ops_edge.intake.service is not None
+    subject = f"$SRV.STATS.mesh-edge.{ops_edge.intake.service.id}"
+    endpoints: dict[str, dict[str, object]] = {}
+
+    async def counted() -> bool:
+        stats = json.loads((await conn.nc.request(subject, b"", timeout=5)).data)
+        endpoints.update({e["name"]: e for e in stats["endpoints"]})
+        return endpoints["infer"]["num_errors"] == 4
+
+    await eventually(counted, timeout=5, what="the infer endpoint's 4 errors")
+    infer, answer = endpoints["infer"], endpoints["answer"]
+    assert infer["num_requests"] == 5
+    assert str(infer["last_error"]).startswith("404:unknown_model: ")
+    assert answer["num_requests"] == 1 and answer["num_errors"] == 1
+    assert str(answer["last_error"]).startswith("503:unavailable: ")
+    assert endpoints["cancel"]["num_errors"] == endpoints["resend"]["num_errors"] == 0
+    data = infer["data"]
+    assert isinstance(data, dict) and data["error.bad_payload"] == 1
+    assert data["error.invalid_request"] == 2 and data["error.unknown_model"] == 1
+    assert [endpoints[name]["data"] for name in ("cancel", "resend", "answer")] == [None] * 3
