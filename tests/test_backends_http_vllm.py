@@ -375,3 +375,118 @@ def test_converting_the_bundled_model_without_torch_says_what_to_install() -> No
     with pytest.raises(UnavailableError, match=r"nats-llm-mesh\[vllm\]") as failed:
         hf_from_gguf(Path("/nonexistent/smollm2-hf"))
     assert not failed.value.retryable
+
+
+class _FakeVLLMEngine:
+    """An AsyncLLM stand-in: records what ``generate`` was given and streams one short answer;
+    with ``rendered``, a ``renderer`` as vLLM 0.26 has one (``render_cmpl_async`` returns typed
+    EngineInputs)."""
+
+    def __init__(self, *, rendered: bool) -> None:
+        from types import SimpleNamespace
+
+        self.prompts: list[object] = []
+        self.render_calls: list[tuple[list[dict[str, str]], object]] = []
+        if rendered:
+            self.renderer = SimpleNamespace(
+                default_cmpl_tok_params="default-tok-params", render_cmpl_async=self._render
+            )
+
+    async def _render(
+        self, prompts: list[dict[str, str]], tok_params: object = None
+    ) -> list[dict[str, object]]:
+        self.render_calls.append((prompts, tok_params))
+        text = prompts[0]["prompt"]
+        if "too long" in text:
+            raise ValueError("This model's maximum context length is 2048 tokens. However, ...")
+        return [{"type": "token", "prompt_token_ids": [1, 2, 3], "prompt": text}]
+
+    async def generate(
+        self, *, request_id: str, prompt: object, sampling_params: object
+    ) -> AsyncIterator[object]:
+        from types import SimpleNamespace
+
+        self.prompts.append(prompt)
+        done = SimpleNamespace(text="Hi.", token_ids=[7, 8], finish_reason="stop", logprobs=None)
+        yield SimpleNamespace(prompt_token_ids=[1, 2, 3], outputs=[done])
+
+
+@pytest.fixture
+def fake_vllm_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few vLLM names ``VLLMBackend.generate`` imports, where vLLM is not installed."""
+    if _vllm_installed():
+        return
+    from types import ModuleType, SimpleNamespace
+
+    class SamplingParams:
+        def __init__(self, **kwargs: object) -> None:
+            self.__dict__.update(kwargs)
+
+    class EngineError(Exception):
+        pass
+
+    modules: dict[str, dict[str, object]] = {
+        "vllm": {},
+        "vllm.sampling_params": {
+            "SamplingParams": SamplingParams,
+            "RequestOutputKind": SimpleNamespace(DELTA="delta"),
+        },
+        "vllm.v1": {},
+        "vllm.v1.engine": {},
+        "vllm.v1.engine.exceptions": {
+            "EngineDeadError": EngineError,
+            "EngineGenerateError": EngineError,
+        },
+    }
+    for name, attributes in modules.items():
+        module = ModuleType(name)
+        module.__dict__.update(attributes)
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def _started_on(backend: object, engine: _FakeVLLMEngine) -> None:
+    """``backend`` as if started, on ``engine``, with a chat template that marks the turn."""
+    from types import SimpleNamespace
+
+    backend._engine = engine  # type: ignore[attr-defined]
+    backend._tokenizer = SimpleNamespace(  # type: ignore[attr-defined]
+        apply_chat_template=lambda messages, **_kw: f"<chat>{messages[-1]['content']}</chat>"
+    )
+
+
+@pytest.mark.usefixtures("fake_vllm_modules")
+@pytest.mark.parametrize("rendered", [True, False], ids=["renderer", "no-renderer"])
+async def test_the_vllm_engine_gets_a_prompt_dict_not_a_bare_string(rendered: bool) -> None:
+    """vLLM 0.26 deprecates raw prompts: the engine gets what its renderer made (a dict with a
+    type), or, from a vLLM without a renderer, a TextPrompt dict; never a str."""
+    from mesh.backends.vllm import VLLMBackend
+
+    engine = _FakeVLLMEngine(rendered=rendered)
+    backend = VLLMBackend(ModelSettings(backend="vllm", path="some/model", slots=4))
+    _started_on(backend, engine)
+    request = InferRequest(prompt="Say hi.", max_tokens=4, temperature=0)
+    chunks = [c async for c in backend.generate(request)]
+    assert "".join(c.text for c in chunks) == "Hi."
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 3
+    (prompt,) = engine.prompts
+    assert isinstance(prompt, dict)
+    chat = "<chat>Say hi.</chat>"
+    if rendered:
+        assert engine.render_calls == [([{"prompt": chat}], "default-tok-params")]
+        assert prompt == {"type": "token", "prompt_token_ids": [1, 2, 3], "prompt": chat}
+    else:
+        assert prompt == {"prompt": chat}
+
+
+@pytest.mark.usefixtures("fake_vllm_modules")
+async def test_a_prompt_the_vllm_renderer_finds_too_long_is_a_typed_error() -> None:
+    from mesh.backends.vllm import VLLMBackend
+    from protocol.errors import ContextTooLongError
+
+    engine = _FakeVLLMEngine(rendered=True)
+    backend = VLLMBackend(ModelSettings(backend="vllm", path="some/model", slots=4))
+    _started_on(backend, engine)
+    with pytest.raises(ContextTooLongError):
+        async for _chunk in backend.generate(InferRequest(prompt="too long", max_tokens=4)):
+            pass
+    assert engine.prompts == [] and backend.capacity().free == 4

@@ -6,6 +6,23 @@ and hands chunks to the event loop through a queue. A slot is one loaded model i
 
 Continuing an answer (after another worker died mid-answer) renders the conversation with the
 model's own chat template, appends the text already said, and completes from there.
+
+Repeatable requests (``temperature: 0``, or a ``seed``) give the same text every time. llama.cpp
+computes a token's logits differently when it is alone in a batch: on the bundled SmolLM2 (CPU,
+one thread) the last prompt token's logits differ by up to 0.53 evaluated alone vs with the rest
+of the prompt, while every split into batches of two or more tokens gave identical logits. And
+llama-cpp-python reuses the previous request's KV cache: the same prompt again keeps all but its
+last token and evaluates that one alone, so "List the days of the week, numbered." answered
+"...in order:\n\n1. Monday" fresh and "...week:\nMonday, Monday" on every repeat (issue 22).
+A repeatable request therefore evaluates its prompt one way only (:func:`_llama_class`): all but
+the last token from an empty cache, then the last token alone; the cache is kept only where it
+holds exactly that, i.e. for the same prompt again. Measured on 2 busy cores, time to the first
+token: a repeat 14 ms as before; a prompt other than the instance's previous one 230 ms instead
+of 91 ms, its 24-token chat-template prefix no longer reused (39 tokens evaluated, not 15).
+Other requests reuse the cache as before. Cheaper would be to keep any shared prefix and only
+never evaluate a prompt's last token alone, but that rests on splits of two or more agreeing,
+measured on this CPU build only: llama.cpp's server README says that, depending on the backend,
+logits are not guaranteed bit-for-bit identical for different batch sizes.
 """
 
 from __future__ import annotations
@@ -17,6 +34,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +90,13 @@ class LlamaCppBackend:
         )
 
     def _load(self) -> Any:
-        from llama_cpp import Llama  # heavy import, only where the engine is used
-
+        llama_class = _llama_class()  # heavy import, only where the engine is used
         # Half the cores by default: llama.cpp threads spin-wait on each other, so with every
         # core taken, any neighbour (another model, BLAS, the OS) can stall a token for seconds.
         # Measured on 2 cores next to a busy process: 2 threads 1.4 s (once 70 s), 1 thread 0.7 s.
         threads = self.settings.n_threads or max(1, (os.cpu_count() or 2) // 2)
         with _LOAD_LOCK:
-            return Llama(
+            return llama_class(
                 model_path=str(self.model_path),
                 n_ctx=self.settings.n_ctx,
                 n_threads=threads,
@@ -170,6 +187,53 @@ class LlamaCppBackend:
                 yield item
         finally:
             stop.set()  # cancelled or closed early: the thread stops at its next token
+
+
+def repeatable(request: InferRequest) -> bool:
+    """Whether ``request`` asks for the same text every time: greedy, or seeded sampling."""
+    return request.temperature == 0 or request.seed is not None
+
+
+@cache
+def _llama_class() -> type[Any]:
+    """llama_cpp.Llama, evaluating the prompt of a repeatable request one fixed way.
+
+    Set ``repeatable`` before a completion. Such a prompt of N tokens is evaluated as its first
+    N-1 tokens from an empty cache (in n_batch chunks), then its last token alone. That is what
+    llama-cpp-python's own prefix reuse does to the same prompt again, so a repeat keeps the
+    cache and stays free; any other cache content is dropped, since the batch that computed a
+    kept token changes its numbers (see the module docstring). ``canonical`` is the prompt head
+    this instance holds evaluated that way; a request that is not repeatable may reuse and
+    rewrite the cache, so it forgets it.
+    """
+    from llama_cpp import Llama
+
+    class RepeatableLlama(Llama):
+        repeatable = False
+        canonical: list[int] | None = None
+
+        def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.repeatable:
+                self.canonical = None
+                return super().generate(tokens, *args, **kwargs)
+            tokens = list(tokens)
+            head = tokens[:-1]
+            held = (
+                bool(head)
+                and self.canonical == head
+                and self.n_tokens >= len(head)
+                and self.input_ids[: len(head)].tolist() == head
+            )
+            if not held:
+                self.reset()  # type: ignore[no-untyped-call]
+                self.canonical = None
+                if head:
+                    self.eval(head)
+                    self.canonical = head
+            # From here llama-cpp-python finds the head cached and evaluates the last token.
+            return super().generate(tokens, *args, **kwargs)
+
+    return RepeatableLlama
 
 
 class _Probe:
@@ -309,6 +373,7 @@ def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_exe
     completion_tokens = 0
     finish_reason: str | None = None
     try:
+        llama.repeatable = repeatable(request)
         stream, chat = _open(llama, request, prefix, prefix_tokens, probe)
         try:
             for part in stream:

@@ -4,6 +4,17 @@ vLLM is an optional extra (``pip install 'nats-llm-mesh[vllm]'``, CUDA hosts onl
 imported on ``start()`` so the rest of the project never needs it. Continuing an answer renders
 the conversation with the assistant's text so far as its last message
 (``continue_final_message``), as ``vllm serve`` does for its chat API.
+
+The engine gets each prompt as vLLM's renderer makes it (``renderer.render_cmpl_async``, a dict
+with a ``type``): vLLM 0.26 logs "Passing raw prompts to InputProcessor is deprecated" for
+anything else, a ``{"prompt": text}`` dict included, since its InputProcessor takes only a dict
+with a ``type`` as already rendered. The renderer tokenizes with the defaults the raw path used
+(``default_cmpl_tok_params``), so the tokens do not change. A vLLM without a renderer (the extra
+allows >=0.8) gets a ``TextPrompt`` dict, part of the ``PromptType`` that ``generate`` takes.
+
+``temperature: 0`` is repeatable only as far as vLLM makes it: by default vLLM does not promise
+reproducible results (a request's numbers may depend on what it is batched with); with
+``VLLM_BATCH_INVARIANT=1`` (beta, NVIDIA GPUs of compute capability 8.0 or more) they do not.
 """
 
 from __future__ import annotations
@@ -155,6 +166,19 @@ class VLLMBackend:
         )
         return continued
 
+    async def _engine_prompt(self, text: str) -> dict[str, Any]:
+        """``text`` as the engine's ``generate`` takes it: rendered by vLLM's renderer where
+        the engine has one, else a ``TextPrompt`` dict (see the module docstring)."""
+        prompt: dict[str, Any] = {"prompt": text}
+        renderer = getattr(self._engine, "renderer", None)
+        render = getattr(renderer, "render_cmpl_async", None)
+        if render is None:
+            return prompt
+        # Passed along, not left to the default: some releases made tok_params mandatory.
+        rendered = await render([prompt], getattr(renderer, "default_cmpl_tok_params", None))
+        engine_prompt: dict[str, Any] = rendered[0]
+        return engine_prompt
+
     async def generate(
         self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
     ) -> AsyncGenerator[Chunk, None]:
@@ -176,13 +200,14 @@ class VLLMBackend:
             output_kind=RequestOutputKind.DELTA,
             **options,
         )
-        prompt = await asyncio.to_thread(self._prompt, request, prefix)  # templating is CPU work
+        text = await asyncio.to_thread(self._prompt, request, prefix)  # templating is CPU work
         self._busy += 1
         prompt_tokens = 0
         completion_tokens = 0
         finish_reason: str | None = None
         finished = False
         try:
+            prompt = await self._engine_prompt(text)  # too long a prompt is refused here
             async for output in self._engine.generate(
                 request_id=request.id, prompt=prompt, sampling_params=params
             ):
