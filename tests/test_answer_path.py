@@ -104,6 +104,7 @@ async def test_a_started_request_is_continued_after_its_start_by(
         await stop_all(workers)
 
 
+@pytest.mark.chaos
 async def test_exhausted_deliveries_reach_the_client_as_a_typed_error(
     fast: MeshSettings, conn: Connection, client: MeshClient
 ) -> None:

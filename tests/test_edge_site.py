@@ -180,6 +180,7 @@ async def test_edges_on_their_leaf_nodes_escalate_to_the_hub_over_tls(topology: 
         assert not any("site-a" in s for s in seen)
 
 
+@pytest.mark.chaos
 async def test_an_offline_site_holds_requests_that_can_wait_and_loses_none(
     topology: Topology,
 ) -> None:
@@ -263,6 +264,7 @@ async def _forwarded(edge: EdgeNode, n: int) -> bool:
     return edge.site.forwarded >= n
 
 
+@pytest.mark.chaos
 async def test_held_requests_survive_an_edge_restart_and_a_reused_id_gets_no_foreign_answer(
     topology: Topology,
 ) -> None:

@@ -1,5 +1,5 @@
 """What a person with the `nats` CLI does, spoken over the raw NATS protocol (JSON and text, no
-msgpack). The README's commands are these."""
+msgpack). docs/protocol.md's commands are these."""
 
 from __future__ import annotations
 

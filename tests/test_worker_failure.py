@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from cloud_node.worker import Worker
 from mesh.backends.llama_cpp import LlamaCppBackend
 from mesh.client import MeshClient
@@ -15,6 +17,8 @@ from mesh.provision import provision
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
 from protocol.stream import digest_of
 from tests.helpers import eventually, queue_drained
+
+pytestmark = pytest.mark.chaos  # a worker dies mid-answer
 
 
 async def test_a_worker_that_dies_mid_answer_is_continued_by_another(
