@@ -30,13 +30,18 @@ import json
 import secrets
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
+from edge_node.parts import MetricsSink, Serve
+from edge_node.served import CloudModels
+from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import get_logger
 from mesh.metrics import exposition
 from mesh.queue import trace_headers
@@ -60,9 +65,6 @@ from protocol.messages import (
 )
 from protocol.stream import AnswerState
 from protocol.subjects import is_token
-
-if TYPE_CHECKING:
-    from edge_node.node import EdgeNode
 
 log = get_logger(__name__)
 ROUTES = (
@@ -209,11 +211,29 @@ class _SSESink:
         self.closed = True
 
 
+@dataclass(frozen=True)
+class HTTPParts:
+    """What the HTTP API uses of the edge."""
+
+    edge_id: str
+    local_model: str
+    edge: EdgeSettings
+    limits: LimitSettings
+    models: CloudModels
+    """Whether a worker pool serves a model (``GET /v1/models/{model}``)."""
+    readiness: Callable[[], Awaitable[dict[str, Any]]]
+    workers_alive: Callable[[], int]
+    metrics: MetricsSink
+    serve: Serve
+    has_site: bool
+    """Whether the edge has a site that keeps requests that can wait (``flex``)."""
+
+
 class EdgeHTTP:
     """The HTTP server of one edge node."""
 
-    def __init__(self, edge: EdgeNode, host: str, port: int) -> None:
-        self.edge = edge
+    def __init__(self, parts: HTTPParts, host: str, port: int) -> None:
+        self.parts = parts
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
@@ -225,7 +245,7 @@ class EdgeHTTP:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        limits = self.edge.settings.limits
+        limits = self.parts.limits
         app = web.Application(client_max_size=limits.max_payload_bytes, middlewares=[openai_errors])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
@@ -239,7 +259,7 @@ class EdgeHTTP:
             app,
             handler_cancellation=True,
             access_log=None,
-            shutdown_timeout=self.edge.settings.edge.drain_grace,
+            shutdown_timeout=self.parts.edge.drain_grace,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -256,8 +276,8 @@ class EdgeHTTP:
 
     def _listed(self) -> dict[str, str]:
         """The models ``GET /v1/models`` lists, by name: who owns each (edge or cloud)."""
-        edge = self.edge
-        return {edge.backend.model: "edge", edge.settings.edge.cloud_model: "cloud"}
+        parts = self.parts
+        return {parts.local_model: "edge", parts.edge.cloud_model: "cloud"}
 
     def _model_object(self, name: str, owner: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": owner}
@@ -271,24 +291,24 @@ class EdgeHTTP:
         worker pool serves (a request naming it goes to that pool)."""
         name = request.match_info["model"]
         owner = self._listed().get(name)
-        if owner is None and name != "auto" and await self.edge.is_served(name):
+        if owner is None and name != "auto" and await self.parts.models.deployed(name):
             owner = "cloud"
         if owner is None:
             raise UnknownModelError(
                 f"The model {name!r} does not exist here: it is neither this edge's local model "
-                f"({self.edge.backend.model!r}) nor served by a worker pool",
+                f"({self.parts.local_model!r}) nor served by a worker pool",
                 details=[{"loc": "model", "msg": "unknown model"}],
             )
         return web.json_response(self._model_object(name, owner))
 
     async def _health(self, _request: web.Request) -> web.Response:
         """Liveness: this process answers HTTP (restart it if not)."""
-        return web.json_response({"status": "ok", "edge_id": self.edge.edge_id})
+        return web.json_response({"status": "ok", "edge_id": self.parts.edge_id})
 
     async def _ready(self, _request: web.Request) -> web.Response:
         """Readiness: 200 when the edge can answer (degraded: locally only), 503 when not."""
-        ready = await self.edge.readiness()
-        ready["workers_alive"] = len(self.edge.nodes.live())
+        ready = await self.parts.readiness()
+        ready["workers_alive"] = self.parts.workers_alive()
         return web.json_response(ready, status=503 if ready["status"] == "not_ready" else 200)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
@@ -305,20 +325,20 @@ class EdgeHTTP:
         try:
             req, model, include_usage = await self._parse(request, kind)
         except MeshError as err:
-            self.edge.refused(err)
+            self.parts.metrics.refused(err)
             return error_response(err)
         shaper = Shaper(kind, req.id, model)
         scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other
         trace = trace_headers(request.headers)
         if req.stream:
             sink = _SSESink(request, req, shaper, include_usage)
-            await self.edge.serve(req, sink, scope=scope, received=received, trace=trace)
+            await self.parts.serve(req, sink, scope=scope, received=received, trace=trace)
             if sink.response is None:
                 error = to_exception(sink.last_error) if sink.last_error else None
                 return error_response(error or MeshError("no answer was produced"))
             return sink.response
         collected = _CollectSink(req.id)
-        await self.edge.serve(req, collected, scope=scope, received=received, trace=trace)
+        await self.parts.serve(req, collected, scope=scope, received=received, trace=trace)
         end = collected.answer.outcome
         if not isinstance(end, EndEvent):
             error = to_exception(end) if isinstance(end, ErrorEvent) else None
@@ -334,7 +354,7 @@ class EdgeHTTP:
         )
 
     async def _parse(self, request: web.Request, kind: Kind) -> tuple[InferRequest, str, bool]:
-        limits = self.edge.settings.limits
+        limits = self.parts.limits
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -346,9 +366,9 @@ class EdgeHTTP:
             raise InvalidRequestError("the body must be a JSON object")
         check_nesting(data)
         body = parse(kind, data)
-        edge = self.edge
-        model = body.model or edge.backend.model
-        routed = model in (edge.backend.model, "auto")  # naming the local model lets it route
+        local_model = self.parts.local_model
+        model = body.model or local_model
+        routed = model in (local_model, "auto")  # naming the local model lets it route
         route = request.headers.get("X-Mesh-Route") or body.route or ("auto" if routed else "cloud")
         if route not in ("auto", "local", "cloud"):
             raise InvalidRequestError(f"route must be auto, local or cloud, not {route!r}")
@@ -362,7 +382,7 @@ class EdgeHTTP:
             request_id=request_id if request_id and is_token(request_id) else None,
         )
         if req.deferrable:
-            if edge.site is None:
+            if not self.parts.has_site:
                 raise InvalidRequestError(
                     "service_tier 'flex' needs an edge at a site with JetStream of its own, "
                     "which keeps the request and its answer (MESH_NATS_HUB_DOMAIN names the "

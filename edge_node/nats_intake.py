@@ -1,8 +1,8 @@
 """The edge's NATS micro-service endpoints: requests, cancels, resends and kept answers.
 
 Each handler checks what a client may ask (its own reply inbox, its own records) and hands the
-request to :meth:`EdgeNode.serve`; it returns at once, since nats-py runs one subscription's
-callbacks one at a time.
+request to the edge's entry point (:meth:`EdgeNode.serve`, given as :attr:`IntakeParts.serve`);
+it returns at once, since nats-py runs one subscription's callbacks one at a time.
 
 ``$SRV.STATS.mesh-edge`` counts, per endpoint, the typed errors it answered (``num_errors``,
 ``last_error``). nats-py's micro counts an error only when a handler raises; the edge answers
@@ -16,18 +16,30 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
 from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service, ServiceConfig, ServiceStats
 
-from edge_node.records import SERVICE_ERROR, SERVICE_ERROR_CODE, NatsSink, Record, error_headers
+from edge_node.parts import KeptAnswers, MetricsSink, Serve
+from edge_node.records import (
+    SERVICE_ERROR,
+    SERVICE_ERROR_CODE,
+    NatsSink,
+    Record,
+    Records,
+    error_headers,
+)
 from mesh import __version__
+from mesh.config import EdgeSettings, LimitSettings
+from mesh.connection import Connection
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.queue import trace_headers
+from mesh.tasks import TaskSet
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
@@ -48,14 +60,12 @@ from protocol.messages import ErrorEvent
 from protocol.subjects import (
     edge_answer_subject,
     edge_cancel_subject,
+    edge_infer_subject,
     edge_resend_subject,
     is_reply_inbox,
     is_token,
     sender_scope,
 )
-
-if TYPE_CHECKING:
-    from edge_node.node import EdgeNode
 
 log = get_logger(__name__)
 
@@ -97,16 +107,36 @@ class EdgeService(Service):
         return stats
 
 
+@dataclass(frozen=True)
+class IntakeParts:
+    """What the intake uses of the edge."""
+
+    conn: Connection
+    edge_id: str
+    edge: EdgeSettings
+    limits: LimitSettings
+    strict_decode: bool
+    metrics: MetricsSink
+    records: Records
+    tasks: TaskSet
+    """Requests in flight: each request is served in a task of its own."""
+    serve: Serve
+    accepting: Callable[[], bool]
+    stats: Callable[[], dict[str, Any]]
+    """The edge's counters and budget, the ``data`` of the ``infer`` endpoint's stats."""
+    site: KeptAnswers | None
+
+
 class NatsIntake:
-    def __init__(self, node: EdgeNode) -> None:
-        self.node = node
+    def __init__(self, parts: IntakeParts) -> None:
+        self.parts = parts
         self.errors = {name: EndpointErrors() for name in ("infer", "cancel", "resend", "answer")}
         self.service: EdgeService | None = None
 
     async def start(self, metadata: dict[str, str]) -> EdgeService:
         """The micro service ``mesh-edge`` and its endpoints (``metadata``: the service keeps
         this dict, so ``$SRV.INFO`` shows its updates)."""
-        node = self.node
+        parts = self.parts
         config = ServiceConfig(
             name="mesh-edge",
             version=__version__,
@@ -114,14 +144,14 @@ class NatsIntake:
             metadata=metadata,
             stats_handler=self._stats_data,
         )
-        self.service = service = EdgeService(node.conn.nc, config, self.errors)
+        self.service = service = EdgeService(parts.conn.nc, config, self.errors)
         await service.start()
-        group = f"mesh-edge-{node.edge_id}"
+        group = f"mesh-edge-{parts.edge_id}"
         for name, subject, handler in (
-            ("infer", node.subject, self.on_request),
-            ("cancel", edge_cancel_subject(node.edge_id), self.on_cancel),
-            ("resend", edge_resend_subject(node.edge_id), self.on_resend),
-            ("answer", edge_answer_subject(node.edge_id), self.on_answer),
+            ("infer", edge_infer_subject(parts.edge_id), self.on_request),
+            ("cancel", edge_cancel_subject(parts.edge_id), self.on_cancel),
+            ("resend", edge_resend_subject(parts.edge_id), self.on_resend),
+            ("answer", edge_answer_subject(parts.edge_id), self.on_answer),
         ):
             await service.add_endpoint(
                 name=name, subject=subject, handler=handler, queue_group=group
@@ -129,12 +159,12 @@ class NatsIntake:
         return service
 
     def _stats_data(self, endpoint: EndpointStats) -> dict[str, Any] | None:
-        return self.node.stats() if endpoint.name == "infer" else None
+        return self.parts.stats() if endpoint.name == "infer" else None
 
     def _sink(self, reply: str, request_id: str, fmt: WireFormat, *, streaming: bool) -> NatsSink:
         """A sink for a request on the ``infer`` endpoint, which counts its error replies."""
         return NatsSink(
-            self.node.conn,
+            self.parts.conn,
             reply,
             request_id,
             fmt,
@@ -151,24 +181,20 @@ class NatsIntake:
             )
             return
         if not is_reply_inbox(reply):
-            self.node.metrics.inc("refused.reply")
+            self.parts.metrics.inc("refused.reply")
             log.warning("refusing to answer into a reserved subject", reply=reply[:200])
             return
         fmt = sniff(request.data, request.headers).reply_format
-        if (
-            not self.node.accepting
-            or len(self.node.tasks) >= self.node.settings.edge.max_concurrent
-        ):
-            reason = (
-                "edge is at its concurrency limit" if self.node.accepting else "edge is stopping"
-            )
+        accepting = self.parts.accepting()
+        if not accepting or len(self.parts.tasks) >= self.parts.edge.max_concurrent:
+            reason = "edge is at its concurrency limit" if accepting else "edge is stopping"
             error = OverloadedError(reason, retry_after=1.0)
-            self.node.refused(error)
+            self.parts.metrics.refused(error)
             sink = self._sink(reply, "", fmt, streaming=False)
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(error))
             return
-        self.node.tasks.spawn(self._serve(request, reply), name="edge-request")
+        self.parts.tasks.spawn(self._serve(request, reply), name="edge-request")
 
     async def _serve(self, request: Request, reply: str) -> None:
         received = time.perf_counter()
@@ -176,12 +202,12 @@ class NatsIntake:
             req, fmt = decode_request(
                 request.data,
                 request.headers,
-                limits=self.node.settings.limits.request_limits(),
-                strict=self.node.settings.strict_decode,
+                limits=self.parts.limits.request_limits(),
+                strict=self.parts.strict_decode,
                 on_unknown=log_unknown_fields,
             )
         except MeshError as err:
-            self.node.refused(err)
+            self.parts.metrics.refused(err)
             log.info("request rejected", code=err.code.value, error=err.message)
             fmt = sniff(request.data, request.headers).reply_format
             sink = self._sink(reply, err.request_id or "", fmt, streaming=False)
@@ -189,7 +215,7 @@ class NatsIntake:
                 await sink.send(error_event(err, err.request_id))
             return
         sink = self._sink(reply, req.id, fmt.reply_format, streaming=req.stream)
-        await self.node.serve(
+        await self.parts.serve(
             req,
             sink,
             scope=sender_scope(reply),
@@ -215,7 +241,7 @@ class NatsIntake:
                 log.info("cancel from the client", request_id=record.client_id)
                 record.task.cancel()
         elif record is None and inbox:
-            self.node.metrics.inc("refused.cancel")  # not the sender's inbox, or an unknown id
+            self.parts.metrics.inc("refused.cancel")  # not the sender's inbox, or an unknown id
         if reply_of(request):
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(json.dumps({"cancelled": cancelled}).encode())
@@ -230,10 +256,10 @@ class NatsIntake:
             request_id = raw.get("id") if isinstance(raw, dict) else None
             if not isinstance(request_id, str) or not is_token(request_id):
                 raise InvalidRequestError('send {"id": "<request id>"}')
-            if self.node.site is None:
+            if self.parts.site is None:
                 raise UnavailableError("this edge keeps no answers (its site has no JetStream)")
             key = raw.get("key") if isinstance(raw.get("key"), str) else None
-            outcome = await self.node.site.fetch(request_id, key)
+            outcome = await self.parts.site.fetch(request_id, key)
             if outcome is None:
                 raise UnavailableError(
                     f"no answer kept for {request_id!r} yet (held at the site, in the cloud, "
@@ -247,7 +273,7 @@ class NatsIntake:
         headers = {CONTENT_TYPE: fmt.content_type, **(error_headers(outcome) if failed else {})}
         if reply_of(request):
             with contextlib.suppress(nats.errors.Error):
-                await self.node.conn.nc.publish(
+                await self.parts.conn.nc.publish(
                     reply_of(request), dump(outcome, fmt), headers=headers
                 )
                 if failed:
@@ -267,7 +293,7 @@ class NatsIntake:
                 with contextlib.suppress(MeshError):
                     await sink.send(event)
                     sent += 1
-            self.node.metrics.inc("resent", sent)
+            self.parts.metrics.inc("resent", sent)
         if reply_of(request):
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(
@@ -285,7 +311,7 @@ class NatsIntake:
         request_id, inbox = raw.get("id"), raw.get("inbox")
         if not isinstance(request_id, str) or not isinstance(inbox, str):
             return None, ""
-        record = self.node.records.get(sender_scope(inbox), request_id)
+        record = self.parts.records.get(sender_scope(inbox), request_id)
         if record is None or not any(getattr(s, "inbox", None) == inbox for s in record.sinks):
             return None, inbox
         return record, inbox

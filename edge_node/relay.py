@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from edge_node.parts import MetricsSink
 from edge_node.records import Record
+from edge_node.served import CloudModels, RegistryView
+from mesh.config import EdgeSettings, StreamSettings, WorkerSettings
+from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.queue import CloudCall
 from mesh.tasks import raise_if_cancelled
+from mesh.tracing import Tracing
 from protocol.errors import DeadlineExceededError, ErrorCode, MeshError, UnavailableError
 from protocol.messages import (
     EndEvent,
@@ -43,9 +48,6 @@ from protocol.messages import (
     new_request_id,
     token_event,
 )
-
-if TYPE_CHECKING:
-    from edge_node.node import EdgeNode
 
 log = get_logger(__name__)
 
@@ -89,13 +91,32 @@ def estimate_prompt_tokens(req: InferRequest) -> int:
     return len(req.text()) // 3 + 16 * req.turns()
 
 
+@dataclass(frozen=True)
+class RelayParts:
+    """What a relay uses of the edge (one for all its relays)."""
+
+    conn: Connection
+    edge_id: str
+    scope: str
+    """The scope the edge queues its requests under."""
+    edge: EdgeSettings
+    stream: StreamSettings
+    worker: WorkerSettings
+    models: CloudModels
+    """Whether the cloud serves a model (a pool, a live worker)."""
+    nodes: RegistryView
+    """Whether the worker serving a request is live."""
+    tracing: Tracing
+    metrics: MetricsSink
+
+
 class CloudRelay:
     """``local_fits``: whether the local model can take this prompt at all. When it cannot,
     giving up on the cloud means a typed error, and a slow cloud is waited for (deadline)."""
 
-    def __init__(  # noqa: PLR0917 - built in one place, by the edge
+    def __init__(  # noqa: PLR0917 - built in one place, by the paths
         self,
-        edge: EdgeNode,
+        parts: RelayParts,
         req: InferRequest,
         decision: RouteDecision,
         record: Record,
@@ -105,7 +126,7 @@ class CloudRelay:
         local_fits: bool = True,
         tried: str | None = None,
     ) -> None:
-        self.edge = edge
+        self.parts = parts
         self.req = req
         self.decision = decision
         self.record = record
@@ -126,12 +147,11 @@ class CloudRelay:
         )
 
     async def run(self) -> None:
-        edge, req, es = self.edge, self.req, self.edge.settings.edge
+        parts, req, es = self.parts, self.req, self.parts.edge
         model = req.model or es.cloud_model
-        if not await edge.is_served(model):
-            raise self._give_up(f"no worker pool serves {model!r}", "no_pool")
-        if edge.nodes.serves(model) is False:
-            raise self._give_up(f"no live worker serves {model!r}", "no_worker")
+        cannot = await parts.models.cannot_serve(model)
+        if cannot is not None:
+            raise self._give_up(*cannot)
         now = time.time()
         deadline = req.deadline if req.deadline is not None else now + es.request_timeout
         if req.deadline is not None and deadline - now < es.cloud_min_budget and self.local_fits:
@@ -144,7 +164,7 @@ class CloudRelay:
             update={
                 "id": new_request_id(),
                 "model": model,
-                "origin": edge.edge_id,
+                "origin": parts.edge_id,
                 "routing": self.decision,
                 "start_by": now + start_timeout,
                 "deadline": deadline,
@@ -155,11 +175,11 @@ class CloudRelay:
         )
         # The worker's span continues this edge's (when tracing is on), else the client's.
         call = CloudCall(
-            edge.conn,
-            edge.settings.stream,
+            parts.conn,
+            parts.stream,
             queued,
-            scope=edge.scope,
-            headers=edge.tracing.inject(self.trace),
+            scope=parts.scope,
+            headers=parts.tracing.inject(self.trace),
         )
         try:
             await call.open()
@@ -171,13 +191,14 @@ class CloudRelay:
             await call.withdraw()
             raise
         finally:
-            edge.prom.repairs.inc(call.reader.repaired_events)
+            parts.metrics.prom.repairs.inc(call.reader.repaired_events)
             await call.close()
 
     async def _follow(
         self, call: CloudCall, model: str, start_timeout: float, deadline: float
     ) -> None:
-        es, stream = self.edge.settings.edge, self.edge.settings.stream
+        parts = self.parts
+        es = parts.edge
         reader = call.reader
         state = reader.state
         clock = time.monotonic
@@ -190,9 +211,7 @@ class CloudRelay:
         worker = ""
         gone_since: float | None = None
         # How long a dead worker's answer may take to be picked up and continued.
-        takeover = (
-            stream.ack_wait + self.edge.settings.worker.fetch_timeout + es.cloud_first_token_timeout
-        )
+        takeover = parts.stream.ack_wait + parts.worker.fetch_timeout + es.cloud_first_token_timeout
         while True:
             raise_if_cancelled()
             now = clock()
@@ -222,22 +241,23 @@ class CloudRelay:
             if state.done:  # after the whole batch: a repair brings many events at once
                 return
             now = clock()
-            if not self.edge.conn.connected:
+            if not parts.conn.connected:
                 continue  # cut off, we cannot tell what the cloud does: only the deadline counts
             if not state.started:
                 if now > start_by:
                     raise self._give_up(
                         f"no worker started it within {start_timeout:g}s", "not_started"
                     )
-                if self.edge.nodes.serves(model) is False:
-                    raise self._give_up(f"no live worker serves {model!r}", "no_worker")
+                no_worker = parts.models.no_live_worker(model)
+                if no_worker is not None:
+                    raise self._give_up(*no_worker)
                 continue
             if first_token_by is not None and now > first_token_by:
                 raise self._give_up(
                     f"worker {worker} produced no token within {first_token_wait:.1f}s",
                     "no_first_token",
                 )
-            live = self.edge.nodes.is_live(worker, model)
+            live = parts.nodes.is_live(worker, model)
             lost = call.lost_worker == worker  # the server says its connection is gone
             if live is False or lost:
                 if gone_since is None:

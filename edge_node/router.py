@@ -275,9 +275,15 @@ def _interpolate(ordered: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def budget_of(router: Router) -> CloudBudget | None:
+    """The router's cloud budget (routers without one have none)."""
+    budget: CloudBudget | None = getattr(router, "budget", None)
+    return budget
+
+
 def decide(router: Router, request: InferRequest) -> RouteDecision:
     """Apply the client's override, else the router's score against its (budgeted) threshold."""
-    budget: CloudBudget | None = getattr(router, "budget", None)
+    budget = budget_of(router)
     if request.route != "auto":
         if budget is not None:
             budget.record_forced(request.route)

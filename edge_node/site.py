@@ -26,15 +26,20 @@ import hmac
 import json
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
+from edge_node.records import Record
+from edge_node.served import CloudModels
 from mesh import kept
+from mesh.config import EdgeSettings, StreamSettings
+from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.queue import MSG_ID_HEADER, STORE_FULL_CODES
 from mesh.tasks import TaskSet
@@ -67,10 +72,6 @@ from protocol.subjects import (
     site_consumer,
 )
 
-if TYPE_CHECKING:
-    from edge_node.node import EdgeNode
-    from edge_node.records import Record
-
 log = get_logger(__name__)
 FORWARDER = "forwarder"
 RETRY_S = 1.0
@@ -82,26 +83,41 @@ HELD_ID_HEADER = "Mesh-Id"
 """A held request's id (its outbox message id also carries its fingerprint)."""
 
 
+@dataclass(frozen=True)
+class SiteParts:
+    """What the site uses of the edge."""
+
+    conn: Connection
+    edge_id: str
+    scope: str
+    creds_file: str | None
+    """The site's credentials (a secret of its own is drawn from them)."""
+    edge: EdgeSettings
+    stream: StreamSettings
+    models: CloudModels
+    """Whether a worker pool serves a model."""
+
+
 class SiteStore:
-    def __init__(self, edge: EdgeNode) -> None:
-        self.edge = edge
-        self.conn = edge.conn
-        self.scope = edge.scope
-        self.settings = edge.settings
+    def __init__(self, parts: SiteParts) -> None:
+        self.parts = parts
+        self.conn = parts.conn
+        self.scope = parts.scope
         self._tasks = TaskSet("edge-site")
         self._pulls: list[Any] = []
         self.forwarded = 0
         self.collected = 0
         self.forward_order: deque[str] = deque(maxlen=1000)
         """Ids of the latest forwarded requests, in the order they reached the hub."""
-        self._lane_secret = _lane_secret(self.settings.nats.creds_file)
+        self._lane_secret = _lane_secret(parts.creds_file)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         jsm = self.conn.site_jsm()
-        await kept.ensure(jsm, kept.outbox_config(self.settings.stream))
-        await kept.ensure(jsm, kept.kept_config(self.settings.stream))
-        await kept.ensure(jsm, kept.claims_config(self.settings.stream))
+        stream = self.parts.stream
+        await kept.ensure(jsm, kept.outbox_config(stream))
+        await kept.ensure(jsm, kept.kept_config(stream))
+        await kept.ensure(jsm, kept.claims_config(stream))
         try:
             await jsm.add_consumer(
                 OUTBOX_STREAM,
@@ -134,10 +150,10 @@ class SiteStore:
     async def relay(self, req: InferRequest, decision: RouteDecision, record: Record) -> None:
         """Hold ``req``, then pass its kept answer on when it comes (or a typed error saying it
         is still held when the client's wait ends first)."""
-        es = self.settings.edge
+        es = self.parts.edge
         model = req.model or es.cloud_model
         try:
-            served = await asyncio.wait_for(self.edge.is_served(model), SERVED_CHECK_S)
+            served = await asyncio.wait_for(self.parts.models.deployed(model), SERVED_CHECK_S)
         except asyncio.TimeoutError:
             served = True  # the hub is out of reach: hold it (an unknown model ends at deadline)
         if not served:
@@ -145,7 +161,7 @@ class SiteStore:
         queued = req.model_copy(
             update={
                 "model": model,
-                "origin": self.edge.edge_id,
+                "origin": self.parts.edge_id,
                 "routing": decision,
                 "reply": None,
                 "stream": True,
@@ -304,7 +320,7 @@ class SiteStore:
                 await self.conn.js.publish(
                     infer_subject(model, scope),
                     msg.data,
-                    stream=self.settings.stream.name,
+                    stream=self.parts.stream.name,
                     headers=headers,
                     timeout=self.conn.settings.request_timeout,
                 )

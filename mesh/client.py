@@ -26,7 +26,6 @@ import hmac
 import itertools
 import json
 import secrets
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,7 +36,7 @@ from pydantic import ValidationError
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.lifecycle import Lifecycle
-from mesh.provision import model_is_served
+from mesh.provision import ServedModels
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader, Repair
 from protocol.codec import (
@@ -125,7 +124,9 @@ class MeshClient(Lifecycle):
         self.conn = connection or Connection(self.settings.nats, "mesh-client")
         self._pending_limit = pending_limit
         self._secret = secrets.token_bytes(16)
-        self._served: dict[str, float] = {}
+        self._is_served = ServedModels(self.conn.jsm, self.settings.stream, no_for=0.0)
+        """Whether a worker pool serves a model (a no is never remembered: the caller may be
+        deploying the pool)."""
         self._scope = ""
         self._inboxes = itertools.count()
 
@@ -251,17 +252,6 @@ class MeshClient(Lifecycle):
         if not isinstance(event, Answer):
             raise UnavailableError(f"the edge answered {event.t!r}, not an answer")
         return event
-
-    async def _is_served(self, model: str) -> bool:
-        """Whether a worker pool exists for ``model``; a yes is trusted for 30 s (a JetStream
-        API round trip per request would cost ~1 ms of every answer's TTFT)."""
-        now = time.monotonic()
-        if self._served.get(model, 0.0) > now:
-            return True
-        served = await model_is_served(self.conn.jsm(), self.settings.stream, model)
-        if served:
-            self._served[model] = now + 30.0
-        return served is not False  # cannot tell now: the publish decides, typed
 
     def _cancel_key(self, request_id: str) -> str:
         """The same key for the same id from this client: a request sent again can cancel."""

@@ -7,6 +7,7 @@ consumer is updated to the configured limits, never recreated (queued requests s
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import nats.errors
@@ -176,7 +177,7 @@ async def model_is_served(
     """True when a consumer exists for ``model`` (some worker pool was deployed for it), False
     when none does, None when JetStream cannot say now (no answer in time, a leader election,
     no quorum, a dropped link): then callers let the publish decide, which fails typed if the
-    queue cannot take the request. The one rule for the edge and the SDK alike."""
+    queue cannot take the request. :class:`ServedModels` is how the edge and the SDK ask it."""
     try:
         await jsm.consumer_info(settings.name, consumer_name(model))
     except NotFoundError:
@@ -185,3 +186,39 @@ async def model_is_served(
         log.info("cannot tell whether a pool serves the model now", model=model, error=repr(exc))
         return None
     return True
+
+
+class ServedModels:
+    """Whether a worker pool serves a model: the one rule for the edge and the SDK alike.
+
+    :func:`model_is_served`, remembered for a while: a yes for ``yes_for`` seconds (a JetStream
+    API round trip per request would cost ~1 ms of every answer's time to first token), a no for
+    ``no_for`` (an edge answering many clients asks once for a burst of requests naming a model
+    nobody serves; the SDK passes 0: its own caller may be deploying the pool). When JetStream
+    cannot tell now, the answer is yes, whatever was known before, and nothing is remembered:
+    the publish decides, and fails typed if the queue cannot take the request."""
+
+    def __init__(
+        self,
+        jsm: Callable[[], JetStreamManager],
+        settings: StreamSettings,
+        *,
+        yes_for: float = 30.0,
+        no_for: float = 3.0,
+    ) -> None:
+        self._jsm = jsm
+        self._settings = settings
+        self._for = {True: yes_for, False: no_for}
+        self._known: dict[str, tuple[bool, float]] = {}
+
+    async def __call__(self, model: str) -> bool:
+        now = time.monotonic()
+        known = self._known.get(model)
+        if known is not None and known[1] > now:
+            return known[0]
+        served = await model_is_served(self._jsm(), self._settings, model)
+        if served is None:
+            return True
+        if self._for[served] > 0:
+            self._known[model] = (served, now + self._for[served])
+        return served

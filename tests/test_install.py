@@ -74,26 +74,3 @@ def test_the_base_install_is_the_sdk_without_llama_cpp_or_numpy(tmp_path: Path) 
     )
     assert edge.returncode != 0
     assert "nats-llm-mesh[edge]" in edge.stderr + edge.stdout
-
-
-def test_the_layers_point_one_way() -> None:
-    """protocol imports nothing of ours; mesh imports no node; nothing imports mesh_app."""
-    import ast
-
-    def imports(package: str) -> set[str]:
-        found: set[str] = set()
-        for path in (REPO / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module:
-                    found.add(node.module.split(".")[0])
-                elif isinstance(node, ast.Import):
-                    found.update(alias.name.split(".")[0] for alias in node.names)
-        return found
-
-    ours = {"protocol", "mesh", "mesh_app", "edge_node", "cloud_node"}
-    assert imports("protocol") & ours <= {"protocol"}
-    assert imports("mesh") & ours <= {"protocol", "mesh"}
-    assert imports("cloud_node") & ours <= {"protocol", "mesh", "cloud_node"}
-    assert imports("edge_node") & ours <= {"protocol", "mesh", "edge_node"}
-    for package in ("protocol", "mesh", "edge_node", "cloud_node"):
-        assert "mesh_app" not in imports(package), package

@@ -1,0 +1,265 @@
+"""Which path answers a request the edge accepted, and each path's answer:
+
+- local: the on-device model, in one of its slots (:class:`~edge_node.local_gate.LocalGate`);
+- the cascade: local first, escalated mid-answer when the local model is unsure of its first
+  tokens (:mod:`edge_node.cascade`);
+- the site: a request that can wait, held at the edge's site until the cloud answers
+  (:mod:`edge_node.site`);
+- the cloud chain: the request's cloud pool (then, for a request naming no model, each fallback
+  pool), each through a :class:`~edge_node.relay.CloudRelay`; past the last, local, saying why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+from edge_node.cascade import Cascade
+from edge_node.confidence import ConfidenceGate
+from edge_node.local_gate import LocalGate
+from edge_node.parts import MetricsSink
+from edge_node.records import Record
+from edge_node.relay import CloudRelay, Fallback, RelayParts, estimate_prompt_tokens
+from edge_node.router import CloudBudget, Router, budget_of, decide
+from edge_node.served import CloudModels
+from edge_node.site import SiteStore
+from mesh.backends.base import Backend, Chunk, ScoringBackend
+from mesh.config import EdgeSettings, WorkerSettings
+from mesh.generate import generate_into
+from mesh.logs import get_logger
+from protocol.errors import DeadlineExceededError, UnknownModelError
+from protocol.messages import InferRequest, RouteDecision, TokenEvent
+from protocol.stream import AnswerWriter
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PathParts:
+    """What the paths use of the edge."""
+
+    node_name: str
+    backend: Backend
+    """The on-device model."""
+    router: Router
+    edge: EdgeSettings
+    worker: WorkerSettings
+    metrics: MetricsSink
+    models: CloudModels
+    relay: RelayParts
+    site: SiteStore | None
+
+
+class Paths:
+    def __init__(self, parts: PathParts) -> None:
+        self.parts = parts
+        self._es = parts.edge
+        self.backend = parts.backend
+        self.router = parts.router
+        self.node_name = parts.node_name
+        self.metrics = parts.metrics
+        self.site = parts.site
+        self._gate = LocalGate(parts.backend, parts.edge.local_queue)
+        self._cascade = self._make_cascade()
+
+    @property
+    def budget(self) -> CloudBudget | None:
+        return budget_of(self.router)
+
+    def _make_cascade(self) -> Cascade | None:
+        confidence = self._es.router.confidence
+        if not confidence.enabled:
+            return None
+        if not isinstance(self.backend, ScoringBackend):
+            log.warning(
+                "mid-answer escalation needs a backend that scores tokens; it is off",
+                backend=type(self.backend).__name__,
+            )
+            return None
+        budget = self.budget
+        return Cascade(
+            self.backend,
+            self._gate,
+            ConfidenceGate(confidence),
+            stall=self.parts.worker.stall_timeout,
+            may_escalate=budget.mid_answer if budget is not None else lambda: True,
+        )
+
+    async def answer(
+        self,
+        req: InferRequest,
+        record: Record,
+        received: float,
+        trace: Mapping[str, str] | None,
+    ) -> None:
+        """Route ``req`` and answer it into ``record`` by its path."""
+        if req.is_expired():
+            raise DeadlineExceededError(
+                "the request's deadline passed before it could start", request_id=req.id
+            )
+        if (
+            req.model is not None
+            and req.model != self.backend.model
+            and not await self.parts.models.deployed(req.model)
+        ):
+            raise UnknownModelError(
+                f"no worker pool serves model {req.model!r} and it is not this edge's "
+                f"local model ({self.backend.model!r})",
+                request_id=req.id,
+            )
+        decision = self._too_long_for_local(req) or decide(self.router, req)
+        self.metrics.inc(f"route.{decision.decision}" + (".forced" if decision.forced else ""))
+        self.metrics.prom.decisions.labels(
+            decision=decision.decision, forced=str(decision.forced).lower()
+        ).inc()
+        # The canonical line carries the decision; this one is for following a request live.
+        log.debug(
+            "routed", decision=decision.decision, score=decision.score, reason=decision.reason
+        )
+        fallback: str | None = None
+        if self._cascade_applies(req, decision):
+            escalated = await self._local_first(req, decision, record, received)
+            if escalated is None:
+                return  # answered locally
+            decision = escalated
+        if (
+            decision.decision == "cloud"
+            and req.deferrable
+            and self.site is not None
+            and decision.confidence is None  # the local model began it: it can still answer
+        ):
+            await self.site.relay(req, decision, record)
+            return
+        if decision.decision == "cloud":
+            local_fits = not self._too_long(req)
+            chain = [req.model or self._es.cloud_model]
+            if req.model is None:  # a client that names its model gets that model or nothing
+                chain += self._es.cloud_fallbacks
+            failed: list[str] = []
+            for step, model in enumerate(chain):
+                last = step == len(chain) - 1
+                try:
+                    relay = CloudRelay(
+                        self.parts.relay,
+                        req if step == 0 else req.model_copy(update={"model": model}),
+                        decision,
+                        record,
+                        received,
+                        trace,
+                        local_fits=local_fits or not last,
+                        tried="; ".join(failed) or None,
+                    )
+                    await relay.run()
+                    return
+                except Fallback as fb:
+                    failed.append(f"{model}: {fb.reason}" if len(chain) > 1 else fb.reason)
+                    self.metrics.inc("fallback")
+                    self.metrics.prom.fallbacks.labels(reason=fb.kind).inc()
+                    if not last:
+                        log.warning("trying the next cloud pool", failed=model, reason=fb.reason)
+            fallback = "; ".join(failed)
+            log.warning("answering locally instead of the cloud", reason=fallback)
+        await self._run_local(req, decision, record, received, fallback)
+
+    def _too_long_for_local(self, req: InferRequest) -> RouteDecision | None:
+        """A prompt that cannot fit the local model's context goes to the cloud, whatever the
+        router thinks (unless the client insists on local)."""
+        if req.route != "auto" or not self._too_long(req):
+            return None
+        budget = self.budget
+        if budget is not None:  # not the router's choice: counted as forced, outside the share
+            budget.record_forced("cloud")
+        return RouteDecision(
+            decision="cloud",
+            reason=f"prompt too long for the local model "
+            f"(~{estimate_prompt_tokens(req)} tokens, context {self._es.model.n_ctx})",
+            budget=budget.snapshot() if budget is not None else None,
+        )
+
+    def _too_long(self, req: InferRequest) -> bool:
+        return estimate_prompt_tokens(req) > self._es.model.n_ctx - 64
+
+    async def _run_local(
+        self,
+        req: InferRequest,
+        decision: RouteDecision,
+        record: Record,
+        received: float,
+        fallback: str | None,
+    ) -> None:
+        async with self._gate.slot(req.id):
+            await self._local_answer(req, decision, record, received, fallback)
+
+    async def _local_answer(
+        self,
+        req: InferRequest,
+        decision: RouteDecision,
+        record: Record,
+        received: float,
+        fallback: str | None,
+        *,
+        chunks: AsyncIterator[Chunk] | None = None,
+        slot_at: float | None = None,
+    ) -> None:
+        """The local answer, in the local slot the caller holds (``chunks``: a generation the
+        caller started, e.g. with its first tokens held)."""
+        writer = AnswerWriter(
+            req.id,
+            attempt=record.state.attempt + 1,
+            node=self.node_name,
+            reason=f"answering locally: {fallback}" if fallback else None,
+        )
+        await record.emit([writer.start()])
+
+        async def emit(token: TokenEvent) -> None:
+            await record.emit([token])
+
+        gen = await generate_into(self.backend, req, writer, emit, self.parts.worker, chunks=chunks)
+        waited = (slot_at if slot_at is not None else gen.started) - received
+        await record.emit(
+            [
+                writer.end(
+                    finish_reason=gen.finish_reason,
+                    usage=gen.usage,
+                    timings=gen.timings(since=received, queue_ms=waited * 1000),
+                    served_by=self.node_name,
+                    path="local",
+                    routing=decision,
+                    fallback=fallback,
+                )
+            ]
+        )
+
+    def _cascade_applies(self, req: InferRequest, decision: RouteDecision) -> bool:
+        """Mid-answer escalation is for requests the router kept local, named no model, and
+        leave the cloud time to answer."""
+        if self._cascade is None or decision.decision != "local" or decision.forced:
+            return False
+        if req.model is not None:
+            return False
+        left = None if req.deadline is None else req.deadline - time.time()
+        return left is None or left >= self._es.cloud_min_budget
+
+    async def _local_first(
+        self, req: InferRequest, decision: RouteDecision, record: Record, received: float
+    ) -> RouteDecision | None:
+        """Mid-answer escalation: answer locally unless the local model is unsure of its first
+        tokens; then the decision to escalate (nothing of the local answer was sent)."""
+
+        async def answer_locally(
+            chunks: AsyncIterator[Chunk], slot_at: float, kept: RouteDecision
+        ) -> None:
+            await self._local_answer(
+                req, kept, record, received, None, chunks=chunks, slot_at=slot_at
+            )
+
+        assert self._cascade is not None
+        escalated = await self._cascade.run(req, decision, answer_locally)
+        if escalated is not None:
+            budget = self.budget
+            if budget is not None:  # as it stands now, the escalation counted
+                escalated = escalated.model_copy(update={"budget": budget.snapshot()})
+            self.metrics.inc("route.cloud.mid_answer")
+            self.metrics.prom.mid_answer.inc()  # the router's decision stays counted as local
+        return escalated
