@@ -67,6 +67,9 @@ class Held:
 
 OTHER_COPY = "other copy"
 """What :meth:`Leases.claim` says when another queued copy of the request is answered."""
+Claim = Callable[[int, str], Awaitable[Lease | str | None]]
+"""Take a request's lease for (queued copy, fingerprint): :meth:`Leases.claim`, bound to one
+request."""
 
 
 class Leases:
@@ -199,6 +202,30 @@ class Leases:
             self._trouble("lease not written", exc)
             return None
         return int(ack.seq)
+
+
+class Holding:
+    """The lease of the copy being answered (None: served without one), renewed with its
+    progress reports (:mod:`cloud_node.progress`)."""
+
+    def __init__(self, leases: Leases, lease: Lease | None, claim: Claim) -> None:
+        self.leases = leases
+        self.lease = lease
+        self.claim = claim
+
+    async def renew(self) -> bool:
+        """Refresh the lease; when it was lost, claim it again. False when another copy of the
+        request is answered now: this copy is handed back."""
+        if self.lease is None:
+            return True
+        if await self.leases.refresh(self.lease):
+            return True
+        claimed = await self.claim(self.lease.copy, self.lease.fingerprint)
+        if claimed == OTHER_COPY:
+            log.warning("lease lost to another copy; handing this one back")
+            return False
+        self.lease = claimed if isinstance(claimed, Lease) else None
+        return True
 
 
 def _parse(data: bytes | None) -> tuple[int | None, str]:

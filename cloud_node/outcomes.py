@@ -1,7 +1,8 @@
 """How a queued request ends when it is not answered: rejected (it will never run), failed
 (handed on to another attempt, or ended in a typed error), or out of deliveries (the last
 worker died). Each path tells the request's sender, keeps the outcome of a request that can
-wait, and lets the queue message go only after that.
+wait (a rejection and a failure through its own path, :mod:`cloud_node.deferred`, which passes
+``keep`` or keeps first), and lets the queue message go only after that.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -24,7 +25,7 @@ from protocol.codec import decode_request, error_event, reply_target, sniff
 from protocol.errors import ErrorCode, MaxDeliveriesError, MeshError
 from protocol.messages import Answer, ErrorEvent, InferRequest
 from protocol.stream import AnswerState, AnswerWriter
-from protocol.subjects import address_of, is_token, scope_of, token_subject
+from protocol.subjects import is_token, scope_of, token_subject
 
 log = get_logger(__name__)
 KEEP_RETRY_PAUSES_S = (0.5, 1.0, 2.0, None)
@@ -38,6 +39,11 @@ async def ack(msg: Msg) -> None:
         await msg.ack()
     except nats.errors.Error as exc:
         log.warning("ack not sent", error=repr(exc))
+
+
+async def nothing_to_keep(_err: MeshError) -> bool:
+    """A request that cannot wait keeps nothing besides its answer stream: let it go."""
+    return True
 
 
 class Outcomes:
@@ -112,8 +118,12 @@ class Outcomes:
         err: MeshError,
         attempt: int,
         *,
-        request: InferRequest | None = None,
+        keep: Callable[[MeshError], Awaitable[bool]] = nothing_to_keep,
     ) -> None:
+        """A generation failed: handed on to another attempt while deliveries are left, else
+        ended in a typed error. ``keep`` keeps that final error before the message is let go
+        (a request that can wait: for its site); False when it handed the message back
+        instead."""
         self.count("failed", err.code.value)
         if err.retryable and attempt < self.stream.max_deliver:
             # Another attempt continues from what the store kept of ours.
@@ -133,10 +143,8 @@ class Outcomes:
         with contextlib.suppress(MeshError):
             if not await publisher.finish(writer.error(err)):
                 self.settle(publisher)  # live readers have it; the store gets it when it can
-        if request is not None and request.deferrable:
-            scope, _ = address_of(publisher.subject)
-            if not await self.kept_or_nak(msg, scope, request, error_event(err, request.id)):
-                return
+        if not await keep(err):
+            return
         with contextlib.suppress(nats.errors.Error):
             await msg.term()
 

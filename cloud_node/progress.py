@@ -1,4 +1,5 @@
-"""Keeping a request the worker is generating: progress reports, and its lease refreshed.
+"""Keeping a request the worker is generating: progress reports, and (for a request that can
+wait) its lease renewed with them.
 
 A worker that stood still (its process paused, its event loop stalled) or lost its link for
 most of ``ack_wait`` may no longer hold its delivery: JetStream may have given the request to
@@ -19,15 +20,15 @@ from typing import Any
 import nats.errors
 from nats.aio.msg import Msg
 
-from cloud_node.lease import OTHER_COPY, Lease, Leases
 from mesh.logs import get_logger
 from mesh.tasks import TaskSet
 from protocol.errors import MeshError
 
 log = get_logger(__name__)
 
-Claim = Callable[[int, str], Awaitable[Lease | str | None]]
-"""Take the lease again for (queued copy, fingerprint): see :meth:`Leases.claim`."""
+Renew = Callable[[], Awaitable[bool]]
+"""Renews what a request holds besides its delivery (a lease: :class:`cloud_node.lease.Holding`);
+False when it was lost to another copy of the request, which is then answered instead."""
 LAPSE_FRACTION = 0.8
 """A gap of ack_wait x this since the delivery or the last progress report counts as a lapse:
 JetStream may have redelivered the request (reports normally come every ack_wait x 0.2)."""
@@ -35,24 +36,23 @@ JetStream may have redelivered the request (reports normally come every ack_wait
 
 async def keep_alive(
     msg: Msg,
-    lease: Lease | None,
+    renew: Renew | None,
     *,
     interval: float,
     ack_wait: float,
-    leases: Leases,
-    claim: Claim,
     generating: asyncio.Task[Any],
     since: float,
     keeper: KeepAlive,
 ) -> None:
     """Progress reports every ``interval``, the first at once (:class:`KeepAlive` starts this
-    one interval into the generation). The lease (if any) is refreshed with them, at most every
-    ack_wait / 2 (a quarter of its lifetime: one write a second per request would be five
-    times as many); ``since`` is the loop time the generation began, a little after the lease
-    was taken. A lease lost to another copy (it lapsed while this worker could not reach the
-    store) hands this copy back: ``generating`` is cancelled, the other copy is answered, and
-    this one is let go. After a lapse (see :class:`KeepAlive`), a newer attempt in the answer
-    store stops this one: ``generating`` is cancelled and the message left to its holder."""
+    one interval into the generation). ``renew`` (a request that can wait: its lease) is called
+    with them, at most every ack_wait / 2 (a quarter of a lease's lifetime: one write a second
+    per request would be five times as many); ``since`` is the loop time the generation began,
+    a little after the lease was taken. A lease lost to another copy (it lapsed while this
+    worker could not reach the store) hands this copy back: ``generating`` is cancelled, the
+    other copy is answered, and this one is let go. After a lapse (see :class:`KeepAlive`), a
+    newer attempt in the answer store stops this one: ``generating`` is cancelled and the
+    message left to its holder."""
     loop = asyncio.get_running_loop()
     refreshed = since
     while True:
@@ -64,15 +64,11 @@ async def keep_alive(
                 keeper.reported = loop.time()
         except nats.errors.Error as exc:
             log.warning("in_progress failed", error=repr(exc))
-        if lease is not None and loop.time() - refreshed >= ack_wait / 2:
+        if renew is not None and loop.time() - refreshed >= ack_wait / 2:
             refreshed = loop.time()
-            if not await leases.refresh(lease):
-                claimed = await claim(lease.copy, lease.fingerprint)
-                if claimed == OTHER_COPY:
-                    log.warning("lease lost to another copy; handing this one back")
-                    generating.cancel()  # not a client's cancel: the message is handed back
-                    return
-                lease = claimed if isinstance(claimed, Lease) else None
+            if not await renew():
+                generating.cancel()  # not a client's cancel: the message is handed back
+                return
         await asyncio.sleep(interval)
 
 
@@ -84,7 +80,8 @@ class KeepAlive:
     store holds an attempt newer than this one (read only after a lapse). ``connected``:
     whether the worker's connection is up; a report made while it is down does not count (a
     link down that long is a lapse too). ``interrupted``: whether the connection dropped or the
-    process stood still since the delivery (then the store decides, see :meth:`taken_over`)."""
+    process stood still since the delivery (then the store decides, see :meth:`taken_over`).
+    ``renew``: what else the request holds, renewed with the reports (see :func:`keep_alive`)."""
 
     def __init__(
         self,
@@ -95,14 +92,17 @@ class KeepAlive:
         newer_attempt: Callable[[], Awaitable[bool]],
         connected: Callable[[], bool],
         interrupted: Callable[[], bool] = lambda: False,
-        **kwargs: Any,
+        msg: Msg,
+        ack_wait: float,
+        generating: asyncio.Task[Any],
+        renew: Renew | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._task: asyncio.Task[Any] | None = None
         since = loop.time()
         self.reported = received
         """Loop time of the last progress report (at first: the delivery's arrival)."""
-        self._limit = kwargs["ack_wait"] * LAPSE_FRACTION
+        self._limit = ack_wait * LAPSE_FRACTION
         self._lapsed = False
         self._newer_attempt = newer_attempt
         self.connected = connected
@@ -111,12 +111,20 @@ class KeepAlive:
         worker may have handed the delivery back meanwhile (:mod:`cloud_node.orphans`)."""
         self.stopped = False
         """Generation was stopped: a newer attempt took the request over."""
-        self._generating: asyncio.Task[Any] = kwargs["generating"]
+        self._generating = generating
         self._tasks = tasks
 
         def begin() -> None:
             self._task = tasks.spawn(
-                keep_alive(interval=interval, since=since, keeper=self, **kwargs),
+                keep_alive(
+                    msg,
+                    renew,
+                    interval=interval,
+                    ack_wait=ack_wait,
+                    generating=generating,
+                    since=since,
+                    keeper=self,
+                ),
                 name="in-progress",
             )
 

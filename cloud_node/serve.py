@@ -1,11 +1,21 @@
-"""Serving one delivered request, from its queue message to its ack.
+"""Serving one delivered request, from its queue message to its ack: the plain path.
 
-Decode and admit it (a request that can never run is rejected with a typed error), claim it
-when it can wait (one queued copy answers), take over what an earlier attempt left in the
-answer store, generate, publish its events, store the outcome, keep it for its site when it
-can wait, and only then ack. A cancel, a shutdown, a lost lease or a failure each end it in
-exactly one way (:mod:`cloud_node.outcomes`). The worker (:mod:`cloud_node.worker`) owns the
-intake and the process's lifecycle.
+:meth:`Handler.handle` decodes a delivery and sends it down one of two paths, once. A request
+that cannot wait (an interactive one) takes :meth:`Handler.serve`, here, read top to bottom:
+admit it (a request that can never run is rejected with a typed error), take over what an
+earlier attempt left in the answer store, generate, publish its events, store the end, and only
+then ack. Its sender reads the answer on the token subject; nothing else is kept for it.
+
+A request that can wait takes its own path (:mod:`cloud_node.deferred`): a lease so that one
+queued copy answers, its outcome kept for its site before any ack, attempts numbered past what
+the store may hold unseen. It is built from the same steps as this one (:meth:`Handler._admit`,
+:meth:`Handler._serving`, :meth:`Handler._generate`) and the same parts (:class:`Parts`), so the
+plain path carries none of its rules. What differs when an attempt ends is one object,
+:class:`Release`: how the message is let go.
+
+A cancel, a shutdown, a lost delivery or a failure each end an attempt in exactly one way
+(:meth:`Handler._generate`, :mod:`cloud_node.outcomes`). The worker (:mod:`cloud_node.worker`)
+owns the intake and the process's lifecycle.
 """
 
 from __future__ import annotations
@@ -13,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -22,12 +34,10 @@ from nats.aio.msg import Msg
 
 from cloud_node.admission import check
 from cloud_node.cancels import CancelBook
-from cloud_node.keeper import Keeper
-from cloud_node.lease import OTHER_COPY, Lease, Leases
 from cloud_node.outcomes import Outcomes, ack
-from cloud_node.progress import KeepAlive, LoopStalls
+from cloud_node.progress import KeepAlive, LoopStalls, Renew
 from cloud_node.publisher import AnswerPublisher, Settler
-from cloud_node.takeover import Takeover, Unread, unseen_attempt
+from cloud_node.takeover import Takeover
 from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -38,7 +48,7 @@ from mesh.metrics import WorkerMetrics
 from mesh.queue import trace_headers
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
-from protocol.codec import decode_request, error_event
+from protocol.codec import WireFormat, decode_request
 from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
@@ -46,60 +56,125 @@ from protocol.errors import (
     MeshError,
 )
 from protocol.messages import InferRequest, StartEvent
-from protocol.stream import AnswerWriter, request_fingerprint
+from protocol.stream import AnswerState, AnswerWriter, request_fingerprint
 from protocol.subjects import scope_of, token_subject
 
 log = get_logger(__name__)
+Ack = Callable[[Msg], Awaitable[None]]
 
 
-class Handler:
-    """Serves the requests a worker's puller delivers, one task each (:meth:`handle`)."""
+@dataclass(frozen=True)
+class Parts:
+    """The worker's parts that serving a request uses, each built once by the worker (several
+    serve its other duties too: the store its orphans, the outcomes its advisories)."""
 
-    def __init__(
-        self,
-        settings: MeshSettings,
-        conn: Connection,
-        backend: Backend,
-        *,
-        store: AnswerStore,
-        keeper: Keeper,
-        leases: Leases,
-        takeover: Takeover,
-        outcomes: Outcomes,
-        settler: Settler,
-        cancels: CancelBook,
-        tasks: TaskSet,
-        tracing: Tracing,
-        metrics: WorkerMetrics,
-        count: Callable[..., None],
-        republished: Callable[[AnswerPublisher], None],
-    ) -> None:
+    conn: Connection
+    backend: Backend
+    store: AnswerStore
+    takeover: Takeover
+    outcomes: Outcomes
+    settler: Settler
+    cancels: CancelBook
+    tasks: TaskSet
+    """Where progress reports run (the worker's own tasks)."""
+    tracing: Tracing
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What serving counts, into the worker's stats and its Prometheus metrics."""
+
+    metrics: WorkerMetrics
+    count: Callable[..., None]
+    """Counts one delivery's outcome (``count("failed", code)``)."""
+    republished: Callable[[AnswerPublisher], None]
+    """Counts the events a publisher published again."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One delivery of a queued request, as it arrived."""
+
+    msg: Msg
+    attempt: int
+    """The delivery count: it decides retries (an answer's attempt may number higher)."""
+    received: float
+    """The loop time it arrived."""
+    drops: int
+    stalls: int
+    """The connection's drops and the process's stand-stills when it arrived (either since
+    means the delivery may have been handed to another worker: :mod:`cloud_node.orphans`)."""
+
+    def queued_ms(self) -> float:
+        """How long it waited in the queue, until now."""
+        return max(0.0, (time.time() - self.msg.metadata.timestamp.timestamp()) * 1000)
+
+
+class Release:
+    """How an attempt lets its queue message go once the request's outcome is out: the answer
+    is in the store, where its sender reads it, so the message is acked (terminated after a
+    final error). A request that can wait keeps its outcome for its site first
+    (:class:`cloud_node.deferred.KeepFirst`)."""
+
+    def __init__(self, msg: Msg, ack: Ack) -> None:
+        self.msg = msg
+        self.ack = ack
+
+    async def answered(self, publisher: AnswerPublisher) -> bool:
+        """The whole answer is published and stored: let the message go. False when it was
+        handed back instead (then the request does not count as completed here)."""
+        await self.ack(self.msg)
+        return True
+
+    async def cancelled(self, err: MeshError) -> None:
+        """The client cancelled it and was told: let the message go. Raising leaves it to its
+        redelivery, which the cancel refuses and answers."""
+        await self.msg.ack()
+
+    async def failed(self, err: MeshError) -> bool:
+        """Before a final error terminates the message: False when it was handed back."""
+        return True
+
+
+def too_late(request: InferRequest, history: AnswerState | None) -> MeshError | None:
+    """The error of a request no worker started before its ``start_by`` (one that an earlier
+    attempt started is continued past it)."""
+    started_before = history is not None and history.started
+    if started_before or request.start_by is None or time.time() < request.start_by:
+        return None
+    return DeadlineExceededError(
+        "no worker could start the request before its start_by time", request_id=request.id
+    )
+
+
+class Handler(ABC):
+    """Serves the requests a worker's puller delivers, one task each (:meth:`handle`). The worker
+    builds :class:`cloud_node.deferred.DeferrableHandler`, which adds the path of requests that
+    can wait."""
+
+    def __init__(self, settings: MeshSettings, parts: Parts, counts: Counts) -> None:
         self.settings = settings
-        self.conn = conn
-        self.backend = backend
-        self.node_id = settings.worker.node_id
-        self.store = store
-        self.keeper = keeper
-        self.leases = leases
-        self.takeover = takeover
-        self.outcomes = outcomes
-        self.settler = settler
-        self.cancels = cancels
-        self._tasks = tasks
-        """Where progress reports run (the worker's own tasks)."""
-        self.tracing = tracing
-        self.metrics = metrics
-        self.count = count
-        """Counts one delivery's outcome (``count("failed", code)``)."""
-        self.republished = republished
-        """Counts the events a publisher published again."""
+        self.conn = parts.conn
+        self.backend = parts.backend
+        self.store = parts.store
+        self.takeover = parts.takeover
+        self.outcomes = parts.outcomes
+        self.settler = parts.settler
+        self.cancels = parts.cancels
+        self.tasks = parts.tasks
+        self.tracing = parts.tracing
+        self.metrics = counts.metrics
+        self.count = counts.count
+        self.republished = counts.republished
+        self.node = f"cloud:{settings.worker.node_id}"
+        """This worker, as events name it."""
         self._ws = settings.worker
         self._stream = settings.stream
         self.inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
         """Requests being served, by token subject (cancels find them here)."""
         self.publishers: dict[str, AnswerPublisher] = {}
         """Their publishers (a reconnect has each catch up)."""
-        self.ack = ack
+        self.ack: Ack = ack
         """Acks a served request without waiting (:func:`cloud_node.outcomes.ack`)."""
         self.keepalives: dict[str, KeepAlive] = {}
         """The answers being generated, by token subject: checked again after a stand-still
@@ -110,13 +185,15 @@ class Handler:
     async def handle(self, msg: Msg) -> None:
         """One delivery, in its own task; returns once the queue message is acked, handed back
         or left to its redelivery, never raising for the request's sake."""
-        received = asyncio.get_running_loop().time()
-        drops, stalls = self.conn.drops, self.stalls.count()
-        attempt = msg.metadata.num_delivered
-        if attempt > 1:
+        delivery = Delivery(
+            msg,
+            attempt=msg.metadata.num_delivered,
+            received=asyncio.get_running_loop().time(),
+            drops=self.conn.drops,
+            stalls=self.stalls.count(),
+        )
+        if delivery.attempt > 1:
             self.metrics.redeliveries.inc()
-        request: InferRequest | None = None
-        scope: str | None = None
         try:
             request, fmt = decode_request(
                 msg.data,
@@ -125,23 +202,64 @@ class Handler:
                 strict=self.settings.strict_decode,
                 on_unknown=log_unknown_fields,
             )
-            scope = scope_of(msg.subject)
-            if scope is None:
-                raise InvalidRequestError(
-                    f"queued on {msg.subject!r}: requests go to mesh.v1.infer.<model>.<scope>",
-                    request_id=request.id,
-                )
-            address = token_subject(scope, request.id)
-            check(request, address, self.backend.model, self.cancels)
         except MeshError as err:
-            if request is not None and request.deferrable and scope is not None:
-                kept = await self.outcomes.kept_or_nak(
-                    msg, scope, request, error_event(err, request.id)
-                )
-                if not kept:
-                    return
+            await self.outcomes.reject(msg, err, delivery.attempt)
+            return
+        if request.deferrable:  # its own path: cloud_node.deferred
+            await self.serve_deferrable(delivery, request, fmt.reply_format)
+        else:
+            await self.serve(delivery, request, fmt.reply_format)
+
+    @abstractmethod
+    async def serve_deferrable(
+        self, delivery: Delivery, request: InferRequest, fmt: WireFormat
+    ) -> None:
+        """A request that can wait (:mod:`cloud_node.deferred`)."""
+
+    async def serve(self, delivery: Delivery, request: InferRequest, fmt: WireFormat) -> None:
+        """A request that cannot wait, from its delivery to its ack."""
+        msg, attempt = delivery.msg, delivery.attempt
+        try:
+            scope = self._admit(msg, request)
+        except MeshError as err:
             await self.outcomes.reject(msg, err, attempt)
             return
+        with self._serving(delivery, request, scope):
+            queued_ms = delivery.queued_ms()
+            publisher = self._publisher(scope, request, fmt)
+            fingerprint = request_fingerprint(request)  # once: a hash of the whole conversation
+            history = await self.takeover.history(request, fingerprint, publisher.subject, attempt)
+            if history is not None and history.done:
+                if await self.takeover.already_done(msg, publisher, history):
+                    await self.ack(msg)
+                return
+            late = too_late(request, history)
+            if late is not None:
+                await self.outcomes.reject(msg, late, attempt)
+                return
+            writer = self._writer(request, fingerprint, history, attempt)
+            release = Release(msg, self.ack)  # the answer is stored: ack
+            await self._generate(delivery, request, publisher, writer, queued_ms, release)
+
+    # -- the steps both paths take -----------------------------------------------------------
+    def _admit(self, msg: Msg, request: InferRequest) -> str:
+        """The request's scope, once it may run here; raises the typed error of one that will
+        never run (:mod:`cloud_node.admission`)."""
+        scope = scope_of(msg.subject)
+        if scope is None:
+            raise InvalidRequestError(
+                f"queued on {msg.subject!r}: requests go to mesh.v1.infer.<model>.<scope>",
+                request_id=request.id,
+            )
+        check(request, token_subject(scope, request.id), self.backend.model, self.cancels)
+        return scope
+
+    @contextlib.contextmanager
+    def _serving(self, delivery: Delivery, request: InferRequest, scope: str) -> Iterator[None]:
+        """While a request is served: in :attr:`inflight` (where cancels find it), its logs and
+        its trace span named after it."""
+        msg, attempt = delivery.msg, delivery.attempt
+        address = token_subject(scope, request.id)
         task = asyncio.current_task()
         assert task is not None
         self.inflight[address] = (task, request)
@@ -149,7 +267,7 @@ class Handler:
         traced_id = trace_id(traced.get("traceparent"))
         with structlog.contextvars.bound_contextvars(
             request_id=request.id,
-            node_id=self.node_id,
+            node_id=self._ws.node_id,
             subject=msg.subject,
             attempt=attempt,
             **traced,
@@ -161,90 +279,58 @@ class Handler:
                     msg.headers,
                     **{"mesh.request_id": request.id, "mesh.attempt": attempt},
                 ):
-                    await self._serve(
-                        msg, request, scope, fmt.reply_format, attempt, received, (drops, stalls)
-                    )
+                    yield
             finally:
                 self.inflight.pop(address, None)
 
-    async def _serve(  # noqa: PLR0917
-        self,
-        msg: Msg,
-        request: InferRequest,
-        scope: str,
-        fmt: Any,
-        attempt: int,
-        received: float,
-        since: tuple[int, int],
-    ) -> None:
-        queued_ms = max(0.0, (time.time() - msg.metadata.timestamp.timestamp()) * 1000)
-        drops, stalls = since  # the connection's drops and the loop's stalls at delivery
-        publisher = AnswerPublisher(
+    def _publisher(self, scope: str, request: InferRequest, fmt: WireFormat) -> AnswerPublisher:
+        return AnswerPublisher(
             self.conn, self.store, scope, request.id, fmt, timeout=self._ws.publish_timeout
         )
-        address = publisher.subject
-        fingerprint = request_fingerprint(request)  # once: a hash of the whole conversation
-        lease: Lease | None = None
-        if request.deferrable:
-            claimed = await self._claim(scope, request, msg.metadata.sequence.stream, fingerprint)
-            if claimed == OTHER_COPY:  # that copy is still queued, or its answer is kept
-                self.count("other_copy")
-                log.info("another copy of this request is being answered; acking this one")
-                await self.ack(msg)
-                return
-            lease = claimed if isinstance(claimed, Lease) else None
-        found = await self.takeover.history(request, fingerprint, publisher, attempt)
-        history = None if found is Unread.STORE else found
-        writer = AnswerWriter(
-            request.id,
-            # Another copy may have begun it unseen: number above it (see unseen_attempt).
-            attempt=unseen_attempt() if found is Unread.STORE else attempt,
-            node=f"cloud:{self.node_id}",
-            fingerprint=fingerprint,
-        )
-        if history is not None and history.done:
-            await self.takeover.already_done(msg, publisher, history, request, scope)
-            return
-        if request.deferrable and await self.keeper.exists(scope, request.id):
-            # Forwarded again after its answer was kept (a flap outlived the dedupe window).
-            self.count("already_done")
-            log.info("answer already kept; acking without generating")
-            await self.ack(msg)
-            return
-        started_before = history is not None and history.started
-        if not started_before and request.start_by is not None and time.time() >= request.start_by:
-            late = DeadlineExceededError(
-                "no worker could start the request before its start_by time",
-                request_id=request.id,
-            )
-            if request.deferrable and not await self.outcomes.kept_or_nak(
-                msg, scope, request, error_event(late, request.id)
-            ):
-                return
-            await self.outcomes.reject(msg, late, attempt)
-            return
+
+    def _writer(
+        self, request: InferRequest, fingerprint: str, history: AnswerState | None, attempt: int
+    ) -> AnswerWriter:
+        """This attempt's writer: it takes over an answer an earlier attempt started (continued
+        or started over), numbered after every attempt the store holds (``attempt`` stays the
+        delivery count, which decides retries)."""
         if history is not None and history.started:
-            # Another copy's attempts may be in the store too (a request that can wait, queued
-            # twice): this attempt numbers after all of them. ``attempt`` stays the delivery
-            # count, which decides retries.
-            writer = self.takeover.writer(request, history, max(attempt, history.attempt + 1))
+            return self.takeover.writer(request, history, max(attempt, history.attempt + 1))
+        return AnswerWriter(request.id, attempt=attempt, node=self.node, fingerprint=fingerprint)
+
+    async def _generate(  # noqa: PLR0917
+        self,
+        delivery: Delivery,
+        request: InferRequest,
+        publisher: AnswerPublisher,
+        writer: AnswerWriter,
+        queued_ms: float,
+        release: Release,
+        renew: Renew | None = None,
+    ) -> None:
+        """Generate the answer, publish its events, store its end, and let the message go
+        (``release``), reporting progress meanwhile (and calling ``renew`` with the reports,
+        see :mod:`cloud_node.progress`). A client's cancel, a shutdown, a lost delivery and a
+        failure each end it in exactly one way."""
+        msg, attempt = delivery.msg, delivery.attempt
+        address = publisher.subject
         writer.delivery = msg.reply  # a survivor hands it back at once if this worker dies
         generating = asyncio.current_task()
         assert generating is not None
         ours = writer.attempt
         keepalive = KeepAlive(
-            self._tasks,
+            self.tasks,
             self._stream.ack_wait * self._ws.progress_fraction,
-            received=received,
+            received=delivery.received,
             newer_attempt=lambda: self._newer_attempt(address, ours),
             connected=lambda: self.conn.connected,
-            interrupted=lambda: self.conn.drops != drops or self.stalls.count() != stalls,
+            interrupted=lambda: (
+                self.conn.drops != delivery.drops or self.stalls.count() != delivery.stalls
+            ),
             msg=msg,
-            lease=lease,
             ack_wait=self._stream.ack_wait,
-            leases=self.leases,
-            claim=lambda copy, fingerprint: self._claim(scope, request, copy, fingerprint),
             generating=generating,
+            renew=renew,
         )
         last = attempt >= self._stream.max_deliver
         self.keepalives[address] = keepalive
@@ -265,7 +351,7 @@ class Handler:
                 finish_reason=gen.finish_reason,
                 usage=gen.usage,
                 timings=timings,
-                served_by=f"cloud:{self.node_id}",
+                served_by=self.node,
                 routing=request.routing,
             )
             stored = await publisher.finish(end)
@@ -274,10 +360,8 @@ class Handler:
                 self.settler.later(publisher)
             if await lapsed():  # the delivery may be another worker's: it settles the message
                 log.warning("answer done after a lapse; leaving the request to its holder")
-            elif request.deferrable and not await self._keep(msg, scope, request, publisher):
+            elif not await release.answered(publisher):
                 return
-            else:
-                await self.ack(msg)
             self.count("completed")
             self.metrics.observe(gen, timings)
             log.info(
@@ -297,11 +381,7 @@ class Handler:
                 cancelled = CancelledByClientError("cancelled", request_id=request.id)
                 with contextlib.suppress(MeshError, nats.errors.Error):
                     await publisher.finish(writer.error(cancelled))
-                    if request.deferrable:  # asked for again by id, it says so
-                        await self.keeper.keep(
-                            scope, request, None, error_event(cancelled, request.id)
-                        )
-                    await msg.ack()  # not acked: the redelivery is refused, kept and answered
+                    await release.cancelled(cancelled)
                 return  # the cancel was ours to act on; the task ends normally
             if keepalive.stopped:  # a newer attempt took it over while this worker stood still
                 self.count("superseded")
@@ -318,24 +398,19 @@ class Handler:
             if await lapsed():  # not ours to fail: its holder (or redelivery) continues it
                 log.warning("generation failed after a lapse", code=err.code.value)
                 return
-            await self.outcomes.failed(msg, publisher, writer, err, attempt, request=request)
+            await self.outcomes.failed(msg, publisher, writer, err, attempt, keep=release.failed)
         except Exception as exc:  # a bug: answer typed, keep the worker alive
             log.exception("request crashed")
             if await lapsed():
                 return
-            await self.outcomes.failed(
-                msg,
-                publisher,
-                writer,
-                MeshError(f"worker failure: {type(exc).__name__}", retryable=True),
-                attempt,
-                request=request,
-            )
+            crash = MeshError(f"worker failure: {type(exc).__name__}", retryable=True)
+            await self.outcomes.failed(msg, publisher, writer, crash, attempt, keep=release.failed)
         finally:
             keepalive.stop()
             self.publishers.pop(address, None)
             self.keepalives.pop(address, None)
 
+    # -- what the worker asks of the requests being served -----------------------------------
     def alive(self, address: str) -> dict[str, bool]:
         """What this worker says of the request on ``address`` to a reader who asks whether it
         is there: whether it holds it, and whether its engine stands still on it."""
@@ -367,28 +442,3 @@ class Handler:
         timeout = min(self._ws.publish_timeout, 0.2 * self._stream.ack_wait)
         events = await self.store.replay(address, timeout=timeout)
         return any(isinstance(e, StartEvent) and e.attempt > attempt for e in events)
-
-    async def _keep(
-        self, msg: Msg, scope: str, request: InferRequest, publisher: AnswerPublisher
-    ) -> bool:
-        """Keep a finished answer for its site; False when it cannot be kept now. The message
-        is then handed back, not failed (its answer is out already): a later delivery finds it
-        done and keeps it without generating again."""
-        try:
-            await self.keeper.keep(scope, request, publisher)
-        except MeshError as err:
-            log.warning("answer not kept; handing the request back", error=err.message)
-            self.count("requeued")
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
-            return False
-        return True
-
-    async def _claim(
-        self, scope: str, request: InferRequest, copy: int, fingerprint: str
-    ) -> Lease | str | None:
-        """The lease for queued copy ``copy`` of a request that can wait (see
-        :meth:`Leases.claim`); a copy whose answer is kept already counts as answered."""
-        return await self.leases.claim(
-            scope, request.id, copy, fingerprint, lambda: self.keeper.exists(scope, request.id)
-        )

@@ -1,19 +1,19 @@
 """What earlier attempts of a request left in the answer store, and what a new delivery does
 with it: continue the answer from the stored prefix, start it over, or (when the outcome is
-stored already) make that outcome final without generating again."""
+stored already) make that outcome final without generating again.
+
+Both paths of :mod:`cloud_node.serve` use it; a request that can wait reads the store by its own
+rule too (:mod:`cloud_node.deferred`: a second copy looks on its first delivery)."""
 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Awaitable, Callable
-from enum import Enum
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
 
-from cloud_node.keeper import Keeper
 from cloud_node.publisher import AnswerPublisher
 from mesh.answer_store import AnswerStore
 from mesh.logs import get_logger
@@ -24,38 +24,18 @@ from protocol.stream import AnswerState, AnswerWriter, Resume
 log = get_logger(__name__)
 
 
-class Unread(Enum):
-    """What :meth:`Takeover.history` finds for a request that can wait when the answer store
-    cannot be read: another queued copy may have begun the answer, unseen."""
-
-    STORE = "the answer store could not be read"
-
-
-def unseen_attempt() -> int:
-    """An attempt number above any the answer store can hold: microseconds since the epoch
-    (about 1.8e15, exact in JSON's doubles too). Given to a copy of a request that can wait
-    which could not read the store: another copy may have begun the answer unseen, numbered
-    from 1, and readers would take two attempts numbered alike for one and mix their tokens.
-    Numbered above, this attempt's start is the newest: readers start over with it, and drop
-    the other copy's later events. Attempts that read the store later number after it."""
-    return time.time_ns() // 1000
-
-
 class Takeover:
     def __init__(
         self,
         store: AnswerStore,
-        keeper: Keeper,
         *,
         node: str,
         continues: bool,
         count: Callable[..., None],
         stats: Any,
         takeovers: Any,
-        ack: Callable[[Msg], Awaitable[None]],
     ) -> None:
         self.store = store
-        self.keeper = keeper
         self.node = node
         """This worker, as events name it (``cloud:<node_id>``)."""
         self.continues = continues
@@ -66,25 +46,29 @@ class Takeover:
         """The worker's stats: ``continued`` and ``restarted`` are counted here."""
         self.takeovers = takeovers
         """The Prometheus counter of takeovers, by kind."""
-        self.ack = ack
 
-    async def history(
-        self, request: InferRequest, fingerprint: str, publisher: AnswerPublisher, attempt: int
-    ) -> AnswerState | Unread | None:
-        """What earlier attempts left in the answer store (None on a first delivery of a request
-        that cannot wait, or when the store cannot be read: then the answer starts over). A
-        request that can wait is looked up on its first delivery too: it may be a second copy of
-        one another copy began; when the store cannot be read, :attr:`Unread.STORE` says so."""
-        if (attempt == 1 and not request.deferrable) or not self.store.enabled:
+    async def read(self, request_id: str, fingerprint: str, subject: str) -> AnswerState | None:
+        """What earlier attempts left in the answer store under ``subject`` (None when there is
+        no store). Raises :class:`MeshError` when it cannot be read."""
+        if not self.store.enabled:
             return None
-        try:
-            events = await self.store.replay(publisher.subject)
-        except MeshError as err:
-            log.warning("cannot read the answer store; starting over", error=err.message)
-            return Unread.STORE if request.deferrable else None
-        state = AnswerState(request.id, fingerprint=fingerprint)
+        events = await self.store.replay(subject)
+        state = AnswerState(request_id, fingerprint=fingerprint)
         state.feed_all(events)
         return state
+
+    async def history(
+        self, request: InferRequest, fingerprint: str, subject: str, attempt: int
+    ) -> AnswerState | None:
+        """What earlier attempts left, for a redelivery (None on a first delivery, or when the
+        store cannot be read: then the answer starts over)."""
+        if attempt == 1:
+            return None
+        try:
+            return await self.read(request.id, fingerprint, subject)
+        except MeshError as err:
+            log.warning("cannot read the answer store; starting over", error=err.message)
+            return None
 
     def writer(self, request: InferRequest, history: AnswerState, attempt: int) -> AnswerWriter:
         """The writer of a delivery that takes over a started answer: it continues from the
@@ -116,15 +100,12 @@ class Takeover:
         )
 
     async def already_done(
-        self,
-        msg: Msg,
-        publisher: AnswerPublisher,
-        history: AnswerState,
-        request: InferRequest,
-        scope: str,
-    ) -> None:
+        self, msg: Msg, publisher: AnswerPublisher, history: AnswerState
+    ) -> bool:
         """The answer's outcome is stored: an earlier attempt finished but its ack was lost.
-        Never generate a second answer; just make the outcome final."""
+        Never generate a second answer. True when that outcome is the request's, to be made
+        final (the caller lets the message go); False when the store holds another request's
+        answer under this id: refused here, the message terminated."""
         self.count("already_done")
         outcome = history.outcome
         if isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value:
@@ -134,14 +115,6 @@ class Takeover:
                 await publisher.finish(outcome)
             with contextlib.suppress(nats.errors.Error):
                 await msg.term()
-            return
+            return False
         log.info("outcome already stored; acking without generating")
-        if request.deferrable:
-            try:
-                await self.keeper.keep(scope, request, publisher)
-            except MeshError as err:  # handed back at once: the next delivery keeps it
-                log.warning("stored outcome not kept; redelivering", error=err.message)
-                with contextlib.suppress(nats.errors.Error):
-                    await msg.nak(delay=1.0)
-                return
-        await self.ack(msg)
+        return True

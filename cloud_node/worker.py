@@ -29,13 +29,14 @@ from nats.micro.service import Service
 from pydantic import ValidationError
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
+from cloud_node.deferred import DeferrableHandler
 from cloud_node.keeper import Keeper
 from cloud_node.lease import Leases
 from cloud_node.orphans import Orphans
-from cloud_node.outcomes import Outcomes, ack
+from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher, Settler
 from cloud_node.puller import Puller
-from cloud_node.serve import Handler
+from cloud_node.serve import Counts, Parts
 from cloud_node.takeover import Takeover
 from mesh import __version__, kept
 from mesh.answer_store import AnswerStore
@@ -125,13 +126,11 @@ class Worker(Lifecycle):
         )
         self.takeover = Takeover(
             self.store,
-            self.keeper,
             node=f"cloud:{self.node_id}",
             continues=backend.continues,
             count=self._count,
             stats=self.stats,
             takeovers=self.metrics.takeovers,
-            ack=ack,
         )
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
@@ -153,22 +152,20 @@ class Worker(Lifecycle):
         self._reserved = 0
         self._cancels = CancelBook(ttl=self._stream.ack_wait * self._stream.max_deliver + 60)
         self._tasks = TaskSet("worker")
-        self.handler = Handler(
-            settings,
-            conn,
-            backend,
+        parts = Parts(
+            conn=conn,
+            backend=backend,
             store=self.store,
-            keeper=self.keeper,
-            leases=self.leases,
             takeover=self.takeover,
             outcomes=self.outcomes,
             settler=self.settler,
             cancels=self._cancels,
             tasks=self._tasks,
             tracing=self.tracing,
-            metrics=self.metrics,
-            count=self._count,
-            republished=self._count_republished,
+        )
+        counts = Counts(self.metrics, self._count, self._count_republished)
+        self.handler = DeferrableHandler(
+            settings, parts, counts, keeper=self.keeper, leases=self.leases
         )
         self.orphans = Orphans(
             conn,

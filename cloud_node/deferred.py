@@ -1,0 +1,240 @@
+"""Serving a request that can wait (``deferrable``): its own path, beside the plain one.
+
+Such a request's site is not listening while it is answered: it collects the outcome later,
+from where the worker keeps it (:mod:`cloud_node.keeper`). And it may sit in the queue twice (a
+site's forward retried after the queue's dedupe window), both copies under one token subject.
+So its path, :meth:`DeferrableHandler.serve_deferrable`, takes the plain path's steps
+(:mod:`cloud_node.serve`) with these rules of its own:
+
+- **One copy answers.** Before generating, the copy takes the request's lease
+  (:mod:`cloud_node.lease`), and renews it with its progress reports. A copy that finds another
+  being answered, or the answer kept already, is acked without generating; a copy whose lease
+  is taken from it is handed back.
+- **Kept before acked.** Every outcome is kept for the site before the message is let go: the
+  answer, a stored outcome found on a redelivery, a rejection, a final error, a client's cancel
+  (asked for again by id, it says so). When it cannot be kept, the message is handed back and
+  a later delivery keeps it (:class:`KeepFirst`).
+- **Looked up on its first delivery too.** Another copy may have begun the answer: this attempt
+  numbers after it. A copy that cannot read the store cannot see such a start: it numbers its
+  attempt above anything the store can hold (:func:`unseen_attempt`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from enum import Enum
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from cloud_node.keeper import Keeper
+from cloud_node.lease import OTHER_COPY, Holding, Lease, Leases
+from cloud_node.outcomes import Outcomes
+from cloud_node.publisher import AnswerPublisher
+from cloud_node.serve import Ack, Counts, Delivery, Handler, Parts, Release, too_late
+from mesh.config import MeshSettings
+from mesh.logs import get_logger
+from protocol.codec import WireFormat, error_event
+from protocol.errors import MeshError
+from protocol.messages import InferRequest
+from protocol.stream import AnswerState, AnswerWriter, request_fingerprint
+from protocol.subjects import scope_of
+
+log = get_logger(__name__)
+KeepAnswer = Callable[[Msg, str, InferRequest, AnswerPublisher], Awaitable[bool]]
+"""Keeps a finished answer for its site, or hands the message back (False)."""
+
+
+class Unread(Enum):
+    """What a copy finds when the answer store cannot be read: another queued copy may have
+    begun the answer, unseen."""
+
+    STORE = "the answer store could not be read"
+
+
+def unseen_attempt() -> int:
+    """An attempt number above any the answer store can hold: microseconds since the epoch
+    (about 1.8e15, exact in JSON's doubles too). Given to a copy of a request that can wait
+    which could not read the store: another copy may have begun the answer unseen, numbered
+    from 1, and readers would take two attempts numbered alike for one and mix their tokens.
+    Numbered above, this attempt's start is the newest: readers start over with it, and drop
+    the other copy's later events. Attempts that read the store later number after it."""
+    return time.time_ns() // 1000
+
+
+class KeepFirst(Release):
+    """Lets the message of a request that can wait go only once its outcome is kept for its
+    site; when it cannot be kept, the message is handed back, and a later delivery keeps it."""
+
+    def __init__(  # noqa: PLR0917
+        self,
+        msg: Msg,
+        ack: Ack,
+        keep_answer: KeepAnswer,
+        keeper: Keeper,
+        outcomes: Outcomes,
+        scope: str,
+        request: InferRequest,
+    ) -> None:
+        super().__init__(msg, ack)
+        self.keep_answer = keep_answer
+        self.keeper = keeper
+        self.outcomes = outcomes
+        self.scope = scope
+        self.request = request
+
+    async def answered(self, publisher: AnswerPublisher) -> bool:
+        if not await self.keep_answer(self.msg, self.scope, self.request, publisher):
+            return False
+        return await super().answered(publisher)
+
+    async def cancelled(self, err: MeshError) -> None:
+        # Asked for again by id, it says so. Not kept: the message is not acked, and its
+        # redelivery is refused, kept and answered.
+        await self.keeper.keep(self.scope, self.request, None, error_event(err, self.request.id))
+        await super().cancelled(err)
+
+    async def failed(self, err: MeshError) -> bool:
+        return await self.outcomes.kept_or_nak(
+            self.msg, self.scope, self.request, error_event(err, self.request.id)
+        )
+
+
+class DeferrableHandler(Handler):
+    """The worker's handler: the plain path (:class:`cloud_node.serve.Handler`), and beside it
+    the path of requests that can wait, with the two parts only that path uses."""
+
+    def __init__(
+        self,
+        settings: MeshSettings,
+        parts: Parts,
+        counts: Counts,
+        *,
+        keeper: Keeper,
+        leases: Leases,
+    ) -> None:
+        super().__init__(settings, parts, counts)
+        self.keeper = keeper
+        self.leases = leases
+
+    async def serve_deferrable(
+        self, delivery: Delivery, request: InferRequest, fmt: WireFormat
+    ) -> None:
+        """A request that can wait, from its delivery to its ack, its outcome kept first."""
+        msg, attempt = delivery.msg, delivery.attempt
+        try:
+            scope = self._admit(msg, request)
+        except MeshError as err:
+            await self._refuse(msg, scope_of(msg.subject), request, err, attempt)
+            return
+        with self._serving(delivery, request, scope):
+            queued_ms = delivery.queued_ms()
+            publisher = self._publisher(scope, request, fmt)
+            fingerprint = request_fingerprint(request)  # once: a hash of the whole conversation
+            copy = msg.metadata.sequence.stream
+            claimed = await self._claim(scope, request, copy, fingerprint)
+            if claimed == OTHER_COPY:  # that copy is still queued, or its answer is kept
+                self.count("other_copy")
+                log.info("another copy of this request is being answered; acking this one")
+                await self.ack(msg)
+                return
+            holding = Holding(
+                self.leases,
+                claimed if isinstance(claimed, Lease) else None,
+                lambda copy, fingerprint: self._claim(scope, request, copy, fingerprint),
+            )
+            found = await self._history(request, fingerprint, publisher.subject)
+            history = None if found is Unread.STORE else found
+            if history is not None and history.done:
+                if await self.takeover.already_done(
+                    msg, publisher, history
+                ) and await self._keep_stored(msg, scope, request, publisher):
+                    await self.ack(msg)
+                return
+            if await self.keeper.exists(scope, request.id):
+                # Forwarded again after its answer was kept (a flap outlived the dedupe window).
+                self.count("already_done")
+                log.info("answer already kept; acking without generating")
+                await self.ack(msg)
+                return
+            late = too_late(request, history)
+            if late is not None:
+                await self._refuse(msg, scope, request, late, attempt)
+                return
+            if found is Unread.STORE:
+                # Another copy may have begun it unseen: number above it (see unseen_attempt).
+                writer = AnswerWriter(
+                    request.id, attempt=unseen_attempt(), node=self.node, fingerprint=fingerprint
+                )
+            else:  # after every attempt the store holds, another copy's too
+                writer = self._writer(request, fingerprint, history, attempt)
+            release = KeepFirst(
+                msg, self.ack, self._keep, self.keeper, self.outcomes, scope, request
+            )
+            await self._generate(
+                delivery, request, publisher, writer, queued_ms, release, holding.renew
+            )
+
+    async def _history(
+        self, request: InferRequest, fingerprint: str, subject: str
+    ) -> AnswerState | Unread | None:
+        """What earlier attempts left in the answer store, on a first delivery too: this may
+        be a second copy of a request another copy began. :attr:`Unread.STORE` when the store
+        cannot be read; None when there is none."""
+        try:
+            return await self.takeover.read(request.id, fingerprint, subject)
+        except MeshError as err:
+            log.warning("cannot read the answer store; starting over", error=err.message)
+            return Unread.STORE
+
+    async def _refuse(
+        self, msg: Msg, scope: str | None, request: InferRequest, err: MeshError, attempt: int
+    ) -> None:
+        """Reject a request that will never run, its final error kept for its site first (when
+        it cannot be kept, the message is handed back: a later delivery keeps it)."""
+        if scope is not None and not await self.outcomes.kept_or_nak(
+            msg, scope, request, error_event(err, request.id)
+        ):
+            return
+        await self.outcomes.reject(msg, err, attempt)
+
+    async def _keep(
+        self, msg: Msg, scope: str, request: InferRequest, publisher: AnswerPublisher
+    ) -> bool:
+        """Keep a finished answer for its site; False when it cannot be kept now. The message
+        is then handed back, not failed (its answer is out already): a later delivery finds it
+        done and keeps it without generating again."""
+        try:
+            await self.keeper.keep(scope, request, publisher)
+        except MeshError as err:
+            log.warning("answer not kept; handing the request back", error=err.message)
+            self.count("requeued")
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return False
+        return True
+
+    async def _keep_stored(
+        self, msg: Msg, scope: str, request: InferRequest, publisher: AnswerPublisher
+    ) -> bool:
+        """Keep the outcome an earlier attempt stored (its ack was lost); False when it cannot
+        be kept now: handed back at once, the next delivery keeps it."""
+        try:
+            await self.keeper.keep(scope, request, publisher)
+        except MeshError as err:
+            log.warning("stored outcome not kept; redelivering", error=err.message)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return False
+        return True
+
+    async def _claim(
+        self, scope: str, request: InferRequest, copy: int, fingerprint: str
+    ) -> Lease | str | None:
+        """The lease for queued copy ``copy`` (see :meth:`Leases.claim`); a copy whose answer is
+        kept already counts as answered."""
+        return await self.leases.claim(
+            scope, request.id, copy, fingerprint, lambda: self.keeper.exists(scope, request.id)
+        )
