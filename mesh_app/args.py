@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+from collections.abc import Callable
 from typing import Any
 
 from mesh import __version__
@@ -161,27 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=500,
         help="prompts per window for the realized cloud share (default 500)",
     )
-    bench = sub.add_parser(
-        "bench", parents=[common], help="measure paths, relay, model and overload; table + JSON"
-    )
-    bench.add_argument(
-        "part",
-        nargs="?",
-        default="all",
-        choices=[
-            "paths",
-            "relay",
-            "model",
-            "overload",
-            "fleet",
-            "cascade",
-            "failover",
-            "vllm",
-            "all",
-        ],
-        help="one part, or all of them but vllm (which needs a CUDA GPU and vLLM)",
-    )
-    bench.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    _bench_parser(sub, common)
     creds = sub.add_parser(
         "creds", help="write the hub's auth config and credentials for edges, workers, operator"
     )
@@ -205,6 +186,90 @@ def build_parser() -> argparse.ArgumentParser:
     creds.add_argument("--leaf-tls-ca", help="CA file edge sites verify the hub's TLS with")
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
+
+
+def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``mesh bench [PART] [options]``: a sub-command per part, so that a part's own options
+    (``mesh bench registry --puts N``) and the shared ones may follow it."""
+    from mesh_app.bench import PARTS
+
+    bench = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="measure what the mesh costs and carries, part by part; table + JSON",
+        description="Measure the mesh on this machine, one part or all of them; each prints a "
+        "table, and --json writes the figures too. Without a part: all.",
+    )
+    bench.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    parts = bench.add_subparsers(dest="part", metavar="PART", title="parts")
+    bench.set_defaults(part="all")
+    # Each part's parser takes the shared options too, so that they may follow the part. They
+    # default to nothing there: a value given before the part is then not reset to None.
+    shared = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    shared.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    shared.add_argument("--nats-url", help=argparse.SUPPRESS)
+    shared.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    shared.add_argument("--log-format", choices=["auto", "json", "console"])
+    found: dict[str, argparse.ArgumentParser] = {
+        name: parts.add_parser(name, parents=[shared], help=line, description=line)
+        for name, line in PARTS.items()
+    }
+    parts.add_parser("all", parents=[shared], help="every part above not marked 'not in all'")
+
+    def options(part: str, *flags: tuple[str, Callable[[str], Any], str]) -> None:
+        """A part's own options; unset ones are left to the part's defaults."""
+        parser = found[part]
+        group = parser.add_argument_group(f"{part} options")
+        for flag, kind, text in flags:
+            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+        dests = tuple(flag.removeprefix("--").replace("-", "_") for flag, _k, _t in flags)
+        parser.set_defaults(bench_options=dests)
+
+    options(
+        "registry",
+        ("--puts", int, "heartbeat puts (default 20000)"),
+        ("--watchers", int, "connections watching the registry, as edges do (default 10)"),
+    )
+    options(
+        "embedded",
+        (
+            "--requests",
+            int,
+            "requests per path (default 20; coalescing: a quarter, at least 3; store: at least 40)",
+        ),
+        ("--max-tokens", int, "tokens per answer of the bundled model (default 64)"),
+        ("--instant-tokens", int, "tokens per answer of the instant backend (default 4000)"),
+        (
+            "--sections",
+            _sections,
+            "which sections, comma-separated (default model,coalescing,store)",
+        ),
+        ("--rounds", int, "relay throughput rounds in the store section (default 6)"),
+    )
+    options(
+        "confidence",
+        ("--mmlu-per-subject", int, "prompts per MMLU subject (default 12)"),
+        ("--gsm8k", int, "GSM8K prompts (default 120)"),
+        ("--window", int, "generated tokens the confidence is read over (default 8)"),
+        ("--seed", int, "sampling seed (default 0)"),
+        (
+            "--arithmetic",
+            int,
+            "arithmetic questions with gold by construction; 0: none (default 300)",
+        ),
+    )
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    from mesh_app.bench.embedded import SECTIONS
+
+    picked = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(set(picked) - set(SECTIONS))
+    if unknown or not picked:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: pick from {', '.join(SECTIONS)}, comma-separated"
+        )
+    return picked
 
 
 def settings_from_args(args: argparse.Namespace, *, quiet: bool = False) -> MeshSettings:

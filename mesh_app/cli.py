@@ -6,7 +6,8 @@ mesh ask "PROMPT" [--route auto|local|cloud] [--via edge|cloud]
 mesh worker | mesh edge        run one role against MESH_NATS_URL
 mesh provision                 create/update the hub's streams and consumers
 mesh status [--json]           workers, edges, capacity, queue depth and pending acks
-mesh bench [PART] [--json F]   paths, relay, model, overload, fleet, cascade, vllm (GPU)
+mesh bench [PART] [--json F]   paths, relay, model, overload, fleet, cascade, failover;
+                               only when named: vllm (GPU), registry, embedded, confidence
 mesh router train | eval       rebuild the shipped router weights / evaluate the router
 mesh router score --data DIR   score labelled data with the shipped weights [--json]
 mesh creds --out DIR --edge ID... --worker ID... [--expires-in 30d]
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "provision":
             return _run(lambda: _provision(_settings(args), args.models))
         if args.command == "router":
-            from mesh_app.router_cli import router_eval, router_score, router_train
+            from mesh_app.router.commands import router_eval, router_score, router_train
 
             router_settings = _settings(args, quiet=True).edge.router
             data_dir = router_settings.data_dir
@@ -80,14 +81,19 @@ def main(argv: list[str] | None = None) -> int:
                 return router_score(router_settings, max(1, args.window), args.json)
             return router_eval(data_dir, args.group_seeds, args.latency_n)
         if args.command == "bench":
-            from mesh_app.bench import PARTS
+            from mesh_app.bench import ALL
             from mesh_app.bench import run as run_bench
 
             _settings(args, quiet=True)
-            parts = list(PARTS) if args.part == "all" else [args.part]
+            parts = list(ALL) if args.part == "all" else [args.part]
             if "vllm" in parts:
                 _require("vllm", "vllm", "mesh bench vllm")
-            return _run(lambda: run_bench(parts, args.json_path))
+            options = {
+                name: getattr(args, name)
+                for name in getattr(args, "bench_options", ())
+                if hasattr(args, name)
+            }
+            return _run(lambda: run_bench(parts, args.json_path, options))
         if args.command == "status":
             return _run(lambda: _status(_settings(args, quiet=True), args.json))
     except MeshError as err:
@@ -119,7 +125,7 @@ def _creds(args: argparse.Namespace) -> int:
             hub_leaf_url=args.hub_leaf_url,
             leaf_tls_ca=args.leaf_tls_ca,
         )
-    except ValueError as exc:
+    except (ValueError, MeshError) as exc:  # a bad id or duration; bad MESH_* settings
         print(f"mesh: error: {exc}", file=sys.stderr)
         return 2
     print(describe(minted))

@@ -1,6 +1,6 @@
 """``mesh creds``: the hub's auth config and one credential per edge, worker and operator.
 
-Each role gets exactly the subjects its process uses (see the README's threat model):
+Each role gets exactly the subjects its process uses (see docs/security.md's threat model):
 
 - an **edge** (or an edge site's leaf node) publishes only its own requests
   (``mesh.v1.infer.*.<edge>``) and cancels, reads only its own answers (``mesh.v1.tok.<edge>.*``
@@ -12,6 +12,10 @@ Each role gets exactly the subjects its process uses (see the README's threat mo
 - the **operator** may do anything (``mesh provision``, ``mesh status``, the ``nats`` CLI).
 
 Every user has its own inbox prefix, so no one can subscribe to another's replies.
+
+The work queue and the answer store are named by configuration (``MESH_STREAM_NAME``,
+``MESH_STREAM_ANSWER_STREAM``): the permissions name the streams of the settings they are
+minted under, so mint them with the same settings the processes run with.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mesh.config import StreamSettings, load_settings
 from mesh_app import nats_jwt
 from mesh_app.nats_jwt import Key, Permissions
 from protocol.subjects import (
@@ -43,8 +48,6 @@ from protocol.subjects import (
     worker_cancels,
 )
 
-INFER_STREAM = "MESH_INFER"
-TOKEN_STREAM = "MESH_TOK"  # noqa: S105 - a stream name
 KV_STREAM = f"KV_{NODES_BUCKET}"
 EDGE_RESPONSES = 1_000_000
 """Events an edge may send to one client's reply inbox (a streamed answer is many messages)."""
@@ -57,15 +60,19 @@ def inbox_prefix(role: str, name: str) -> str:
     return f"_INBOX.{role}.{name}"
 
 
-def edge_permissions(edge: str, hub_domain: str | None = HUB_DOMAIN) -> Permissions:
+def edge_permissions(
+    edge: str, hub_domain: str | None = HUB_DOMAIN, *, stream: StreamSettings
+) -> Permissions:
     """``hub_domain``: the hub's JetStream domain, which an edge on its site's leaf node (with
-    JetStream of its own) names in every hub API call (``$JS.<domain>.API``)."""
+    JetStream of its own) names in every hub API call (``$JS.<domain>.API``). ``stream``: the
+    settings naming the work queue and the answer store."""
     inbox = inbox_prefix("edge", edge)
+    infer, tokens = stream.name, stream.answer_stream
     site = site_consumer(edge)
     api = (
-        # Answer repairs: a consumer on MESH_TOK whose filter (in the subject) is its own.
-        f"CONSUMER.CREATE.{TOKEN_STREAM}.*.{PREFIX}.tok.{edge}.*",
-        f"CONSUMER.INFO.{INFER_STREAM}.*",
+        # Answer repairs: a consumer on the answer store whose filter (in the subject) is its own.
+        f"CONSUMER.CREATE.{tokens}.*.{PREFIX}.tok.{edge}.*",
+        f"CONSUMER.INFO.{infer}.*",
         # Collecting the answers of requests that could wait: its own durable, filtered.
         f"CONSUMER.CREATE.{ANSWERS_STREAM}.{site}.{site_answers_filter(edge)}",
         f"CONSUMER.INFO.{ANSWERS_STREAM}.{site}",
@@ -104,21 +111,23 @@ def client_permissions(edge: str, name: str) -> Permissions:
     )
 
 
-def worker_permissions(node: str) -> Permissions:
+def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
+    """``stream``: the settings naming the work queue and the answer store."""
     inbox = inbox_prefix("worker", node)
-    streams = (INFER_STREAM, TOKEN_STREAM, KV_STREAM, ANSWERS_STREAM, LEASES_STREAM)
+    infer, tokens = stream.name, stream.answer_stream
+    streams = (infer, tokens, KV_STREAM, ANSWERS_STREAM, LEASES_STREAM)
     return Permissions(
         pub_allow=(
             TOKEN_WILDCARD,
             *(f"$JS.API.STREAM.{op}.{s}" for op in ("INFO", "CREATE", "UPDATE") for s in streams),
-            f"$JS.API.CONSUMER.CREATE.{INFER_STREAM}.>",
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{INFER_STREAM}.>",
-            f"$JS.API.CONSUMER.INFO.{INFER_STREAM}.*",
-            f"$JS.API.CONSUMER.MSG.NEXT.{INFER_STREAM}.*",
-            f"$JS.ACK.{INFER_STREAM}.>",
-            f"$JS.API.STREAM.MSG.GET.{INFER_STREAM}",
-            f"$JS.API.STREAM.MSG.DELETE.{INFER_STREAM}",
-            f"$JS.API.DIRECT.GET.{TOKEN_STREAM}",
+            f"$JS.API.CONSUMER.CREATE.{infer}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{infer}.>",
+            f"$JS.API.CONSUMER.INFO.{infer}.*",
+            f"$JS.API.CONSUMER.MSG.NEXT.{infer}.*",
+            f"$JS.ACK.{infer}.>",
+            f"$JS.API.STREAM.MSG.GET.{infer}",
+            f"$JS.API.STREAM.MSG.DELETE.{infer}",
+            f"$JS.API.DIRECT.GET.{tokens}",
             f"$JS.API.DIRECT.GET.{ANSWERS_STREAM}.>",
             f"$JS.API.DIRECT.GET.{LEASES_STREAM}.>",
             ANSWER_WILDCARD,
@@ -135,7 +144,7 @@ def worker_permissions(node: str) -> Permissions:
             worker_cancels(node),
             worker_alives(node),
             f"{PREFIX}.worker.{node}.status",
-            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{INFER_STREAM}.*",
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{infer}.*",
             f"{inbox}.>",
             *_micro("mesh-worker"),
         ),
@@ -201,6 +210,7 @@ def mint(
     hub_leaf_url: str = "nats-leaf://nats-hub:7422",
     leaf_tls_ca: str | None = None,
     leaf_store_dir: str = "/data/jetstream",
+    stream: StreamSettings | None = None,
 ) -> Minted:
     """Write ``auth.conf`` (include it in the hub's nats-server config) and a ``.creds`` plus an
     ``.env`` per user into ``out``. Keys already in ``out/keys`` are reused, so running it again
@@ -209,13 +219,17 @@ def mint(
 
     Each edge also gets ``leaf-<edge>.conf``: its site's nats-server, a leaf node that dials
     ``hub_leaf_url`` with the edge's credentials (and verifies the hub's TLS certificate against
-    ``leaf_tls_ca`` when given), so the hub holds the whole site to the edge's permissions."""
+    ``leaf_tls_ca`` when given), so the hub holds the whole site to the edge's permissions.
+
+    ``stream`` names the streams the permissions cover; unset, this process's settings
+    (``MESH_STREAM_*``) do."""
     for name in [*edges, *workers, *(app for _e, app in clients)]:
         if not is_token(name):
             raise ValueError(f"{name!r} is not a valid edge, worker or app id ([A-Za-z0-9_-])")
     for edge, _app in clients:
         if edge not in edges:
             raise ValueError(f"--client names edge {edge!r}, which is not among --edge")
+    stream = stream or load_settings().stream
     out.mkdir(parents=True, exist_ok=True)
     keys = _keys(out / "keys")
     expires = int((now or time.time()) + expires_in) if expires_in else 0
@@ -237,7 +251,7 @@ def mint(
         user(
             f"edge-{edge}",
             f"edge {edge}",
-            edge_permissions(edge),
+            edge_permissions(edge, stream=stream),
             {
                 "MESH_EDGE_EDGE_ID": edge,
                 "MESH_NATS_SCOPE": edge,
@@ -273,7 +287,7 @@ def mint(
         user(
             f"worker-{worker}",
             f"worker {worker}",
-            worker_permissions(worker),
+            worker_permissions(worker, stream=stream),
             {
                 "MESH_WORKER_NODE_ID": worker,
                 "MESH_NATS_INBOX_PREFIX": inbox_prefix("worker", worker),

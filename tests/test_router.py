@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_node.learned.data import Dataset, default_data_dir, load_dataset
-from edge_node.learned.evaluate import calibration, evaluate, roc_auc, routing_metrics
 from edge_node.learned.features import MAX_CHARS, SCALAR_NAMES, extract
 from edge_node.learned.model import WEIGHTS_PATH, RouterModel
-from edge_node.learned.router import LearnedRouter, train_on
-from edge_node.learned.train import TrainConfig, stratified_folds
+from edge_node.learned.router import LearnedRouter
 from edge_node.router import decide
 from edge_node.routing import create_router
 from mesh.config import RouterSettings
+from mesh_app.router.data import Dataset, default_data_dir, load_dataset
+from mesh_app.router.evaluate import calibration, evaluate, roc_auc, routing_metrics
+from mesh_app.router.train import TrainConfig, stratified_folds, train_on
 from protocol.errors import MeshError
 from protocol.messages import InferRequest
 
@@ -91,6 +91,28 @@ def test_feature_hashing_is_the_same_in_every_process() -> None:
     }
     assert len(runs) == 1
     assert runs.pop().strip() == str(extract("the quick brown fox jumps").buckets.tolist())
+
+
+def test_the_edge_loads_only_what_scores_a_prompt() -> None:
+    """Training, evaluation and the routing data are the `mesh router` tool's (mesh_app.router):
+    the edge's router, made and asked as the edge does, imports none of them."""
+    code = (
+        "import sys;"
+        "from edge_node.routing import create_router;"
+        "from mesh.config import RouterSettings;"
+        "from protocol.messages import InferRequest;"
+        "create_router(RouterSettings()).score(InferRequest(prompt='What is 2+2?'));"
+        "print(sorted(m for m in sys.modules if m.startswith(('edge_node.learned', 'mesh_app'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    ).stdout
+    runtime = ["", ".features", ".model", ".router"]
+    assert loaded.strip() == str([f"edge_node.learned{m}" for m in runtime])
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_node.learned.data import Dataset, default_data_dir, load_dataset
 from edge_node.learned.model import WEIGHTS_PATH, RouterModel
 from edge_node.learned.router import LearnedRouter
 from edge_node.router import CloudBudget, decide
 from edge_node.routing import create_router
 from mesh.config import RouterSettings
+from mesh_app.router.data import Dataset, default_data_dir, load_dataset
 from protocol.messages import InferRequest, RouteDecision
 
 DATA = default_data_dir()

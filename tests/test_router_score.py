@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
-from edge_node.learned.data import load_dataset
 from edge_node.learned.model import WEIGHTS_PATH, RouterModel
+from mesh_app.router.data import load_dataset
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "routing_small"
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}

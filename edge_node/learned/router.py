@@ -7,12 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
-from edge_node.learned.data import Dataset
-from edge_node.learned.features import extract
 from edge_node.learned.model import WEIGHTS_PATH, RouterModel
-from edge_node.learned.train import TrainConfig, train
 from edge_node.router import CloudBudget
 from mesh.config import RouterSettings
 from protocol.errors import ErrorCode, MeshError
@@ -79,31 +74,4 @@ def budget_from_settings(
         state_file=settings.budget_state if persist else None,
         fingerprint=fingerprint,
         clock=clock,
-    )
-
-
-CLASS_NAMES = {
-    "three_class": ["local right", "both wrong", "escalation helps"],
-    "local_wrong": ["local right", "local wrong"],
-}
-
-
-def train_on(data: Dataset, cfg: TrainConfig | None = None) -> RouterModel:
-    """The shipped model: trained on every row of the routing data."""
-    cfg = cfg or TrainConfig()
-    rows = [extract(p) for p in data.prompts]
-    subjects = sorted(set(data.subject.tolist()))
-    y, classes = data.classes(cfg.target)
-    return train(
-        rows,
-        y,
-        data.outcome,
-        cfg,
-        meta={
-            "label": "local model fails (weak model wrong)",
-            "classes": CLASS_NAMES[cfg.target],
-            "subjects": len(subjects),
-            "base_rate": round(float(np.mean(data.local_fails)), 4),
-        },
-        classes=classes,
     )

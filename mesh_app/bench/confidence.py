@@ -1,11 +1,14 @@
-"""Evaluation: does the local model's own confidence tell when to escalate, beyond stage 0?
+"""``mesh bench confidence``: does the local model's own confidence tell when to escalate,
+beyond stage 0?
 
-    .venv/bin/python -m benchmarks.eval_confidence [--mmlu-per-subject 12] [--gsm8k 120]
-        [--window 8] [--json out.json]
+    mesh bench confidence [--mmlu-per-subject 12] [--gsm8k 120] [--window 8] [--seed 0]
+        [--arithmetic 300] [--json out.json]
 
-Runs the bundled GGUF (greedy) on labelled prompts from ``../shared/routing`` and reads, over
-its first ``--window`` generated tokens, the confidence the edge's mid-answer escalation uses
-(mean and max entropy, mean and min top log-probability). Two labels:
+Not part of ``mesh bench all``: it needs the routing data in ``../shared/routing`` and
+llama-cpp-python, and takes minutes. Runs the bundled GGUF (greedy) on labelled prompts from
+the routing data and reads, over its first ``--window`` generated tokens, the confidence the
+edge's mid-answer escalation uses (mean and max entropy, mean and min top log-probability).
+Two labels:
 
 - **the local model's own correctness** (GSM8K): rows where the strong model is marked correct
   give the gold number (the last number of its response); the local answer is right when its
@@ -20,8 +23,7 @@ first token against the time to the window's last token.
 
 from __future__ import annotations
 
-import argparse
-import json
+import asyncio
 import re
 import time
 from typing import Any
@@ -29,12 +31,12 @@ from typing import Any
 import numpy as np
 
 from edge_node.confidence import summarise
-from edge_node.learned.data import Dataset, load_dataset, subject_groups
-from edge_node.learned.evaluate import out_of_fold, roc_auc, routing_metrics, subject_folds
 from edge_node.learned.features import extract
-from edge_node.learned.train import TrainConfig
 from mesh.config import load_settings
 from mesh.models import resolve_model_path
+from mesh_app.router.data import Dataset, load_dataset, subject_groups
+from mesh_app.router.evaluate import out_of_fold, roc_auc, routing_metrics, subject_folds
+from mesh_app.router.train import TrainConfig
 
 FEATURES = ("mean_entropy", "max_entropy", "mean_logprob", "min_logprob")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -68,13 +70,15 @@ def run_model(
     from mesh.backends.llama_cpp import _Probe
 
     model = load_settings(environ={}).edge.model
-    llm = Llama(str(resolve_model_path(model.path)), n_ctx=model.n_ctx, n_threads=1, verbose=False)
+    path = str(resolve_model_path(model.path))
+    # Any: the stream's chunks are read as plain dicts, as llama-cpp-python yields them.
+    llm: Any = Llama(path, n_ctx=model.n_ctx, n_threads=1, verbose=False)
     out: list[dict[str, Any]] = []
     for i, prompt in enumerate(prompts):
         probe = _Probe(window)
         began = time.perf_counter()
         times: list[float] = []
-        text = []
+        text: list[str] = []
         stream = llm.create_chat_completion(
             messages=[{"role": "user", "content": prompt}],
             stream=True,
@@ -82,7 +86,7 @@ def run_model(
             max_tokens=max_tokens if i in long_for else window,
             logits_processor=[probe],
         )
-        readings = []
+        readings: list[tuple[float, float]] = []
         for part in stream:
             piece = part["choices"][0].get("delta", {}).get("content")
             if piece:
@@ -141,16 +145,21 @@ def logistic_cv(x: np.ndarray, y: np.ndarray, folds: np.ndarray) -> np.ndarray:
     return scores
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mmlu-per-subject", type=int, default=12)
-    parser.add_argument("--gsm8k", type=int, default=120)
-    parser.add_argument("--window", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arithmetic", type=int, default=300)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+async def run(
+    *,
+    mmlu_per_subject: int = 12,
+    gsm8k: int = 120,
+    window: int = 8,
+    seed: int = 0,
+    arithmetic: int = 300,
+) -> dict[str, Any]:
+    """The report; the model runs in a thread, so the event loop stays free."""
+    return await asyncio.to_thread(measure, mmlu_per_subject, gsm8k, window, seed, arithmetic)
 
+
+def measure(
+    mmlu_per_subject: int, gsm8k: int, window: int, seed: int, arithmetic_n: int
+) -> dict[str, Any]:
     data = load_dataset()
     print(f"stage 0 out of fold, whole subjects held out ({len(data.prompts)} rows)...", flush=True)
     groups = subject_groups(data)
@@ -158,15 +167,15 @@ def main() -> None:
     rows = [extract(p) for p in data.prompts]
     stage0_all = out_of_fold(data, rows, folds, TrainConfig())
 
-    index = sample_rows(data, args.mmlu_per_subject, args.gsm8k, args.seed)
+    index = sample_rows(data, mmlu_per_subject, gsm8k, seed)
     sample = data.subset(index)
     stage0 = stage0_all[index]
     is_gsm = sample.subject == "gsm8k"
     print(f"running the bundled model on {len(index)} prompts ({is_gsm.sum()} GSM8K)...")
-    results = run_model(sample.prompts, args.window, set(np.flatnonzero(is_gsm).tolist()))
+    results = run_model(sample.prompts, window, set(np.flatnonzero(is_gsm).tolist()))
     ok = np.array([r["confidence"] is not None for r in results])
     feats = feature_matrix(results)
-    report: dict[str, Any] = {"window": args.window, "rows": len(index)}
+    report: dict[str, Any] = {"window": window, "rows": len(index)}
 
     # Label 1: "escalation helps" (RouteLLM's weak and strong models), every sampled row.
     helps = sample.escalation_helps.astype(float)
@@ -216,8 +225,8 @@ def main() -> None:
         own["auc_stage0"] = roc_auc(stage0[ks], wrong)
         own["features_auc"] = feature_aucs(feats[ks], wrong)
     report["gsm8k_own_correctness"] = own
-    if args.arithmetic:
-        report["arithmetic_own_correctness"] = arithmetic(args.arithmetic, args.window, args.seed)
+    if arithmetic_n:
+        report["arithmetic_own_correctness"] = arithmetic(arithmetic_n, window, seed)
 
     ttft = np.array([r["ttft_s"] for r in results if r["ttft_s"] is not None]) * 1000
     hold = np.array([r["window_s"] for r in results if r["window_s"] is not None]) * 1000
@@ -228,10 +237,7 @@ def main() -> None:
         "window_p99": float(np.percentile(hold, 99)),
     }
     report["scored_rows"] = int(ok.sum())
-    _print(report)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=2)
+    return report
 
 
 def arithmetic(n: int, window: int, seed: int) -> dict[str, Any]:
@@ -275,7 +281,7 @@ def _strong_responses(data: Dataset, rows: np.ndarray) -> list[str]:
     import csv
     import sys
 
-    from edge_node.learned.data import STRONG, default_data_dir
+    from mesh_app.router.data import STRONG, default_data_dir
 
     csv.field_size_limit(sys.maxsize)
     wanted = {data.prompts[i] for i in rows}
@@ -288,18 +294,18 @@ def _strong_responses(data: Dataset, rows: np.ndarray) -> list[str]:
     return [found.get(data.prompts[i], "") for i in rows]
 
 
-def _print(report: dict[str, Any]) -> None:
-    print(f"\nwindow: first {report['window']} tokens; rows: {report['rows']}")
-    print("\n'escalation helps' (RouteLLM labels), subject-held-out folds:")
-    print(f"  {'scorer':<20} {'AUC':>6} {'APGR':>6} {'CPT50':>6} {'CPT80':>6} {'q95':>6}")
+def render(report: dict[str, Any]) -> str:
+    lines = [f"confidence: first {report['window']} tokens; rows: {report['rows']}"]
+    lines.append("\n'escalation helps' (RouteLLM labels), subject-held-out folds:")
+    lines.append(f"  {'scorer':<20} {'AUC':>6} {'APGR':>6} {'CPT50':>6} {'CPT80':>6} {'q95':>6}")
     for name in ("stage0", "confidence", "stage0+confidence"):
         m = report["escalation_helps"][name]
-        print(
+        lines.append(
             f"  {name:<20} {m['auc']:6.3f} {m['apgr']:6.3f} {m['cpt50']:6.3f} "
             f"{m['cpt80']:6.3f} {m['q95']:6.3f}"
         )
     w = report["within_fold_auc"]
-    print(
+    lines.append(
         f"  mean AUC within held-out folds: stage 0 {w['stage0']:.3f}, confidence "
         f"{w['confidence']:.3f}, both {w['stage0+confidence']:.3f}"
     )
@@ -307,37 +313,36 @@ def _print(report: dict[str, Any]) -> None:
         report["escalation_helps"]["stage0+confidence"]["auc"]
         - report["escalation_helps"]["stage0"]["auc"]
     )
-    print(f"  AUC added by confidence: {added:+.3f}")
-    print("  single features:", _fmt(report["escalation_helps"]["features_auc"]))
+    lines.append(f"  AUC added by confidence: {added:+.3f}")
+    lines.append(f"  single features: {_fmt(report['escalation_helps']['features_auc'])}")
     own = report["gsm8k_own_correctness"]
-    print(f"\nGSM8K, the bundled model's own correctness ({own['rows']} rows with a gold number):")
+    lines.append(
+        f"\nGSM8K, the bundled model's own correctness ({own['rows']} rows with a gold number):"
+    )
     if own["rows"]:
-        print(
+        lines.append(
             f"  local right: {own['local_right']}; "
             f"AUC('local wrong') stage 0 {own['auc_stage0']:.3f}"
         )
-        print("  single features:", _fmt(own["features_auc"]))
+        lines.append(f"  single features: {_fmt(own['features_auc'])}")
     ari = report.get("arithmetic_own_correctness")
     if ari:
-        print(
+        lines.append(
             f"\narithmetic with gold by construction ({ari['rows']} questions), the bundled "
             f"model's own correctness: right {ari['local_right']}"
         )
-        print(
+        lines.append(
             f"  AUC('local wrong'): stage 0 {ari['auc_stage0']:.3f}, confidence (5-fold) "
             f"{ari['auc_confidence_cv']:.3f}, both {ari['auc_stage0+confidence_cv']:.3f}"
         )
-        print("  single features:", _fmt(ari["features_auc"]))
+        lines.append(f"  single features: {_fmt(ari['features_auc'])}")
     h = report["hold_cost_ms"]
-    print(
+    lines.append(
         f"\nhold cost: TTFT p50 {h['ttft_p50']:.0f} ms (p99 {h['ttft_p99']:.0f}); "
         f"window's last token p50 {h['window_p50']:.0f} ms (p99 {h['window_p99']:.0f})"
     )
+    return "\n".join(lines)
 
 
 def _fmt(values: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in values.items())
-
-
-if __name__ == "__main__":
-    main()

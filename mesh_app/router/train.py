@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from edge_node.learned.features import Features
+from edge_node.learned.features import Features, extract
 from edge_node.learned.model import RouterModel, bucket_score
+from mesh_app.router.data import Dataset
 
 
 @dataclass(frozen=True)
@@ -213,4 +214,31 @@ def train(
             "positives": int(fails.sum()),
             **(meta or {}),
         },
+    )
+
+
+CLASS_NAMES = {
+    "three_class": ["local right", "both wrong", "escalation helps"],
+    "local_wrong": ["local right", "local wrong"],
+}
+
+
+def train_on(data: Dataset, cfg: TrainConfig | None = None) -> RouterModel:
+    """The shipped model: trained on every row of the routing data."""
+    cfg = cfg or TrainConfig()
+    rows = [extract(p) for p in data.prompts]
+    subjects = sorted(set(data.subject.tolist()))
+    y, classes = data.classes(cfg.target)
+    return train(
+        rows,
+        y,
+        data.outcome,
+        cfg,
+        meta={
+            "label": "local model fails (weak model wrong)",
+            "classes": CLASS_NAMES[cfg.target],
+            "subjects": len(subjects),
+            "base_rate": round(float(np.mean(data.local_fails)), 4),
+        },
+        classes=classes,
     )

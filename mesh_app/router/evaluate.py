@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_node.learned.data import Dataset, prompt_groups, subject_groups
 from edge_node.learned.features import Features, extract
-from edge_node.learned.train import TrainConfig, sigmoid, stratified_folds, train
+from mesh_app.router.data import Dataset, prompt_groups, subject_groups
+from mesh_app.router.train import TrainConfig, sigmoid, stratified_folds, train
 
 METRICS = ("auc", "auc_fail", "apgr", "cpt50", "cpt80", "q95")
 

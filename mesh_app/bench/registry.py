@@ -1,18 +1,16 @@
-"""Benchmark: what the node registry's fan-out costs the server.
-
-    .venv/bin/python -m benchmarks.bench_registry [--puts 20000] [--watchers 10]
+"""``mesh bench registry``: what the node registry's fan-out costs the server.
 
 Every worker's heartbeat (a KV put on ``mesh_nodes``) is delivered to every edge watching the
-registry: W x E deliveries a second. This puts ``--puts`` heartbeat-sized entries (100 keys,
-like 100 workers) while ``--watchers`` connections watch the bucket as edges do, and prints the
+registry: W x E deliveries a second. This puts ``puts`` heartbeat-sized entries (100 keys, like
+100 workers) while ``watchers`` connections watch the bucket as edges do, and reports the
 nats-server's CPU per delivery (the put's share included).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -21,9 +19,10 @@ from nats.js import api
 from mesh.nats_server import NatsServer
 from mesh.registry import NodeInfo
 from mesh_app.bench.common import cpu_seconds
+from protocol.subjects import NODES_BUCKET
 
 
-async def run(puts: int, watchers: int) -> None:
+async def run(*, puts: int = 20_000, watchers: int = 10) -> dict[str, Any]:
     async with NatsServer() as server:
         assert server.pid is not None
         conns = [await nats.connect(server.url) for _ in range(watchers + 1)]
@@ -33,7 +32,7 @@ async def run(puts: int, watchers: int) -> None:
                 .jetstream()
                 .create_key_value(
                     api.KeyValueConfig(
-                        bucket="mesh_nodes", history=1, ttl=3, storage=api.StorageType.FILE
+                        bucket=NODES_BUCKET, history=1, ttl=3, storage=api.StorageType.FILE
                     )
                 )
             )
@@ -41,7 +40,7 @@ async def run(puts: int, watchers: int) -> None:
             all_seen = asyncio.Event()
 
             async def follow(i: int, nc: Client) -> None:
-                watch = await (await nc.jetstream().key_value("mesh_nodes")).watchall()
+                watch = await (await nc.jetstream().key_value(NODES_BUCKET)).watchall()
                 async for entry in watch:
                     if entry is not None:
                         got[i] += 1
@@ -59,19 +58,24 @@ async def run(puts: int, watchers: int) -> None:
             wall, cpu = time.perf_counter() - began, cpu_seconds(server.pid) - cpu0
             for task in tasks:
                 task.cancel()
-            deliveries = puts * watchers
-            print(
-                f"{puts} puts x {watchers} watchers = {deliveries} deliveries in {wall:.2f} s; "
-                f"nats-server CPU {cpu:.2f} s = {cpu / deliveries * 1e6:.1f} us per delivery"
-            )
         finally:
             for nc in conns:
                 await nc.close()
+    deliveries = puts * watchers
+    return {
+        "puts": puts,
+        "watchers": watchers,
+        "deliveries": deliveries,
+        "wall_s": wall,
+        "server_cpu_s": cpu,
+        "server_cpu_per_delivery_us": cpu / deliveries * 1e6,
+    }
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--puts", type=int, default=20_000)
-    parser.add_argument("--watchers", type=int, default=10)
-    args = parser.parse_args()
-    asyncio.run(run(args.puts, args.watchers))
+def render(results: dict[str, Any]) -> str:
+    r = results
+    return (
+        f"registry: {r['puts']} puts x {r['watchers']} watchers = {r['deliveries']} deliveries "
+        f"in {r['wall_s']:.2f} s; nats-server CPU {r['server_cpu_s']:.2f} s = "
+        f"{r['server_cpu_per_delivery_us']:.1f} us per delivery"
+    )

@@ -8,12 +8,13 @@ import time
 
 import numpy as np
 
-from edge_node.learned.data import default_data_dir, load_dataset
-from edge_node.learned.evaluate import Report, baselines, evaluate, latency_ms, routing_metrics
 from edge_node.learned.model import WEIGHTS_PATH, RouterModel
-from edge_node.learned.router import LearnedRouter, budget_from_settings, train_on
+from edge_node.learned.router import LearnedRouter, budget_from_settings
 from edge_node.router import decide
 from mesh.config import RouterSettings
+from mesh_app.router.data import default_data_dir, load_dataset
+from mesh_app.router.evaluate import Report, baselines, evaluate, latency_ms, routing_metrics
+from mesh_app.router.train import train_on
 from protocol.errors import ErrorCode, MeshError
 from protocol.messages import InferRequest
 
