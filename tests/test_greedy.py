@@ -26,6 +26,8 @@ from protocol.messages import InferRequest
 DAYS = "List the days of the week, numbered."
 OTHERS = ("Name three fruits.", "List the days of the week")  # the second: a shared prefix
 
+pytestmark = pytest.mark.slow  # the real model, generating the same answers again and again
+
 
 async def _text(backend: LlamaCppBackend, request: InferRequest) -> str:
     return "".join([chunk.text async for chunk in backend.generate(request)])

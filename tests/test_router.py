@@ -228,12 +228,14 @@ def test_weights_of_the_one_head_format_still_load(shipped: RouterModel, tmp_pat
 
 # -- training: determinism, reproducibility, calibration -----------------------------------
 @needs_data
+@pytest.mark.slow
 def test_training_is_deterministic(data: Dataset) -> None:
     subset = data.subset(np.arange(0, len(data.prompts), 4))
     assert train_on(subset).to_json() == train_on(subset).to_json()
 
 
 @needs_data
+@pytest.mark.slow
 def test_both_targets_train_a_probability_of_local_failure(data: Dataset) -> None:
     subset = data.subset(np.arange(0, len(data.prompts), 4))
     binary = train_on(subset, TrainConfig(target="local_wrong"))
@@ -247,6 +249,7 @@ def test_both_targets_train_a_probability_of_local_failure(data: Dataset) -> Non
 
 
 @needs_data
+@pytest.mark.slow
 def test_shipped_weights_are_reproduced_by_the_train_command(
     data: Dataset, shipped: RouterModel
 ) -> None:
@@ -259,6 +262,7 @@ def test_shipped_weights_are_reproduced_by_the_train_command(
 
 
 @needs_data
+@pytest.mark.slow
 def test_probabilities_are_calibrated_on_unseen_prompts(data: Dataset) -> None:
     folds = stratified_folds(data.outcome, 5, seed=7)
     train_idx, test_idx = np.flatnonzero(folds != 0), np.flatnonzero(folds == 0)
@@ -298,6 +302,7 @@ def test_routing_metrics_on_a_worked_example() -> None:
 
 
 @needs_data
+@pytest.mark.slow
 def test_evaluation_beats_the_baselines_on_a_sample(data: Dataset) -> None:
     sample = data.subset(np.arange(0, len(data.prompts), 3))
     report = evaluate(sample)
@@ -333,6 +338,7 @@ async def test_learned_router_through_the_real_mesh(
     assert edge.metrics.get("route.local") == 1 and edge.metrics.get("route.cloud") == 1
 
 
+@pytest.mark.slow
 async def test_prompt_too_long_for_the_local_model_goes_to_the_cloud(
     worker: object, edge: object, client: object
 ) -> None:
