@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from cloud_node.cancels import CancelBook
 from protocol.errors import (
     CancelledByClientError,
@@ -30,7 +28,7 @@ def check(request: InferRequest, address: str, model: str, cancels: CancelBook) 
             request_id=request.id,
             details=[{"loc": "reply", "msg": "not this request's token subject"}],
         )
-    if request.deadline is not None and time.time() >= request.deadline:
+    if request.past_deadline():
         raise DeadlineExceededError(
             "the request's deadline passed before it could start", request_id=request.id
         )

@@ -61,6 +61,7 @@ from protocol.subjects import (
     token_subject,
     worker_alive_subject,
     worker_alives,
+    worker_of,
 )
 
 log = get_logger(__name__)
@@ -195,8 +196,8 @@ class Orphans:
         start, done = newest_start(events)
         if start is None or done:
             return "done" if done else "not started"
-        node = start.node.removeprefix("cloud:")
-        if not start.node.startswith("cloud:") or not start.delivery:
+        node = worker_of(start.node)
+        if node is None or not start.delivery:
             return "not a worker's delivery"
         if node == self.node_id:
             return "alive"  # this very worker: it holds it, or it let it go already

@@ -57,7 +57,7 @@ from protocol.errors import (
 )
 from protocol.messages import InferRequest, StartEvent
 from protocol.stream import AnswerState, AnswerWriter, request_fingerprint
-from protocol.subjects import scope_of, token_subject
+from protocol.subjects import cloud_node_name, scope_of, token_subject
 
 log = get_logger(__name__)
 Ack = Callable[[Msg], Awaitable[None]]
@@ -140,7 +140,7 @@ def too_late(request: InferRequest, history: AnswerState | None) -> MeshError | 
     """The error of a request no worker started before its ``start_by`` (one that an earlier
     attempt started is continued past it)."""
     started_before = history is not None and history.started
-    if started_before or request.start_by is None or time.time() < request.start_by:
+    if started_before or not request.past_start_by():
         return None
     return DeadlineExceededError(
         "no worker could start the request before its start_by time", request_id=request.id
@@ -166,7 +166,7 @@ class Handler(ABC):
         self.metrics = counts.metrics
         self.count = counts.count
         self.republished = counts.republished
-        self.node = f"cloud:{settings.worker.node_id}"
+        self.node = cloud_node_name(settings.worker.node_id)
         """This worker, as events name it."""
         self._ws = settings.worker
         self._stream = settings.stream

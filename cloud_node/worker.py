@@ -54,6 +54,7 @@ from protocol.errors import MeshError, MeshTimeoutError
 from protocol.subjects import (
     CANCEL_WILDCARD,
     addressed,
+    cloud_node_name,
     consumer_name,
     is_reply_inbox,
     model_token,
@@ -126,7 +127,7 @@ class Worker(Lifecycle):
         )
         self.takeover = Takeover(
             self.store,
-            node=f"cloud:{self.node_id}",
+            node=cloud_node_name(self.node_id),
             continues=backend.continues,
             count=self._count,
             stats=self.stats,
@@ -143,7 +144,7 @@ class Worker(Lifecycle):
             self.store,
             self.keeper,
             settings.stream,
-            node=f"cloud:{self.node_id}",
+            node=cloud_node_name(self.node_id),
             publish_timeout=settings.worker.publish_timeout,
             count=self._count,
             exhausted=self._exhausted,

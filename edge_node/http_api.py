@@ -63,7 +63,7 @@ from protocol.messages import (
     TokenEvent,
     WireEvent,
 )
-from protocol.stream import AnswerState
+from protocol.stream import AnswerState, starts_over
 from protocol.subjects import is_token
 
 log = get_logger(__name__)
@@ -182,7 +182,7 @@ class _SSESink:
             self.sent += 1
             await self._send(chunk)
         elif isinstance(event, StartEvent):
-            if event.seq < self.sent:
+            if starts_over(event, self.sent):
                 why = event.reason or "a worker stopped"
                 await self._fail(
                     IncompleteAnswerError(

@@ -30,7 +30,7 @@ from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event
 from protocol.errors import DuplicateRequestError, MeshError, OverloadedError, status_of
 from protocol.messages import EndEvent, ErrorEvent, StartEvent, TokenEvent, WireEvent
-from protocol.stream import AnswerState
+from protocol.stream import AnswerState, starts_over
 
 log = get_logger(__name__)
 SERVICE_ERROR = "Nats-Service-Error"
@@ -142,7 +142,7 @@ class Record:
     async def emit(self, events: list[WireEvent]) -> None:
         """Pass events on to every sink, in order (a sink that fails is skipped, logged)."""
         for event in events:
-            if isinstance(event, StartEvent) and event.seq < self.state.positions:
+            if starts_over(event, self.state.positions):
                 self.restarts += 1
             self.state.feed(event)
             self.log.append(event)

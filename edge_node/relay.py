@@ -48,6 +48,7 @@ from protocol.messages import (
     new_request_id,
     token_event,
 )
+from protocol.subjects import worker_of
 
 log = get_logger(__name__)
 
@@ -222,7 +223,7 @@ class CloudRelay:
                 )
             for event in await reader.next(min(_TICK_S, hard_end - now)):
                 if isinstance(event, StartEvent):
-                    worker = event.node.removeprefix("cloud:")
+                    worker = worker_of(event.node) or event.node
                     first_token_by = clock() + first_token_wait if self.local_fits else None
                     gone_since = None
                 elif isinstance(event, TokenEvent):

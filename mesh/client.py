@@ -66,7 +66,7 @@ from protocol.messages import (
     TokenEvent,
     WireEvent,
 )
-from protocol.stream import AnswerState
+from protocol.stream import AnswerState, starts_over
 from protocol.subjects import (
     DEFAULT_SCOPE,
     edge_answer_subject,
@@ -385,7 +385,7 @@ class MeshClient(Lifecycle):
                     passed_on += 1
                     yield event
                 elif isinstance(event, StartEvent):
-                    if event.seq < passed_on:
+                    if starts_over(event, passed_on):
                         yield RestartEvent(
                             id=event.id,
                             attempt=event.attempt,

@@ -39,6 +39,7 @@ from protocol.subjects import (
     token_subject,
     worker_alive_subject,
     worker_cancel_subject,
+    worker_of,
 )
 
 log = get_logger(__name__)
@@ -225,9 +226,9 @@ class CloudCall(Lifecycle):
         checks for itself and hands the delivery back to the queue at once (see
         :mod:`cloud_node.orphans`), and the answer goes on from the store within a second
         rather than after ``ack_wait``."""
-        if not state.node.startswith("cloud:"):
+        node = worker_of(state.node)
+        if node is None:
             return
-        node = state.node.removeprefix("cloud:")
         if (node, state.attempt) in self._reported:
             return
         nc = self.conn.nc
@@ -281,10 +282,8 @@ class CloudCall(Lifecycle):
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
         payload = cancel_payload(self.request.cancel_key)
-        node = self.reader.state.node  # who started it, from its start event (if one came)
-        held = node.startswith("cloud:") and await self._cancel_at(
-            node.removeprefix("cloud:"), payload
-        )
+        node = worker_of(self.reader.state.node)  # who started it (if a start event came)
+        held = node is not None and await self._cancel_at(node, payload)
         if not held:  # queued, or its worker is gone or let it go: whoever takes it next must know
             with contextlib.suppress(Exception):
                 await self.conn.nc.publish(cancel_subject(self.scope, self.request.id), payload)

@@ -222,11 +222,20 @@ class InferRequest(_Wire):
     def turns(self) -> int:
         return len(self.messages) if self.messages is not None else 1
 
-    def is_expired(self, now: float | None = None) -> bool:
+    def past_deadline(self, now: float | None = None) -> bool:
+        """The deadline passed: nobody should work on the request any more."""
         now = time.time() if now is None else now
-        return (self.deadline is not None and now >= self.deadline) or (
-            self.start_by is not None and now >= self.start_by
-        )
+        return self.deadline is not None and now >= self.deadline
+
+    def past_start_by(self, now: float | None = None) -> bool:
+        """Its ``start_by`` passed: nobody may begin it now (an attempt that began in time may
+        still be continued: the worker decides that)."""
+        now = time.time() if now is None else now
+        return self.start_by is not None and now >= self.start_by
+
+    def is_expired(self, now: float | None = None) -> bool:
+        """Too late to begin: the deadline or ``start_by`` passed."""
+        return self.past_deadline(now) or self.past_start_by(now)
 
 
 class Usage(_Wire):

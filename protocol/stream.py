@@ -64,6 +64,13 @@ def digest_of(text: str, previous: int = 0) -> int:
     return zlib.crc32(text.encode("utf-8", "surrogatepass"), previous)
 
 
+def starts_over(event: WireEvent, passed_on: int) -> bool:
+    """Whether ``event`` begins the answer again before what a reader already passed on: a
+    start at a position below the ``passed_on`` positions its client has. The SDK then yields a
+    ``RestartEvent``, an SSE stream ends in ``incomplete``, and the edge counts a restart."""
+    return isinstance(event, StartEvent) and event.seq < passed_on
+
+
 def request_fingerprint(request: InferRequest) -> str:
     """A short hash of what a request asks (model, conversation, sampling), not of who sent it or
     how it travels: the same question under the same id has the same fingerprint."""

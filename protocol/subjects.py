@@ -62,6 +62,21 @@ _UNSAFE_RE = re.compile(r"[^A-Za-z0-9_-]")
 _SUBJECT_RE = re.compile(r"^[^\s.*>]+(\.[^\s.*>]+)*$")
 
 
+CLOUD_NODE = "cloud:"
+"""How a worker names itself in the ``node`` of its ``start`` events (``cloud:<node_id>``); an
+edge answering locally names itself without it."""
+
+
+def cloud_node_name(node_id: str) -> str:
+    """The ``node`` a worker puts in its start events."""
+    return f"{CLOUD_NODE}{node_id}"
+
+
+def worker_of(node: str) -> str | None:
+    """The worker's node id in a start event's ``node``; None when a worker did not start it."""
+    return node[len(CLOUD_NODE) :] if node.startswith(CLOUD_NODE) else None
+
+
 def is_token(value: str) -> bool:
     """True when ``value`` can be used as one subject token as it is."""
     return bool(_TOKEN_RE.match(value))
