@@ -21,12 +21,10 @@ So its path, :meth:`DeferrableHandler.serve_deferrable`, takes the plain path's 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from enum import Enum
 
-import nats.errors
 from nats.aio.msg import Msg
 
 from cloud_node.keeper import Keeper
@@ -206,29 +204,19 @@ class DeferrableHandler(Handler):
         """Keep a finished answer for its site; False when it cannot be kept now. The message
         is then handed back, not failed (its answer is out already): a later delivery finds it
         done and keeps it without generating again."""
-        try:
-            await self.keeper.keep(scope, request, publisher)
-        except MeshError as err:
-            log.warning("answer not kept; handing the request back", error=err.message)
+        kept = await self.keeper.keep_or_hand_back(msg, scope, request, publisher, what="answer")
+        if not kept:
             self.count("requeued")
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
-            return False
-        return True
+        return kept
 
     async def _keep_stored(
         self, msg: Msg, scope: str, request: InferRequest, publisher: AnswerPublisher
     ) -> bool:
         """Keep the outcome an earlier attempt stored (its ack was lost); False when it cannot
         be kept now: handed back at once, the next delivery keeps it."""
-        try:
-            await self.keeper.keep(scope, request, publisher)
-        except MeshError as err:
-            log.warning("stored outcome not kept; redelivering", error=err.message)
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
-            return False
-        return True
+        return await self.keeper.keep_or_hand_back(
+            msg, scope, request, publisher, what="stored outcome"
+        )
 
     async def _claim(
         self, scope: str, request: InferRequest, copy: int, fingerprint: str

@@ -9,18 +9,23 @@ kept (a site's forward retried past the queue's dedupe window) is acked without 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js.errors import APIError, NotFoundError
 
 from cloud_node.publisher import AnswerPublisher
 from mesh import kept
 from mesh.answer_store import AnswerStore
 from mesh.connection import Connection
+from mesh.logs import get_logger
 from protocol.errors import MeshError
 from protocol.messages import Answer, ErrorEvent, InferRequest, StartEvent, WireEvent
 from protocol.stream import request_fingerprint
 from protocol.subjects import ANSWERS_STREAM, answer_subject
+
+log = get_logger(__name__)
 
 
 class Keeper:
@@ -28,6 +33,28 @@ class Keeper:
         self.conn = conn
         self.store = store
         self.timeout = timeout
+
+    async def keep_or_hand_back(
+        self,
+        msg: Msg,
+        scope: str,
+        request: InferRequest,
+        publisher: AnswerPublisher | None,
+        outcome: Answer | ErrorEvent | None = None,
+        *,
+        what: str,
+    ) -> bool:
+        """:meth:`keep`, or, when it cannot keep now, hand the queue message back (a nak, 1 s):
+        a later delivery finds the outcome stored and keeps it. The one rule for every keep
+        before a deferrable request's message is let go; ``what`` names it in the log."""
+        try:
+            await self.keep(scope, request, publisher, outcome)
+        except MeshError as err:
+            log.warning(f"{what} not kept; handing the request back", error=err.message)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return False
+        return True
 
     async def _events(self, publisher: AnswerPublisher) -> list[WireEvent]:
         """The answer's events: what the store holds (every attempt's), or, when the store

@@ -153,14 +153,9 @@ class Outcomes:
     ) -> bool:
         """Keep a request-that-can-wait's final error before its message is let go; when it
         cannot be kept, hand the message back (False) so a later delivery keeps it."""
-        try:
-            await self.keeper.keep(scope, request, None, outcome)
-        except MeshError as err:
-            log.warning("final error not kept; redelivering", error=err.message)
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
-            return False
-        return True
+        return await self.keeper.keep_or_hand_back(
+            msg, scope, request, None, outcome, what="final error"
+        )
 
     async def _keep_patiently(
         self, scope: str, request: InferRequest, outcome: Answer | ErrorEvent
