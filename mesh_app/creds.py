@@ -315,7 +315,8 @@ jetstream {{
 }}
 
 leafnodes {{
-  reconnect: 1
+  # Redialled every second after a drop (nats-server's default; 2.15 warns about an integer
+  # `reconnect`, and servers before it cannot read a duration there).
   remotes: [
     {{
       url: "{hub_url}"

@@ -10,11 +10,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import socket
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,8 @@ import yaml
 from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
-from mesh.nats_server import NatsServer
-from mesh.testing.chaos import MeshProcess, wait_for_edge, wait_for_worker
+from mesh.nats_server import NatsServer, find_nats_server
+from mesh.testing.chaos import MeshProcess, TcpProxy, wait_for_edge, wait_for_worker
 from mesh_app.creds import mint
 from protocol.subjects import orphan_subject, worker_alive_subject, worker_cancel_subject
 from tests.helpers import eventually
@@ -106,15 +107,21 @@ def _cpu_worker(creds: Path, hub: NatsServer, tmp_path: Path) -> MeshProcess:
     )
 
 
-@pytest.fixture
-async def deployed(tmp_path: Path) -> AsyncIterator[tuple[NatsServer, NatsServer, Path]]:
+@contextlib.asynccontextmanager
+async def _deployment(
+    tmp_path: Path, *, uplink_proxy: bool = False
+) -> AsyncIterator[tuple[NatsServer, NatsServer, Path, TcpProxy | None]]:
+    """The hub from compose/nats/hub.conf and site1's leaf from the config `mesh creds` wrote;
+    ``uplink_proxy``: the leaf dials the hub through a proxy that can be cut (what sits in front
+    of a hub in a deployment: a load balancer, a NAT's public address)."""
     creds = tmp_path / "creds"
     leaf_port = _free_port()
+    proxy = await TcpProxy(leaf_port).start() if uplink_proxy else None
     mint(
         creds,
         edges=["site1"],
         workers=["gpu-1", "cpu-1"],
-        hub_leaf_url=f"nats-leaf://127.0.0.1:{leaf_port}",
+        hub_leaf_url=f"nats-leaf://127.0.0.1:{proxy.port if proxy else leaf_port}",
     )
     hub_port, site_port = _free_port(), _free_port()
     hub_conf = tmp_path / "hub.conf"
@@ -142,17 +149,68 @@ async def deployed(tmp_path: Path) -> AsyncIterator[tuple[NatsServer, NatsServer
     hub = await NatsServer(config=str(hub_conf), port=hub_port).start()
     leaf = await NatsServer(config=str(leaf_conf), port=site_port).start()
     try:
-        assert leaf.log_path is not None
-        log_path = leaf.log_path
-
-        async def linked() -> bool:
-            return "Leafnode connection created" in log_path.read_text()
-
-        await eventually(linked, timeout=10, what="leaf node to connect to the hub")
-        yield hub, leaf, creds
+        await eventually(_seen(leaf, LINKED, 1), timeout=10, what="leaf node to connect to the hub")
+        yield hub, leaf, creds, proxy
     finally:
         await leaf.stop()
         await hub.stop()
+        if proxy is not None:
+            await proxy.stop()
+
+
+LINKED = "Leafnode connection created"
+UNLINKED = "Leafnode connection closed"
+
+
+def _leaf_log(leaf: NatsServer) -> str:
+    assert leaf.log_path is not None
+    return leaf.log_path.read_text()
+
+
+def _seen(leaf: NatsServer, line: str, times: int) -> Callable[[], Awaitable[bool]]:
+    """A check for :func:`eventually`: ``line`` is in the leaf's log at least ``times`` times."""
+
+    async def check() -> bool:
+        return _leaf_log(leaf).count(line) >= times
+
+    return check
+
+
+@pytest.fixture
+async def deployed(tmp_path: Path) -> AsyncIterator[tuple[NatsServer, NatsServer, Path]]:
+    async with _deployment(tmp_path) as (hub, leaf, creds, _proxy):
+        yield hub, leaf, creds
+
+
+def test_the_minted_leaf_config_passes_nats_servers_own_config_test(tmp_path: Path) -> None:
+    """nats-server 2.15 refused the leaf config's `reconnect: 1` in its config test ("reconnect
+    should be converted to a duration") and warned at start; the minted config passes."""
+    mint(tmp_path / "creds", edges=["site1"], workers=[], hub_leaf_url="nats-leaf://127.0.0.1:7422")
+    conf = tmp_path / "leaf.conf"
+    conf.write_text(
+        _localize(
+            (tmp_path / "creds" / "leaf-site1.conf").read_text(),
+            {'store_dir: "/data/jetstream"': f'store_dir: "{tmp_path / "site"}"'},
+        )
+    )
+    checked = subprocess.run(
+        [find_nats_server(), "-c", str(conf), "-t"], check=False, capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+
+
+async def test_a_leaf_behind_a_proxy_redials_only_the_proxy(tmp_path: Path) -> None:
+    """After its uplink drops, a site's leaf dials the hub again through the address it was
+    given, not around it: the hub advertises no leafnode URLs of its own (``no_advertise``). A
+    leaf that had gone around the proxy would keep its link when the proxy is cut for good."""
+    async with _deployment(tmp_path, uplink_proxy=True) as (_hub, leaf, _creds, proxy):
+        assert proxy is not None
+        proxy.cut(1.5)  # the uplink drops; the leaf redials meanwhile
+        await eventually(_seen(leaf, LINKED, 2), timeout=15, what="the leaf to relink")
+        proxy.cut(3600)  # now only a link around the proxy would survive
+        await eventually(
+            _seen(leaf, UNLINKED, 2), timeout=10, what="the relinked leaf to lose its link"
+        )
 
 
 async def test_the_compose_topology_runs_as_processes(
