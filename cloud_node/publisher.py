@@ -1,13 +1,13 @@
 """Publishing one attempt's events on the request's token subject, so that none is lost.
 
-Events go out with a plain publish, through the connection's outbox (:mod:`mesh.outbox`): the
-answer store (stream ``MESH_TOK``) captures them as they pass, and the hot path waits for
-nothing. The end (or final error) goes through JetStream, after the outbox is flushed, and waits
-for its ack: once it returns, the store holds the outcome, and only then does the worker ack the
-request. If the connection dropped while the answer streamed, events written to the old socket
-may never have reached the server (likewise when the outbox dropped a burst); the publisher then
-reads what the store kept and publishes again whatever of its own events is missing. Readers
-drop the duplicates.
+Events go out with a plain publish, through the connection's write batch
+(:mod:`mesh.write_batch`): the answer store (stream ``MESH_TOK``) captures them as they pass, and
+the hot path waits for nothing. The end (or final error) goes through JetStream, after the write
+batch is flushed, and waits for its ack: once it returns, the store holds the outcome, and only
+then does the worker ack the request. If the connection dropped while the answer streamed,
+events written to the old socket may never have reached the server (likewise when the write
+batch dropped a burst); the publisher then reads what the store kept and publishes again
+whatever of its own events is missing. Readers drop the duplicates.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class AnswerPublisher:
         self._headers = {CONTENT_TYPE: fmt.content_type}
         self._sent: list[tuple[WireEvent, bytes]] = []
         self._reconnects = conn.reconnects
-        self._failures = conn.outbox.failures
+        self._failures = conn.write_batch.failures
         self._lock = asyncio.Lock()
         self.republished = 0
         self.last_token: float | None = None
@@ -71,7 +71,7 @@ class AnswerPublisher:
     async def send(self, event: WireEvent) -> None:
         data = dump_event(event, self.fmt)
         self._sent.append((event, data))
-        # Through the outbox, written together with other answers' events (the start and the
+        # Through the write batch, written together with other answers' events (the start and the
         # first token never wait for its gap). Raises MeshError once the connection is closed.
         # Tokens go without headers: their first byte tells msgpack from JSON, and a header
         # costs both ends a parse per message (relay without coalescing: the client's CPU per
@@ -81,16 +81,16 @@ class AnswerPublisher:
             self.last_token = time.monotonic()
         else:
             headers = self._headers
-        self.conn.outbox.put(self.subject, data, headers, now=len(self._sent) <= 2)
+        self.conn.write_batch.put(self.subject, data, headers, now=len(self._sent) <= 2)
 
     async def finish(self, event: EndEvent | ErrorEvent) -> bool:
         """Publish the outcome and make sure the store holds the whole attempt; False when that
         could not be confirmed (the outcome still went out as a plain publish)."""
         data = dump_event(event, self.fmt)
         self._sent.append((event, data))
-        await self.conn.outbox.flush()  # the events before it go first
+        await self.conn.write_batch.flush()  # the events before it go first
         stored = await self._publish_stored(data)
-        unbroken = self.conn.outbox.failures == self._failures  # no burst of events dropped
+        unbroken = self.conn.write_batch.failures == self._failures  # no burst of events dropped
         if stored and unbroken and self.conn.reconnects == self._reconnects:
             return True
         if await self.catch_up():
@@ -123,8 +123,8 @@ class AnswerPublisher:
         # The counters move on only once the store is known to hold everything: a catch-up
         # that failed leaves them behind, so that finish() checks again.
         reconnects = self.conn.reconnects
-        await self.conn.outbox.flush()  # what is still queued is not missing
-        failures = self.conn.outbox.failures
+        await self.conn.write_batch.flush()  # what is still queued is not missing
+        failures = self.conn.write_batch.failures
         try:
             kept = await self.store.replay(self.subject, timeout=self.timeout)
         except (MeshError, nats.errors.Error) as err:

@@ -389,7 +389,7 @@ class Handler(ABC):
             # Shutdown or a lost lease: give it back so another worker continues it promptly,
             # after what this attempt generated (the next one resumes from the store).
             self.count("requeued")
-            await self.conn.flush_outbox()
+            await self.conn.flush_write_batch()
             if not await lapsed():  # else not ours to give back: its holder continues it
                 with contextlib.suppress(nats.errors.Error):
                     await msg.nak()

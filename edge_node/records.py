@@ -68,10 +68,10 @@ def _status(code: str) -> int:
 class NatsSink:
     """A NATS client's inbox: every event (streaming), or one ``answer`` or ``err`` at the end.
 
-    Streamed tokens go through the connection's outbox (:mod:`mesh.outbox`), written together
-    with other answers' tokens; the first token never waits, and every other event is published
-    after what the outbox holds, so the client gets them in order. ``on_error`` learns of each
-    typed error sent (the micro endpoint's error count)."""
+    Streamed tokens go through the connection's write batch (:mod:`mesh.write_batch`), written
+    together with other answers' tokens; the first token never waits, and every other event is
+    published after what the write batch holds, so the client gets them in order. ``on_error``
+    learns of each typed error sent (the micro endpoint's error count)."""
 
     def __init__(
         self,
@@ -98,7 +98,8 @@ class NatsSink:
         elif self.streaming and isinstance(event, TokenEvent):
             self._tokens += 1
             data = dump_event(event, self.fmt)
-            self.conn.outbox.put(self.inbox, data, None, now=self._tokens == 1)  # as a worker's
+            first = self._tokens == 1  # never waits, as a worker's
+            self.conn.write_batch.put(self.inbox, data, None, now=first)
         elif self.streaming:
             await self._publish(dump_event(event, self.fmt), self._headers)
         else:
@@ -115,7 +116,7 @@ class NatsSink:
             self._on_error(event)
 
     async def _publish(self, data: bytes, headers: dict[str, str]) -> None:
-        await self.conn.outbox.flush()  # tokens still held go first
+        await self.conn.write_batch.flush()  # tokens still held go first
         try:
             await self.conn.nc.publish(self.inbox, data, headers=headers)
         except nats.errors.Error as exc:

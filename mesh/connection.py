@@ -24,8 +24,8 @@ from mesh.config import NatsSettings
 from mesh.credentials import check_creds_file
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
-from mesh.outbox import Outbox
 from mesh.recovery import Recovery, Step
+from mesh.write_batch import WriteBatch
 from protocol.errors import UnauthorizedError, UnavailableError
 
 log = get_logger(__name__)
@@ -42,7 +42,7 @@ class Connection(Lifecycle):
         self.patient = patient
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
-        self._outbox: Outbox | None = None
+        self._write_batch: WriteBatch | None = None
         self._closing = False
         self.reconnects = 0
         """Reconnects since connect()."""
@@ -64,16 +64,16 @@ class Connection(Lifecycle):
         return self._nc
 
     @property
-    def outbox(self) -> Outbox:
-        """Where answer events that may wait a moment are published (see :mod:`mesh.outbox`)."""
-        if self._outbox is None:
+    def write_batch(self) -> WriteBatch:
+        """Where answer events that may wait a moment are published (:mod:`mesh.write_batch`)."""
+        if self._write_batch is None:
             raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
-        return self._outbox
+        return self._write_batch
 
-    async def flush_outbox(self) -> None:
-        """Publish what the outbox holds now (nothing to do when not connected)."""
-        if self._outbox is not None:
-            await self._outbox.flush()
+    async def flush_write_batch(self) -> None:
+        """Publish what the write batch holds now (nothing to do when not connected)."""
+        if self._write_batch is not None:
+            await self._write_batch.flush()
 
     @property
     def js(self) -> JetStreamContext:
@@ -194,7 +194,7 @@ class Connection(Lifecycle):
                 "running? `mesh up` starts a local one"
             ) from None
         self._nc = client
-        self._outbox = Outbox(client, self.settings.write_gap_ms / 1000)
+        self._write_batch = WriteBatch(client, self.settings.write_gap_ms / 1000)
         self._js = client.jetstream(
             timeout=self.settings.request_timeout, domain=self.settings.hub_domain
         )
@@ -204,12 +204,12 @@ class Connection(Lifecycle):
     async def close(self) -> None:
         """Drain subscriptions and flush pending publishes, within the drain timeout."""
         client, self._nc, self._js = self._nc, None, None
-        outbox, self._outbox = self._outbox, None
+        write_batch, self._write_batch = self._write_batch, None
         await self.recovery.close()
         if client is None or client.is_closed:
             return
-        if outbox is not None:
-            await outbox.close()
+        if write_batch is not None:
+            await write_batch.close()
         self._closing = True
         try:
             await asyncio.wait_for(client.drain(), timeout=self.settings.drain_timeout + 1)

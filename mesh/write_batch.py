@@ -5,12 +5,12 @@ several answers hands the loop between its tasks so often that nearly every toke
 out in a write of its own: a system call here, and a read and a wakeup in the server and in every
 reader downstream (``mesh bench relay``: 4 streams x 4,000 tokens, 16 tokens a message).
 
-An :class:`Outbox` holds such messages and publishes them in one burst, so that nats-py writes
+A :class:`WriteBatch` holds such messages and publishes them in one burst, so that nats-py writes
 them in one go:
 
 - after a quiet spell (nothing written for ``gap`` seconds) a message goes as soon as the loop
-  comes round, as it did without the outbox;
-- a busy outbox writes at most once per ``gap``, each write taking everything queued;
+  comes round, as it did without the write batch;
+- a busy write batch writes at most once per ``gap``, each write taking everything queued;
 - ``now=True`` (an answer's first events) never waits for the gap: time to first token is not
   traded for throughput.
 
@@ -41,7 +41,7 @@ _ONE_MESSAGE = (
 """Publish errors about one message, not the connection: the rest of a burst still goes."""
 
 
-class Outbox:
+class WriteBatch:
     """Publishes on ``client``; ``gap`` seconds: the shortest time between two writes while
     busy (0: every message goes when the loop comes round)."""
 
@@ -87,7 +87,7 @@ class Outbox:
 
     def _kick(self) -> None:
         self._scheduled = None
-        task = asyncio.get_running_loop().create_task(self.flush(), name="outbox-flush")
+        task = asyncio.get_running_loop().create_task(self.flush(), name="write-batch-flush")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

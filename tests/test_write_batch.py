@@ -1,6 +1,6 @@
-"""The outbox: answer events written together, in order, without holding back a first token.
+"""The write batch: answer events written together, in order, without holding back a first token.
 
-Real nats-server; the outbox publishes on one connection, a plain subscriber on another reads.
+Real nats-server; the write batch publishes on one connection, a plain subscriber on another reads.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.outbox import Outbox
 from mesh.testing.chaos import Server
+from mesh.write_batch import WriteBatch
 from protocol.codec import WireFormat
 from protocol.errors import ErrorCode, MeshError
 from protocol.messages import EndEvent, TokenEvent, Usage
@@ -64,38 +64,40 @@ async def _until(got: list[bytes], changed: asyncio.Event, count: int) -> None:
 
 
 async def test_a_burst_is_one_write_in_order(nats_server: NatsServer) -> None:
-    reader, got, changed = await _reader(nats_server, "outbox.burst")
+    reader, got, changed = await _reader(nats_server, "batch.burst")
     nc = await nats.connect(nats_server.url)
     try:
-        box = Outbox(nc, gap=0.001)
+        box = WriteBatch(nc, gap=0.001)
         sent = [f"m{i}".encode() for i in range(200)]
         for data in sent:
-            box.put("outbox.burst", data, HEADERS)
+            box.put("batch.burst", data, HEADERS)
         await _until(got, changed, 200)
         assert got == sent
-        assert box.writes == 1  # without the outbox: nats-py wrote as often as the loop turned
+        assert box.writes == 1  # without the write batch: nats-py wrote as often as the loop turned
     finally:
         await nc.close()
         await reader.close()
 
 
-async def test_a_busy_outbox_holds_events_but_never_a_first_one(nats_server: NatsServer) -> None:
-    reader, got, changed = await _reader(nats_server, "outbox.gap")
+async def test_a_busy_write_batch_holds_events_but_never_a_first_one(
+    nats_server: NatsServer,
+) -> None:
+    reader, got, changed = await _reader(nats_server, "batch.gap")
     nc = await nats.connect(nats_server.url)
     try:
-        box = Outbox(nc, gap=30.0)
-        box.put("outbox.gap", b"first", HEADERS)  # after a quiet spell: at once
+        box = WriteBatch(nc, gap=30.0)
+        box.put("batch.gap", b"first", HEADERS)  # after a quiet spell: at once
         await _until(got, changed, 1)
-        box.put("outbox.gap", b"held", HEADERS)  # within the gap of the last write: held
-        await nc.publish("outbox.gap", b"direct, later")  # not through the outbox
+        box.put("batch.gap", b"held", HEADERS)  # within the gap of the last write: held
+        await nc.publish("batch.gap", b"direct, later")  # not through the write batch
         await _until(got, changed, 2)
         assert got == [b"first", b"direct, later"]
-        box.put("outbox.gap", b"first of another answer", HEADERS, now=True)
+        box.put("batch.gap", b"first of another answer", HEADERS, now=True)
         await _until(got, changed, 4)  # goes at once, and takes what was held with it, in order
         assert got[2:] == [b"held", b"first of another answer"]
-        box.put("outbox.gap", b"last token", HEADERS)
+        box.put("batch.gap", b"last token", HEADERS)
         assert await box.flush()  # before an end published directly
-        await nc.publish("outbox.gap", b"end")
+        await nc.publish("batch.gap", b"end")
         await _until(got, changed, 6)
         assert got[4:] == [b"last token", b"end"]
     finally:
@@ -107,14 +109,14 @@ async def test_events_that_cannot_be_published_make_the_next_put_raise(
     nats_server: NatsServer,
 ) -> None:
     nc = await nats.connect(nats_server.url)
-    box = Outbox(nc, gap=0.0)
-    box.put("outbox.closed", b"before", HEADERS)
+    box = WriteBatch(nc, gap=0.0)
+    box.put("batch.closed", b"before", HEADERS)
     assert await box.flush()
     await nc.close()
-    box.put("outbox.closed", b"lost", HEADERS)
+    box.put("batch.closed", b"lost", HEADERS)
     assert not await box.flush()
     with pytest.raises(MeshError) as raised:
-        box.put("outbox.closed", b"refused", HEADERS)
+        box.put("batch.closed", b"refused", HEADERS)
     assert raised.value.code == ErrorCode.UNAVAILABLE
     assert "ConnectionClosedError" in raised.value.message
 
@@ -140,16 +142,16 @@ async def test_a_message_too_large_is_skipped_and_other_answers_go_on(
 ) -> None:
     """One bad message costs only itself: the answer queued behind it in the same burst is
     published, and is not told of another's failure."""
-    store, publisher, writer = await _answer(conn, settings, "outboxtest", timeout=5)
+    store, publisher, writer = await _answer(conn, settings, "batchtest", timeout=5)
     await publisher.send(writer.start())
     await publisher.send(writer.token("a"))
-    assert await conn.outbox.flush()
-    conn.outbox.put("outbox.poison", b"x" * (conn.nc.max_payload + 1), None)
+    assert await conn.write_batch.flush()
+    conn.write_batch.put("batch.poison", b"x" * (conn.nc.max_payload + 1), None)
     await publisher.send(writer.token("b"))
-    assert not await conn.outbox.flush()  # the poison failed...
+    assert not await conn.write_batch.flush()  # the poison failed...
     await publisher.send(writer.token("c"))  # ...and this answer is not told of it
     with pytest.raises(MeshError):
-        conn.outbox.put("outbox.poison", b"next", None)  # the poisoned subject is
+        conn.write_batch.put("batch.poison", b"next", None)  # the poisoned subject is
     assert await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
     kept = await store.replay(publisher.subject, timeout=5)
     assert _tokens(kept) == [(0, "a"), (1, "b"), (2, "c")]
@@ -171,7 +173,7 @@ async def test_tokens_lost_in_an_outage_reach_the_store_before_the_answer_counts
         store, publisher, writer = await _answer(conn, settings, "outage", timeout=2)
         await publisher.send(writer.start())
         await publisher.send(writer.token("a"))
-        assert await conn.outbox.flush()
+        assert await conn.write_batch.flush()
         await conn.nc.flush(timeout=5)
         await server.stop()
         await eventually(_is(lambda: not conn.connected), what="the connection sees the outage")
@@ -180,7 +182,7 @@ async def test_tokens_lost_in_an_outage_reach_the_store_before_the_answer_counts
                 while True:
                     await conn.nc.publish("outage.junk", b"x" * size)
         await publisher.send(writer.token("b"))
-        assert not await conn.outbox.flush()  # dropped: the buffer is full
+        assert not await conn.write_batch.flush()  # dropped: the buffer is full
         assert not await publisher.catch_up()  # the store cannot be read during the outage
         await server.start()
         await eventually(_is(lambda: conn.connected), what="reconnected")
