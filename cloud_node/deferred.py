@@ -27,11 +27,12 @@ from enum import Enum
 
 from nats.aio.msg import Msg
 
+from cloud_node.counts import WorkerCounts
 from cloud_node.keeper import Keeper
 from cloud_node.lease import OTHER_COPY, Holding, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
-from cloud_node.serve import Ack, Counts, Delivery, Handler, Parts, Release, too_late
+from cloud_node.serve import Ack, Delivery, Handler, Parts, Release, too_late
 from mesh.config import MeshSettings
 from mesh.logs import get_logger
 from protocol.codec import WireFormat, error_event
@@ -108,7 +109,7 @@ class DeferrableHandler(Handler):
         self,
         settings: MeshSettings,
         parts: Parts,
-        counts: Counts,
+        counts: WorkerCounts,
         *,
         keeper: Keeper,
         leases: Leases,
@@ -134,7 +135,7 @@ class DeferrableHandler(Handler):
             copy = msg.metadata.sequence.stream
             claimed = await self._claim(scope, request, copy, fingerprint)
             if claimed == OTHER_COPY:  # that copy is still queued, or its answer is kept
-                self.count("other_copy")
+                self.counts.outcome("other_copy")
                 log.info("another copy of this request is being answered; acking this one")
                 await self.ack(msg)
                 return
@@ -153,7 +154,7 @@ class DeferrableHandler(Handler):
                 return
             if await self.keeper.exists(scope, request.id):
                 # Forwarded again after its answer was kept (a flap outlived the dedupe window).
-                self.count("already_done")
+                self.counts.outcome("already_done")
                 log.info("answer already kept; acking without generating")
                 await self.ack(msg)
                 return
@@ -206,7 +207,7 @@ class DeferrableHandler(Handler):
         done and keeps it without generating again."""
         kept = await self.keeper.keep_or_hand_back(msg, scope, request, publisher, what="answer")
         if not kept:
-            self.count("requeued")
+            self.counts.outcome("requeued")
         return kept
 
     async def _keep_stored(

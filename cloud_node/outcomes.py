@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 import nats.errors
 from nats.aio.msg import Msg
 
+from cloud_node.counts import WorkerCounts
 from cloud_node.keeper import Keeper
 from cloud_node.publisher import AnswerPublisher
 from mesh.answer_store import AnswerStore
@@ -56,8 +57,7 @@ class Outcomes:
         *,
         node: str,
         publish_timeout: float,
-        count: Callable[..., None],
-        exhausted: Callable[[], None],
+        counts: WorkerCounts,
         settle: Callable[[AnswerPublisher], None] = lambda _publisher: None,
     ) -> None:
         self.conn = conn
@@ -68,10 +68,8 @@ class Outcomes:
         """Called with a publisher whose final error the store could not confirm."""
         self.node = node
         self.publish_timeout = publish_timeout
-        self.count = count
-        """Counts an outcome (``count("failed", code)``)."""
-        self.exhausted = exhausted
-        """Counts a request answered with max_deliveries."""
+        self.counts = counts
+        """Where rejections, failures (with their codes) and max_deliveries are counted."""
 
     async def reject(self, msg: Msg, err: MeshError, attempt: int) -> None:
         """Answer a request that will never run, where its sender listens, and drop it for good.
@@ -80,7 +78,7 @@ class Outcomes:
             request_id, _reply = reply_target(msg.data, msg.headers)
             if err.request_id is not None and is_token(err.request_id):
                 request_id = err.request_id
-            self.count("rejected", err.code.value)
+            self.counts.outcome("rejected", err.code.value)
             log.warning(
                 "request rejected",
                 code=err.code.value,
@@ -124,7 +122,7 @@ class Outcomes:
         ended in a typed error. ``keep`` keeps that final error before the message is let go
         (a request that can wait: for its site); False when it handed the message back
         instead."""
-        self.count("failed", err.code.value)
+        self.counts.outcome("failed", err.code.value)
         if err.retryable and attempt < self.stream.max_deliver:
             # Another attempt continues from what the store kept of ours.
             log.warning("generation failed; handing it on", code=err.code.value, error=err.message)
@@ -232,7 +230,7 @@ class Outcomes:
                         )
                     )
                 )
-                self.exhausted()
+                self.counts.max_deliveries()
                 log.warning("request exhausted its deliveries", request_id=request_id)
             await jsm.delete_msg(self.stream.name, stream_seq)
         except Exception as exc:  # already gone, or the store cannot be read: nothing to do

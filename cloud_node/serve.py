@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 
 from cloud_node.admission import check
 from cloud_node.cancels import CancelBook
+from cloud_node.counts import WorkerCounts
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive, LoopStalls, Renew
 from cloud_node.publisher import AnswerPublisher, Settler
@@ -44,7 +45,6 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import generate_into
 from mesh.logs import get_logger, log_unknown_fields, trace_id
-from mesh.metrics import WorkerMetrics
 from mesh.queue import trace_headers
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
@@ -78,17 +78,6 @@ class Parts:
     tasks: TaskSet
     """Where progress reports run (the worker's own tasks)."""
     tracing: Tracing
-
-
-@dataclass(frozen=True)
-class Counts:
-    """What serving counts, into the worker's stats and its Prometheus metrics."""
-
-    metrics: WorkerMetrics
-    count: Callable[..., None]
-    """Counts one delivery's outcome (``count("failed", code)``)."""
-    republished: Callable[[AnswerPublisher], None]
-    """Counts the events a publisher published again."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +141,7 @@ class Handler(ABC):
     builds :class:`cloud_node.deferred.DeferrableHandler`, which adds the path of requests that
     can wait."""
 
-    def __init__(self, settings: MeshSettings, parts: Parts, counts: Counts) -> None:
+    def __init__(self, settings: MeshSettings, parts: Parts, counts: WorkerCounts) -> None:
         self.settings = settings
         self.conn = parts.conn
         self.backend = parts.backend
@@ -163,9 +152,8 @@ class Handler(ABC):
         self.cancels = parts.cancels
         self.tasks = parts.tasks
         self.tracing = parts.tracing
-        self.metrics = counts.metrics
-        self.count = counts.count
-        self.republished = counts.republished
+        self.counts = counts
+        """Where every event of serving is counted (STATS and Prometheus)."""
         self.node = cloud_node_name(settings.worker.node_id)
         """This worker, as events name it."""
         self._ws = settings.worker
@@ -193,7 +181,7 @@ class Handler(ABC):
             stalls=self.stalls.count(),
         )
         if delivery.attempt > 1:
-            self.metrics.redeliveries.inc()
+            self.counts.redelivery()
         try:
             request, fmt = decode_request(
                 msg.data,
@@ -355,15 +343,14 @@ class Handler(ABC):
                 routing=request.routing,
             )
             stored = await publisher.finish(end)
-            self.republished(publisher)
+            self.counts.republished(publisher)
             if not stored:  # acked all the same; its events still go to the store when it can
                 self.settler.later(publisher)
             if await lapsed():  # the delivery may be another worker's: it settles the message
                 log.warning("answer done after a lapse; leaving the request to its holder")
             elif not await release.answered(publisher):
                 return
-            self.count("completed")
-            self.metrics.observe(gen, timings)
+            self.counts.served(gen, timings)
             log.info(
                 "request done",
                 tokens=gen.usage.completion_tokens,
@@ -376,7 +363,7 @@ class Handler(ABC):
             )
         except asyncio.CancelledError:
             if self.cancels.cancels(address, request):
-                self.count("cancelled")
+                self.counts.outcome("cancelled")
                 log.info("request cancelled by client")
                 cancelled = CancelledByClientError("cancelled", request_id=request.id)
                 with contextlib.suppress(MeshError, nats.errors.Error):
@@ -384,11 +371,11 @@ class Handler(ABC):
                     await release.cancelled(cancelled)
                 return  # the cancel was ours to act on; the task ends normally
             if keepalive.stopped:  # a newer attempt took it over while this worker stood still
-                self.count("superseded")
+                self.counts.outcome("superseded")
                 return
             # Shutdown or a lost lease: give it back so another worker continues it promptly,
             # after what this attempt generated (the next one resumes from the store).
-            self.count("requeued")
+            self.counts.outcome("requeued")
             await self.conn.flush_write_batch()
             if not await lapsed():  # else not ours to give back: its holder continues it
                 with contextlib.suppress(nats.errors.Error):

@@ -8,12 +8,11 @@ rule too (:mod:`cloud_node.deferred`: a second copy looks on its first delivery)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
 
+from cloud_node.counts import WorkerCounts
 from cloud_node.publisher import AnswerPublisher
 from mesh.answer_store import AnswerStore
 from mesh.logs import get_logger
@@ -31,21 +30,15 @@ class Takeover:
         *,
         node: str,
         continues: bool,
-        count: Callable[..., None],
-        stats: Any,
-        takeovers: Any,
+        counts: WorkerCounts,
     ) -> None:
         self.store = store
         self.node = node
         """This worker, as events name it (``cloud:<node_id>``)."""
         self.continues = continues
         """Whether the backend can continue an answer from a prefix."""
-        self.count = count
-        """Counts a delivery's outcome (stats and Prometheus)."""
-        self.stats = stats
-        """The worker's stats: ``continued`` and ``restarted`` are counted here."""
-        self.takeovers = takeovers
-        """The Prometheus counter of takeovers, by kind."""
+        self.counts = counts
+        """Where takeovers (``continued``, ``restarted``) and ``already_done`` are counted."""
 
     async def read(self, request_id: str, fingerprint: str, subject: str) -> AnswerState | None:
         """What earlier attempts left in the answer store under ``subject`` (None when there is
@@ -76,9 +69,7 @@ class Takeover:
         # A constrained answer (JSON, a schema) cannot resume mid-text: its grammar starts over.
         constrained = request.response_format is not None and request.response_format.type != "text"
         resume = history.resume() if self.continues and not constrained else Resume()
-        kind = "continued" if resume.seq > 0 else "restarted"
-        setattr(self.stats, kind, getattr(self.stats, kind) + 1)
-        self.takeovers.labels(kind=kind).inc()
+        self.counts.takeover("continued" if resume.seq > 0 else "restarted")
         if resume.seq > 0:
             reason = f"continued after {history.node or 'a worker'} stopped"
         else:
@@ -106,7 +97,7 @@ class Takeover:
         Never generate a second answer. True when that outcome is the request's, to be made
         final (the caller lets the message go); False when the store holds another request's
         answer under this id: refused here, the message terminated."""
-        self.count("already_done")
+        self.counts.outcome("already_done")
         outcome = history.outcome
         if isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value:
             # Our own check: the store holds another request's answer under this id.

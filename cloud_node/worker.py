@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -29,14 +28,15 @@ from nats.micro.service import Service
 from pydantic import ValidationError
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
+from cloud_node.counts import WorkerCounts, WorkerStats
 from cloud_node.deferred import DeferrableHandler
 from cloud_node.keeper import Keeper
 from cloud_node.lease import Leases
 from cloud_node.orphans import Orphans
 from cloud_node.outcomes import Outcomes
-from cloud_node.publisher import AnswerPublisher, Settler
+from cloud_node.publisher import Settler
 from cloud_node.puller import Puller
-from cloud_node.serve import Counts, Parts
+from cloud_node.serve import Parts
 from cloud_node.takeover import Takeover
 from mesh import __version__, kept
 from mesh.answer_store import AnswerStore
@@ -68,32 +68,6 @@ PROVISION_TRIES = 4
 CAPACITY_POLL_S = 0.25
 
 
-@dataclass
-class WorkerStats:
-    fetched: int = 0
-    completed: int = 0
-    rejected: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    requeued: int = 0
-    continued: int = 0
-    """Redelivered requests continued from the stored prefix."""
-    restarted: int = 0
-    """Redelivered requests started over (nothing kept, or a backend that cannot continue)."""
-    already_done: int = 0
-    """Redelivered requests whose outcome was already stored: acked, not generated again."""
-    other_copy: int = 0
-    """Second copies of a request that can wait, acked while the first was being answered."""
-    republished: int = 0
-    """Events published again after a reconnect lost them."""
-    cancels_refused: int = 0
-    """Cancels whose key did not match the request's."""
-    max_deliveries: int = 0
-    """Requests answered with max_deliveries after the last delivery's worker died."""
-    superseded: int = 0
-    """Generations stopped after this worker stood still (paused) and another took them over."""
-
-
 class Worker(Lifecycle):
     """One worker process (or model replica) serving ``backend.model``."""
 
@@ -111,8 +85,8 @@ class Worker(Lifecycle):
         self.conn = conn
         self.backend = backend
         self.node_id = settings.worker.node_id
-        self.stats = WorkerStats()
-        self.metrics = WorkerMetrics()
+        self.counts = WorkerCounts()
+        """Where everything this worker counts goes: its STATS and its Prometheus metrics."""
         self._nats_metrics = NatsMetrics()
         self._nats_metrics.watch(conn)
         self._page = exposition if metrics_page is None else metrics_page
@@ -129,14 +103,12 @@ class Worker(Lifecycle):
             self.store,
             node=cloud_node_name(self.node_id),
             continues=backend.continues,
-            count=self._count,
-            stats=self.stats,
-            takeovers=self.metrics.takeovers,
+            counts=self.counts,
         )
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
-        self.settler = Settler(settings.stream.answer_max_age / 2, self._count_republished)
+        self.settler = Settler(settings.stream.answer_max_age / 2, self.counts.republished)
         """Answers acked before their store copy was confirmed, made whole in the background
         (for half as long as the store keeps answers: readers give up before that)."""
         self.outcomes = Outcomes(
@@ -146,8 +118,7 @@ class Worker(Lifecycle):
             settings.stream,
             node=cloud_node_name(self.node_id),
             publish_timeout=settings.worker.publish_timeout,
-            count=self._count,
-            exhausted=self._exhausted,
+            counts=self.counts,
             settle=self.settler.later,
         )
         self._reserved = 0
@@ -164,9 +135,8 @@ class Worker(Lifecycle):
             tasks=self._tasks,
             tracing=self.tracing,
         )
-        counts = Counts(self.metrics, self._count, self._count_republished)
         self.handler = DeferrableHandler(
-            settings, parts, counts, keeper=self.keeper, leases=self.leases
+            settings, parts, self.counts, keeper=self.keeper, leases=self.leases
         )
         self.orphans = Orphans(
             conn,
@@ -212,15 +182,15 @@ class Worker(Lifecycle):
     def consumer(self) -> str:
         return consumer_name(self.backend.model)
 
-    def _exhausted(self) -> None:
-        self.stats.max_deliveries += 1
+    @property
+    def stats(self) -> WorkerStats:
+        """The STATS counters (``nats micro stats``, ``mesh status``), kept by :attr:`counts`."""
+        return self.counts.stats
 
-    def _count(self, outcome: str, code: str | None = None) -> None:
-        """One delivery's outcome, in the STATS counters and the Prometheus metrics."""
-        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
-        self.metrics.requests.labels(outcome=outcome).inc()
-        if code is not None:
-            self.metrics.errors.labels(code=code).inc()
+    @property
+    def metrics(self) -> WorkerMetrics:
+        """The worker's Prometheus metrics, kept by :attr:`counts`."""
+        return self.counts.metrics
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -299,7 +269,7 @@ class Worker(Lifecycle):
         publishers = list(self.handler.publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)
         for publisher in publishers:
-            self._count_republished(publisher)
+            self.counts.republished(publisher)
         if publishers:
             log.info(
                 "caught up answers after a reconnect",
@@ -348,7 +318,7 @@ class Worker(Lifecycle):
                 await self._service.stop()
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             self._page.remove(registry)
-        log.info("worker stopped", node_id=self.node_id, **vars(self.stats))
+        log.info("worker stopped", node_id=self.node_id, **self.counts.snapshot())
 
     async def _peers_with_room(self) -> bool:
         """Whether another live worker of this pool announced free slots (the registry): then a
@@ -392,7 +362,7 @@ class Worker(Lifecycle):
             "health": "restoring" if self.conn.restoring else "ok",
             "restoring": self.conn.restoring,
             "handed_back": self.orphans.handed_back,
-            **vars(self.stats),
+            **self.counts.snapshot(),
         }
 
     async def _on_status(self, request: Request) -> None:
@@ -428,7 +398,7 @@ class Worker(Lifecycle):
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak()  # hand it to another worker now, not after ack_wait
             return
-        self.stats.fetched += 1
+        self.counts.fetched()
         self._reserved += 1
         self._tasks.spawn(self._handle(msg), name="request")
 
@@ -453,7 +423,7 @@ class Worker(Lifecycle):
             return
         task = entry[0]
         if not held:
-            self.stats.cancels_refused += 1
+            self.counts.cancel_refused()
             log.warning("cancel refused: not the sender's key", request_id=request_id)
             return
         log.info("cancelling request", request_id=request_id)
@@ -466,8 +436,3 @@ class Worker(Lifecycle):
         finally:
             self._reserved -= 1
             await self._puller.top_up()
-
-    def _count_republished(self, publisher: AnswerPublisher) -> None:
-        count = publisher.take_republished()
-        self.stats.republished += count
-        self.metrics.republished.inc(count)
