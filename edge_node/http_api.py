@@ -39,7 +39,7 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
-from edge_node.parts import MetricsSink, Serve
+from edge_node.parts import EdgeCounts, Serve
 from edge_node.served import CloudModels
 from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import get_logger
@@ -223,7 +223,7 @@ class HTTPParts:
     """Whether a worker pool serves a model (``GET /v1/models/{model}``)."""
     readiness: Callable[[], Awaitable[dict[str, Any]]]
     workers_alive: Callable[[], int]
-    metrics: MetricsSink
+    counts: EdgeCounts
     serve: Serve
     has_site: bool
     """Whether the edge has a site that keeps requests that can wait (``flex``)."""
@@ -325,7 +325,7 @@ class EdgeHTTP:
         try:
             req, model, include_usage = await self._parse(request, kind)
         except MeshError as err:
-            self.parts.metrics.refused(err)
+            self.parts.counts.refused(err)
             return error_response(err)
         shaper = Shaper(kind, req.id, model)
         scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other

@@ -25,7 +25,7 @@ from nats.aio.client import Client
 from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service, ServiceConfig, ServiceStats
 
-from edge_node.parts import KeptAnswers, MetricsSink, Serve
+from edge_node.parts import EdgeCounts, KeptAnswers, Serve
 from edge_node.records import (
     SERVICE_ERROR,
     SERVICE_ERROR_CODE,
@@ -116,7 +116,7 @@ class IntakeParts:
     edge: EdgeSettings
     limits: LimitSettings
     strict_decode: bool
-    metrics: MetricsSink
+    counts: EdgeCounts
     records: Records
     tasks: TaskSet
     """Requests in flight: each request is served in a task of its own."""
@@ -181,7 +181,7 @@ class NatsIntake:
             )
             return
         if not is_reply_inbox(reply):
-            self.parts.metrics.inc("refused.reply")
+            self.parts.counts.inc("refused.reply")
             log.warning("refusing to answer into a reserved subject", reply=reply[:200])
             return
         fmt = sniff(request.data, request.headers).reply_format
@@ -189,7 +189,7 @@ class NatsIntake:
         if not accepting or len(self.parts.tasks) >= self.parts.edge.max_concurrent:
             reason = "edge is at its concurrency limit" if accepting else "edge is stopping"
             error = OverloadedError(reason, retry_after=1.0)
-            self.parts.metrics.refused(error)
+            self.parts.counts.refused(error)
             sink = self._sink(reply, "", fmt, streaming=False)
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(error))
@@ -207,7 +207,7 @@ class NatsIntake:
                 on_unknown=log_unknown_fields,
             )
         except MeshError as err:
-            self.parts.metrics.refused(err)
+            self.parts.counts.refused(err)
             log.info("request rejected", code=err.code.value, error=err.message)
             fmt = sniff(request.data, request.headers).reply_format
             sink = self._sink(reply, err.request_id or "", fmt, streaming=False)
@@ -241,7 +241,7 @@ class NatsIntake:
                 log.info("cancel from the client", request_id=record.client_id)
                 record.task.cancel()
         elif record is None and inbox:
-            self.parts.metrics.inc("refused.cancel")  # not the sender's inbox, or an unknown id
+            self.parts.counts.inc("refused.cancel")  # not the sender's inbox, or an unknown id
         if reply_of(request):
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(json.dumps({"cancelled": cancelled}).encode())
@@ -293,7 +293,7 @@ class NatsIntake:
                 with contextlib.suppress(MeshError):
                     await sink.send(event)
                     sent += 1
-            self.parts.metrics.inc("resent", sent)
+            self.parts.counts.inc("resent", sent)
         if reply_of(request):
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(

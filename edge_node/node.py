@@ -30,7 +30,7 @@ from nats.micro.service import Service
 
 from edge_node.http_api import EdgeHTTP, HTTPParts
 from edge_node.nats_intake import IntakeParts, NatsIntake
-from edge_node.parts import MetricsSink
+from edge_node.parts import EdgeCounts
 from edge_node.paths import PathParts, Paths
 from edge_node.records import Record, Records, Sink
 from edge_node.relay import RelayParts
@@ -77,10 +77,10 @@ class EdgeNode(Lifecycle):
         self.edge_id = settings.edge.edge_id
         self.scope = settings.nats.scope_or(self.edge_id)
         self.node_name = f"edge:{self.edge_id}"
-        self.sink = MetricsSink()
-        self.metrics = self.sink.counters
+        self.counts = EdgeCounts()
+        self.stats = self.counts.stats
         """Counters for ``nats micro stats mesh-edge``."""
-        self.prom = self.sink.prom
+        self.metrics = self.counts.metrics
         """Prometheus metrics (``/metrics`` on the HTTP API)."""
         self._nats_metrics = NatsMetrics()
         self._nats_metrics.watch(conn)
@@ -124,7 +124,7 @@ class EdgeNode(Lifecycle):
             models=self.models,
             nodes=self.nodes,
             tracing=self.tracing,
-            metrics=self.sink,
+            counts=self.counts,
         )
         self.paths = Paths(
             PathParts(
@@ -133,7 +133,7 @@ class EdgeNode(Lifecycle):
                 router=router,
                 edge=settings.edge,
                 worker=settings.worker,
-                metrics=self.sink,
+                counts=self.counts,
                 models=self.models,
                 relay=relay,
                 site=self.site,
@@ -147,21 +147,21 @@ class EdgeNode(Lifecycle):
                 edge=settings.edge,
                 limits=settings.limits,
                 strict_decode=settings.strict_decode,
-                metrics=self.sink,
+                counts=self.counts,
                 records=self.records,
                 tasks=self.tasks,
                 serve=self.serve,
                 accepting=lambda: self.accepting,
-                stats=self.stats,
+                stats=self.stats_data,
                 site=self.site,
             )
         )
         """The NATS micro-service endpoints."""
         self.http: EdgeHTTP | None = None
-        self.prom.in_flight.set_function(self.records.in_flight)
-        self.prom.workers_live.set_function(self._workers_alive)
-        self.prom.cloud_share.set_function(self._budget_share)
-        self.prom.cloud_threshold.set_function(lambda: float(self.router.threshold))
+        self.metrics.in_flight.set_function(self.records.in_flight)
+        self.metrics.workers_live.set_function(self._workers_alive)
+        self.metrics.cloud_share.set_function(self._budget_share)
+        self.metrics.cloud_threshold.set_function(lambda: float(self.router.threshold))
 
     @property
     def subject(self) -> str:
@@ -191,7 +191,7 @@ class EdgeNode(Lifecycle):
         # Once start() returns, the server knows our subscriptions: clients can reach us.
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self.accepting = True
-        for registry in (self.prom.registry, self._nats_metrics.registry):
+        for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.add(registry)
         self._background.supervise(self._refresh_metadata, name="edge-metadata")
         if self._es.http_port >= 0:
@@ -203,7 +203,7 @@ class EdgeNode(Lifecycle):
                 models=self.models,
                 readiness=self.readiness,
                 workers_alive=self._workers_alive,
-                metrics=self.sink,
+                counts=self.counts,
                 serve=self.serve,
                 has_site=self.site is not None,
             )
@@ -237,19 +237,19 @@ class EdgeNode(Lifecycle):
         budget = self.budget
         if budget is not None:
             budget.save()  # the decisions since the last periodic save
-        for registry in (self.prom.registry, self._nats_metrics.registry):
+        for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.remove(registry)
-        log.info("edge stopped", edge_id=self.edge_id, **self.metrics.snapshot())
+        log.info("edge stopped", edge_id=self.edge_id, **self.stats.snapshot())
 
     def _workers_alive(self) -> int:
         return len(self.nodes.live())
 
-    def stats(self) -> dict[str, Any]:
+    def stats_data(self) -> dict[str, Any]:
         """What ``nats micro stats mesh-edge`` and ``mesh status`` show: counters and the
         router's cloud budget."""
         budget = self.budget
         return {
-            **self.metrics.snapshot(),
+            **self.stats.snapshot(),
             "in_flight": self.records.in_flight(),
             "budget": budget.snapshot() if budget is not None else None,
         }
@@ -315,16 +315,16 @@ class EdgeNode(Lifecycle):
         try:
             record, new = self.records.open(scope, req.id, request_fingerprint(req))
         except DuplicateRequestError as err:
-            self.sink.refused(err)
+            self.counts.refused(err)
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(err, req.id))
             return None
         if not new:
-            self.metrics.inc("rejoined")
+            self.stats.inc("rejoined")
             try:
                 await record.attach(sink)
             except OverloadedError as err:
-                self.sink.refused(err)
+                self.counts.refused(err)
                 with contextlib.suppress(MeshError):
                     await sink.send(error_event(err, req.id))
                 return None
@@ -351,7 +351,7 @@ class EdgeNode(Lifecycle):
             except asyncio.CancelledError:
                 if self.accepting:  # the client's cancel
                     log.info("request cancelled by client")
-                    self.metrics.inc("cancelled")
+                    self.stats.inc("cancelled")
                     await record.fail(CancelledByClientError("cancelled", request_id=req.id))
                     return record
                 # Shutdown ran past its grace period: tell the client to retry elsewhere.
@@ -360,16 +360,16 @@ class EdgeNode(Lifecycle):
                 )
                 raise
             except MeshError as err:
-                self.metrics.inc(f"error.{err.code.value}")
+                self.stats.inc(f"error.{err.code.value}")
                 log.info("request failed", code=err.code.value, error=err.message)
                 await record.fail(err)
             except Exception:
-                self.metrics.inc("error.internal")
+                self.stats.inc("error.internal")
                 log.exception("request crashed")
                 await record.fail(MeshError("edge failure", code=ErrorCode.INTERNAL))
             finally:
                 record.task = None
                 self.records.finished(record)
                 canonical_line(record, received, streaming=sink.streaming)
-                observe(self.prom, record)
+                observe(self.metrics, record)
         return record

@@ -41,21 +41,22 @@ class KeptAnswers(Protocol):
 
 
 @dataclass(frozen=True)
-class MetricsSink:
-    """Where the edge counts: ``counters`` for ``nats micro stats mesh-edge`` and ``mesh
-    status``, ``prom`` for Prometheus (``/metrics`` on the HTTP API)."""
+class EdgeCounts:
+    """Where the edge counts, as the worker's :class:`cloud_node.counts.WorkerCounts` does:
+    ``stats`` for ``nats micro stats mesh-edge`` and ``mesh status``, ``metrics`` for
+    Prometheus (``/metrics`` on the HTTP API)."""
 
-    counters: Counters = field(default_factory=Counters)
-    prom: EdgeMetrics = field(default_factory=EdgeMetrics)
+    stats: Counters = field(default_factory=Counters)
+    metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
 
     def inc(self, name: str, amount: int = 1) -> None:
-        self.counters.inc(name, amount)
+        self.stats.inc(name, amount)
 
     def refused(self, error: MeshError) -> None:
         """A request refused before it was served (unreadable, invalid, over a limit, no room,
         its id taken): counted where the served ones are, in the STATS counters ``mesh status``
         shows and in Prometheus (``path="none"``, as every request that ended in an error)."""
         code = error.code.value
-        self.counters.inc(f"error.{code}")
-        self.prom.requests.labels(path="none", route="none", outcome="error").inc()
-        self.prom.errors.labels(code=code).inc()
+        self.stats.inc(f"error.{code}")
+        self.metrics.requests.labels(path="none", route="none", outcome="error").inc()
+        self.metrics.errors.labels(code=code).inc()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from edge_node.cascade import Cascade
 from edge_node.confidence import ConfidenceGate
 from edge_node.local_gate import LocalGate
-from edge_node.parts import MetricsSink
+from edge_node.parts import EdgeCounts
 from edge_node.records import Record
 from edge_node.relay import CloudRelay, Fallback, RelayParts, estimate_prompt_tokens
 from edge_node.router import CloudBudget, Router, budget_of, decide
@@ -45,7 +45,7 @@ class PathParts:
     router: Router
     edge: EdgeSettings
     worker: WorkerSettings
-    metrics: MetricsSink
+    counts: EdgeCounts
     models: CloudModels
     relay: RelayParts
     site: SiteStore | None
@@ -58,7 +58,7 @@ class Paths:
         self.backend = parts.backend
         self.router = parts.router
         self.node_name = parts.node_name
-        self.metrics = parts.metrics
+        self.counts = parts.counts
         self.site = parts.site
         self._gate = LocalGate(parts.backend, parts.edge.local_queue)
         self._cascade = self._make_cascade()
@@ -109,8 +109,8 @@ class Paths:
                 request_id=req.id,
             )
         decision = self._too_long_for_local(req) or decide(self.router, req)
-        self.metrics.inc(f"route.{decision.decision}" + (".forced" if decision.forced else ""))
-        self.metrics.prom.decisions.labels(
+        self.counts.inc(f"route.{decision.decision}" + (".forced" if decision.forced else ""))
+        self.counts.metrics.decisions.labels(
             decision=decision.decision, forced=str(decision.forced).lower()
         ).inc()
         # The canonical line carries the decision; this one is for following a request live.
@@ -154,8 +154,8 @@ class Paths:
                     return
                 except Fallback as fb:
                     failed.append(f"{model}: {fb.reason}" if len(chain) > 1 else fb.reason)
-                    self.metrics.inc("fallback")
-                    self.metrics.prom.fallbacks.labels(reason=fb.kind).inc()
+                    self.counts.inc("fallback")
+                    self.counts.metrics.fallbacks.labels(reason=fb.kind).inc()
                     if not last:
                         log.warning("trying the next cloud pool", failed=model, reason=fb.reason)
             fallback = "; ".join(failed)
@@ -260,6 +260,6 @@ class Paths:
             budget = self.budget
             if budget is not None:  # as it stands now, the escalation counted
                 escalated = escalated.model_copy(update={"budget": budget.snapshot()})
-            self.metrics.inc("route.cloud.mid_answer")
-            self.metrics.prom.mid_answer.inc()  # the router's decision stays counted as local
+            self.counts.inc("route.cloud.mid_answer")
+            self.counts.metrics.mid_answer.inc()  # the router's decision stays counted as local
         return escalated

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from edge_node.parts import MetricsSink
+from edge_node.parts import EdgeCounts
 from edge_node.records import Record
 from edge_node.served import CloudModels, RegistryView
 from mesh.config import EdgeSettings, StreamSettings, WorkerSettings
@@ -108,7 +108,7 @@ class RelayParts:
     nodes: RegistryView
     """Whether the worker serving a request is live."""
     tracing: Tracing
-    metrics: MetricsSink
+    counts: EdgeCounts
 
 
 class CloudRelay:
@@ -192,7 +192,7 @@ class CloudRelay:
             await call.withdraw()
             raise
         finally:
-            parts.metrics.prom.repairs.inc(call.reader.repaired_events)
+            parts.counts.metrics.repairs.inc(call.reader.repaired_events)
             await call.close()
 
     async def _follow(

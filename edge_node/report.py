@@ -14,29 +14,29 @@ from protocol.messages import EndEvent, ErrorEvent
 log = get_logger(__name__)
 
 
-def observe(prom: EdgeMetrics, record: Record) -> None:
+def observe(metrics: EdgeMetrics, record: Record) -> None:
     """Prometheus: the request's outcome, latencies and tokens."""
     outcome = record.state.outcome
     if isinstance(outcome, EndEvent):
         path = outcome.path
         forced = outcome.routing is not None and outcome.routing.forced
-        prom.requests.labels(path=path, route="forced" if forced else "auto", outcome="ok").inc()
+        metrics.requests.labels(path=path, route="forced" if forced else "auto", outcome="ok").inc()
         timings = outcome.timings
         if timings.ttft_ms is not None:
-            prom.ttft.labels(path=path).observe(timings.ttft_ms / 1000)
+            metrics.ttft.labels(path=path).observe(timings.ttft_ms / 1000)
         tokens = outcome.usage.completion_tokens
         if timings.gen_ms and tokens > 1:
-            prom.tpot.labels(path=path).observe(timings.gen_ms / 1000 / (tokens - 1))
+            metrics.tpot.labels(path=path).observe(timings.gen_ms / 1000 / (tokens - 1))
         if path == "cloud" and timings.queue_ms is not None:
-            prom.queue_wait.observe(timings.queue_ms / 1000)
-        prom.tokens.labels(direction="in", path=path).inc(outcome.usage.prompt_tokens)
-        prom.tokens.labels(direction="out", path=path).inc(tokens)
+            metrics.queue_wait.observe(timings.queue_ms / 1000)
+        metrics.tokens.labels(direction="in", path=path).inc(outcome.usage.prompt_tokens)
+        metrics.tokens.labels(direction="out", path=path).inc(tokens)
     elif isinstance(outcome, ErrorEvent):
         state = "cancelled" if outcome.code == ErrorCode.CANCELLED.value else "error"
-        prom.requests.labels(path="none", route="none", outcome=state).inc()
-        prom.errors.labels(code=outcome.code).inc()
+        metrics.requests.labels(path="none", route="none", outcome=state).inc()
+        metrics.errors.labels(code=outcome.code).inc()
     if record.restarts:
-        prom.restarts.inc(record.restarts)
+        metrics.restarts.inc(record.restarts)
 
 
 def canonical_line(record: Record, received: float, *, streaming: bool) -> None:

@@ -83,8 +83,8 @@ async def test_an_unsure_local_start_is_finished_by_the_cloud_as_one_answer(
     assert routing.confidence["tokens"] == 4 and routing.confidence["mean_entropy"] == 4.0
     assert routing.budget is not None and routing.budget["mid_answer"] == 1
     assert local.started == 1  # it started locally, and was stopped
-    assert edge.metrics.get("route.cloud.mid_answer") == 1
-    assert edge.prom.mid_answer._value.get() == 1
+    assert edge.stats.get("route.cloud.mid_answer") == 1
+    assert edge.metrics.mid_answer._value.get() == 1
 
 
 async def test_a_sure_local_start_goes_on_locally_with_its_held_tokens(
@@ -193,7 +193,7 @@ async def test_a_client_giving_up_during_the_hold_frees_the_local_model(
             return edge.records.in_flight() == 0 and local.capacity().free == 2
 
         await eventually(freed, timeout=5, what="the held generation to be dropped")
-        assert edge.metrics.get("cancelled") == 1
+        assert edge.stats.get("cancelled") == 1
 
 
 async def test_an_escalation_the_cloud_cannot_take_is_answered_locally_afresh(

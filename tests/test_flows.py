@@ -146,7 +146,7 @@ async def test_falls_back_at_once_when_no_pool_serves_the_cloud_model(
     assert answer.path == "local"
     assert answer.end.fallback is not None and "no worker pool" in answer.end.fallback
     assert time.monotonic() - began < 5  # no start timeout was spent
-    assert edge.metrics.get("fallback") == 1
+    assert edge.stats.get("fallback") == 1
 
 
 async def test_sdk_complete_via_edge_and_via_cloud(
@@ -354,7 +354,7 @@ async def test_a_request_sent_while_the_edge_restarts_is_answered(
     async with edge:
         completion = await asyncio.wait_for(answer, 30)
     assert completion.text and completion.end.path == "local"
-    assert edge.metrics.get("rejoined") == 0  # one request reached the edge, not several
+    assert edge.stats.get("rejoined") == 0  # one request reached the edge, not several
 
 
 async def test_a_request_to_an_edge_nobody_serves_fails_typed_and_soon(
@@ -382,7 +382,7 @@ async def test_sdk_timeout_cancels_the_edge_work(
         )
     # The edge hears the cancel and frees its only local slot quickly.
     await eventually(lambda: _no_inflight(edge), timeout=5, what="edge to drop the request")
-    assert edge.metrics.get("cancelled") == 1
+    assert edge.stats.get("cancelled") == 1
 
 
 async def _no_inflight(edge: EdgeNode) -> bool:

@@ -335,7 +335,7 @@ async def test_learned_router_through_the_real_mesh(
     assert routing.score is not None and routing.threshold is not None
     assert routing.score >= routing.threshold
     assert "numbers" in routing.reason  # the client sees why
-    assert edge.metrics.get("route.local") == 1 and edge.metrics.get("route.cloud") == 1
+    assert edge.stats.get("route.local") == 1 and edge.stats.get("route.cloud") == 1
 
 
 @pytest.mark.slow
