@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from mesh.config import MeshSettings
 from mesh.connection import Connection
@@ -51,3 +55,19 @@ async def stat_reaches(stats: object, name: str, value: int, timeout: float = 10
         return bool(getattr(stats, name) == value)
 
     await eventually(check, timeout, what=f"{name} == {value} (now {getattr(stats, name)})")
+
+
+def modules_loaded_by(code: str) -> list[str]:
+    """The modules a fresh interpreter has loaded after running ``code`` (sorted), run from the
+    checkout as an application would: what an import pulls in, beyond what it names."""
+    root = Path(__file__).resolve().parent.parent
+    listed = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    loaded: list[str] = json.loads(listed.stdout.strip().splitlines()[-1])
+    return loaded

@@ -23,6 +23,7 @@ from mesh_app.router.evaluate import calibration, evaluate, roc_auc, routing_met
 from mesh_app.router.train import TrainConfig, stratified_folds, train_on
 from protocol.errors import MeshError
 from protocol.messages import InferRequest
+from tests.helpers import modules_loaded_by
 
 DATA = default_data_dir()
 needs_data = pytest.mark.skipif(
@@ -97,22 +98,14 @@ def test_the_edge_loads_only_what_scores_a_prompt() -> None:
     """Training, evaluation and the routing data are the `mesh router` tool's (mesh_app.router):
     the edge's router, made and asked as the edge does, imports none of them."""
     code = (
-        "import sys;"
-        "from edge_node.routing import create_router;"
-        "from mesh.config import RouterSettings;"
-        "from protocol.messages import InferRequest;"
-        "create_router(RouterSettings()).score(InferRequest(prompt='What is 2+2?'));"
-        "print(sorted(m for m in sys.modules if m.startswith(('edge_node.learned', 'mesh_app'))))"
+        "from edge_node.routing import create_router\n"
+        "from mesh.config import RouterSettings\n"
+        "from protocol.messages import InferRequest\n"
+        "create_router(RouterSettings()).score(InferRequest(prompt='What is 2+2?'))"
     )
-    loaded = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).resolve().parent.parent,
-    ).stdout
+    loaded = [m for m in modules_loaded_by(code) if m.startswith(("edge_node.learned", "mesh_app"))]
     runtime = ["", ".features", ".model", ".router"]
-    assert loaded.strip() == str([f"edge_node.learned{m}" for m in runtime])
+    assert loaded == [f"edge_node.learned{m}" for m in runtime]
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,7 @@ loads no engine, no metrics registry, no nats-server launcher and no node packag
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import modules_loaded_by
 
 NODE_RUNTIME = (
     "edge_node",
@@ -27,22 +22,9 @@ NODE_RUNTIME = (
 
 
 def test_importing_the_sdk_loads_no_node_runtime() -> None:
-    code = (
-        "import json, sys\n"
-        "from mesh.client import MeshClient\n"
-        "from protocol import EndEvent, TokenEvent\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
+    loaded = modules_loaded_by(
+        "from mesh.client import MeshClient\nfrom protocol import EndEvent, TokenEvent"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        text=True,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert result.returncode == 0, result.stderr
-    loaded = json.loads(result.stdout)
     runtime = [
         m for m in loaded if m in NODE_RUNTIME or m.startswith(tuple(f"{p}." for p in NODE_RUNTIME))
     ]
