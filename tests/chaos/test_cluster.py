@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mesh.client import MeshClient
-from mesh.config import load_settings
+from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import (
     JsCluster,
@@ -45,15 +45,21 @@ async def _leader(conn: Connection, stream: str) -> str | None:
     return info.cluster.leader if info.cluster else None
 
 
-async def test_killing_the_stream_leader_loses_nothing(
-    js_cluster: JsCluster, tmp_path: Path
-) -> None:
-    url = js_cluster.url
-    edge_id = f"cl{uuid.uuid4().hex[:6]}"
+def _r3_settings(url: str, prefix: str) -> tuple[str, MeshSettings]:
+    """A fresh edge id, and a client's settings for the 3-node hub with R3 streams."""
+    edge_id = f"{prefix}{uuid.uuid4().hex[:6]}"
     settings = load_settings(
         {("nats", "url"): url, ("edge", "edge_id"): edge_id, ("stream", "replicas"): 3},
         environ={},
     )
+    return edge_id, settings
+
+
+async def test_killing_the_stream_leader_loses_nothing(
+    js_cluster: JsCluster, tmp_path: Path
+) -> None:
+    url = js_cluster.url
+    edge_id, settings = _r3_settings(url, "cl")
     procs: list[MeshProcess] = []
     async with Connection(settings.nats, "operator") as op:
         await eventually(lambda: _js_ready(op), timeout=30, what="the cluster's meta leader")
@@ -169,11 +175,7 @@ async def test_a_rolling_restart_of_the_hub_in_lame_duck_mode(
     again on its store, caught up. Answers stream all along, via the cloud and via an edge:
     every one ends whole and exact; the longest silence any client saw is printed."""
     url = js_cluster.url
-    edge_id = f"rr{uuid.uuid4().hex[:6]}"
-    settings = load_settings(
-        {("nats", "url"): url, ("edge", "edge_id"): edge_id, ("stream", "replicas"): 3},
-        environ={},
-    )
+    edge_id, settings = _r3_settings(url, "rr")
     procs: list[MeshProcess] = []
     async with Connection(settings.nats, "operator") as op:
         await eventually(lambda: _js_ready(op), timeout=30, what="the cluster's meta leader")
