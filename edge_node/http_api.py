@@ -27,17 +27,18 @@ site refuses it (:meth:`EdgeHTTP._parse`).
 from __future__ import annotations
 
 import json
-import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from edge_node.api_keys import REQUEST_APP, ApiKeys, require_keys
 from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
 from edge_node.parts import EdgeCounts, Serve
 from edge_node.served import CloudModels
@@ -91,6 +92,8 @@ def error_response(
 ) -> web.Response:
     """The HTTP error for ``err``: its code's status unless ``status`` says otherwise."""
     headers = dict(headers or {})
+    if err.code == ErrorCode.UNAUTHORIZED:
+        headers["WWW-Authenticate"] = "Bearer"
     if err.retry_after:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
     return web.json_response(
@@ -227,6 +230,11 @@ class HTTPParts:
     serve: Serve
     has_site: bool
     """Whether the edge has a site that keeps requests that can wait (``flex``)."""
+    api_keys: ApiKeys | None
+    """The keys ``/v1`` requests need, each naming an app (None: no keys, loopback only)."""
+    app_key: Callable[[str], str]
+    """The key that makes an app's kept answers its own (``""``: the HTTP clients of an edge
+    without API keys, together)."""
 
 
 class EdgeHTTP:
@@ -246,7 +254,9 @@ class EdgeHTTP:
 
     async def start(self) -> None:
         limits = self.parts.limits
-        app = web.Application(client_max_size=limits.max_payload_bytes, middlewares=[openai_errors])
+        keys = self.parts.api_keys
+        middlewares = [openai_errors] + ([require_keys(keys)] if keys is not None else [])
+        app = web.Application(client_max_size=limits.max_payload_bytes, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -330,28 +340,30 @@ class EdgeHTTP:
         shaper = Shaper(kind, req.id, model)
         scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other
         trace = trace_headers(request.headers)
-        if req.stream:
-            sink = _SSESink(request, req, shaper, include_usage)
-            await self.parts.serve(req, sink, scope=scope, received=received, trace=trace)
-            if sink.response is None:
-                error = to_exception(sink.last_error) if sink.last_error else None
+        app = REQUEST_APP.get()  # the app its API key names, on every line of its request
+        with structlog.contextvars.bound_contextvars(**({"app": app} if app else {})):
+            if req.stream:
+                sink = _SSESink(request, req, shaper, include_usage)
+                await self.parts.serve(req, sink, scope=scope, received=received, trace=trace)
+                if sink.response is None:
+                    error = to_exception(sink.last_error) if sink.last_error else None
+                    return error_response(error or MeshError("no answer was produced"))
+                return sink.response
+            collected = _CollectSink(req.id)
+            await self.parts.serve(req, collected, scope=scope, received=received, trace=trace)
+            end = collected.answer.outcome
+            if not isinstance(end, EndEvent):
+                error = to_exception(end) if isinstance(end, ErrorEvent) else None
                 return error_response(error or MeshError("no answer was produced"))
-            return sink.response
-        collected = _CollectSink(req.id)
-        await self.parts.serve(req, collected, scope=scope, received=received, trace=trace)
-        end = collected.answer.outcome
-        if not isinstance(end, EndEvent):
-            error = to_exception(end) if isinstance(end, ErrorEvent) else None
-            return error_response(error or MeshError("no answer was produced"))
-        logprobs = collected.answer.logprobs() if req.logprobs else None
-        headers = {
-            "X-Request-Id": req.id,
-            "X-Mesh-Path": end.path,
-            "X-Mesh-Served-By": end.served_by,
-        }
-        return web.json_response(
-            shaper.answer(collected.answer.text(), end, logprobs), headers=headers
-        )
+            logprobs = collected.answer.logprobs() if req.logprobs else None
+            headers = {
+                "X-Request-Id": req.id,
+                "X-Mesh-Path": end.path,
+                "X-Mesh-Served-By": end.served_by,
+            }
+            return web.json_response(
+                shaper.answer(collected.answer.text(), end, logprobs), headers=headers
+            )
 
     async def _parse(self, request: web.Request, kind: Kind) -> tuple[InferRequest, str, bool]:
         limits = self.parts.limits
@@ -390,9 +402,11 @@ class EdgeHTTP:
                     details=[{"loc": "service_tier", "msg": "needs an edge site"}],
                 )
             # Its answer is kept at the site; an HTTP client asks again by sending the same
-            # request under the same X-Request-Id. A key nobody holds keeps the NATS lookup
-            # by id (``mesh.v1.edge.<edge>.answer``) closed to everyone else at the site.
-            req = req.model_copy(update={"cancel_key": secrets.token_urlsafe(24)})
+            # request under the same X-Request-Id. The key is its app's (with API keys; else
+            # all HTTP clients'), which no NATS client holds: another app at the site, over
+            # HTTP or by the NATS lookup by id (``mesh.v1.edge.<edge>.answer``), cannot have it.
+            app = REQUEST_APP.get() or ""
+            req = req.model_copy(update={"cancel_key": self.parts.app_key(app)})
         if req.max_tokens > limits.max_tokens:
             raise InvalidRequestError(
                 f"max_tokens {req.max_tokens} is over this edge's limit of {limits.max_tokens}",

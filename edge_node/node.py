@@ -22,13 +22,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import nats.errors
 import structlog
 from nats.micro.service import Service
 
+from edge_node.api_keys import ApiKeys
 from edge_node.http_api import EdgeHTTP, HTTPParts
+from edge_node.lanes import app_key
 from edge_node.nats_intake import IntakeParts, NatsIntake
 from edge_node.parts import EdgeCounts
 from edge_node.paths import PathParts, Paths
@@ -206,6 +209,8 @@ class EdgeNode(Lifecycle):
                 counts=self.counts,
                 serve=self.serve,
                 has_site=self.site is not None,
+                api_keys=ApiKeys(self._es.api_keys_file) if self._es.api_keys_file else None,
+                app_key=self.site.app_key if self.site is not None else partial(app_key, None),
             )
             self.http = EdgeHTTP(parts, self._es.http_host, self._es.http_port)
             await self.http.start()

@@ -27,7 +27,6 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -35,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
+from edge_node.lanes import app_key, key_hash, lane_secret
 from edge_node.records import Record
 from edge_node.served import CloudModels
 from mesh import kept
@@ -109,7 +109,7 @@ class SiteStore:
         self.collected = 0
         self.forward_order: deque[str] = deque(maxlen=1000)
         """Ids of the latest forwarded requests, in the order they reached the hub."""
-        self._lane_secret = _lane_secret(parts.creds_file)
+        self._lane_secret = lane_secret(parts.creds_file)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -193,6 +193,12 @@ class SiteStore:
                 request_id=req.id,
                 retry_after=30.0,
             )
+        if not await self._claimed(req.id, fingerprint, req.cancel_key):
+            # Kept for another sender (another app, another client's key) asking the same.
+            raise DuplicateRequestError(
+                f"request id {req.id!r} is in use at this site by another sender",
+                request_id=req.id,
+            )
         await emit_outcome(record, outcome)
 
     async def hold(
@@ -236,20 +242,27 @@ class SiteStore:
         if found is None:
             return None
         outcome, fingerprint = found
+        return outcome if await self._claimed(request_id, fingerprint, key) else None
+
+    async def _claimed(self, request_id: str, fingerprint: str | None, key: str | None) -> bool:
+        """Whether the kept answer of ``request_id`` (for the request ``fingerprint`` names) is
+        for whoever holds ``key``: the key its request was held with, if it had one."""
         try:
             msg = await self.conn.site_jsm().get_msg(
                 CLAIMS_STREAM, subject=claim_subject(request_id), direct=True
             )
             claim = json.loads(msg.data or b"{}")
         except NotFoundError:
-            return outcome  # held before claims were kept: the site is one trust zone
+            return True  # held before claims were kept: the site is one trust zone
         except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
             raise UnavailableError(f"the site's claims cannot be read: {exc!r}") from None
         if claim.get("fp") != fingerprint:
-            return None  # kept for another request under this id
-        if claim.get("key") and not hmac.compare_digest(claim["key"], key_hash(key)):
-            return None
-        return outcome
+            return False  # kept for another request under this id
+        return not claim.get("key") or hmac.compare_digest(claim["key"], key_hash(key))
+
+    def app_key(self, app: str) -> str:
+        """The key of an HTTP app's requests here (see :func:`app_key`)."""
+        return app_key(self._lane_secret, app)
 
     async def kept_with_fingerprint(
         self, request_id: str
@@ -416,11 +429,6 @@ class SiteStore:
         log.info("answer collected", request_id=request_id)
 
 
-def key_hash(key: str | None) -> str:
-    """What a claim keeps of a request's key (never the key itself)."""
-    return hashlib.sha256(key.encode()).hexdigest() if key else ""
-
-
 def _queue_full(exc: APIError) -> bool:
     """The hub's queue is full for now (the request waits), not refusing it for good."""
     text = str(exc.description or "").lower()
@@ -432,16 +440,6 @@ def _outbox_parts(subject: str) -> tuple[str, str]:
     """(model, scope) of ``mesh.v1.outbox.<model>.<scope>``."""
     parts = subject.split(".")
     return parts[3], parts[4]
-
-
-def _lane_secret(creds_file: str | None) -> bytes | None:
-    """A secret of this site's: a hash of its credentials file (its user's seed is in it)."""
-    if not creds_file:
-        return None
-    try:
-        return hashlib.sha256(Path(creds_file).expanduser().read_bytes()).digest()
-    except OSError:
-        return None
 
 
 def _held_id(msg: Msg) -> str:

@@ -7,9 +7,9 @@ under the ``MESH_`` prefix: ``nats.url`` -> ``MESH_NATS_URL``, ``worker.model.pa
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
-import re
 import socket
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
@@ -22,6 +22,14 @@ from protocol.subjects import TOKEN_PATTERN
 
 ENV_PREFIX = "MESH_"
 DEFAULT_MODEL_NAME = "smollm2"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` reaches this machine only (``127.0.0.1``, ``::1``, ``localhost``)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, or every interface ("0.0.0.0", "::")
 
 
 class _Section(BaseModel):
@@ -293,17 +301,6 @@ class WorkerSettings(_Section):
     """Port of the worker's Prometheus /metrics (-1: off, 0: any free port)."""
 
 
-def served_models(worker: WorkerSettings) -> list[WorkerSettings]:
-    """One worker's settings per model it serves: its own model first, then ``also_serve``."""
-    out = [worker]
-    for entry in worker.also_serve:
-        name, _, remote = entry.partition("=")
-        model = worker.model.model_copy(update={"name": name, "remote_model": remote or name})
-        node = f"{worker.node_id}-{re.sub(r'[^A-Za-z0-9_-]', '_', name)}"
-        out.append(worker.model_copy(update={"model": model, "node_id": node, "also_serve": []}))
-    return out
-
-
 class ConfidenceSettings(_Section):
     enabled: bool = False
     """Mid-answer escalation (opt-in): a request the router keeps local starts on the local
@@ -390,6 +387,18 @@ class EdgeSettings(_Section):
     -1 turns it off, 0 picks a free port."""
     metrics_port: int = Field(default=-1, ge=-1, le=65535)
     """Prometheus /metrics on a port of its own, besides the HTTP API's (-1: off)."""
+    api_keys_file: str | None = None
+    """``<app> <key>`` per line: ``/v1`` requests then need ``Authorization: Bearer <key>``, the
+    key naming its app. Required beyond loopback; read again when the file changes."""
+
+    @model_validator(mode="after")
+    def _keys_beyond_loopback(self) -> EdgeSettings:
+        if self.http_port == -1 or self.api_keys_file or is_loopback(self.http_host):
+            return self
+        raise ValueError(
+            f"the HTTP API would listen on {self.http_host!r}, beyond loopback, without API "
+            "keys: set MESH_EDGE_API_KEYS_FILE (`mesh creds` writes one) or listen on 127.0.0.1"
+        )
 
 
 class LogSettings(_Section):

@@ -7,6 +7,7 @@ consumer is updated to the configured limits, never recreated (queued requests s
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 
@@ -15,7 +16,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 from nats.js.manager import JetStreamManager
 
-from mesh.config import StreamSettings
+from mesh.config import StreamSettings, WorkerSettings
 from mesh.logs import get_logger
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.subjects import INFER_WILDCARD, consumer_name, model_infer_filter
@@ -222,3 +223,14 @@ class ServedModels:
         if self._for[served] > 0:
             self._known[model] = (served, now + self._for[served])
         return served
+
+
+def served_models(worker: WorkerSettings) -> list[WorkerSettings]:
+    """One worker's settings per model it serves: its own model first, then ``also_serve``."""
+    out = [worker]
+    for entry in worker.also_serve:
+        name, _, remote = entry.partition("=")
+        model = worker.model.model_copy(update={"name": name, "remote_model": remote or name})
+        node = f"{worker.node_id}-{re.sub(r'[^A-Za-z0-9_-]', '_', name)}"
+        out.append(worker.model_copy(update={"model": model, "node_id": node, "also_serve": []}))
+    return out

@@ -296,7 +296,7 @@ async def _serve_workers(settings: MeshSettings, conn: Connection, backend: Back
     started in order, stopped in reverse."""
     from cloud_node.worker import Worker
     from mesh.backends import create_backend
-    from mesh.config import served_models
+    from mesh.provision import served_models
 
     async with contextlib.AsyncExitStack() as stack:
         for index, worker in enumerate(served_models(settings.worker)):

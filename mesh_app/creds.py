@@ -23,11 +23,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_node.api_keys import parse_keys
 from mesh.config import StreamSettings, load_settings
 from mesh_app import nats_jwt
 from mesh_app.nats_jwt import Key, Permissions
@@ -241,13 +243,18 @@ def mint(
         jwt = nats_jwt.user_jwt(keys["account"], key, name, permissions, expires)
         path = out / f"{file}.creds"
         _write_secret(path, nats_jwt.creds(jwt, key))
-        seen_at = f"{mount.rstrip('/')}/{path.name}" if mount else str(path.resolve())
-        env = {"MESH_NATS_CREDS_FILE": seen_at, **env}
-        (out / f"{file}.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+        env = {"MESH_NATS_CREDS_FILE": seen_at(path), **env}
+        _write_secret(out / f"{file}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
         users[file] = path
+
+    def seen_at(path: Path) -> str:
+        return f"{mount.rstrip('/')}/{path.name}" if mount else str(path.resolve())
 
     user("operator", "operator", OPERATOR, {})
     for edge in edges:
+        apps = [f"{edge}-apps", *(a for e, a in clients if e == edge)]
+        keys_file = out / f"api-keys-{edge}"
+        http_keys = _api_keys(keys_file, apps)
         user(
             f"edge-{edge}",
             f"edge {edge}",
@@ -258,9 +265,10 @@ def mint(
                 "MESH_NATS_HUB_DOMAIN": HUB_DOMAIN,
                 "MESH_NATS_INBOX_PREFIX": inbox_prefix("edge", edge),
                 "MESH_NATS_LEAST_PRIVILEGE": "true",
+                "MESH_EDGE_API_KEYS_FILE": seen_at(keys_file),
             },
         )
-        for app in [f"{edge}-apps", *(a for e, a in clients if e == edge)]:
+        for app in apps:
             # One user for the site's apps together, and one per app named with --client, so
             # that app has an inbox prefix of its own.
             user(
@@ -271,6 +279,8 @@ def mint(
                     "MESH_EDGE_EDGE_ID": edge,
                     "MESH_NATS_INBOX_PREFIX": inbox_prefix("client", app),
                     "MESH_NATS_LEAST_PRIVILEGE": "true",
+                    # The app's key to the edge's HTTP API, where the openai client looks.
+                    "OPENAI_API_KEY": http_keys[app],
                 },
             )
     for edge in edges:
@@ -297,6 +307,17 @@ def mint(
     auth = out / "auth.conf"
     auth.write_text(_auth_conf(keys))
     return Minted(out=out, auth_conf=auth, users=users, leaf_confs=leaf_confs)
+
+
+def _api_keys(path: Path, apps: list[str]) -> dict[str, str]:
+    """The HTTP API keys of an edge's apps, by app: those in ``path`` stay (keys handed out
+    stay valid), a new app gets a new key; written back to ``path`` (mode 0600)."""
+    kept = {app: key for key, app in parse_keys(path.read_text()).items()} if path.exists() else {}
+    for app in apps:
+        kept.setdefault(app, "mesh-" + secrets.token_urlsafe(32))
+    lines = ["# <app> <key>: the edge's HTTP API keys (MESH_EDGE_API_KEYS_FILE), by `mesh creds`"]
+    _write_secret(path, "\n".join([*lines, *(f"{a} {k}" for a, k in kept.items())]) + "\n")
+    return kept
 
 
 def _leaf_conf(edge: str, hub_url: str, creds_path: str, tls_ca: str | None, store: str) -> str:

@@ -44,7 +44,8 @@ class ErrorCode(str, Enum):
     INCOMPLETE = "incomplete"
     """Part of the answer was lost on the way and could not be recovered; retry."""
     UNAUTHORIZED = "unauthorized"
-    """The NATS server refused the process's credentials: wrong, expired or revoked."""
+    """The NATS server refused the process's credentials (wrong, expired or revoked), or an edge's
+    HTTP API a request's API key (missing or not valid there)."""
     INTERNAL = "internal"
     """A bug: an unexpected failure inside a node."""
 
@@ -190,6 +191,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.BAD_PAYLOAD: 400,
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.CONTEXT_TOO_LONG: 400,
+    ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.UNKNOWN_MODEL: 404,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.DUPLICATE: 409,

@@ -17,6 +17,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from cloud_node.worker import Worker
+from edge_node.api_keys import parse_keys
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
@@ -110,6 +111,7 @@ async def topology(tmp_path: Path, certs: Certs) -> AsyncIterator[Topology]:  # 
         tmp_path,
         edges=list(SITES),
         workers=["w1"],
+        clients=[("site-a", "kiosk")],
         hub_leaf_url=f"nats-leaf://127.0.0.1:{leaf_port}",
         leaf_tls_ca=str(certs.ca),
     )
@@ -412,22 +414,37 @@ async def test_an_http_request_that_can_wait_is_kept_for_its_sender_only(
     topology: Topology,
 ) -> None:
     """OpenAI's ``service_tier: flex``: the sender asks again by sending the same request
-    under the same id and gets the kept answer, generated once; another app at the site cannot
-    read it by id."""
+    under the same id and gets the kept answer, generated once. The edge's HTTP API takes the
+    keys `mesh creds` minted, each naming an app: another app at the site cannot have the
+    answer, neither over HTTP with its own key (same id, same request) nor by id over NATS."""
     import aiohttp
 
     site = "site-a"
+    keys = {
+        app: key
+        for key, app in parse_keys((topology.minted.out / f"api-keys-{site}").read_text()).items()
+    }
     body = {
         "messages": [{"role": "user", "content": "[tag:h] summarise the week"}],
         "max_tokens": 6,
         "service_tier": "flex",
     }
-    headers = {"X-Request-Id": "http-job-1", "X-Mesh-Route": "cloud"}
+
+    def as_app(app: str) -> dict[str, str]:
+        return {
+            "X-Request-Id": "http-job-1",
+            "X-Mesh-Route": "cloud",
+            "Authorization": f"Bearer {keys[app]}",
+        }
+
     async with running_mesh(topology, http=True):
         edge = topology.edges[site]
         assert edge.http is not None and topology.backend is not None
         async with aiohttp.ClientSession(edge.http.url) as web:
+            headers = {k: v for k, v in as_app("kiosk").items() if k != "Authorization"}
             async with web.post("/v1/chat/completions", json=body, headers=headers) as resp:
+                assert resp.status == 401  # the minted edge listens with keys
+            async with web.post("/v1/chat/completions", json=body, headers=as_app("kiosk")) as resp:
                 first = await resp.json()
             assert resp.status == 200, first
             assert first["choices"][0]["message"]["content"] == expected_text("h", 6)
@@ -435,7 +452,13 @@ async def test_an_http_request_that_can_wait_is_kept_for_its_sender_only(
             async with MeshClient(settings=topology.site_settings(site, "client")) as other:
                 with pytest.raises(UnavailableError, match="not for this key"):
                     await other.answer("http-job-1")
-            async with web.post("/v1/chat/completions", json=body, headers=headers) as resp:
+            other_app = as_app(f"{site}-apps")
+            async with web.post("/v1/chat/completions", json=body, headers=other_app) as resp:
+                refused = await resp.json()
+            assert resp.status == 409, refused
+            assert refused["error"]["code"] == "duplicate"
+            assert "another sender" in refused["error"]["message"]
+            async with web.post("/v1/chat/completions", json=body, headers=as_app("kiosk")) as resp:
                 again = await resp.json()
             assert resp.status == 200, again
             assert again["choices"][0]["message"]["content"] == expected_text("h", 6)

@@ -9,8 +9,9 @@ from pydantic import ValidationError
 
 from mesh.backends.deterministic import Script
 from mesh.client import MeshClient
-from mesh.config import MeshSettings, WorkerSettings, load_settings, served_models
+from mesh.config import MeshSettings, WorkerSettings, load_settings
 from mesh.connection import Connection
+from mesh.provision import served_models
 from mesh.status import collect_status
 from mesh.testing.chaos import MeshProcess, worker_env
 from tests.helpers import eventually
