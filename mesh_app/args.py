@@ -226,6 +226,11 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         parser.set_defaults(bench_options=dests)
 
     options(
+        "paths",
+        ("--tokens", int, "tokens per answer (default 32)"),
+        ("--rounds", int, "rounds at each concurrency (default 10)"),
+    )
+    options(
         "registry",
         ("--puts", int, "heartbeat puts (default 20000)"),
         ("--watchers", int, "connections watching the registry, as edges do (default 10)"),

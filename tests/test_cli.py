@@ -188,8 +188,11 @@ async def test_bench_paths_compares_every_path_on_complete_answers() -> None:
     for path in paths.PATHS:
         assert rows[path]["n"] == 6 and rows[path]["complete"] == 6, (path, rows[path])
         assert rows[path]["ttft_p50_ms"] >= 5  # the backend's prefill is in every path
+        cpu = rows[path]["cpu_ms_per_request"]
+        assert set(cpu) == set(paths.PROCESSES) and all(v >= 0 for v in cpu.values()), cpu
     text = paths.render(results)
     assert "bare relay" in text and "over the bare relay" in text
+    assert "CPU per request, 5-token answers" in text
 
 
 @pytest.mark.slow

@@ -10,7 +10,11 @@ a benchmark backend, not a model: 50 ms prefill, 50 tokens/s per stream by defau
   request on a core subject to a bare nats-py process that calls the same server and publishes
   each token to the reply inbox. No queue, no store, no checks: what the hops alone cost.
 
-At each concurrency the paths take turns, round after round, so they see the same load.
+At each concurrency the paths take turns, round after round, so they see the same load. Each
+process's CPU time is read (``/proc``) around each path's turn, so that every path gets the CPU
+its requests cost: the bench process (the SDK, the bare client or aiohttp), nats-server, the
+worker, the edge and the bare relay, in milliseconds per request. Run it at two answer lengths
+(``--tokens``) to split a path's cost into a fixed part and a part per token.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -30,9 +35,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from mesh.client import MeshClient
-from mesh_app.bench.common import Timed, bench_mesh, pct, table, timed_stream
+from mesh_app.bench.common import Timed, bench_mesh, cpu_seconds, pct, table, timed_stream
 
 PATHS = ("direct", "bare relay", "via cloud", "via edge")
+PROCESSES = ("bench", "nats-server", "worker", "edge", "bare relay")
+"""Whose CPU is read: ``bench`` is this process, which runs every path's clients."""
 BARE_SUBJECT = "bench.bare.request"
 
 
@@ -128,14 +135,25 @@ async def run(
     token_ms: float = 20.0,
 ) -> dict[str, Any]:
     results: dict[str, Any] = {"backend": {"prefill_ms": prefill_ms, "token_ms": token_ms}}
+    results["tokens"] = tokens
     async with (
         bench_mesh(prefill_ms=prefill_ms, token_ms=token_ms, slots=max(concurrency)) as mesh,
-        _bare_relay(mesh.server.url, mesh.backend_url),
+        _bare_relay(mesh.server.url, mesh.backend_url) as bare_pid,
         MeshClient(settings=mesh.settings, first_event_timeout=60, idle_timeout=60) as client,
         aiohttp.ClientSession() as session,
     ):
         prompt = "[tag:b] benchmark"
         nc = client.conn.nc
+        pids = {
+            "bench": None,
+            "nats-server": mesh.server.pid,
+            "worker": mesh.worker.pid,
+            "edge": mesh.edge.pid,
+            "bare relay": bare_pid,
+        }
+
+        def cpu() -> dict[str, float]:
+            return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
         async def one(path: str) -> Timed:
             if path == "direct":
@@ -151,16 +169,25 @@ async def run(
                 await one(path)
         for streams in concurrency:
             samples: dict[str, list[Timed]] = {p: [] for p in PATHS}
+            spent = {p: dict.fromkeys(PROCESSES, 0.0) for p in PATHS}
             for r in range(rounds):
                 order = PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]
                 for path in order:
+                    before = cpu()
                     samples[path] += await asyncio.gather(*(one(path) for _ in range(streams)))
+                    after = cpu()
+                    for name in PROCESSES:
+                        spent[path][name] += after[name] - before[name]
             results[str(streams)] = _summarize(samples, tokens)
+            for path in PATHS:
+                n = len(samples[path])
+                per = {name: 1000 * seconds / n for name, seconds in spent[path].items()}
+                results[str(streams)][path]["cpu_ms_per_request"] = per
     return results
 
 
 @contextlib.asynccontextmanager
-async def _bare_relay(nats_url: str, backend_url: str) -> AsyncIterator[None]:
+async def _bare_relay(nats_url: str, backend_url: str) -> AsyncIterator[int]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -173,7 +200,7 @@ async def _bare_relay(nats_url: str, backend_url: str) -> AsyncIterator[None]:
     try:
         assert proc.stdout is not None
         await asyncio.wait_for(proc.stdout.readline(), 30)
-        yield
+        yield proc.pid
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
@@ -205,11 +232,14 @@ def _summarize(samples: dict[str, list[Timed]], tokens: int) -> dict[str, Any]:
     return out
 
 
+def _runs(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(streams, figures by path) for each concurrency run."""
+    return [(k, v) for k, v in results.items() if k not in ("backend", "tokens")]
+
+
 def render(results: dict[str, Any]) -> str:
     rows = []
-    for streams, by_path in results.items():
-        if streams == "backend":
-            continue
+    for streams, by_path in _runs(results):
         for path in PATHS:
             r = by_path[path]
             rows.append(
@@ -237,8 +267,17 @@ def render(results: dict[str, Any]) -> str:
             f"{by_path[path]['over_bare_ttft_p99_ms']:+.2f}"
             for path in ("via cloud", "via edge")
         )
-        for streams, by_path in results.items()
-        if streams != "backend"
+        for streams, by_path in _runs(results)
+    ]
+    cpu_rows = [
+        [
+            streams,
+            path,
+            *(by_path[path]["cpu_ms_per_request"][name] for name in PROCESSES),
+            sum(by_path[path]["cpu_ms_per_request"].values()),
+        ]
+        for streams, by_path in _runs(results)
+        for path in PATHS
     ]
     return (
         head
@@ -259,6 +298,10 @@ def render(results: dict[str, Any]) -> str:
         )
         + "\n"
         + "\n".join(notes)
+        + f"\n\nCPU per request, {results.get('tokens', '?')}-token answers (ms; each path's "
+        f"turn; bench = the clients; /proc counts in {1000 / os.sysconf('SC_CLK_TCK'):g} ms "
+        "ticks, so a figure settles only over many requests)\n"
+        + table(["streams", "path", *PROCESSES, "total"], cpu_rows)
     )
 
 
