@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
@@ -108,6 +108,23 @@ def newest_start(events: list[WireEvent]) -> tuple[StartEvent | None, bool]:
     return start, done
 
 
+def reader_has(data: bytes) -> tuple[int, int, int | None] | None:
+    """What a reader's "are you there?" says it has of the answer: (attempt, positions, the
+    first position it holds beyond a gap or None); None when it says nothing (an empty word, or
+    an older reader)."""
+    if not data:
+        return None
+    try:
+        has = json.loads(data)
+        attempt, seq, upto = has["attempt"], has["seq"], has.get("upto")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    fields = (attempt, seq) if upto is None else (attempt, seq, upto)
+    if not all(isinstance(f, int) and not isinstance(f, bool) and f >= 0 for f in fields):
+        return None
+    return attempt, seq, upto
+
+
 class Orphans:
     """Answers "are you there?" for this worker, and hands back dead workers' deliveries."""
 
@@ -120,6 +137,7 @@ class Orphans:
         node_id: str,
         alive: Callable[[str], dict[str, bool]],
         request_limits: RequestLimits,
+        resend: Callable[[str, int, int, int | None], Awaitable[int]] | None = None,
     ) -> None:
         self.conn = conn
         self.store = store
@@ -128,6 +146,9 @@ class Orphans:
         self.alive = alive
         """What this worker says of the request on a token subject: whether it holds it, and
         whether its engine stands still on it."""
+        self.resend = resend
+        """Publishes again what a reader lacks of an answer this worker sent (see
+        :meth:`cloud_node.serve.Handler.resend`); the word may say what it has."""
         self._limits = request_limits
         self._handed: dict[tuple[str, int], float] = {}
         self._busy: set[asyncio.Task[None]] = set()
@@ -153,7 +174,11 @@ class Orphans:
         if address is None or not (msg.reply and is_reply_inbox(msg.reply)):
             return
         scope, request_id = address
-        word = self.alive(token_subject(scope, request_id))
+        subject = token_subject(scope, request_id)
+        word: dict[str, Any] = dict(self.alive(subject))
+        has = reader_has(msg.data)
+        if has is not None and self.resend is not None:
+            word["resent"] = await self.resend(subject, *has)
         with contextlib.suppress(nats.errors.Error):
             await msg.respond(json.dumps(word).encode())
 

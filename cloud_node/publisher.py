@@ -25,7 +25,7 @@ from mesh.logs import get_logger
 from mesh.tasks import TaskSet
 from protocol.codec import CONTENT_TYPE, WireFormat, dump_event
 from protocol.errors import MeshError
-from protocol.messages import EndEvent, ErrorEvent, TokenEvent, WireEvent
+from protocol.messages import EndEvent, ErrorEvent, StartEvent, TokenEvent, WireEvent
 from protocol.subjects import token_subject
 
 log = get_logger(__name__)
@@ -67,6 +67,41 @@ class AnswerPublisher:
     def sent(self) -> list[WireEvent]:
         """This attempt's events, in the order they were published."""
         return [event for event, _data in self._sent]
+
+    @property
+    def finished(self) -> bool:
+        """Whether this attempt's outcome (end or error) went out: its engine is done with it."""
+        return bool(self._sent) and isinstance(self._sent[-1][0], (EndEvent, ErrorEvent))
+
+    async def resend(self, attempt: int, seq: int, upto: int | None = None) -> int:
+        """Publish again, on the token subject, what a reader lacks of this attempt: it has
+        ``seq`` positions of attempt ``attempt`` and, when ``upto`` is given, holds this
+        attempt's events from position ``upto`` on. Nothing for a reader on a newer attempt.
+        The number of events published.
+
+        For a reader whose gap the answer store cannot fill: an event published as the store's
+        leader died reached neither the store nor a reader whose server died with it, and this
+        worker, whose own connection never dropped, has no reason to publish it again until its
+        end goes unconfirmed (seconds, a whole election, later). Readers drop duplicates."""
+        if not self._sent or not isinstance(self._sent[0][0], StartEvent):
+            return 0
+        own = self._sent[0][0].attempt
+        if attempt > own:
+            return 0
+        if attempt < own:  # it lacks this attempt's start: all of it
+            wanted = [data for _event, data in self._sent]
+        else:
+            wanted = [data for event, data in self._sent if _lacks(event, seq, upto)]
+        if not wanted:
+            return 0
+        log.info("publishing again what a reader lacks", count=len(wanted), seq=seq, upto=upto)
+        try:
+            for data in wanted:
+                await self.conn.nc.publish(self.subject, data, headers=self._headers)
+        except nats.errors.Error as exc:
+            log.warning("resend failed", error=repr(exc))
+            return 0
+        return len(wanted)
 
     async def send(self, event: WireEvent) -> None:
         data = dump_event(event, self.fmt)
@@ -181,6 +216,17 @@ def _key(event: WireEvent) -> tuple[str, int | None, int]:
     return (event.t, event.attempt, getattr(event, "seq", 0))
 
 
+def _lacks(event: WireEvent, seq: int, upto: int | None) -> bool:
+    """Whether a reader with ``seq`` positions of this attempt, holding its events from
+    ``upto`` on (None: none held), lacks ``event`` of the same attempt."""
+    if isinstance(event, StartEvent):
+        return False
+    if isinstance(event, ErrorEvent):
+        return upto is None
+    position = getattr(event, "seq", 0)
+    return position >= seq and (upto is None or position < upto)
+
+
 class Settler:
     """Answers acked while their store copy could not be confirmed (:meth:`AnswerPublisher.finish`
     returned False), made whole in the background, for ``within`` seconds each and at most
@@ -191,6 +237,8 @@ class Settler:
         self.within = within
         self._counted = counted
         self._tasks = TaskSet("settle")
+        self.publishers: dict[str, AnswerPublisher] = {}
+        """The publishers settling, by token subject (a reader's resend finds them here)."""
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -202,9 +250,12 @@ class Settler:
         self._tasks.spawn(self._settle(publisher), name="settle")
 
     async def _settle(self, publisher: AnswerPublisher) -> None:
+        self.publishers[publisher.subject] = publisher
         try:
             whole = await publisher.settle(self.within)
         finally:
+            if self.publishers.get(publisher.subject) is publisher:
+                del self.publishers[publisher.subject]
             self._counted(publisher)
         if whole:
             log.info("answer store whole again", request_id=publisher.request_id)

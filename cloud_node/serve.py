@@ -405,6 +405,14 @@ class Handler(ABC):
             return {"held": False}
         return {"held": True, "stalled": self.stalled(address)}
 
+    async def resend(self, address: str, attempt: int, seq: int, upto: int | None) -> int:
+        """Publish again what a reader of the answer on ``address`` lacks (see
+        :meth:`AnswerPublisher.resend`); 0 when this worker holds none of it now."""
+        publisher = self.publishers.get(address) or self.settler.publishers.get(address)
+        if publisher is None:
+            return 0
+        return await publisher.resend(attempt, seq, upto)
+
     def stalled(self, address: str) -> bool:
         """Whether the engine stands still on this answer: no token for ``report_stall_after``
         after its first, and none for any other answer it generates either (an engine busy with
@@ -412,6 +420,8 @@ class Handler(ABC):
         publisher = self.publishers.get(address)
         if publisher is None or publisher.last_token is None:
             return False  # before the first token: the edge's first-token timeout judges
+        if publisher.finished:
+            return False  # generated; only the store's confirmation is awaited
         now, bound = time.monotonic(), self._ws.report_stall_after
         return all(
             p.last_token is None or now - p.last_token >= bound for p in self.publishers.values()

@@ -145,6 +145,7 @@ class Worker(Lifecycle):
             node_id=self.node_id,
             alive=self.handler.alive,
             request_limits=settings.limits.request_limits(),
+            resend=self.handler.resend,
         )
         self._stopping = False
         self._subs: list[Subscription] = []

@@ -30,7 +30,7 @@ from mesh.logs import get_logger
 from mesh.reader import AnswerReader, store_repair
 from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.errors import MeshTimeoutError, OverloadedError, UnavailableError
-from protocol.messages import InferRequest
+from protocol.messages import EndEvent, InferRequest, TokenEvent
 from protocol.stream import AnswerState, request_fingerprint
 from protocol.subjects import (
     cancel_subject,
@@ -83,6 +83,21 @@ def cancel_payload(key: str | None) -> bytes:
 def orphan_payload(node: str) -> bytes:
     """What a reader says on ``mesh.v1.orphan.<scope>.<id>``: the worker it found gone."""
     return json.dumps({"worker": node}).encode()
+
+
+def reader_has(state: AnswerState) -> bytes:
+    """What a reader says it has when it asks the worker generating its answer whether it is
+    there: its attempt, its positions, and the first position it holds beyond a gap (see
+    :func:`cloud_node.orphans.reader_has`). The worker publishes again what it lacks."""
+    held = [
+        e.seq
+        for e in state.held
+        if isinstance(e, (TokenEvent, EndEvent)) and e.attempt == state.attempt
+    ]
+    has: dict[str, int] = {"attempt": state.attempt, "seq": state.positions}
+    if held:
+        has["upto"] = min(held)
+    return json.dumps(has).encode()
 
 
 def orphan_worker(data: bytes) -> str | None:
@@ -193,6 +208,7 @@ class CloudCall(Lifecycle):
             what="the cloud",
             pending_limit=pending_limit,
             watch=self.watch_worker,
+            resend=self.resend_missing,
         )
         self.lost_worker: str | None = None
         """The worker (node id) that started the newest attempt and is gone: the server said
@@ -234,7 +250,9 @@ class CloudCall(Lifecycle):
         nc = self.conn.nc
         try:
             word = await nc.request(
-                worker_alive_subject(node, self.scope, self.request.id), b"", timeout=ALIVE_WAIT_S
+                worker_alive_subject(node, self.scope, self.request.id),
+                reader_has(state),  # a live worker sends again a lost tail
+                timeout=ALIVE_WAIT_S,
             )
             with contextlib.suppress(ValueError, AttributeError):
                 if json.loads(word.data).get("stalled"):
@@ -278,6 +296,22 @@ class CloudCall(Lifecycle):
         if gone or verdict.startswith("handed back"):
             self._reported.add((node, state.attempt))  # once per attempt
         log.info("takeover asked", worker=node, verdict=verdict, request_id=self.request.id)
+
+    async def resend_missing(self, state: AnswerState) -> None:
+        """A repair left a gap: the answer store does not hold the missing events (they went out
+        as its leader died, and until it has a new one it stores nothing). Ask the worker
+        generating the answer, which still has them, to publish them again; they arrive on the
+        reader's subscription. A worker that does not answer in time costs ALIVE_WAIT_S: the
+        reader's next repair asks again."""
+        node = worker_of(state.node)
+        if node is None:
+            return
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await self.conn.nc.request(
+                worker_alive_subject(node, self.scope, self.request.id),
+                reader_has(state),
+                timeout=ALIVE_WAIT_S,
+            )
 
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""

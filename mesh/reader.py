@@ -12,8 +12,11 @@ missing, it asks its *repair* for what was kept and feeds that too:
 - its own buffer overflowing (the reader's consumer is slower than the stream).
 
 A repair for a worker's events reads the answer store; a repair for an edge's events asks the
-edge to send again what the reader lacks. The reader never passes on a gap: it waits for the
-repair, and its caller decides, on its own deadlines, when waiting is over.
+edge to send again what the reader lacks. When a repair leaves a gap (the store never got the
+missing event: it went out as the store's leader died), the reader asks the worker generating
+the answer to send it again (*resend*), if it was given a way to. The reader never passes on a
+gap: it waits for the repair, and its caller decides, on its own deadlines, when waiting is
+over.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class AnswerReader:
         unserved: Callable[[], Awaitable[None]] | None = None,
         unserved_for: float = 0.0,
         watch: Watch | None = None,
+        resend: Watch | None = None,
     ) -> None:
         self.conn = conn
         self.state = state
@@ -97,6 +101,7 @@ class AnswerReader:
         self._send_again_at: float | None = None
         self._watch = watch
         self._watched = self.last_event
+        self._resend = resend
 
     async def subscribe(self, subject: str) -> None:
         """Start receiving ``subject`` (before anything is published to it). Raises
@@ -260,7 +265,10 @@ class AnswerReader:
             self._quiet = min(self._quiet * 2, _QUIET_MAX_S)
         if self.state.held and not self.state.done:
             # Still missing: the lost events may not be stored yet (a worker republishes after
-            # its reconnect); look again soon, then less often.
+            # its reconnect), or never will be until the store has a leader again: ask their
+            # source for them, and look again soon, then less often.
+            if self._resend is not None and self.conn.connected:
+                await self._resend(self.state)
             self._repair_at = time.monotonic() + self._gap_retry
             self._gap_retry = min(self._gap_retry * 2, _QUIET_MAX_S)
         else:

@@ -4,19 +4,24 @@ deterministic backend (every answer known exactly) and a real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
+from nats.aio.msg import Msg
 
 from cloud_node.worker import Worker
+from mesh.answer_store import AnswerStore
 from mesh.backends.deterministic import DeterministicBackend, Script
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.provision import provision
 from mesh.queue import CloudCall
+from mesh.reader import AnswerReader
+from protocol.codec import decode_event
 from protocol.errors import MaxDeliveriesError
-from protocol.messages import EndEvent, InferRequest, StartEvent, TokenEvent
+from protocol.messages import EndEvent, InferRequest, StartEvent, TokenEvent, WireEvent
 from tests.helpers import eventually, queue_drained, stat_reaches
 
 PROMPT = "[tag:ap] count"
@@ -136,3 +141,49 @@ async def test_exhausted_deliveries_reach_the_client_as_a_typed_error(
     finally:  # a worker left running would serve the next tests' requests
         killer.cancel()
         await stop_all([*dead, *([(watcher, watcher.conn)] if watcher is not None else [])])
+
+
+async def test_an_event_neither_the_store_nor_the_reader_got_is_sent_again_by_its_worker(
+    fast: MeshSettings, client: MeshClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 3-node hub's answer-store leader killed as a token went out: the store's followers never
+    got it, nor did the reader, whose server was the one killed. The worker's own link never
+    dropped, so it sees nothing to publish again until its end goes unconfirmed, an election
+    later. The reader, its gap unfilled by the store, asks the worker; the answer stands still
+    for a moment, not for seconds."""
+    lost = 5
+
+    def is_lost(event: object) -> bool:
+        return isinstance(event, TokenEvent) and event.seq == lost and event.attempt == 1
+
+    real_on_msg, real_replay = AnswerReader._on_msg, AnswerStore.replay
+    dropped: list[int] = []
+
+    async def on_msg(self: AnswerReader, msg: Msg) -> None:
+        if not dropped and msg.data and is_lost(decode_event(msg.data, msg.headers)):
+            dropped.append(lost)  # its server died with it
+            return
+        await real_on_msg(self, msg)
+
+    async def replay(
+        self: AnswerStore, subject: str, timeout: float | None = None
+    ) -> list[WireEvent]:
+        events = await real_replay(self, subject, timeout)
+        if self.conn is client.conn:  # what the surviving replicas hold
+            events = [e for e in events if not is_lost(e)]
+        return events
+
+    monkeypatch.setattr(AnswerReader, "_on_msg", on_msg)
+    monkeypatch.setattr(AnswerStore, "replay", replay)
+    workers = [await worker_on_own_connection(fast, "w")]
+    try:
+        text, times = [], []
+        async for event in client.stream(PROMPT, via="cloud", max_tokens=40):
+            if isinstance(event, TokenEvent):
+                text.append(event.text)
+                times.append(time.monotonic())
+        assert dropped, "the token was never dropped: the test proves nothing"
+        assert "".join(text) == Script(tag="ap").answer(40)
+        assert max(b - a for a, b in itertools.pairwise(times)) < 1.0
+    finally:
+        await stop_all(workers)
