@@ -55,6 +55,8 @@ ELECTION_RETRY_S = 2.0
 ADDRESSED_CANCEL_WAIT_S = 0.5
 """How long a cancel addressed to the worker holding a request waits for its word before the
 cancel goes to every worker (the holder died, or handed the request on)."""
+WITHDRAW_DELETE_WAIT_S = 0.5
+"""How long withdrawing a request waits for the queue to delete it (its cancel covers the rest)."""
 ALIVE_WAIT_S = 0.2
 """How long a reader waits for the worker generating its answer to say it is there. No word in
 time proves nothing by itself (it may be busy): a live worker then asks again, for longer."""
@@ -324,8 +326,11 @@ class CloudCall(Lifecycle):
         deletable = not self.conn.settings.least_privilege  # else its cancel alone takes it back
         if self.ack is not None and not self.ack.duplicate and deletable:
             # Fails when already delivered (the cancel covers that) or already gone: both fine.
+            # Bounded: a stream without a leader (an election) would hold the caller, who is
+            # about to answer another way, for the whole API timeout; the cancel covers it.
             with contextlib.suppress(APIError, asyncio.TimeoutError, nats.errors.Error):
-                await self.conn.jsm().delete_msg(self.ack.stream, self.ack.seq)
+                delete = self.conn.jsm().delete_msg(self.ack.stream, self.ack.seq)
+                await asyncio.wait_for(delete, WITHDRAW_DELETE_WAIT_S)
 
     async def _cancel_at(self, node: str, payload: bytes) -> bool:
         """Cancel at the worker the start event named; True when it held the request (then

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from nats.aio.msg import Msg
+from nats.js.manager import JetStreamManager
 
 from cloud_node.worker import Worker
 from mesh.answer_store import AnswerStore
@@ -187,3 +188,27 @@ async def test_an_event_neither_the_store_nor_the_reader_got_is_sent_again_by_it
         assert max(b - a for a, b in itertools.pairwise(times)) < 1.0
     finally:
         await stop_all(workers)
+
+
+async def test_withdrawing_a_queued_request_does_not_wait_on_a_queue_that_does_not_answer(
+    fast: MeshSettings, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edge withdraws a request before answering it locally. The queue's delete is only a
+    courtesy (the cancel covers it); a stream without a leader (an election) answers no API
+    call until its timeout, and the local answer must not wait for that."""
+    await provision(conn.jsm(), fast.stream, models=[fast.worker.model.name])
+    asked = asyncio.Event()
+
+    async def no_answer(*_args: object, **_kw: object) -> bool:
+        asked.set()
+        await asyncio.sleep(60)  # as a JetStream call to a leaderless stream, up to its timeout
+        return True
+
+    monkeypatch.setattr(JetStreamManager, "delete_msg", no_answer)
+    request = InferRequest(prompt=PROMPT, max_tokens=5, model=fast.worker.model.name)
+    async with CloudCall(conn, fast.stream, request, scope="tests") as call:  # nobody serves it
+        began = time.monotonic()
+        await call.withdraw()
+        took = time.monotonic() - began
+    assert asked.is_set(), "the queue was never asked to delete it: the test proves nothing"
+    assert took < 2.0, f"withdrawing took {took:.1f} s"
