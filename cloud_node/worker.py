@@ -46,6 +46,7 @@ from mesh.connection import Connection
 from mesh.hub import provision_hub
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
+from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition
 from mesh.registry import Heartbeat, NodeInfo, open_bucket
 from mesh.tasks import TaskSet
@@ -165,6 +166,12 @@ class Worker(Lifecycle):
             deliver=self._accept,
             expires=self._ws.fetch_timeout,
         )
+        self.loop_lag = LoopLag(
+            "worker",
+            advice="run another worker process for this engine (docs/performance.md)",
+        )
+        """How late the worker's event loop runs: behind, it cannot keep up with its engine."""
+        self.metrics.loop_lag.set_function(lambda: self.loop_lag.lag)
         self.metrics.in_flight.set_function(lambda: len(self.handler.inflight))
         self.metrics.free_slots.set_function(self.free_slots)
         self.metrics.slots.set_function(lambda: self.backend.capacity().total)
@@ -231,6 +238,7 @@ class Worker(Lifecycle):
             self._page.add(registry)
         await self._puller.start()
         self._loop_task = self._tasks.supervise(self._tick, name="pull")
+        self._tasks.supervise(self.loop_lag.run, name="loop-lag")
         # Not one of self._tasks: it watches until the last answer is drained (see stop()).
         self._stall_task = asyncio.get_running_loop().create_task(
             self.handler.stalls.run(), name="stall-watch"
@@ -363,6 +371,9 @@ class Worker(Lifecycle):
             "health": "restoring" if self.conn.restoring else "ok",
             "restoring": self.conn.restoring,
             "handed_back": self.orphans.handed_back,
+            # Late by tens of ms, its tokens reach clients that much late: it cannot keep up.
+            "loop_lag_ms": round(self.loop_lag.lag * 1000, 1),
+            "behind": self.loop_lag.behind,
             **self.counts.snapshot(),
         }
 

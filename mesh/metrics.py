@@ -191,6 +191,12 @@ class WorkerMetrics:
             "mesh_worker_slots", "Requests the engine generates at once.", registry=r
         )
         self.free_slots = Gauge("mesh_worker_free_slots", "Slots free now.", registry=r)
+        self.loop_lag = Gauge(
+            "mesh_worker_loop_lag_seconds",
+            "How late the worker's event loop ran what was due, worst of the last 5 s: tens of "
+            "ms mean it cannot keep up with its engine (run another worker process for it).",
+            registry=r,
+        )
         self.engine = Gauge(
             "mesh_worker_engine_load",
             "The engine's own load, by figure (running and waiting requests, KV-cache share), "

@@ -171,6 +171,12 @@ def render(status: dict[str, Any]) -> list[str]:
             f"free={w['free']} in_flight={w.get('in_flight', '?')} "
             f"completed={w.get('completed', '?')} continued={w.get('continued', '?')}"
             + (f" restoring={','.join(w['restoring'])}" if w.get("restoring") else "")
+            + (
+                f" BEHIND: its loop runs {w.get('loop_lag_ms')} ms late, it cannot keep up with"
+                " its engine (run another worker process for it)"
+                if w.get("behind")
+                else ""
+            )
         )
     lines.append(f"edges: {len(status['edges'])}")
     for e in status["edges"]:

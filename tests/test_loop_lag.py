@@ -1,0 +1,71 @@
+"""A worker that cannot keep up with its engine says so: its event loop runs late.
+
+The loop is made late on purpose, as a worker relaying more tokens than its core can publish
+makes it: stretches of blocking work, back to back. ``mesh status`` (through the worker's
+micro service), its Prometheus page and the log say it; it clears once the loop catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cloud_node.worker import Worker
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.config import MeshSettings, ModelSettings
+from mesh.connection import Connection
+from mesh.loop_lag import LoopLag
+from mesh.metrics import exposition
+from mesh.status import collect_status, render
+from tests.helpers import eventually
+
+
+def _hog(seconds: float) -> None:
+    """Work that holds the loop, as publishing a burst of tokens does (not a sleep)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_the_lag_is_the_worst_lateness_of_the_window_and_clears_after_it() -> None:
+    lag = LoopLag("test", window=5.0, behind_s=0.05)
+    lag.note(0.002, now=100.0)
+    lag.note(0.120, now=101.0)
+    lag.note(0.010, now=102.0)
+    assert lag._late[0][1] == 0.120 and len(lag._late) == 2  # the worst, then what may follow it
+    lag.note(0.003, now=106.5)  # 0.120 (at 101) is out of the window now
+    assert lag._late[0][1] == 0.010
+    lag.note(0.001, now=120.0)
+    assert [late for _when, late in lag._late] == [0.001]
+
+
+async def test_a_worker_whose_loop_runs_late_says_it_cannot_keep_up(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    async with Worker(settings, conn, backend) as worker:
+        worker.loop_lag.window = 3.0
+        assert worker.status()["behind"] is False
+        for _ in range(6):  # 0.12 s stretches: tokens 20 ms apart would wait 100 ms
+            _hog(0.12)
+            await asyncio.sleep(0)
+
+        async def behind() -> bool:
+            return bool(worker.status()["behind"])
+
+        await eventually(behind, timeout=5, what="the worker to say it is behind")
+        assert worker.status()["loop_lag_ms"] >= 50
+        page = exposition.text().decode()
+        lag_line = next(
+            line for line in page.splitlines() if line.startswith("mesh_worker_loop_lag_seconds")
+        )
+        assert float(lag_line.split()[-1]) >= 0.05
+        status = await collect_status(conn, settings)
+        (mine,) = [w for w in status["workers"] if w["node_id"] == worker.node_id]
+        assert mine["behind"] is True
+        assert any("BEHIND" in line and worker.node_id in line for line in render(status))
+
+        async def caught_up() -> bool:
+            return not worker.status()["behind"]
+
+        await eventually(caught_up, timeout=10, what="the worker to keep up again")
