@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,33 @@ def test_score_fails_clearly_without_data(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert f"routing data not found under {tmp_path}" in result.stderr
+
+
+def test_score_takes_mmlu_only_data_and_prints_per_subject_rows(tmp_path: Path) -> None:
+    """A directory of MMLU subjects alone (no GSM8K file) is labelled data like any other."""
+    shutil.copytree(FIXTURE / "mmlu", tmp_path / "mmlu")
+    result = subprocess.run(
+        [sys.executable, "-m", "mesh_app.cli", "router", "score", "--data", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "scored 7 prompts" in result.stdout and "1 contaminated dropped" in result.stdout
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in result.stdout.split("per subject:", 1)[1].splitlines()[3:]
+        if line.strip()
+    }
+    assert rows["alpha"][:2] == ["4", "0.25"] and rows["beta"][:2] == ["3", "0.33"]
+    assert "gsm8k" not in rows
+
+
+def test_score_json_has_each_subject_next_to_prompt_length() -> None:
+    subjects = score_json()["subjects"]
+    assert {name: row["n"] for name, row in subjects.items()} == {"alpha": 4, "beta": 3, "gsm8k": 3}
+    assert subjects["gsm8k"]["escalation_helps"] == pytest.approx(2 / 3)
+    for row in subjects.values():
+        assert {"router_apgr", "length_apgr", "router_auc", "length_auc"} <= set(row)

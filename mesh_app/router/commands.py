@@ -12,7 +12,7 @@ from edge_node.learned.model import WEIGHTS_PATH, RouterModel
 from edge_node.learned.router import LearnedRouter, budget_from_settings
 from edge_node.router import decide
 from mesh.config import RouterSettings
-from mesh_app.router.data import default_data_dir, load_dataset
+from mesh_app.router.data import Dataset, default_data_dir, load_dataset
 from mesh_app.router.evaluate import Report, baselines, evaluate, latency_ms, routing_metrics
 from mesh_app.router.train import train_on
 from protocol.errors import ErrorCode, MeshError
@@ -108,6 +108,7 @@ def router_score(settings: RouterSettings, window: int, as_json: bool) -> int:
     weights = str(settings.weights or WEIGHTS_PATH)
     metrics = routing_metrics(scores, data.weak, data.strong)
     compare = baselines(data)
+    subjects = per_subject(data, scores)
     p50, p99 = (float(np.percentile(times, q)) for q in (50, 99))
     if as_json:
         result = {
@@ -117,6 +118,7 @@ def router_score(settings: RouterSettings, window: int, as_json: bool) -> int:
             "dropped_contaminated": data.dropped,
             "router": metrics,
             "baselines": compare,
+            "subjects": subjects,
             "policy": policy,
             "latency_ms": {"p50": p50, "p99": p99, "decisions": len(times)},
         }
@@ -131,6 +133,7 @@ def router_score(settings: RouterSettings, window: int, as_json: bool) -> int:
         f"({data.dropped} contaminated dropped) with {weights}"
     )
     print(report.table())
+    print(_subject_table(subjects))
     if settings.threshold is not None:
         rule = f"fixed threshold {settings.threshold:.3f}"
     else:
@@ -147,6 +150,39 @@ def router_score(settings: RouterSettings, window: int, as_json: bool) -> int:
         f"p99 {p99:.3f} ms over {len(times)} decisions"
     )
     return 0
+
+
+def per_subject(data: Dataset, scores: np.ndarray) -> dict[str, dict[str, float]]:
+    """The router's APGR and AUC within each subject, next to prompt length's, and the subject's
+    share of prompts where escalation helps."""
+    length = np.array([len(p) for p in data.prompts], float)
+    out: dict[str, dict[str, float]] = {}
+    for subject in sorted(set(data.subject.tolist())):
+        mask = data.subject == subject
+        weak, strong = data.weak[mask], data.strong[mask]
+        router = routing_metrics(scores[mask], weak, strong)
+        by_length = routing_metrics(length[mask], weak, strong)
+        out[subject] = {
+            "n": int(mask.sum()),
+            "escalation_helps": float(data.escalation_helps[mask].mean()),
+            "router_apgr": router["apgr"],
+            "length_apgr": by_length["apgr"],
+            "router_auc": router["auc"],
+            "length_auc": by_length["auc"],
+        }
+    return out
+
+
+def _subject_table(subjects: dict[str, dict[str, float]]) -> str:
+    head = f"{'subject':32}{'n':>6}{'helps':>7}  {'APGR router':>11} {'length':>7}"
+    head += f"  {'AUC router':>10} {'length':>7}"
+    lines = ["per subject:", head, "-" * len(head)]
+    for name, r in subjects.items():
+        lines.append(
+            f"{name:32}{r['n']:6d}{r['escalation_helps']:7.2f}  {r['router_apgr']:11.3f} "
+            f"{r['length_apgr']:7.3f}  {r['router_auc']:10.3f} {r['length_auc']:7.3f}"
+        )
+    return "\n".join(lines)
 
 
 def _window_shares(cloud: np.ndarray, window: int) -> list[float]:

@@ -71,11 +71,13 @@ class Dataset:
 
 def load_dataset(root: str | Path | None = None) -> Dataset:
     root = Path(root) if root else default_data_dir()
-    files = [*sorted((root / "mmlu").glob("mmlu_*.csv")), root / "gsm8k" / "gsm8k_responses.csv"]
-    if not all(f.is_file() for f in files) or len(files) < 2:
+    # MMLU subjects, GSM8K, or both: a directory with either is labelled data.
+    gsm8k = root / "gsm8k" / "gsm8k_responses.csv"
+    files = [*sorted((root / "mmlu").glob("mmlu_*.csv")), *([gsm8k] if gsm8k.is_file() else [])]
+    if not files:
         raise MeshError(
-            f"routing data not found under {root} (expected mmlu/mmlu_*.csv and "
-            "gsm8k/gsm8k_responses.csv); pass --data DIR",
+            f"routing data not found under {root} (expected mmlu/mmlu_*.csv, "
+            "gsm8k/gsm8k_responses.csv or both); pass --data DIR",
             code=ErrorCode.UNAVAILABLE,
             retryable=False,
         )
