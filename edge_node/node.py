@@ -46,6 +46,7 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, trace_id
+from mesh.loop_lag import LoopLag
 from mesh.metrics import NatsMetrics, exposition
 from mesh.registry import NodeView
 from mesh.tasks import TaskSet
@@ -161,6 +162,9 @@ class EdgeNode(Lifecycle):
         )
         """The NATS micro-service endpoints."""
         self.http: EdgeHTTP | None = None
+        self.loop_lag = LoopLag("edge", advice="spread its clients over more edge processes")
+        """How late the edge's event loop runs: behind, every answer it relays is late."""
+        self.metrics.loop_lag.set_function(lambda: self.loop_lag.lag)
         self.metrics.in_flight.set_function(self.records.in_flight)
         self.metrics.workers_live.set_function(self._workers_alive)
         self.metrics.cloud_share.set_function(self._budget_share)
@@ -197,6 +201,7 @@ class EdgeNode(Lifecycle):
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.add(registry)
         self._background.supervise(self._refresh_metadata, name="edge-metadata")
+        self._background.supervise(self.loop_lag.run, name="loop-lag")
         if self._es.http_port >= 0:
             parts = HTTPParts(
                 edge_id=self.edge_id,
@@ -257,6 +262,8 @@ class EdgeNode(Lifecycle):
             **self.stats.snapshot(),
             "in_flight": self.records.in_flight(),
             "budget": budget.snapshot() if budget is not None else None,
+            "loop_lag_ms": round(self.loop_lag.lag * 1000, 1),
+            "behind": self.loop_lag.behind,
         }
 
     def _budget_share(self) -> float:

@@ -146,6 +146,12 @@ class EdgeMetrics:
         self.cloud_threshold = Gauge(
             "mesh_edge_cloud_budget_threshold", "Router score threshold now in force.", registry=r
         )
+        self.loop_lag = Gauge(
+            "mesh_edge_loop_lag_seconds",
+            "How late the edge's event loop ran what was due, worst of the last 5 s: tens of ms "
+            "mean it cannot keep up (HTTP, NATS intake, relays and the local model share it).",
+            registry=r,
+        )
         self.workers_live = Gauge(
             "mesh_edge_live_workers", "Workers the node registry shows alive.", registry=r
         )

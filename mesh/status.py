@@ -186,6 +186,11 @@ def render(status: dict[str, Any]) -> list[str]:
             f"  {e.get('edge_id', '?'):<32} status={e.get('status', '?')} "
             f"cloud={e.get('cloud', '?')} in_flight={counters.get('in_flight', '?')} "
             f"{' '.join(f'{k}={v}' for k, v in routes.items())}"
+            + (
+                f" BEHIND: its loop runs {counters.get('loop_lag_ms')} ms late"
+                if counters.get("behind")
+                else ""
+            )
         )
         budget = counters.get("budget")
         if isinstance(budget, dict):

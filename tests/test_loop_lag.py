@@ -11,6 +11,8 @@ import asyncio
 import time
 
 from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
@@ -69,3 +71,23 @@ async def test_a_worker_whose_loop_runs_late_says_it_cannot_keep_up(
             return not worker.status()["behind"]
 
         await eventually(caught_up, timeout=10, what="the worker to keep up again")
+
+
+async def test_an_edge_whose_loop_runs_late_says_so_too(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """HTTP, NATS intake, relays and the local model share the edge's one loop."""
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    async with EdgeNode(settings, conn, backend, HeuristicRouter()) as edge:
+        edge.loop_lag.window = 3.0
+        assert edge.stats_data()["behind"] is False
+        for _ in range(6):
+            _hog(0.12)
+            await asyncio.sleep(0)
+
+        async def behind() -> bool:
+            return bool(edge.stats_data()["behind"])
+
+        await eventually(behind, timeout=5, what="the edge to say it is behind")
+        status = await collect_status(conn, settings)
+        assert any("BEHIND" in line for line in render(status)), render(status)
