@@ -33,6 +33,25 @@ class Keeper:
         self.conn = conn
         self.store = store
         self.timeout = timeout
+        self._collectable: set[str] = set()
+        """Scopes whose site consumer this worker made sure of (see :meth:`collectable`)."""
+
+    async def collectable(self, scope: str) -> None:
+        """Make sure the site of ``scope`` has its consumer on ``MESH_ANSWERS`` (idempotent;
+        once per scope and process). Raises a retryable :class:`MeshError` when it cannot."""
+        if scope in self._collectable:
+            return
+        try:
+            await asyncio.wait_for(
+                self.conn.jsm().add_consumer(ANSWERS_STREAM, kept.site_consumer_config(scope)),
+                self.timeout,
+            )
+        except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
+            raise MeshError(
+                f"cannot make the site's answers collectable: {type(exc).__name__}",
+                retryable=True,
+            ) from None
+        self._collectable.add(scope)
 
     async def keep_or_hand_back(
         self,
@@ -99,6 +118,7 @@ class Keeper:
             outcome = kept.whole_answer(await self._events(publisher), request_id)
         if outcome is None:
             raise MeshError("the answer's stored events hold no outcome", retryable=True)
+        await self.collectable(scope)
         try:
             await self.conn.js.publish(
                 answer_subject(scope, request_id),

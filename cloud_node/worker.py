@@ -25,7 +25,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 from nats.micro.service import Service
-from pydantic import ValidationError
 
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.counts import WorkerCounts, WorkerStats
@@ -37,6 +36,7 @@ from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import Settler
 from cloud_node.puller import Puller
 from cloud_node.serve import Parts
+from cloud_node.store_service import StoreService
 from cloud_node.takeover import Takeover
 from mesh import __version__, kept
 from mesh.answer_store import AnswerStore
@@ -48,7 +48,7 @@ from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition
-from mesh.registry import Heartbeat, NodeInfo, open_bucket
+from mesh.registry import Heartbeat, NodeInfo, live_workers
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
 from protocol.errors import MeshError, MeshTimeoutError
@@ -148,10 +148,13 @@ class Worker(Lifecycle):
             request_limits=settings.limits.request_limits(),
             resend=self.handler.resend,
         )
+        self.store_service = StoreService(conn, self.store)
+        """Answers senders that may not read the answer store themselves (``mesh creds``)."""
         self._stopping = False
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
         self._stall_task: asyncio.Task[Any] | None = None
+        self._lag_task: asyncio.Task[Any] | None = None
         self._undo_reconnect: Any = None
         self._heartbeat = Heartbeat(
             conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl, self._stream
@@ -215,6 +218,7 @@ class Worker(Lifecycle):
                 cb=self.outcomes.on_max_deliveries,
             ),
             *await self.orphans.subscribe(),
+            *await self.store_service.subscribe(),
         ]
         self._service = await micro.add_service(
             nc,
@@ -238,7 +242,10 @@ class Worker(Lifecycle):
             self._page.add(registry)
         await self._puller.start()
         self._loop_task = self._tasks.supervise(self._tick, name="pull")
-        self._tasks.supervise(self.loop_lag.run, name="loop-lag")
+        # Not one of self._tasks either: those are drained for up to drain_grace on stop.
+        self._lag_task = asyncio.get_running_loop().create_task(
+            self.loop_lag.run(), name="loop-lag"
+        )
         # Not one of self._tasks: it watches until the last answer is drained (see stop()).
         self._stall_task = asyncio.get_running_loop().create_task(
             self.handler.stalls.run(), name="stall-watch"
@@ -301,10 +308,11 @@ class Worker(Lifecycle):
             self._undo_reconnect()
         await self._heartbeat.stop()  # edges stop counting on us before intake stops
         await self._puller.stop()  # no new work; late deliveries are handed back at once
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        for task in (self._loop_task, self._lag_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         grace = self._ws.drain_grace
         if self.handler.inflight and self._ws.hand_over and await self._peers_with_room():
             grace = 0.0  # another worker continues each answer from the store, at once
@@ -318,6 +326,7 @@ class Worker(Lifecycle):
                 await self._stall_task
         await self.settler.close()
         await self.orphans.close()
+        await self.store_service.close()
         for sub in self._subs:
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
@@ -334,18 +343,12 @@ class Worker(Lifecycle):
         stopping worker hands its answers over rather than making them wait for its drain."""
         pool = model_token(self.backend.model)
         try:
-            kv = await open_bucket(self.conn, self._stream.node_ttl)
-            prefix = f"worker.{pool}."
-            # nats-py's keys() filters by substring, on the client: check the prefix here.
-            keys = await asyncio.wait_for(
-                kv.keys(filters=[prefix]), self.conn.settings.request_timeout
+            peers = await asyncio.wait_for(
+                live_workers(self.conn, pool), self.conn.settings.request_timeout
             )
-            for key in (k for k in keys if k.startswith(prefix)):
-                entry = await kv.get(key)
-                info = NodeInfo.model_validate_json(entry.value or b"")
-                if info.node_id != self.node_id and info.free > 0:
-                    return True
-        except (MeshError, nats.errors.Error, asyncio.TimeoutError, ValidationError) as exc:
+            if any(info.node_id != self.node_id and info.free > 0 for info in peers):
+                return True
+        except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
             log.info("cannot tell whether another worker has room; draining", error=repr(exc))
         return False
 

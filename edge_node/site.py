@@ -68,7 +68,6 @@ from protocol.subjects import (
     infer_subject,
     kept_subject,
     outbox_subject,
-    site_answers_filter,
     site_consumer,
 )
 
@@ -382,17 +381,9 @@ class SiteStore:
         psub = None
         while psub is None:
             try:
-                await self.conn.jsm().add_consumer(
-                    ANSWERS_STREAM,
-                    api.ConsumerConfig(
-                        name=consumer,
-                        durable_name=consumer,
-                        filter_subject=site_answers_filter(self.scope),
-                        ack_policy=api.AckPolicy.EXPLICIT,
-                        ack_wait=OUTBOX_ACK_WAIT_S,
-                        max_deliver=-1,
-                    ),
-                )
+                # The consumer is a worker's to create, before it keeps this site's first
+                # answer; an edge under credentials may only look it up and pull from it.
+                await self.conn.jsm().consumer_info(ANSWERS_STREAM, consumer)
                 psub = await self.conn.js.pull_subscribe_bind(consumer, stream=ANSWERS_STREAM)
                 self._pulls.append(psub)
             except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:

@@ -12,9 +12,14 @@ captures them as they pass, so the hot path waits for nothing. What the store is
 - a request sent again with the same id gets its stored answer.
 
 Reads use batch direct get (``$JS.API.DIRECT.GET``), served by any replica without a consumer.
-A sender under ``mesh creds`` permissions may not use direct get (its request body, not its
-subject, names what to read, so a server cannot limit it to the sender's own answers): it reads
-through a short-lived consumer whose filter, written in the API subject, is its own token subject.
+A sender under ``mesh creds`` permissions may neither use direct get (its request body, not its
+subject, names what to read, so a server cannot limit it to the sender's own answers) nor create
+a consumer (JetStream does not check a push consumer's deliver subject: one could deliver the
+sender's own events into another sender's subjects). It asks the workers instead, who read the
+stream themselves: ``mesh.v1.store.<scope>.<id>`` (:mod:`cloud_node.store_service`), whose scope
+is the subject's, so a server that lets the sender publish only there under its own scope keeps
+it to its own answers. The answer comes back a page at a time (:class:`Page`), each one reply
+that fits the server's max payload, each page asked for from where the last one ended.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
+from dataclasses import dataclass
+from typing import Any
 
+import msgpack
 import nats.errors
+from nats.aio.subscription import Subscription
 from nats.js import api
 from nats.js.manager import JetStreamManager
 
@@ -32,14 +40,30 @@ from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.provision import ensure_config, placement
-from protocol.codec import decode_event
-from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
-from protocol.messages import Answer, WireEvent
-from protocol.subjects import TOKEN_WILDCARD
+from protocol.codec import WireFormat, decode_event, dump, error_event, to_exception
+from protocol.errors import (
+    BadPayloadError,
+    InvalidRequestError,
+    MeshError,
+    MeshTimeoutError,
+    PayloadTooLargeError,
+    UnavailableError,
+)
+from protocol.messages import Answer, ErrorEvent, WireEvent
+from protocol.subjects import TOKEN_WILDCARD, address_of, store_read_subject
 
 log = get_logger(__name__)
 BATCH = 1024
 """Messages asked for per direct-get batch (an answer has one per coalesced chunk)."""
+PAGE_FRAMING = 128
+"""Bytes a page spends beyond its events' own (its map, keys and cursor), rounded up."""
+EVENT_FRAMING = 5
+"""Bytes a page spends per event (a msgpack bin header)."""
+MIN_PAGE_BYTES = 1024
+"""The smallest page a worker sends, whatever a reader asks for."""
+MAX_PAGE_REQUEST = 256
+"""The longest page request a worker reads (``{"after": <seq>, "max_bytes": <n>}``)."""
+_MAX_SEQ = 2**63 - 1
 
 
 def answer_stream_config(settings: StreamSettings) -> api.StreamConfig:
@@ -69,6 +93,87 @@ async def ensure_answer_stream(jsm: JetStreamManager, settings: StreamSettings) 
     await ensure_config(jsm, answer_stream_config(settings), managed)
 
 
+@dataclass(frozen=True)
+class Page:
+    """One reply of the workers' store service: kept events of one answer, in stream order.
+
+    ``last`` is the stream sequence of the last event in it (the ``after`` of the next page's
+    request; the request's own ``after`` when it holds none), ``more`` says whether the stream
+    held more events of the answer past it when it was read.
+    """
+
+    events: list[bytes]
+    last: int
+    more: bool
+
+    def encode(self) -> bytes:
+        return msgpack.packb(  # type: ignore[no-any-return]
+            {"t": "page", "events": self.events, "last": self.last, "more": self.more},
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> Page:
+        """A page from a worker's reply; the typed error it carries is raised, and a reply that
+        is neither is :class:`UnavailableError` (a worker of another version: ask again)."""
+        try:
+            raw = msgpack.unpackb(data, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise UnavailableError(f"unreadable answer store page: {exc}"[:200]) from None
+        if isinstance(raw, dict) and raw.get("t") == "err":
+            try:
+                event = decode_event(data)
+            except MeshError:
+                event = None
+            if isinstance(event, ErrorEvent):
+                raise to_exception(event)
+        if not isinstance(raw, dict) or raw.get("t") != "page":
+            raise UnavailableError("the answer store service answered something else than a page")
+        events, last, more = raw.get("events"), raw.get("last"), raw.get("more")
+        if not (
+            isinstance(events, list)
+            and all(isinstance(e, bytes) for e in events)
+            and type(last) is int
+            and 0 <= last <= _MAX_SEQ
+            and type(more) is bool
+        ):
+            raise UnavailableError("the answer store service answered a malformed page")
+        return cls(events, last, more)
+
+
+def page_request(after: int, max_bytes: int) -> bytes:
+    """A reader's request for the page after stream sequence ``after``, of at most ``max_bytes``
+    (its own connection's max payload)."""
+    return json.dumps({"after": after, "max_bytes": max_bytes}).encode()
+
+
+def read_page_request(data: bytes, default_bytes: int) -> tuple[int, int]:
+    """``(after, max_bytes)`` from a page request (an empty one: the first page); raises a typed
+    error for anything else."""
+    if not data:
+        return 0, default_bytes
+    if len(data) > MAX_PAGE_REQUEST:
+        raise PayloadTooLargeError(f"a page request has at most {MAX_PAGE_REQUEST} bytes")
+    try:
+        raw: Any = json.loads(data)
+    except (ValueError, RecursionError):
+        raise BadPayloadError("a page request is a JSON object") from None
+    if not isinstance(raw, dict):
+        raise BadPayloadError("a page request is a JSON object")
+    after, max_bytes = raw.get("after", 0), raw.get("max_bytes", default_bytes)
+    for name, value in (("after", after), ("max_bytes", max_bytes)):
+        if type(value) is not int or not 0 <= value <= _MAX_SEQ:
+            raise InvalidRequestError(
+                f"{name} must be a whole number from 0", details=[{"loc": name, "msg": "bad"}]
+            )
+    return after, max_bytes
+
+
+def error_reply(error: MeshError) -> bytes:
+    """A typed error in place of a page (what :meth:`Page.decode` raises again)."""
+    return dump(error_event(error), WireFormat.MSGPACK)
+
+
 class AnswerStore:
     """Reads one request's kept events back, in the order the stream stored them."""
 
@@ -79,7 +184,10 @@ class AnswerStore:
         self.settings = settings
         self.enabled = settings.answer_storage != "off"
         self.filtered = conn.settings.least_privilege if filtered is None else filtered
-        """Read through a filtered consumer instead of direct get (see the module's note)."""
+        """Ask the workers' store service instead of reading the stream (the module's note)."""
+        self.page_bytes: int | None = None
+        """The largest page asked of the store service (default: the connection's max
+        payload)."""
 
     async def replay(self, subject: str, timeout: float | None = None) -> list[WireEvent]:
         """Every stored event of one answer, by its token ``subject`` (empty when none are kept
@@ -92,7 +200,7 @@ class AnswerStore:
             return []
         timeout = self.conn.settings.request_timeout if timeout is None else timeout
         events: list[WireEvent] = []
-        fetch = self._fetch_filtered if self.filtered else self._fetch
+        fetch = self._ask_workers if self.filtered else self._fetch
         try:
             found = await fetch(subject, timeout)
         except nats.errors.ConnectionClosedError:
@@ -111,103 +219,137 @@ class AnswerStore:
         return events
 
     async def _fetch(self, subject: str, timeout: float) -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        found: list[bytes] = []
+        seq = 1
+        async with self._inbox() as (inbox, sub):
+            while True:
+                got, pending = await self._batch(inbox, sub, subject, seq, deadline, timeout)
+                found.extend(data for _seq, data in got)
+                if got:
+                    seq = got[-1][0] + 1
+                if pending <= 0 or not got:
+                    return found
+
+    async def read_page(self, subject: str, after: int, limit: int, timeout: float) -> Page:
+        """The kept events on ``subject`` past stream sequence ``after``, as many as fit in a
+        message of ``limit`` bytes (one direct-get batch at most): what the workers' store
+        service answers. Raises :class:`PayloadTooLargeError` when even the first does not fit.
+        """
+        if not self.enabled:
+            return Page([], after, more=False)
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with self._inbox() as (inbox, sub):
+            got, pending = await self._batch(
+                inbox, sub, subject, after + 1, deadline, timeout, max_bytes=limit
+            )
+        events: list[bytes] = []
+        size, last = PAGE_FRAMING, after
+        for seq, data in got:
+            size += len(data) + EVENT_FRAMING
+            if size > limit:
+                if not events:
+                    raise PayloadTooLargeError(
+                        f"a kept event of {len(data)} bytes does not fit a page of {limit}"
+                    )
+                return Page(events, last, more=True)
+            events.append(data)
+            last = seq
+        return Page(events, last, more=pending > 0 and bool(got))
+
+    async def _ask_workers(self, subject: str, timeout: float) -> list[bytes]:
+        """Every kept message on token ``subject``, page by page from the workers' store
+        service; a page that does not come is a timeout, never a silent gap."""
+        tokens = subject.split(".")
+        if len(tokens) != 5 or tokens[:3] != ["mesh", "v1", "tok"]:
+            raise InvalidRequestError(f"{subject!r} is not a token subject")
+        try:
+            ask = store_read_subject(*address_of(subject))
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        nc = self.conn.nc
+        max_bytes = self.page_bytes or nc.max_payload
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        found: list[bytes] = []
+        after = 0
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s")
+            try:
+                reply = await nc.request(ask, page_request(after, max_bytes), timeout=left)
+            except nats.errors.NoRespondersError:
+                raise UnavailableError(
+                    "no worker answers for the answer store", retry_after=1.0
+                ) from None
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s") from None
+            page = Page.decode(reply.data)
+            if (page.events and page.last <= after) or (page.more and not page.events):
+                raise UnavailableError("the answer store service answered a page out of order")
+            found.extend(page.events)
+            after = page.last
+            if not page.more:
+                return found
+
+    @contextlib.asynccontextmanager
+    async def _inbox(self) -> Any:
         nc = self.conn.nc
         inbox = nc.new_inbox()
         try:
             sub = await nc.subscribe(inbox)
         except nats.errors.Error as exc:
             raise UnavailableError(f"cannot read the answer store: {type(exc).__name__}") from None
-        found: list[bytes] = []
-        seq = 1
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
         try:
-            while True:
-                request = {"next_by_subj": subject, "seq": seq, "batch": BATCH}
-                await nc.publish(
-                    f"{self.conn.api_prefix}.DIRECT.GET.{self.settings.answer_stream}",
-                    json.dumps(request).encode(),
-                    reply=inbox,
-                )
-                pending = 0
-                while True:
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s")
-                    try:
-                        msg = await sub.next_msg(timeout=left)
-                    except nats.errors.TimeoutError:
-                        continue  # the loop head raises once the deadline passed
-                    status = (msg.headers or {}).get("Status")
-                    if status is None:
-                        found.append(msg.data)
-                        seq = int((msg.headers or {}).get("Nats-Sequence", seq)) + 1
-                        continue
-                    if status == "404":
-                        return found
-                    if status == "204":  # end of this batch
-                        pending = int((msg.headers or {}).get("Nats-Num-Pending", "0") or 0)
-                        break
-                    if status == "503":
-                        raise UnavailableError("no responders: the answer store is not there")
-                    raise UnavailableError(f"the answer store answered status {status}")
-                if pending <= 0:
-                    return found
+            yield inbox, sub
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-    async def _fetch_filtered(self, subject: str, timeout: float) -> list[bytes]:
-        """Every kept message on ``subject``, pushed by an ephemeral consumer filtered to it."""
-        nc = self.conn.nc
-        stream = self.settings.answer_stream
-        name = f"repair_{secrets.token_hex(8)}"
-        inbox = nc.new_inbox()
-        config = {
-            "name": name,
-            "deliver_subject": inbox,
-            "filter_subject": subject,
-            "deliver_policy": "all",
-            "ack_policy": "none",
-            "max_ack_pending": 0,
-            "inactive_threshold": int(1e9),  # gone a second after this read unsubscribes
-            "mem_storage": True,
-        }
-        body = json.dumps({"stream_name": stream, "config": config, "action": "create"})
+    async def _batch(  # noqa: PLR0917 - one call's few plain values
+        self,
+        inbox: str,
+        sub: Subscription,
+        subject: str,
+        seq: int,
+        deadline: float,
+        timeout: float,
+        max_bytes: int = 0,
+    ) -> tuple[list[tuple[int, bytes]], int]:
+        """One batch direct get from stream sequence ``seq``: the messages found (sequence,
+        data), and how many more on ``subject`` the stream held past them."""
+        request: dict[str, Any] = {"next_by_subj": subject, "seq": seq, "batch": BATCH}
+        if max_bytes:
+            request["max_bytes"] = max_bytes
+        await self.conn.nc.publish(
+            f"{self.conn.api_prefix}.DIRECT.GET.{self.settings.answer_stream}",
+            json.dumps(request).encode(),
+            reply=inbox,
+        )
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        try:
-            sub = await nc.subscribe(inbox)
-        except nats.errors.Error as exc:
-            raise UnavailableError(f"cannot read the answer store: {type(exc).__name__}") from None
-        try:
-            reply = await nc.request(
-                f"{self.conn.api_prefix}.CONSUMER.CREATE.{stream}.{name}.{subject}",
-                body.encode(),
-                timeout,
-            )
-            info = json.loads(reply.data)
-            if "error" in info:
-                raise UnavailableError(
-                    f"the answer store refused a reader: {info['error'].get('description')}"
-                )
-            found: list[bytes] = []
-            if int(info.get("num_pending", 0)) == 0:
-                return found
-            while True:
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s")
+        got: list[tuple[int, bytes]] = []
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s")
+            try:
                 msg = await sub.next_msg(timeout=left)
-                if (msg.headers or {}).get("Status"):
-                    continue  # a heartbeat or flow-control message, not an event
-                found.append(msg.data)
-                if msg.metadata.num_pending == 0:
-                    return found
-        except nats.errors.TimeoutError:
-            raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s") from None
-        except nats.errors.NoRespondersError:
-            raise UnavailableError("no responders: the answer store is not there") from None
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+            except nats.errors.TimeoutError:
+                continue  # the loop head raises once the deadline passed
+            headers = msg.headers or {}
+            status = headers.get("Status")
+            if status is None:
+                at = headers.get("Nats-Sequence", "")
+                after = got[-1][0] + 1 if got else seq
+                got.append((int(at) if at.isdigit() else after, msg.data))
+                continue
+            if status == "404":
+                return got, 0
+            if status == "204":  # end of this batch
+                pending = headers.get("Nats-Num-Pending", "0") or "0"
+                return got, int(pending) if pending.isdigit() else 0
+            if status == "503":
+                raise UnavailableError("no responders: the answer store is not there")
+            raise UnavailableError(f"the answer store answered status {status}")

@@ -31,6 +31,8 @@ from protocol.subjects import (
     LEASES_STREAM,
     OUTBOX_STREAM,
     OUTBOX_WILDCARD,
+    site_answers_filter,
+    site_consumer,
 )
 
 log = get_logger(__name__)
@@ -39,6 +41,26 @@ FINGERPRINT_HEADER = "Mesh-Req"
 """The kept answer's request fingerprint: what it answers, so no other request gets it."""
 DEDUPE_WINDOW_S = 3600.0
 """How long a message id is remembered by these streams (a forward retried after a flap)."""
+
+
+SITE_ACK_WAIT_S = 30.0
+"""How long a site has to keep a collected answer before the hub delivers it again."""
+
+
+def site_consumer_config(scope: str) -> api.ConsumerConfig:
+    """The durable pull consumer through which the site of ``scope`` collects its kept answers
+    from ``MESH_ANSWERS``. A worker creates it before it keeps the scope's first answer (see
+    :class:`cloud_node.keeper.Keeper`): an edge under credentials only pulls from it, since a
+    consumer an edge could create might be a push consumer delivering anywhere."""
+    name = site_consumer(scope)
+    return api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=site_answers_filter(scope),
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=SITE_ACK_WAIT_S,
+        max_deliver=-1,
+    )
 
 
 def answers_config(settings: StreamSettings) -> api.StreamConfig:

@@ -1,29 +1,44 @@
 """The node registry: JetStream KV bucket ``mesh_nodes``.
 
 Workers announce themselves (models, slots, free slots) every ``heartbeat`` seconds under
-``worker.<node_id>``, and delete their key on a clean stop. Entries expire with the bucket's TTL
-when a worker dies. An edge watches the bucket and treats a worker as alive while its updates keep
-arriving, timed with the edge's own clock (no clock skew between machines matters), so it can
-answer locally at once when no worker serves a model instead of waiting for a start timeout, and
-notice within ``node_ttl`` that the worker generating its answer is gone.
+``worker.<pool>.<node_id>``, and delete their key on a clean stop. Entries expire with the
+bucket's TTL when a worker dies. An edge follows the bucket and treats a worker as alive while its
+updates keep arriving, timed with the edge's own clock (no clock skew between machines matters),
+so it can answer locally at once when no worker serves a model instead of waiting for a start
+timeout, and notice within ``node_ttl`` that the worker generating its answer is gone.
 
-The bucket is file-backed and created by whoever needs it first; a heartbeat that finds it gone
-(a server restart lost it, or someone deleted it) creates it again, and a view re-watches after
-every reconnect, so the registry comes back by itself.
+An edge creates no JetStream consumer to follow the registry (a push consumer's deliver subject
+is not checked by the server: an edge allowed to create one could have another edge's subjects
+delivered to). Instead the bucket **republishes** every update on a core subject,
+``mesh.v1.reg.<key>`` (:data:`UPDATES`), and a view subscribes to its pool's updates first, then
+reads the current entries with one batched direct get (``multi_last``), paged, and marks itself
+ready. An update heard during that read wins over an older entry the read returns (by stream
+sequence).
+
+The bucket is file-backed and created by whoever needs it first, with republish and direct gets;
+a writer (a worker, passing its ``stream`` settings) adds either to an older bucket that lacks
+it. A heartbeat that finds the bucket gone (a server restart lost it, or someone deleted it)
+creates it again, and a view reads it afresh after every reconnect, so the registry comes back
+by itself. A view on a bucket without republish yet stays not ready (it cannot follow it without
+a consumer) and tries again until a writer has added it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import time
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import api
 from nats.js.errors import BucketNotFoundError
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from pydantic import BaseModel, ValidationError
 
 from mesh.config import StreamSettings
@@ -31,11 +46,23 @@ from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.provision import placement
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
-from protocol.subjects import NODES_BUCKET, model_token
+from protocol.subjects import NODES_BUCKET, PREFIX, model_token
 
 log = get_logger(__name__)
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
 HANDBACK = "handback"
+KV_STREAM = f"KV_{NODES_BUCKET}"
+KEYS = f"$KV.{NODES_BUCKET}"
+"""The bucket's subjects: ``$KV.mesh_nodes.<key>``."""
+UPDATES = f"{PREFIX}.reg"
+"""Where the bucket republishes every update (put, delete, purge): ``mesh.v1.reg.<key>``, with
+headers ``Nats-Subject``, ``Nats-Sequence``, ``Nats-Last-Sequence`` (and ``KV-Operation``)."""
+REPUBLISH = api.RePublish(src=f"{KEYS}.>", dest=f"{UPDATES}.>")
+SNAPSHOT_BATCH = 256
+"""Entries a view asks for per direct get; it pages on when there are more."""
+RETRY_MAX_DELAY = 5.0
+"""The longest wait between two tries of a view's first read (the bucket without republish yet,
+or JetStream unavailable), doubling from 0.1 s."""
 
 
 class NodeInfo(BaseModel):
@@ -70,11 +97,12 @@ def pool_of(info: NodeInfo) -> str | None:
 async def open_bucket(
     conn: Connection, ttl: float, stream: StreamSettings | None = None
 ) -> KeyValue:
-    """The registry bucket, created on first use (idempotent). A writer passes ``stream``: the
-    bucket is then created with its replicas and placement, and an existing one moved to its
-    replica count."""
+    """The registry bucket, created on first use (idempotent), with republish and direct gets
+    (what a :class:`NodeView` needs). A writer passes ``stream``: the bucket is then created
+    with its replicas and placement, and an existing one moved to its replica count and given
+    republish and direct gets when it lacks them (a stream update: only writers may)."""
     js = conn.js
-    try:
+    with _jetstream_errors("opening"):
         try:
             kv = await js.key_value(NODES_BUCKET)
         except BucketNotFoundError:
@@ -87,17 +115,43 @@ async def open_bucket(
                     storage=api.StorageType.FILE,
                     replicas=stream.replicas if stream else 1,
                     placement=placement(stream) if stream else None,
+                    republish=REPUBLISH,
+                    direct=True,
                 )
             )
         if stream is not None:
             config = (await kv.status()).stream_info.config
-            if config.num_replicas != stream.replicas:
-                log.info("moving the registry", replicas=stream.replicas)
+            missing = lacks(config)
+            if config.num_replicas != stream.replicas or missing:
+                log.info("updating the registry", replicas=stream.replicas, adding=missing)
                 config.num_replicas = stream.replicas
+                config.republish = REPUBLISH
+                config.allow_direct = True
                 await conn.jsm().update_stream(config)
         return kv
+
+
+def lacks(config: api.StreamConfig) -> list[str]:
+    """What the bucket's stream config lacks for a :class:`NodeView` to follow it without a
+    consumer: ``republish`` (onto :data:`UPDATES`) and ``allow_direct``."""
+    missing = []
+    republish = config.republish
+    if republish is None or (republish.src, republish.dest) != (REPUBLISH.src, REPUBLISH.dest):
+        missing.append("republish")
+    if not config.allow_direct:
+        missing.append("allow_direct")
+    return missing
+
+
+@contextlib.contextmanager
+def _jetstream_errors(doing: str) -> Iterator[None]:
+    """JetStream's failures as the mesh's typed errors."""
+    try:
+        yield
     except asyncio.TimeoutError:
-        raise MeshTimeoutError("JetStream did not answer while opening the node registry") from None
+        raise MeshTimeoutError(
+            f"JetStream did not answer while {doing} the node registry"
+        ) from None
     except nats.js.errors.APIError as exc:
         raise UnavailableError(f"node registry unavailable: {exc.description}") from None
 
@@ -175,62 +229,185 @@ class Heartbeat:
                 await asyncio.wait_for(self._kv.delete(self._key), self._interval)
 
 
+async def read_entries(conn: Connection, key_filter: str) -> list[Msg]:
+    """The last message of every key matching ``key_filter`` (``worker.<pool>.>``), deletes
+    included (header ``KV-Operation``): batched direct gets (``multi_last``) on the bucket's
+    stream, paged at one point in time. Needs the right to publish on
+    ``$JS[.<hub domain>].API.DIRECT.GET.KV_mesh_nodes``; creates no consumer."""
+    nc = conn.nc
+    subject = f"{conn.api_prefix}.DIRECT.GET.{KV_STREAM}"
+    request: dict[str, Any] = {"multi_last": [f"{KEYS}.{key_filter}"], "batch": SNAPSHOT_BATCH}
+    timeout = conn.settings.request_timeout
+    entries: list[Msg] = []
+    with _jetstream_errors("reading"):
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        try:
+            while True:  # one page per request
+                await nc.publish(subject, json.dumps(request).encode(), reply=inbox)
+                while True:
+                    msg = await sub.next_msg(timeout=timeout)
+                    headers = msg.headers or {}
+                    if "Status" in headers:
+                        break
+                    if "Nats-Num-Pending" not in headers:
+                        raise UnavailableError(
+                            "node registry unavailable: this nats-server cannot batch direct "
+                            "gets (2.11 or later is needed)"
+                        )
+                    entries.append(msg)
+                status, why = headers["Status"], headers.get("Description", "")
+                if status == "404" and why == "No Results":
+                    return entries  # no such key (left)
+                if status != "204":
+                    raise UnavailableError(
+                        f"node registry unavailable: direct get answered {status} {why}".strip()
+                    )
+                if int(headers.get("Nats-Num-Pending", "0")) == 0:
+                    return entries
+                # The next page, at the same point in time.
+                request["up_to_seq"] = int(headers["Nats-UpTo-Sequence"])
+                request["seq"] = int(headers["Nats-Last-Sequence"]) + 1
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+
+async def live_workers(conn: Connection, pool: str | None = None) -> list[NodeInfo]:
+    """The workers (of ``pool``) the registry holds now (not deleted, not expired), read without
+    a consumer: what a worker asks before handing its answers over on a stop."""
+    infos = []
+    for msg in await read_entries(conn, f"worker.{pool}.>" if pool else "worker.>"):
+        if _deleted(msg):
+            continue
+        with contextlib.suppress(ValidationError):
+            infos.append(NodeInfo.model_validate_json(msg.data))
+    return infos
+
+
+def _deleted(msg: Msg) -> bool:
+    headers = msg.headers or {}
+    return (
+        headers.get(KV_OP) in (KV_DEL, KV_PURGE)
+        or "Nats-Marker-Reason" in headers  # a subject delete marker (an expiry)
+        or not msg.data
+    )
+
+
 class NodeView:
     """An edge's live view of the registry. ``serves(model)`` is None until the first full
     snapshot arrives (then callers cannot tell and should not guess), else True/False.
 
     With ``pool`` (a model's subject token) it follows that pool's workers only: each worker's
     heartbeat then reaches the edges of its own pool, not every edge of the mesh, and questions
-    about other models are answered None (cannot tell)."""
+    about other models are answered None (cannot tell). Without, it follows every worker.
+
+    It creates no consumer: it subscribes to the bucket's republished updates
+    (``mesh.v1.reg.worker.<pool>.>``), then reads the entries with a batched direct get (see
+    the module's doc); again after every reconnect."""
 
     def __init__(self, conn: Connection, ttl: float, pool: str | None = None) -> None:
         self._conn = conn
         self._ttl = ttl
         self.pool = pool
+        self._keys = f"worker.{pool}.>" if pool else "worker.>"
         self._nodes: dict[str, tuple[NodeInfo, float]] = {}
         self._ready = False
-        self._watcher: Any = None
-        self._task: asyncio.Task[None] | None = None
+        self._sub: Subscription | None = None
+        self._syncing: dict[str, int] | None = None
+        """While a snapshot is read: each key's newest stream sequence seen, live or read."""
+        self._lock = asyncio.Lock()
+        self._retry: asyncio.Task[None] | None = None
         self._undo_reconnect: Any = None
         self._reconnected_at = -float("inf")
 
     async def start(self) -> None:
-        await self._watch()
+        """Follow the registry. Raises (a :class:`MeshError`) when it cannot be read now (no
+        JetStream, or the bucket has no republish yet): the view then tries again by itself,
+        and is not ready meanwhile."""
         self._undo_reconnect = self._conn.on_reconnect("registry watch", self._rewatch)
-
-    async def _watch(self) -> None:
-        kv = await open_bucket(self._conn, self._ttl)
-        self._watcher = await (kv.watch(f"worker.{self.pool}.>") if self.pool else kv.watchall())
-        self._task = asyncio.get_running_loop().create_task(
-            self._follow(self._watcher), name="registry-watch"
-        )
+        try:
+            await self._sync()
+        except MeshError:
+            self._retry = asyncio.get_running_loop().create_task(
+                self._sync_until_done(), name="registry-sync"
+            )
+            raise
 
     async def _rewatch(self) -> None:
-        """After a reconnect the bucket may have been recreated: follow it afresh. Entries seen
-        before stay until they age out; a live worker refreshes its own within a heartbeat.
-        Raises when the watch cannot be made now (an election, no quorum): the connection's
-        recovery tries again until it can, and the view is not ready meanwhile."""
+        """After a reconnect the bucket may have been recreated, and updates were missed: read
+        it afresh. Entries seen before stay until they age out; a live worker refreshes its own
+        within a heartbeat. Raises when it cannot be read now (an election, no quorum, no
+        republish yet): the connection's recovery tries again until it can, and the view is
+        not ready meanwhile."""
         self._reconnected_at = time.monotonic()
         self._ready = False
-        await self._stop_watch()
-        await self._watch()
+        await self._stop_retry()
+        await self._sync()
 
-    async def _follow(self, watcher: Any) -> None:
-        async for entry in watcher:
-            if entry is None:  # end of the initial snapshot
-                self._ready = True
-                continue
-            if entry.key.startswith(f"{HANDBACK}."):
-                continue  # a claim, not a node
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self._nodes.pop(entry.key, None)
-                continue
+    async def _sync_until_done(self) -> None:
+        delay = 0.1
+        while True:
+            await asyncio.sleep(delay)
             try:
-                info = NodeInfo.model_validate_json(entry.value)
-            except ValidationError:
-                log.warning("ignoring malformed registry entry", key=entry.key)
-                continue
-            self._nodes[entry.key] = (info, time.monotonic())
+                await self._sync()
+            except MeshError as exc:
+                log.debug("node registry still unavailable", error=exc.message)
+                delay = min(delay * 2, RETRY_MAX_DELAY)
+            else:
+                log.info("node registry followed")
+                return
+
+    async def _sync(self) -> None:
+        """Subscribe to the updates (once: the client subscribes again after each reconnect),
+        then read the entries, then be ready."""
+        async with self._lock:
+            try:
+                with _jetstream_errors("opening"):
+                    try:
+                        missing = lacks((await self._conn.jsm().stream_info(KV_STREAM)).config)
+                    except nats.js.errors.NotFoundError:
+                        await open_bucket(self._conn, self._ttl)  # created with what it needs
+                        missing = []
+                if missing:
+                    raise UnavailableError(
+                        f"node registry bucket lacks {' and '.join(missing)}: a worker adds it "
+                        "when it starts (edges follow the registry without a consumer)"
+                    )
+                if self._sub is None:
+                    self._sub = await self._conn.nc.subscribe(
+                        f"{UPDATES}.{self._keys}", cb=self._on_update
+                    )
+                self._syncing = {}
+                for msg in await read_entries(self._conn, self._keys):
+                    self._apply(_key_of(msg.headers or {}), msg)
+            except nats.errors.Error as exc:  # not connected, or a subscription refused
+                raise UnavailableError(f"node registry unavailable: {exc!r}") from None
+            finally:
+                self._syncing = None
+            self._ready = True
+
+    async def _on_update(self, msg: Msg) -> None:
+        key = msg.subject[len(UPDATES) + 1 :]  # the subject, as permitted: not a header's say
+        self._apply(key, msg)
+
+    def _apply(self, key: str, msg: Msg) -> None:
+        if not key or key.startswith(f"{HANDBACK}."):
+            return  # a claim, not a node
+        if self._syncing is not None:  # a read is under way: the newest of both wins
+            seq = _sequence(msg)
+            if seq and seq <= self._syncing.get(key, 0):
+                return
+            self._syncing[key] = seq
+        if _deleted(msg):
+            self._nodes.pop(key, None)
+            return
+        try:
+            info = NodeInfo.model_validate_json(msg.data)
+        except ValidationError:
+            log.warning("ignoring malformed registry entry", key=key)
+            return
+        self._nodes[key] = (info, time.monotonic())
 
     @property
     def ready(self) -> bool:
@@ -273,15 +450,30 @@ class NodeView:
     async def stop(self) -> None:
         if self._undo_reconnect is not None:
             self._undo_reconnect()
-        await self._stop_watch()
+            self._undo_reconnect = None
+        await self._stop_retry()
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._ready = False
 
-    async def _stop_watch(self) -> None:
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                await asyncio.wait_for(watcher.stop(), 2.0)
-        task, self._task = self._task, None
-        if task is not None:
+    async def _stop_retry(self) -> None:
+        task, self._retry = self._retry, None
+        if task is not None and task is not asyncio.current_task():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _sequence(msg: Msg) -> int:
+    """The stream sequence of a republished update or a direct get's reply; 0 if none."""
+    with contextlib.suppress(ValueError):
+        return int((msg.headers or {}).get("Nats-Sequence", "0"))
+    return 0
+
+
+def _key_of(headers: dict[str, str]) -> str:
+    """The key a direct get's reply is for (``Nats-Subject: $KV.mesh_nodes.<key>``)."""
+    subject = headers.get("Nats-Subject", "")
+    return subject[len(KEYS) + 1 :] if subject.startswith(f"{KEYS}.") else ""

@@ -49,8 +49,8 @@ async def gather(conn: Connection, subject: str, wait: float = 0.3) -> list[dict
 
 async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, Any]:
     view = NodeView(conn, settings.stream.node_ttl)
-    await view.start()
     try:
+        await view.start()
         for _ in range(50):  # the initial snapshot arrives within a few ms
             if view.ready:
                 break

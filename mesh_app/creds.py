@@ -32,6 +32,7 @@ from pathlib import Path
 from edge_node.api_keys import parse_keys
 from mesh.config import StreamSettings, load_settings
 from mesh_app import nats_jwt
+from mesh_app.accounts import account_jwts
 from mesh_app.nats_jwt import Key, Permissions
 from protocol.subjects import (
     ANSWER_WILDCARD,
@@ -42,9 +43,9 @@ from protocol.subjects import (
     NODES_BUCKET,
     ORPHAN_WILDCARD,
     PREFIX,
+    STORE_WILDCARD,
     TOKEN_WILDCARD,
     is_token,
-    site_answers_filter,
     site_consumer,
     worker_alives,
     worker_cancels,
@@ -69,14 +70,12 @@ def edge_permissions(
     JetStream of its own) names in every hub API call (``$JS.<domain>.API``). ``stream``: the
     settings naming the work queue and the answer store."""
     inbox = inbox_prefix("edge", edge)
-    infer, tokens = stream.name, stream.answer_stream
+    infer = stream.name
     site = site_consumer(edge)
     api = (
-        # Answer repairs: a consumer on the answer store whose filter (in the subject) is its own.
-        f"CONSUMER.CREATE.{tokens}.*.{PREFIX}.tok.{edge}.*",
         f"CONSUMER.INFO.{infer}.*",
-        # Collecting the answers of requests that could wait: its own durable, filtered.
-        f"CONSUMER.CREATE.{ANSWERS_STREAM}.{site}.{site_answers_filter(edge)}",
+        # Collecting the answers of requests that could wait: pulls from its own durable,
+        # which a worker creates (an edge creates no consumer on the hub's answers).
         f"CONSUMER.INFO.{ANSWERS_STREAM}.{site}",
         f"CONSUMER.MSG.NEXT.{ANSWERS_STREAM}.{site}",
         *_registry_reader(),
@@ -90,13 +89,15 @@ def edge_permissions(
             # Is the worker answering still there? If not, a live one hands the request back.
             f"{PREFIX}.worker.*.alive.{edge}.*",
             f"{PREFIX}.orphan.{edge}.*",
+            # Answer repairs: what the store kept of its own answers, read by the workers.
+            f"{PREFIX}.store.{edge}.*",
             *(f"{prefix}.{call}" for prefix in prefixes for call in api),
             f"$JS.ACK.{ANSWERS_STREAM}.{site}.>",
             f"$JS.ACK.*.*.{ANSWERS_STREAM}.{site}.>",
-            *_flow_control(),
         ),
         sub_allow=(
             f"{PREFIX}.tok.{edge}.*",
+            f"{PREFIX}.reg.worker.>",  # the registry's updates (republished)
             f"{PREFIX}.edge.{edge}.*",
             f"{inbox}.>",
             *_micro("mesh-edge"),
@@ -126,6 +127,8 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             f"$JS.API.CONSUMER.DURABLE.CREATE.{infer}.>",
             f"$JS.API.CONSUMER.INFO.{infer}.*",
             f"$JS.API.CONSUMER.MSG.NEXT.{infer}.*",
+            # Each site's collector consumer on the kept answers, made before its first answer.
+            f"$JS.API.CONSUMER.CREATE.{ANSWERS_STREAM}.>",
             f"$JS.ACK.{infer}.>",
             f"$JS.API.STREAM.MSG.GET.{infer}",
             f"$JS.API.STREAM.MSG.DELETE.{infer}",
@@ -138,11 +141,11 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             f"$KV.{NODES_BUCKET}.worker.*.{node}",  # its own key, in its model's pool
             f"$KV.{NODES_BUCKET}.handback.>",  # claims on handing back a dead worker's requests
             *(f"$JS.API.{call}" for call in _registry_reader()),
-            *_flow_control(),
         ),
         sub_allow=(
             CANCEL_WILDCARD,
             ORPHAN_WILDCARD,
+            STORE_WILDCARD,  # reads of the answer store for edges (each its own scope)
             worker_cancels(node),
             worker_alives(node),
             f"{PREFIX}.worker.{node}.status",
@@ -159,19 +162,10 @@ OPERATOR = Permissions(pub_allow=(">",), sub_allow=(">",))
 
 
 def _registry_reader() -> tuple[str, ...]:
-    """JetStream API calls (after the ``$JS.API.`` prefix) that read the node registry."""
-    return (
-        f"STREAM.INFO.{KV_STREAM}",
-        f"CONSUMER.CREATE.{KV_STREAM}",
-        f"CONSUMER.CREATE.{KV_STREAM}.>",
-        f"CONSUMER.INFO.{KV_STREAM}.*",
-        f"CONSUMER.DELETE.{KV_STREAM}.*",
-        f"DIRECT.GET.{KV_STREAM}.>",
-    )
-
-
-def _flow_control() -> tuple[str, ...]:
-    return (f"$JS.FC.{KV_STREAM}.>",)
+    """JetStream API calls (after the ``$JS.API.`` prefix) that read the node registry: its
+    stream's info and batched direct gets. No consumer: updates come republished on
+    ``mesh.v1.reg.>`` (see :mod:`mesh.registry`), which no user but the operator may publish."""
+    return (f"STREAM.INFO.{KV_STREAM}", f"DIRECT.GET.{KV_STREAM}")
 
 
 def _micro(service: str) -> tuple[str, ...]:
@@ -238,9 +232,16 @@ def mint(
     users: dict[str, Path] = {}
     leaf_confs: dict[str, Path] = {}
 
-    def user(file: str, name: str, permissions: Permissions, env: dict[str, str]) -> None:
+    def user(
+        file: str,
+        name: str,
+        permissions: Permissions,
+        env: dict[str, str],
+        account: Key | None = None,
+    ) -> None:
+        """A user of ``account`` (an edge's own; the ``MESH`` account's by default)."""
         key = nats_jwt.user_key()
-        jwt = nats_jwt.user_jwt(keys["account"], key, name, permissions, expires)
+        jwt = nats_jwt.user_jwt(account or keys["account"], key, name, permissions, expires)
         path = out / f"{file}.creds"
         _write_secret(path, nats_jwt.creds(jwt, key))
         env = {"MESH_NATS_CREDS_FILE": seen_at(path), **env}
@@ -252,6 +253,7 @@ def mint(
 
     user("operator", "operator", OPERATOR, {})
     for edge in edges:
+        account = _edge_key(out / "keys", edge)
         apps = [f"{edge}-apps", *(a for e, a in clients if e == edge)]
         keys_file = out / f"api-keys-{edge}"
         http_keys = _api_keys(keys_file, apps)
@@ -267,6 +269,7 @@ def mint(
                 "MESH_NATS_LEAST_PRIVILEGE": "true",
                 "MESH_EDGE_API_KEYS_FILE": seen_at(keys_file),
             },
+            account,
         )
         for app in apps:
             # One user for the site's apps together, and one per app named with --client, so
@@ -282,6 +285,7 @@ def mint(
                     # The app's key to the edge's HTTP API, where the openai client looks.
                     "OPENAI_API_KEY": http_keys[app],
                 },
+                account,
             )
     for edge in edges:
         creds_path = (
@@ -305,7 +309,7 @@ def mint(
             },
         )
     auth = out / "auth.conf"
-    auth.write_text(_auth_conf(keys))
+    auth.write_text(_auth_conf(keys, _edge_keys(out / "keys"), stream))
     return Minted(out=out, auth_conf=auth, users=users, leaf_confs=leaf_confs)
 
 
@@ -367,16 +371,36 @@ def _keys(directory: Path) -> dict[str, Key]:
     return keys
 
 
-def _auth_conf(keys: dict[str, Key]) -> str:
+def _edge_key(directory: Path, edge: str) -> Key:
+    """Edge ``edge``'s account key: read, or made once (``keys/edge-<edge>.nk``)."""
+    path = directory / f"edge-{edge}.nk"
+    if path.exists():
+        return Key.from_seed(path.read_text().strip())
+    key = nats_jwt.account_key()
+    _write_secret(path, key.seed + "\n")
+    return key
+
+
+def _edge_keys(directory: Path) -> dict[str, Key]:
+    """Every edge account minted here so far, this run's and earlier ones': the hub keeps
+    vouching for credentials already handed out."""
+    return {
+        path.name.removeprefix("edge-").removesuffix(".nk"): Key.from_seed(path.read_text().strip())
+        for path in sorted(directory.glob("edge-*.nk"))
+    }
+
+
+def _auth_conf(keys: dict[str, Key], edges: dict[str, Key], stream: StreamSettings) -> str:
     operator, system, account = keys["operator"], keys["system"], keys["account"]
     preload = {
         system.public: nats_jwt.account_jwt(operator, system, "SYS", jetstream=False),
-        account.public: nats_jwt.account_jwt(operator, account, "MESH", jetstream=True),
+        **account_jwts(operator, account, edges, stream),
     }
     lines = [
         "# Written by `mesh creds`: operator-mode auth for the mesh hub. Include it from the",
-        "# server config (include auth.conf). Users are not listed here: each one proves a JWT",
-        "# signed by the MESH account key, which `mesh creds` keeps in keys/.",
+        "# server config (include auth.conf), and reload the hub after adding an edge. Users",
+        "# are not listed here: each proves a JWT signed by its account's key (MESH for workers",
+        "# and the operator, one account per edge), which `mesh creds` keeps in keys/.",
         f"operator: {nats_jwt.operator_jwt(operator, 'mesh', system.public)}",
         f"system_account: {system.public}",
         "resolver: MEMORY",

@@ -84,7 +84,15 @@ def operator_jwt(operator: Key, name: str, system_account: str) -> str:
     )
 
 
-def account_jwt(operator: Key, account: Key, name: str, *, jetstream: bool) -> str:
+def account_jwt(
+    operator: Key,
+    account: Key,
+    name: str,
+    *,
+    jetstream: bool,
+    exports: list[dict[str, Any]] | None = None,
+    imports: list[dict[str, Any]] | None = None,
+) -> str:
     limits: dict[str, Any] = {
         "subs": UNLIMITED,
         "data": UNLIMITED,
@@ -102,7 +110,12 @@ def account_jwt(operator: Key, account: Key, name: str, *, jetstream: bool) -> s
             streams=UNLIMITED,
             consumer=UNLIMITED,
         )
-    return encode(operator, account.public, name, {"type": "account", "limits": limits})
+    claims: dict[str, Any] = {"type": "account", "limits": limits}
+    if exports:
+        claims["exports"] = exports
+    if imports:
+        claims["imports"] = imports
+    return encode(operator, account.public, name, claims)
 
 
 @dataclass(frozen=True)

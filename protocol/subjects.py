@@ -9,6 +9,9 @@
 - ``mesh.v1.edge.<edge_id>.infer``: core NATS request-reply (micro service), an edge's entry;
   ``.cancel`` and ``.resend`` beside it let the sender cancel or fetch missed events
 - ``mesh.v1.worker.<node_id>.status``: a worker's status (micro service ``mesh-worker``)
+- ``mesh.v1.store.<scope>.<request_id>``: core NATS request-reply (queue group ``mesh-store``,
+  every worker), what ``MESH_TOK`` kept of that answer: how a sender that may not read the stream
+  itself (``mesh creds``) repairs its answers
 - ``mesh.v1.ans.<scope>.<request_id>``: stream ``MESH_ANSWERS`` on the hub, the whole answer
   (or typed error) of a request that could wait, kept for its site to collect
 - ``mesh.v1.lease.<scope>.<request_id>``: stream ``MESH_LEASES`` on the hub, which queued copy
@@ -39,6 +42,7 @@ INFER_WILDCARD = f"{PREFIX}.infer.*.*"
 # site). Handlers check the token count themselves (:func:`addressed`).
 CANCEL_WILDCARD = f"{PREFIX}.cancel.>"
 ORPHAN_WILDCARD = f"{PREFIX}.orphan.>"
+STORE_WILDCARD = f"{PREFIX}.store.>"
 TOKEN_WILDCARD = f"{PREFIX}.tok.*.*"
 ANSWERS_STREAM = "MESH_ANSWERS"
 ANSWER_WILDCARD = f"{PREFIX}.ans.*.*"
@@ -131,6 +135,15 @@ def token_subject(scope: str, request_id: str) -> str:
     _check_token(scope, "scope")
     _check_token(request_id, "request id")
     return f"{PREFIX}.tok.{scope}.{request_id}"
+
+
+def store_read_subject(scope: str, request_id: str) -> str:
+    """Where a sender asks the workers what the answer store kept of its answer: the scope is
+    the subject's, so a server that lets a sender publish only ``mesh.v1.store.<own scope>.*``
+    keeps it to its own answers (see :mod:`cloud_node.store_service`)."""
+    _check_token(scope, "scope")
+    _check_token(request_id, "request id")
+    return f"{PREFIX}.store.{scope}.{request_id}"
 
 
 def cancel_subject(scope: str, request_id: str) -> str:

@@ -7,6 +7,7 @@ minted for a mesh on other streams could not create, read or ack its own queue.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 from pathlib import Path
@@ -40,6 +41,17 @@ def named(subjects: list[str], stream: str) -> list[str]:
     return [s for s in subjects if stream in s.split(".")]
 
 
+def account_claims(out: Path, name: str) -> dict[str, Any]:
+    """The ``nats`` claims of the account named ``name`` in the ``auth.conf`` minted in ``out``."""
+    for line in (out / "auth.conf").read_text().splitlines():
+        if line.startswith("  ") and ": " in line:
+            payload = line.split(": ", 1)[1].split(".")[1]
+            claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+            if claims["name"] == name:
+                return dict(claims["nats"])
+    raise AssertionError(f"no account {name!r} in auth.conf")
+
+
 def test_mesh_creds_names_the_streams_of_its_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -48,12 +60,17 @@ def test_mesh_creds_names_the_streams_of_its_settings(
     assert main(["creds", "--out", str(tmp_path), "--edge", "e1", "--worker", "w1"]) == 0
     creds = json.loads(capsys.readouterr().out)["creds"]
     edge, worker = permissions(creds["edge-e1"]), permissions(creds["worker-w1"])
-    # The edge: whether a model is served (the queue's consumers), and answer repairs through
-    # a consumer on the answer store filtered to its own token subjects, at home and as a site.
+    # The edge: whether a model is served (the queue's consumers), at home and as a site; its
+    # answer repairs go through the workers, and it creates no consumer anywhere.
     assert "$JS.API.CONSUMER.INFO.OTHER_INFER.*" in edge["pub"]
     assert "$JS.hub.API.CONSUMER.INFO.OTHER_INFER.*" in edge["pub"]
-    assert "$JS.API.CONSUMER.CREATE.OTHER_TOK.*.mesh.v1.tok.e1.*" in edge["pub"]
-    assert "$JS.hub.API.CONSUMER.CREATE.OTHER_TOK.*.mesh.v1.tok.e1.*" in edge["pub"]
+    assert "mesh.v1.store.e1.*" in edge["pub"]
+    assert [s for s in edge["pub"] if ".CONSUMER.CREATE." in s] == []
+    # Its account imports from the MESH account what it may call, named by the settings too.
+    imports = account_claims(tmp_path, "EDGE e1")["imports"]
+    assert "$JS.API.CONSUMER.INFO.OTHER_INFER.*" in {i["subject"] for i in imports}
+    exports = account_claims(tmp_path, "MESH")["exports"]
+    assert "$JS.API.CONSUMER.INFO.OTHER_INFER.*" in {e["subject"] for e in exports}
     # The worker: provisions, pulls from and acks its queue, reads the answer store, hears of
     # requests that ran out of deliveries.
     for subject in (

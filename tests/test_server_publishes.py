@@ -5,12 +5,10 @@ worker, as in ``tests/test_security.py``. Edge A's credentials try each way of h
 server (not A itself, whose publishes its permissions bound) publish on B's subjects, while an
 operator listens on B's token and queue subjects.
 
-Two ways are still open, marked ``xfail(strict=True)``: JetStream does not check a push
-consumer's deliver subject, and answers every API request on whatever reply subject the
-request names. Subject permissions inside one account cannot close either; one NATS account
-per edge can (a prototype passed every such attempt on nats-server 2.11 and 2.15: see
-docs/security.md). When that lands these tests pass, and strict xfail makes them fail until
-the marks go.
+Inside one account, nats-server checks neither a push consumer's deliver subject nor an API
+request's reply subject. So each edge has an account of its own, importing only its slice of
+the ``MESH`` account (``mesh_app/accounts.py``), and creates no consumer at all: a reply or a
+delivery it names lands in its own account, where nobody else listens.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
@@ -31,10 +30,6 @@ from tests.test_security import (  # noqa: F401 - fixtures
     mesh,
 )
 
-OPEN_IN_ONE_ACCOUNT = (
-    "nats-server checks neither a push consumer's deliver subject nor an API request's reply "
-    "subject against the requester's permissions; closed only by one account per edge"
-)
 B_TOKENS = "mesh.v1.tok.site-b.probe"
 B_QUEUE = "mesh.v1.infer.probe.site-b"
 """B's queue lane (a model nobody serves: B's own requests go to another)."""
@@ -65,13 +60,28 @@ async def lane_b(mesh: Hub) -> AsyncIterator[Listener]:  # noqa: F811
         yield listener
 
 
-async def _attack(mesh: Hub, lane_b: Listener, subject: str, body: dict, reply: str = "") -> None:  # noqa: F811
+async def _attack(
+    mesh: Hub,  # noqa: F811
+    lane_b: Listener,
+    subject: str,
+    body: dict[str, Any],
+    reply: str = "",
+    *,
+    refused: bool = True,
+) -> None:
+    """Edge A's call, while B's answer streams; ``refused``: the server must refuse the call
+    itself (A may not make it at all), else it is one A may make, answered in A's account."""
     spy = await Denials().connect(mesh, "edge-site-a")
     try:
         assert spy.nc is not None
         victim = asyncio.ensure_future(_ask(mesh, "site-b", "[tag:v] x", 40))
+        if not refused:  # the call works: answered on A's own inbox
+            answer = await spy.nc.request(subject, json.dumps(body).encode(), timeout=5)
+            assert answer.data, "the call itself got no answer: the test proves nothing"
         await spy.nc.publish(subject, json.dumps(body).encode(), reply=reply)
         await spy.nc.flush()
+        if refused:
+            await spy.refused("Publish", subject)
         # B's answer is exact either way; then nothing of A's may have reached B's lane.
         assert await victim == "".join(f" v{i}" for i in range(40))
         # What the server delivers comes a moment after the call; a bounded look for it.
@@ -81,7 +91,6 @@ async def _attack(mesh: Hub, lane_b: Listener, subject: str, body: dict, reply: 
         await spy.close()
 
 
-@pytest.mark.xfail(strict=True, reason=OPEN_IN_ONE_ACCOUNT)
 async def test_a_registry_consumer_cannot_deliver_into_another_lane(
     mesh: Hub,  # noqa: F811
     lane_b: Listener,
@@ -90,7 +99,6 @@ async def test_a_registry_consumer_cannot_deliver_into_another_lane(
     await _attack(mesh, lane_b, "$JS.API.CONSUMER.CREATE.KV_mesh_nodes", config)
 
 
-@pytest.mark.xfail(strict=True, reason=OPEN_IN_ONE_ACCOUNT)
 async def test_a_repair_consumer_cannot_deliver_into_another_queue(
     mesh: Hub,  # noqa: F811
     lane_b: Listener,
@@ -108,12 +116,12 @@ async def test_a_repair_consumer_cannot_deliver_into_another_queue(
     await _attack(mesh, lane_b, subject, config)
 
 
-@pytest.mark.xfail(strict=True, reason=OPEN_IN_ONE_ACCOUNT)
 async def test_an_api_reply_cannot_land_in_another_lane(
     mesh: Hub,  # noqa: F811
     lane_b: Listener,
 ) -> None:
-    await _attack(mesh, lane_b, "$JS.API.STREAM.INFO.KV_mesh_nodes", {}, reply=B_TOKENS)
+    subject = "$JS.API.STREAM.INFO.KV_mesh_nodes"  # A may read the registry
+    await _attack(mesh, lane_b, subject, {}, reply=B_TOKENS, refused=False)
 
 
 async def test_a_client_cannot_have_its_edge_answer_into_another_lane(

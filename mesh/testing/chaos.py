@@ -345,10 +345,8 @@ async def wait_for_worker(
 ) -> None:
     """Until worker ``node_id`` is in the registry; fails at once when ``process`` (the worker's
     own) exits first, with the end of its log."""
-    from mesh.registry import node_key
-    from protocol.subjects import NODES_BUCKET
+    from mesh.registry import live_workers
 
-    suffix = "." + node_key("worker", node_id).split(".", 1)[1]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.proc is not None and process.proc.returncode is not None:
@@ -358,8 +356,7 @@ async def wait_for_worker(
                 f"itself; its log ends:\n{tail}"
             )
         with contextlib.suppress(Exception):  # the worker creates the bucket: wait for it
-            kv = await conn.js.key_value(NODES_BUCKET)
-            if any(key.endswith(suffix) for key in await kv.keys()):
+            if any(info.node_id == node_id for info in await live_workers(conn)):
                 return
         await asyncio.sleep(0.1)
     raise AssertionError(f"worker {node_id} did not announce itself within {timeout:g}s")
