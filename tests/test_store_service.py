@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,7 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.reader import AnswerReader
-from mesh_app import creds
 from mesh_app.creds import mint
-from mesh_app.nats_jwt import Permissions
 from protocol.codec import WireFormat, decode_event, dump_token
 from protocol.errors import (
     BadPayloadError,
@@ -44,7 +42,7 @@ from protocol.errors import (
     UnavailableError,
 )
 from protocol.messages import TokenEvent
-from protocol.subjects import STORE_WILDCARD, store_read_subject, token_subject
+from protocol.subjects import store_read_subject, token_subject
 from tests.test_security import EDGES, Denials, Hub, hub_conf
 
 # -- the service's contract, on an open server ------------------------------------------------
@@ -206,31 +204,6 @@ async def test_bad_requests_and_a_busy_worker_get_typed_errors(
 # -- under `mesh creds`: an edge asks for its own scope only, and creates no consumer ---------
 
 
-def store_permissions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`mesh creds` permissions with the store service's subjects: an edge publishes
-    ``mesh.v1.store.<edge>.*`` and may no longer create a consumer on the answer store; a
-    worker subscribes to ``mesh.v1.store.>`` (it replies through its response permission).
-    Idempotent: once mesh_app/creds.py grants them itself, this adds nothing."""
-    edge_permissions, worker_permissions = creds.edge_permissions, creds.worker_permissions
-
-    def edge(edge: str, hub_domain: str | None = creds.HUB_DOMAIN, **kw: Any) -> Permissions:
-        perms = edge_permissions(edge, hub_domain, **kw)
-        tokens = kw["stream"].answer_stream
-        pub = tuple(s for s in perms.pub_allow if f".CONSUMER.CREATE.{tokens}." not in s)
-        own = f"mesh.v1.store.{edge}.*"
-        return replace(perms, pub_allow=pub + ((own,) if own not in pub else ()))
-
-    def worker(node: str, **kw: Any) -> Permissions:
-        perms = worker_permissions(node, **kw)
-        sub = perms.sub_allow
-        return replace(
-            perms, sub_allow=sub + ((STORE_WILDCARD,) if STORE_WILDCARD not in sub else ())
-        )
-
-    monkeypatch.setattr(creds, "edge_permissions", edge)
-    monkeypatch.setattr(creds, "worker_permissions", worker)
-
-
 @dataclass
 class Secured:
     hub: Hub
@@ -239,8 +212,7 @@ class Secured:
 
 
 @pytest.fixture
-async def secured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Secured]:
-    store_permissions(monkeypatch)
+async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
     minted = mint(tmp_path, edges=list(EDGES), workers=["w1"], expires_in=3600)
     async with NatsServer(config=str(hub_conf(tmp_path, minted))) as server:
         hub = Hub(server, minted)
