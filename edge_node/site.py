@@ -11,7 +11,8 @@ The edge daemon talks only to its site's leaf-node nats-server, which runs JetSt
    request and tries again.
 3. The worker keeps the whole answer in the hub's ``MESH_ANSWERS`` before it acks the request.
 4. The *collector* reads the site's answers through a durable hub consumer filtered to its own
-   scope, writes each into the site's ``MESH_KEPT`` (message id = the request id), and only then
+   scope (a worker creates it before keeping the scope's first answer), writes each into the
+   site's ``MESH_KEPT`` (message id = the request id), and only then
    acks it on the hub. A flap at any point means a retry, never a loss or a second copy.
 5. The client's request waits for its answer in ``MESH_KEPT`` until its deadline; past that (or
    after a disconnect) it asks again by id (``mesh.v1.edge.<edge>.answer``).

@@ -66,9 +66,9 @@ class NatsSettings(_Section):
     its own: hub calls go to $JS.<hub_domain>.API, and the site keeps requests that can wait
     (outbox) and their answers in its own streams, across uplink outages."""
     least_privilege: bool = False
-    """This process runs under `mesh creds` permissions: use only the JetStream calls its role
-    is allowed (answer repairs through a consumer filtered to its own token subjects, no queue
-    deletes when a request is withdrawn: its cancel covers that)."""
+    """This process runs under `mesh creds` permissions: use only the calls its role is allowed
+    (answer repairs read through the workers, no queue deletes when a request is withdrawn:
+    its cancel covers that)."""
     connect_timeout: float = Field(default=5.0, gt=0)
     """Seconds to wait for the first connection."""
     request_timeout: float = Field(default=5.0, gt=0)

@@ -2,10 +2,11 @@
 
 Each role gets exactly the subjects its process uses (see docs/security.md's threat model):
 
-- an **edge** (or an edge site's leaf node) publishes only its own requests
-  (``mesh.v1.infer.*.<edge>``) and cancels, reads only its own answers (``mesh.v1.tok.<edge>.*``
-  and a repair consumer filtered to them), and reaches JetStream's API only to read the node
-  registry and whether a model is served;
+- an **edge** (or an edge site's leaf node) is an account of its own (``mesh_app.accounts``):
+  it publishes only its own requests (``mesh.v1.infer.*.<edge>``) and cancels, reads only its
+  own answers (``mesh.v1.tok.<edge>.*``, and what the store kept of them through the workers),
+  creates no consumer, and reaches JetStream's API only to read the node registry, whether a
+  model is served, and its site's kept answers;
 - a **client** of an edge may only call that edge's entry subjects;
 - a **worker** pulls from the work queue, publishes only on token subjects, announces only its
   own registry key, and may provision the mesh's own streams, nothing else;

@@ -231,7 +231,7 @@ async def test_edge_repairs_only_from_its_own_answers(mesh: Hub) -> None:
     settings = mesh.settings("edge-site-a")
     async with Connection(settings.nats, "reader") as conn:
         store = AnswerStore(conn, settings.stream)
-        assert store.filtered  # least privilege: through a consumer filtered to its subjects
+        assert store.filtered  # least privilege: read through the workers, its own scope only
         # Its own answers: whatever the client's request id was, they are all under site-a.
         operator = mesh.settings("operator")
         async with Connection(operator.nats, "op") as op:
