@@ -49,9 +49,9 @@ M = (
 )
 
 
-def score(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def score(*args: str, data: Path = FIXTURE, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "mesh_app.cli", "router", "score", "--data", str(FIXTURE), *args],
+        [sys.executable, "-m", "mesh_app.cli", "router", "score", "--data", str(data), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -122,14 +122,7 @@ def test_score_prints_a_readable_table() -> None:
 
 
 def test_score_fails_clearly_without_data(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "mesh_app.cli", "router", "score", "--data", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-        check=False,
-    )
+    result = score(data=tmp_path)
     assert result.returncode == 2
     assert f"routing data not found under {tmp_path}" in result.stderr
 
@@ -137,14 +130,7 @@ def test_score_fails_clearly_without_data(tmp_path: Path) -> None:
 def test_score_takes_mmlu_only_data_and_prints_per_subject_rows(tmp_path: Path) -> None:
     """A directory of MMLU subjects alone (no GSM8K file) is labelled data like any other."""
     shutil.copytree(FIXTURE / "mmlu", tmp_path / "mmlu")
-    result = subprocess.run(
-        [sys.executable, "-m", "mesh_app.cli", "router", "score", "--data", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-        check=False,
-    )
+    result = score(data=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "scored 7 prompts" in result.stdout and "1 contaminated dropped" in result.stdout
     rows = {
