@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Mapping
 from functools import partial
@@ -62,7 +63,12 @@ from protocol.errors import (
 )
 from protocol.messages import EndEvent, InferRequest
 from protocol.stream import request_fingerprint
-from protocol.subjects import edge_infer_subject, model_token
+from protocol.subjects import (
+    STATUS_ASK,
+    edge_infer_subject,
+    edge_status_subject,
+    model_token,
+)
 
 log = get_logger(__name__)
 
@@ -96,6 +102,7 @@ class EdgeNode(Lifecycle):
         self._background = TaskSet("edge-background")
         self._service: Service | None = None
         self._metadata: dict[str, str] = {}
+        self._status_sub: Any = None
         self.accepting = False
         self.nodes = NodeView(
             conn, settings.stream.node_ttl, pool=model_token(settings.edge.cloud_model)
@@ -195,6 +202,7 @@ class EdgeNode(Lifecycle):
             "status": "starting",
         }
         self._service = await self.intake.start(self._metadata)
+        self._status_sub = await nc.subscribe(STATUS_ASK, cb=self._on_status_ask)
         # Once start() returns, the server knows our subscriptions: clients can reach us.
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self.accepting = True
@@ -234,6 +242,9 @@ class EdgeNode(Lifecycle):
             return
         self.accepting = False
         ends = time.monotonic() + (self._es.drain_grace if grace is None else grace)
+        if self._status_sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._status_sub.unsubscribe()
         await self._background.close()
         if self.http is not None:
             await self.http.stop()  # stops accepting; in-flight HTTP answers get the grace
@@ -301,6 +312,15 @@ class EdgeNode(Lifecycle):
         elif status == "degraded":
             reason = f"no live worker serves {self._es.cloud_model!r}: answering locally"
         return {"status": status, "reason": reason, "checks": checks, "edge_id": self.edge_id}
+
+    async def _on_status_ask(self, _msg: Any) -> None:
+        """``mesh status`` asks (see :data:`protocol.subjects.STATUS_ASK`): what the micro
+        service's INFO and STATS say, on this edge's status subject."""
+        status = {**self._metadata, "counters": self.stats_data()}
+        with contextlib.suppress(nats.errors.Error):
+            await self.conn.nc.publish(
+                edge_status_subject(self.edge_id), json.dumps(status, default=str).encode()
+            )
 
     async def _refresh_metadata(self) -> None:
         while True:

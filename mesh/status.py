@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.registry import NodeView
-from protocol.subjects import model_token
+from protocol.subjects import EDGE_STATUS_WILDCARD, STATUS_ASK, model_token
 
 
 async def gather(conn: Connection, subject: str, wait: float = 0.3) -> list[dict[str, Any]]:
@@ -47,6 +47,30 @@ async def gather(conn: Connection, subject: str, wait: float = 0.3) -> list[dict
     return replies
 
 
+async def ask_edges(conn: Connection, wait: float = 0.3) -> list[dict[str, Any]]:
+    """Every edge's status, asked on :data:`STATUS_ASK`, gathered for ``wait`` seconds: how the
+    operator reaches edges in accounts of their own."""
+    nc = conn.nc
+    replies: list[dict[str, Any]] = []
+    sub = await nc.subscribe(EDGE_STATUS_WILDCARD)
+    try:
+        await nc.publish(STATUS_ASK, b"")
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                break
+            with contextlib.suppress(ValueError):
+                reply = json.loads(msg.data)
+                if isinstance(reply, dict):
+                    replies.append(reply)
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+    return replies
+
+
 async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, Any]:
     view = NodeView(conn, settings.stream.node_ttl)
     try:
@@ -58,10 +82,11 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
         workers = view.live()
     finally:
         await view.stop()
-    worker_stats, edge_infos, edge_stats = await asyncio.gather(
+    worker_stats, edge_infos, edge_stats, asked = await asyncio.gather(
         gather(conn, "$SRV.STATS.mesh-worker"),
         gather(conn, "$SRV.INFO.mesh-edge"),
         gather(conn, "$SRV.STATS.mesh-edge"),
+        ask_edges(conn),
     )
     by_node = {
         ep["data"].get("node_id"): ep["data"]
@@ -76,12 +101,17 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
         )
         for reply in edge_stats
     }
+    edges = [
+        {**info.get("metadata", {}), "counters": counters_by_id.get(info.get("id"), {})}
+        for info in edge_infos
+    ]
+    seen = {e.get("edge_id") for e in edges}
+    # Edges in accounts of their own (mesh creds) answer only the broadcast; in one account
+    # they answer both: each edge once.
+    edges += [e for e in asked if e.get("edge_id") not in seen]
     status: dict[str, Any] = {
         "workers": [{**w.model_dump(), **by_node.get(w.node_id, {})} for w in workers],
-        "edges": [
-            {**info.get("metadata", {}), "counters": counters_by_id.get(info.get("id"), {})}
-            for info in edge_infos
-        ],
+        "edges": edges,
     }
     status["capacity"] = {
         "slots": sum(w.slots for w in workers),

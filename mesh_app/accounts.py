@@ -26,7 +26,14 @@ from typing import Any
 from mesh.config import StreamSettings
 from mesh_app import nats_jwt
 from mesh_app.nats_jwt import Key
-from protocol.subjects import ANSWERS_STREAM, NODES_BUCKET, PREFIX, site_consumer
+from protocol.subjects import (
+    ANSWERS_STREAM,
+    NODES_BUCKET,
+    PREFIX,
+    STATUS_ASK,
+    edge_status_subject,
+    site_consumer,
+)
 
 KV_STREAM = f"KV_{NODES_BUCKET}"
 REGISTRY_UPDATES = f"{PREFIX}.reg.>"
@@ -79,7 +86,21 @@ def mesh_exports(stream: StreamSettings) -> list[dict[str, Any]]:
         {"name": "tokens", "subject": f"{PREFIX}.tok.*.*", "type": "stream", "token_req": True}
     )
     out.append({"name": "registry", "subject": REGISTRY_UPDATES, "type": "stream"})
+    out.append({"name": "status asks", "subject": STATUS_ASK, "type": "stream"})
     return out
+
+
+def edge_status_imports(edges: dict[str, Key]) -> list[dict[str, Any]]:
+    """What ``MESH`` imports from the edges: each edge's answer to ``mesh status``'s ask."""
+    return [
+        {
+            "name": f"status of {edge}",
+            "subject": edge_status_subject(edge),
+            "account": key.public,
+            "type": "stream",
+        }
+        for edge, key in sorted(edges.items())
+    ]
 
 
 def edge_slice(edge: str, stream: StreamSettings) -> tuple[list[str], list[str]]:
@@ -101,7 +122,7 @@ def edge_slice(edge: str, stream: StreamSettings) -> tuple[list[str], list[str]]
         f"$JS.API.DIRECT.GET.{kv}",
         f"$JS.API.STREAM.INFO.{kv}",
     ]
-    return services, [f"{PREFIX}.tok.{edge}.*", REGISTRY_UPDATES]
+    return services, [f"{PREFIX}.tok.{edge}.*", REGISTRY_UPDATES, STATUS_ASK]
 
 
 def activation(exporter: Key, importer: Key, subject: str, kind: str) -> str:
@@ -119,7 +140,7 @@ def edge_imports(
 ) -> list[dict[str, Any]]:
     """The imports of edge ``edge``'s account, each with its activation token where needed."""
     services, streams = edge_slice(edge, stream)
-    public = _PUBLIC | {REGISTRY_UPDATES}
+    public = _PUBLIC | {REGISTRY_UPDATES, STATUS_ASK}
 
     def entry(subject: str, kind: str, local: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -148,15 +169,22 @@ def account_jwts(
     imports (no JetStream of its own on the hub)."""
     out = {
         mesh.public: nats_jwt.account_jwt(
-            operator, mesh, "MESH", jetstream=True, exports=mesh_exports(stream)
+            operator,
+            mesh,
+            "MESH",
+            jetstream=True,
+            exports=mesh_exports(stream),
+            imports=edge_status_imports(edges),
         )
     }
     for edge, key in sorted(edges.items()):
+        status = edge_status_subject(edge)
         out[key.public] = nats_jwt.account_jwt(
             operator,
             key,
             f"EDGE {edge}",
             jetstream=False,
+            exports=[{"name": "status", "subject": status, "type": "stream"}],
             imports=edge_imports(mesh, key, edge, stream),
         )
     return out

@@ -44,8 +44,10 @@ from protocol.subjects import (
     NODES_BUCKET,
     ORPHAN_WILDCARD,
     PREFIX,
+    STATUS_ASK,
     STORE_WILDCARD,
     TOKEN_WILDCARD,
+    edge_status_subject,
     is_token,
     site_consumer,
     worker_alives,
@@ -92,6 +94,7 @@ def edge_permissions(
             f"{PREFIX}.orphan.{edge}.*",
             # Answer repairs: what the store kept of its own answers, read by the workers.
             f"{PREFIX}.store.{edge}.*",
+            edge_status_subject(edge),  # its answer when `mesh status` asks
             *(f"{prefix}.{call}" for prefix in prefixes for call in api),
             f"$JS.ACK.{ANSWERS_STREAM}.{site}.>",
             f"$JS.ACK.*.*.{ANSWERS_STREAM}.{site}.>",
@@ -99,6 +102,7 @@ def edge_permissions(
         sub_allow=(
             f"{PREFIX}.tok.{edge}.*",
             f"{PREFIX}.reg.worker.>",  # the registry's updates (republished)
+            STATUS_ASK,
             f"{PREFIX}.edge.{edge}.*",
             f"{inbox}.>",
             *_micro("mesh-edge"),

@@ -257,6 +257,19 @@ def orphan_subject(scope: str, request_id: str) -> str:
     return f"{PREFIX}.orphan.{scope}.{request_id}"
 
 
+STATUS_ASK = f"{PREFIX}.status.ask"
+"""``mesh status`` asks every edge for its status here; each answers on
+:func:`edge_status_subject`. Under ``mesh creds`` an edge is an account of its own, where the
+operator's micro-service discovery does not reach: this subject is exported to every edge's
+account, and each edge's answer subject back to the operator's."""
+EDGE_STATUS_WILDCARD = f"{PREFIX}.status.edge.>"
+
+
+def edge_status_subject(edge_id: str) -> str:
+    """Where edge ``edge_id`` publishes its status when ``mesh status`` asks."""
+    return f"{PREFIX}.status.edge.{model_token(edge_id)}"
+
+
 def worker_status_subject(node_id: str) -> str:
     """A worker's status endpoint (its micro service ``mesh-worker``)."""
     return f"{PREFIX}.worker.{model_token(node_id)}.status"

@@ -22,6 +22,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from mesh.connection import Connection
+from mesh.status import collect_status
 from tests.test_security import (  # noqa: F401 - fixtures
     Denials,
     Hub,
@@ -144,3 +145,24 @@ async def test_a_client_cannot_have_its_edge_answer_into_another_lane(
         assert lane_b.seen == {}
     finally:
         await client.close()
+
+
+async def test_the_operators_mesh_status_lists_edges_in_their_own_accounts(
+    mesh: Hub,  # noqa: F811
+) -> None:
+    """The operator (account MESH) does not see the edges' micro services; it asks every edge
+    on the subject each edge's account imports, and each answers on its own exported subject."""
+    operator = mesh.settings("operator")
+    async with Connection(operator.nats, "op") as conn:
+        status = await collect_status(conn, operator)
+    assert sorted(e["edge_id"] for e in status["edges"]) == ["site-a", "site-b"]
+    assert all(e["counters"].get("behind") is False for e in status["edges"])
+    assert [w["node_id"] for w in status["workers"]] == ["w1"]
+    # An edge hears the ask, but not another edge's answer: B's status is not in A's account.
+    spy = await Denials().connect(mesh, "edge-site-a")
+    try:
+        assert spy.nc is not None
+        await spy.nc.subscribe("mesh.v1.status.edge.site-b")
+        await spy.refused("Subscription", "mesh.v1.status.edge.site-b")
+    finally:
+        await spy.close()
