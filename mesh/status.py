@@ -27,34 +27,25 @@ from protocol.subjects import EDGE_STATUS_WILDCARD, STATUS_ASK, model_token
 
 async def gather(conn: Connection, subject: str, wait: float = 0.3) -> list[dict[str, Any]]:
     """Every reply to one request within ``wait`` seconds (the micro-service discovery way)."""
-    nc = conn.nc
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    replies: list[dict[str, Any]] = []
-    try:
-        await nc.publish(subject, b"", reply=inbox)
-        deadline = time.monotonic() + wait
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                msg = await sub.next_msg(timeout=left)
-            except nats.errors.TimeoutError:
-                break
-            with contextlib.suppress(ValueError):
-                replies.append(json.loads(msg.data))
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
-    return replies
+    inbox = conn.nc.new_inbox()
+    return await _replies(conn, inbox, subject, inbox, wait)
 
 
 async def ask_edges(conn: Connection, wait: float = 0.3) -> list[dict[str, Any]]:
     """Every edge's status, asked on :data:`STATUS_ASK`, gathered for ``wait`` seconds: how the
     operator reaches edges in accounts of their own."""
+    return await _replies(conn, EDGE_STATUS_WILDCARD, STATUS_ASK, None, wait)
+
+
+async def _replies(
+    conn: Connection, listen: str, ask: str, reply: str | None, wait: float
+) -> list[dict[str, Any]]:
+    """The JSON objects arriving on ``listen`` within ``wait`` seconds of a publish on ``ask``."""
     nc = conn.nc
+    sub = await nc.subscribe(listen)
     replies: list[dict[str, Any]] = []
-    sub = await nc.subscribe(EDGE_STATUS_WILDCARD)
     try:
-        await nc.publish(STATUS_ASK, b"")
+        await nc.publish(ask, b"", reply=reply or "")
         deadline = time.monotonic() + wait
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -62,9 +53,8 @@ async def ask_edges(conn: Connection, wait: float = 0.3) -> list[dict[str, Any]]
             except nats.errors.TimeoutError:
                 break
             with contextlib.suppress(ValueError):
-                reply = json.loads(msg.data)
-                if isinstance(reply, dict):
-                    replies.append(reply)
+                if isinstance(body := json.loads(msg.data), dict):
+                    replies.append(body)
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
