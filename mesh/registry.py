@@ -10,7 +10,7 @@ timeout, and notice within ``node_ttl`` that the worker generating its answer is
 An edge creates no JetStream consumer to follow the registry (a push consumer's deliver subject
 is not checked by the server: an edge allowed to create one could have another edge's subjects
 delivered to). Instead the bucket **republishes** every update on a core subject,
-``mesh.v1.reg.<key>`` (:data:`UPDATES`), and a view subscribes to its pool's updates first, then
+``mesh.v1.reg.<key>``, and a view subscribes to its pool's updates first, then
 reads the current entries with one batched direct get (``multi_last``), paged, and marks itself
 ready. An update heard during that read wins over an older entry the read returns (by stream
 sequence).
@@ -46,18 +46,16 @@ from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.provision import placement
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
-from protocol.subjects import NODES_BUCKET, PREFIX, model_token
+from protocol.subjects import NODES_BUCKET, NODES_STREAM, REGISTRY_UPDATES, model_token
 
 log = get_logger(__name__)
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
 HANDBACK = "handback"
-KV_STREAM = f"KV_{NODES_BUCKET}"
 KEYS = f"$KV.{NODES_BUCKET}"
 """The bucket's subjects: ``$KV.mesh_nodes.<key>``."""
-UPDATES = f"{PREFIX}.reg"
-"""Where the bucket republishes every update (put, delete, purge): ``mesh.v1.reg.<key>``, with
-headers ``Nats-Subject``, ``Nats-Sequence``, ``Nats-Last-Sequence`` (and ``KV-Operation``)."""
-REPUBLISH = api.RePublish(src=f"{KEYS}.>", dest=f"{UPDATES}.>")
+REPUBLISH = api.RePublish(src=f"{KEYS}.>", dest=f"{REGISTRY_UPDATES}.>")
+"""Every update (put, delete, purge) again on ``mesh.v1.reg.<key>``, with headers
+``Nats-Subject``, ``Nats-Sequence``, ``Nats-Last-Sequence`` (and ``KV-Operation``)."""
 SNAPSHOT_BATCH = 256
 """Entries a view asks for per direct get; it pages on when there are more."""
 RETRY_MAX_DELAY = 5.0
@@ -133,7 +131,7 @@ async def open_bucket(
 
 def lacks(config: api.StreamConfig) -> list[str]:
     """What the bucket's stream config lacks for a :class:`NodeView` to follow it without a
-    consumer: ``republish`` (onto :data:`UPDATES`) and ``allow_direct``."""
+    consumer: ``republish`` (onto ``mesh.v1.reg.>``) and ``allow_direct``."""
     missing = []
     republish = config.republish
     if republish is None or (republish.src, republish.dest) != (REPUBLISH.src, REPUBLISH.dest):
@@ -235,7 +233,7 @@ async def read_entries(conn: Connection, key_filter: str) -> list[Msg]:
     stream, paged at one point in time. Needs the right to publish on
     ``$JS[.<hub domain>].API.DIRECT.GET.KV_mesh_nodes``; creates no consumer."""
     nc = conn.nc
-    subject = f"{conn.api_prefix}.DIRECT.GET.{KV_STREAM}"
+    subject = f"{conn.api_prefix}.DIRECT.GET.{NODES_STREAM}"
     request: dict[str, Any] = {"multi_last": [f"{KEYS}.{key_filter}"], "batch": SNAPSHOT_BATCH}
     timeout = conn.settings.request_timeout
     entries: list[Msg] = []
@@ -365,7 +363,7 @@ class NodeView:
             try:
                 with _jetstream_errors("opening"):
                     try:
-                        missing = lacks((await self._conn.jsm().stream_info(KV_STREAM)).config)
+                        missing = lacks((await self._conn.jsm().stream_info(NODES_STREAM)).config)
                     except nats.js.errors.NotFoundError:
                         await open_bucket(self._conn, self._ttl)  # created with what it needs
                         missing = []
@@ -376,7 +374,7 @@ class NodeView:
                     )
                 if self._sub is None:
                     self._sub = await self._conn.nc.subscribe(
-                        f"{UPDATES}.{self._keys}", cb=self._on_update
+                        f"{REGISTRY_UPDATES}.{self._keys}", cb=self._on_update
                     )
                 self._syncing = {}
                 for msg in await read_entries(self._conn, self._keys):
@@ -388,7 +386,9 @@ class NodeView:
             self._ready = True
 
     async def _on_update(self, msg: Msg) -> None:
-        key = msg.subject[len(UPDATES) + 1 :]  # the subject, as permitted: not a header's say
+        key = msg.subject[
+            len(REGISTRY_UPDATES) + 1 :
+        ]  # the subject, as permitted: not a header's say
         self._apply(key, msg)
 
     def _apply(self, key: str, msg: Msg) -> None:

@@ -28,16 +28,16 @@ from mesh_app import nats_jwt
 from mesh_app.nats_jwt import Key
 from protocol.subjects import (
     ANSWERS_STREAM,
-    NODES_BUCKET,
+    NODES_STREAM,
     PREFIX,
+    REGISTRY_UPDATES,
     STATUS_ASK,
     edge_status_subject,
     site_consumer,
 )
 
-KV_STREAM = f"KV_{NODES_BUCKET}"
-REGISTRY_UPDATES = f"{PREFIX}.reg.>"
-"""Where the registry bucket republishes every update (see :mod:`mesh.registry`)."""
+REGISTRY = f"{REGISTRY_UPDATES}.>"
+"""The registry bucket's republished updates (see :mod:`mesh.registry`)."""
 NOOP = f"{PREFIX}.noop"
 """Imported as ``$JS.API.INFO`` by each edge account, so that the server does not give that
 JetStream-less account its default ``$JS.API.>`` import (which answers every API call a second
@@ -47,7 +47,7 @@ time: "JetStream not enabled for account")."""
 def _services(stream: StreamSettings) -> list[tuple[str, str]]:
     """(subject, response type) of every service ``MESH`` exports, wildcards where the edge's
     id goes."""
-    infer, answers, kv = stream.name, ANSWERS_STREAM, KV_STREAM
+    infer, answers, kv = stream.name, ANSWERS_STREAM, NODES_STREAM
     return [
         (f"{PREFIX}.infer.*.*", "Singleton"),
         (f"{PREFIX}.cancel.*.*", "Singleton"),
@@ -66,7 +66,7 @@ def _services(stream: StreamSettings) -> list[tuple[str, str]]:
     ]
 
 
-_PUBLIC = {f"$JS.API.DIRECT.GET.{KV_STREAM}", f"$JS.API.STREAM.INFO.{KV_STREAM}", NOOP}
+_PUBLIC = {f"$JS.API.DIRECT.GET.{NODES_STREAM}", f"$JS.API.STREAM.INFO.{NODES_STREAM}", NOOP}
 """Exports any account may import: the registry is every edge's to read."""
 
 
@@ -85,7 +85,7 @@ def mesh_exports(stream: StreamSettings) -> list[dict[str, Any]]:
     out.append(
         {"name": "tokens", "subject": f"{PREFIX}.tok.*.*", "type": "stream", "token_req": True}
     )
-    out.append({"name": "registry", "subject": REGISTRY_UPDATES, "type": "stream"})
+    out.append({"name": "registry", "subject": REGISTRY, "type": "stream"})
     out.append({"name": "status asks", "subject": STATUS_ASK, "type": "stream"})
     return out
 
@@ -105,7 +105,7 @@ def edge_status_imports(edges: dict[str, Key]) -> list[dict[str, Any]]:
 
 def edge_slice(edge: str, stream: StreamSettings) -> tuple[list[str], list[str]]:
     """(services, streams) edge ``edge`` imports: each export with its id filled in."""
-    infer, answers, kv = stream.name, ANSWERS_STREAM, KV_STREAM
+    infer, answers, kv = stream.name, ANSWERS_STREAM, NODES_STREAM
     site = site_consumer(edge)
     services = [
         f"{PREFIX}.infer.*.{edge}",
@@ -122,7 +122,7 @@ def edge_slice(edge: str, stream: StreamSettings) -> tuple[list[str], list[str]]
         f"$JS.API.DIRECT.GET.{kv}",
         f"$JS.API.STREAM.INFO.{kv}",
     ]
-    return services, [f"{PREFIX}.tok.{edge}.*", REGISTRY_UPDATES, STATUS_ASK]
+    return services, [f"{PREFIX}.tok.{edge}.*", REGISTRY, STATUS_ASK]
 
 
 def activation(exporter: Key, importer: Key, subject: str, kind: str) -> str:
@@ -140,7 +140,7 @@ def edge_imports(
 ) -> list[dict[str, Any]]:
     """The imports of edge ``edge``'s account, each with its activation token where needed."""
     services, streams = edge_slice(edge, stream)
-    public = _PUBLIC | {REGISTRY_UPDATES, STATUS_ASK}
+    public = _PUBLIC | {REGISTRY, STATUS_ASK}
 
     def entry(subject: str, kind: str, local: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {

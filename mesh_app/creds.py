@@ -42,8 +42,10 @@ from protocol.subjects import (
     LEASE_WILDCARD,
     LEASES_STREAM,
     NODES_BUCKET,
+    NODES_STREAM,
     ORPHAN_WILDCARD,
     PREFIX,
+    REGISTRY_UPDATES,
     STATUS_ASK,
     STORE_WILDCARD,
     TOKEN_WILDCARD,
@@ -54,7 +56,6 @@ from protocol.subjects import (
     worker_cancels,
 )
 
-KV_STREAM = f"KV_{NODES_BUCKET}"
 EDGE_RESPONSES = 1_000_000
 """Events an edge may send to one client's reply inbox (a streamed answer is many messages)."""
 RESPONSE_TTL_S = 3600.0
@@ -101,7 +102,7 @@ def edge_permissions(
         ),
         sub_allow=(
             f"{PREFIX}.tok.{edge}.*",
-            f"{PREFIX}.reg.worker.>",  # the registry's updates (republished)
+            f"{REGISTRY_UPDATES}.worker.>",  # the registry's updates (republished)
             STATUS_ASK,
             f"{PREFIX}.edge.{edge}.*",
             f"{inbox}.>",
@@ -123,7 +124,7 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
     """``stream``: the settings naming the work queue and the answer store."""
     inbox = inbox_prefix("worker", node)
     infer, tokens = stream.name, stream.answer_stream
-    streams = (infer, tokens, KV_STREAM, ANSWERS_STREAM, LEASES_STREAM)
+    streams = (infer, tokens, NODES_STREAM, ANSWERS_STREAM, LEASES_STREAM)
     return Permissions(
         pub_allow=(
             TOKEN_WILDCARD,
@@ -170,7 +171,7 @@ def _registry_reader() -> tuple[str, ...]:
     """JetStream API calls (after the ``$JS.API.`` prefix) that read the node registry: its
     stream's info and batched direct gets. No consumer: updates come republished on
     ``mesh.v1.reg.>`` (see :mod:`mesh.registry`), which no user but the operator may publish."""
-    return (f"STREAM.INFO.{KV_STREAM}", f"DIRECT.GET.{KV_STREAM}")
+    return (f"STREAM.INFO.{NODES_STREAM}", f"DIRECT.GET.{NODES_STREAM}")
 
 
 def _micro(service: str) -> tuple[str, ...]:

@@ -57,6 +57,10 @@ LEASE_WILDCARD = f"{PREFIX}.lease.*.*"
 DEFAULT_SCOPE = "anon"
 """The scope of a sender that names none (the SDK and CLI on an open server)."""
 NODES_BUCKET = "mesh_nodes"
+NODES_STREAM = f"KV_{NODES_BUCKET}"
+"""The registry bucket's stream."""
+REGISTRY_UPDATES = f"{PREFIX}.reg"
+"""Where the registry's stream republishes every update: ``mesh.v1.reg.<key>``."""
 
 # A request id, edge id or model token is one subject token: no dots, wildcards or spaces.
 TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"  # noqa: S105 - a regex, not a secret

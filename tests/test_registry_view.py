@@ -17,7 +17,6 @@ from mesh.config import MeshSettings, StreamSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.registry import (
-    KV_STREAM,
     Heartbeat,
     NodeInfo,
     NodeView,
@@ -27,7 +26,7 @@ from mesh.registry import (
 )
 from mesh.testing.chaos import Server, TcpProxy
 from protocol.errors import UnavailableError
-from protocol.subjects import NODES_BUCKET
+from protocol.subjects import NODES_BUCKET, NODES_STREAM
 from tests.conftest import make_settings
 from tests.helpers import eventually
 
@@ -46,7 +45,7 @@ def _beat(conn: Connection, node: str, model: str = "smollm2", **kw: Any) -> Hea
 
 
 async def _consumers(conn: Connection) -> int:
-    return int((await conn.jsm().stream_info(KV_STREAM)).state.consumer_count or 0)
+    return int((await conn.jsm().stream_info(NODES_STREAM)).state.consumer_count or 0)
 
 
 def _nodes(view: NodeView) -> set[str]:
@@ -159,7 +158,7 @@ async def test_a_bucket_without_republish_keeps_a_view_not_ready_until_a_worker_
     try:
         assert view.ready is False and view.serves("smollm2") is None
         await beat.start()
-        config = (await conn.jsm().stream_info(KV_STREAM)).config
+        config = (await conn.jsm().stream_info(NODES_STREAM)).config
         assert config.allow_direct is True and config.republish is not None
         assert config.republish.dest == "mesh.v1.reg.>"
 
