@@ -44,49 +44,54 @@ JetStream-less account its default ``$JS.API.>`` import (which answers every API
 time: "JetStream not enabled for account")."""
 
 
-def _services(stream: StreamSettings) -> list[tuple[str, str]]:
-    """(subject, response type) of every service ``MESH`` exports, wildcards where the edge's
-    id goes."""
+def _lanes(stream: StreamSettings) -> list[tuple[str, str, str | None]]:
+    """Every lane ``MESH`` exports: (kind, subject, response type of a service). ``{edge}``
+    and ``{site}`` stand where an edge's id and its site consumer's name go: a wildcard in the
+    export, the edge's own in its import (with an activation token, unless public)."""
     infer, answers, kv = stream.name, ANSWERS_STREAM, NODES_STREAM
+    service = "service"
     return [
-        (f"{PREFIX}.infer.*.*", "Singleton"),
-        (f"{PREFIX}.cancel.*.*", "Singleton"),
-        (f"{PREFIX}.worker.*.cancel.*.*", "Singleton"),
-        (f"{PREFIX}.worker.*.alive.*.*", "Singleton"),
-        (f"{PREFIX}.orphan.*.*", "Singleton"),
-        (f"{PREFIX}.store.*.*", "Stream"),
-        (f"$JS.API.CONSUMER.INFO.{infer}.*", "Singleton"),
-        (f"$JS.API.CONSUMER.INFO.{answers}.*", "Singleton"),
-        (f"$JS.API.CONSUMER.MSG.NEXT.{answers}.*", "Stream"),
-        (f"$JS.ACK.{answers}.*.>", "Singleton"),
-        (f"$JS.ACK.*.*.{answers}.*.>", "Singleton"),
-        (f"$JS.API.DIRECT.GET.{kv}", "Stream"),
-        (f"$JS.API.STREAM.INFO.{kv}", "Singleton"),
-        (NOOP, "Singleton"),
+        (service, f"{PREFIX}.infer.*.{{edge}}", "Singleton"),
+        (service, f"{PREFIX}.cancel.{{edge}}.*", "Singleton"),
+        (service, f"{PREFIX}.worker.*.cancel.{{edge}}.*", "Singleton"),
+        (service, f"{PREFIX}.worker.*.alive.{{edge}}.*", "Singleton"),
+        (service, f"{PREFIX}.orphan.{{edge}}.*", "Singleton"),
+        (service, f"{PREFIX}.store.{{edge}}.*", "Stream"),
+        (service, f"$JS.API.CONSUMER.INFO.{infer}.*", "Singleton"),
+        (service, f"$JS.API.CONSUMER.INFO.{answers}.{{site}}", "Singleton"),
+        (service, f"$JS.API.CONSUMER.MSG.NEXT.{answers}.{{site}}", "Stream"),
+        (service, f"$JS.ACK.{answers}.{{site}}.>", "Singleton"),
+        (service, f"$JS.ACK.*.*.{answers}.{{site}}.>", "Singleton"),
+        (service, f"$JS.API.DIRECT.GET.{kv}", "Stream"),
+        (service, f"$JS.API.STREAM.INFO.{kv}", "Singleton"),
+        ("stream", f"{PREFIX}.tok.{{edge}}.*", None),
+        ("stream", REGISTRY, None),
+        ("stream", STATUS_ASK, None),
     ]
 
 
-_PUBLIC = {f"$JS.API.DIRECT.GET.{NODES_STREAM}", f"$JS.API.STREAM.INFO.{NODES_STREAM}", NOOP}
-"""Exports any account may import: the registry is every edge's to read."""
+_PUBLIC = {
+    f"$JS.API.DIRECT.GET.{NODES_STREAM}",
+    f"$JS.API.STREAM.INFO.{NODES_STREAM}",
+    REGISTRY,
+    STATUS_ASK,
+    NOOP,
+}
+"""Exports any account may import: the registry is every edge's to read, and every edge hears
+``mesh status`` ask."""
 
 
 def mesh_exports(stream: StreamSettings) -> list[dict[str, Any]]:
     """The exports of the ``MESH`` account (the same whatever the edges)."""
-    out: list[dict[str, Any]] = [
-        {
-            "name": subject,
-            "subject": subject,
-            "type": "service",
-            "response_type": response,
-            **({} if subject in _PUBLIC else {"token_req": True}),
-        }
-        for subject, response in _services(stream)
-    ]
-    out.append(
-        {"name": "tokens", "subject": f"{PREFIX}.tok.*.*", "type": "stream", "token_req": True}
-    )
-    out.append({"name": "registry", "subject": REGISTRY, "type": "stream"})
-    out.append({"name": "status asks", "subject": STATUS_ASK, "type": "stream"})
+    out: list[dict[str, Any]] = []
+    for kind, template, response in [*_lanes(stream), ("service", NOOP, "Singleton")]:
+        subject = template.format(edge="*", site="*")
+        export: dict[str, Any] = {"name": subject, "subject": subject, "type": kind}
+        if response is not None:
+            export["response_type"] = response
+        if subject not in _PUBLIC:
+            export["token_req"] = True
+        out.append(export)
     return out
 
 
@@ -103,26 +108,10 @@ def edge_status_imports(edges: dict[str, Key]) -> list[dict[str, Any]]:
     ]
 
 
-def edge_slice(edge: str, stream: StreamSettings) -> tuple[list[str], list[str]]:
-    """(services, streams) edge ``edge`` imports: each export with its id filled in."""
-    infer, answers, kv = stream.name, ANSWERS_STREAM, NODES_STREAM
+def edge_slice(edge: str, stream: StreamSettings) -> list[tuple[str, str]]:
+    """(kind, subject) of each lane edge ``edge`` imports: each export with its id filled in."""
     site = site_consumer(edge)
-    services = [
-        f"{PREFIX}.infer.*.{edge}",
-        f"{PREFIX}.cancel.{edge}.*",
-        f"{PREFIX}.worker.*.cancel.{edge}.*",
-        f"{PREFIX}.worker.*.alive.{edge}.*",
-        f"{PREFIX}.orphan.{edge}.*",
-        f"{PREFIX}.store.{edge}.*",
-        f"$JS.API.CONSUMER.INFO.{infer}.*",
-        f"$JS.API.CONSUMER.INFO.{answers}.{site}",
-        f"$JS.API.CONSUMER.MSG.NEXT.{answers}.{site}",
-        f"$JS.ACK.{answers}.{site}.>",
-        f"$JS.ACK.*.*.{answers}.{site}.>",
-        f"$JS.API.DIRECT.GET.{kv}",
-        f"$JS.API.STREAM.INFO.{kv}",
-    ]
-    return services, [f"{PREFIX}.tok.{edge}.*", REGISTRY, STATUS_ASK]
+    return [(kind, t.format(edge=edge, site=site)) for kind, t, _response in _lanes(stream)]
 
 
 def activation(exporter: Key, importer: Key, subject: str, kind: str) -> str:
@@ -139,8 +128,6 @@ def edge_imports(
     mesh: Key, account: Key, edge: str, stream: StreamSettings
 ) -> list[dict[str, Any]]:
     """The imports of edge ``edge``'s account, each with its activation token where needed."""
-    services, streams = edge_slice(edge, stream)
-    public = _PUBLIC | {REGISTRY, STATUS_ASK}
 
     def entry(subject: str, kind: str, local: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -149,16 +136,15 @@ def edge_imports(
             "account": mesh.public,
             "type": kind,
         }
-        if subject not in public:
+        if subject not in _PUBLIC:
             out["token"] = activation(mesh, account, subject, kind)
         if local:
             out["local_subject"] = local
         return out
 
     return [
-        *(entry(s, "service") for s in services),
+        *(entry(subject, kind) for kind, subject in edge_slice(edge, stream)),
         entry(NOOP, "service", local="$JS.API.INFO"),
-        *(entry(s, "stream") for s in streams),
     ]
 
 
