@@ -92,10 +92,6 @@ class ApiKeys:
         except (OSError, InvalidRequestError) as exc:
             log.error("API keys file unreadable: keeping the keys last read", error=str(exc))
 
-    @property
-    def apps(self) -> set[str]:
-        return set(self._apps.values())
-
     def app_of(self, authorization: str | None) -> str:
         """The app a request's ``Authorization`` header names; ``UnauthorizedError`` if none."""
         self._follow()

@@ -50,7 +50,7 @@ from protocol.errors import (
     UnavailableError,
 )
 from protocol.messages import Answer, ErrorEvent, WireEvent
-from protocol.subjects import TOKEN_WILDCARD, address_of, store_read_subject
+from protocol.subjects import PREFIX, TOKEN_WILDCARD, addressed, store_read_subject
 
 log = get_logger(__name__)
 BATCH = 1024
@@ -261,13 +261,10 @@ class AnswerStore:
     async def _ask_workers(self, subject: str, timeout: float) -> list[bytes]:
         """Every kept message on token ``subject``, page by page from the workers' store
         service; a page that does not come is a timeout, never a silent gap."""
-        tokens = subject.split(".")
-        if len(tokens) != 5 or tokens[:3] != ["mesh", "v1", "tok"]:
+        address = addressed(subject)
+        if address is None or not subject.startswith(f"{PREFIX}.tok."):
             raise InvalidRequestError(f"{subject!r} is not a token subject")
-        try:
-            ask = store_read_subject(*address_of(subject))
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+        ask = store_read_subject(*address)
         nc = self.conn.nc
         max_bytes = self.page_bytes or nc.max_payload
         loop = asyncio.get_running_loop()
