@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import msgpack
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError
 
@@ -251,11 +252,7 @@ class CloudCall(Lifecycle):
             return
         nc = self.conn.nc
         try:
-            word = await nc.request(
-                worker_alive_subject(node, self.scope, self.request.id),
-                reader_has(state),  # a live worker sends again a lost tail
-                timeout=ALIVE_WAIT_S,
-            )
+            word = await self._ask_alive(node, state)
             with contextlib.suppress(ValueError, AttributeError):
                 if json.loads(word.data).get("stalled"):
                     self.stalled_worker = node
@@ -309,11 +306,16 @@ class CloudCall(Lifecycle):
         if node is None:
             return
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-            await self.conn.nc.request(
-                worker_alive_subject(node, self.scope, self.request.id),
-                reader_has(state),
-                timeout=ALIVE_WAIT_S,
-            )
+            await self._ask_alive(node, state)
+
+    async def _ask_alive(self, node: str, state: AnswerState) -> Msg:
+        """Ask worker ``node`` whether it still holds this answer, saying what the reader has:
+        a live worker sends again what the reader lacks of it."""
+        return await self.conn.nc.request(
+            worker_alive_subject(node, self.scope, self.request.id),
+            reader_has(state),
+            timeout=ALIVE_WAIT_S,
+        )
 
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
