@@ -375,8 +375,7 @@ class Worker(Lifecycle):
             "restoring": self.conn.restoring,
             "handed_back": self.orphans.handed_back,
             # Late by tens of ms, its tokens reach clients that much late: it cannot keep up.
-            "loop_lag_ms": round(self.loop_lag.lag * 1000, 1),
-            "behind": self.loop_lag.behind,
+            **self.loop_lag.stats(),
             **self.counts.snapshot(),
         }
 

@@ -273,8 +273,7 @@ class EdgeNode(Lifecycle):
             **self.stats.snapshot(),
             "in_flight": self.records.in_flight(),
             "budget": budget.snapshot() if budget is not None else None,
-            "loop_lag_ms": round(self.loop_lag.lag * 1000, 1),
-            "behind": self.loop_lag.behind,
+            **self.loop_lag.stats(),
         }
 
     def _budget_share(self) -> float:

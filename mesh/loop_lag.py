@@ -55,6 +55,11 @@ class LoopLag:
     def behind(self) -> bool:
         return self.lag >= self.behind_s
 
+    def stats(self) -> dict[str, float | bool]:
+        """What a node's STATS (and ``mesh status``) carry of it."""
+        lag = self.lag
+        return {"loop_lag_ms": round(lag * 1000, 1), "behind": lag >= self.behind_s}
+
     def note(self, late: float, now: float | None = None) -> None:
         """One wakeup ``late`` seconds after it was due."""
         now = time.monotonic() if now is None else now
