@@ -26,7 +26,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,11 +294,7 @@ def mint(
                 account,
             )
     for edge in edges:
-        creds_path = (
-            f"{mount.rstrip('/')}/edge-{edge}.creds"
-            if mount
-            else str(users[f"edge-{edge}"].resolve())
-        )
+        creds_path = seen_at(users[f"edge-{edge}"])
         leaf_confs[edge] = out / f"leaf-{edge}.conf"
         leaf_confs[edge].write_text(
             _leaf_conf(edge, hub_leaf_url, creds_path, leaf_tls_ca, leaf_store_dir)
@@ -366,25 +362,21 @@ def _keys(directory: Path) -> dict[str, Key]:
         "system": nats_jwt.account_key,
         "account": nats_jwt.account_key,
     }
-    keys: dict[str, Key] = {}
-    for name, new in made.items():
-        path = directory / f"{name}.nk"
-        if path.exists():
-            keys[name] = Key.from_seed(path.read_text().strip())
-        else:
-            keys[name] = new()
-            _write_secret(path, keys[name].seed + "\n")
-    return keys
+    return {name: _key(directory / f"{name}.nk", new) for name, new in made.items()}
+
+
+def _key(path: Path, new: Callable[[], Key]) -> Key:
+    """The key whose seed ``path`` holds: read, or made once and written (mode 0600)."""
+    if path.exists():
+        return Key.from_seed(path.read_text().strip())
+    key = new()
+    _write_secret(path, key.seed + "\n")
+    return key
 
 
 def _edge_key(directory: Path, edge: str) -> Key:
     """Edge ``edge``'s account key: read, or made once (``keys/edge-<edge>.nk``)."""
-    path = directory / f"edge-{edge}.nk"
-    if path.exists():
-        return Key.from_seed(path.read_text().strip())
-    key = nats_jwt.account_key()
-    _write_secret(path, key.seed + "\n")
-    return key
+    return _key(directory / f"edge-{edge}.nk", nats_jwt.account_key)
 
 
 def _edge_keys(directory: Path) -> dict[str, Key]:
