@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -12,6 +12,7 @@ from mesh.config import describe_settings, env_name, load_settings
 from mesh.generate import coalesce
 from protocol.errors import BackendError, InvalidRequestError
 from protocol.messages import TokenLogprob
+from tests.helpers import eventually
 
 
 def test_env_vars_map_onto_nested_fields() -> None:
@@ -183,6 +184,40 @@ async def test_coalesce_hung_engine_is_a_retryable_error() -> None:
             await consume()
         assert excinfo.value.retryable
         assert got == before
+
+
+def _is(test: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return test()
+
+    return check
+
+
+async def test_coalesce_cancelled_while_the_engine_is_slow_stays_a_cancel() -> None:
+    """A slow stream is read in the caller's task, where the stall watchdog may interrupt it:
+    a cancel from elsewhere (a client's) must stay a cancel, and a stream that goes on after
+    the watchdog's checks must not be taken for a hung one."""
+    gate = asyncio.Event()
+
+    async def slow() -> AsyncIterator[Chunk]:
+        for text in "ab":
+            await asyncio.sleep(0.05)  # slower than the linger, within the stall bound
+            yield Chunk(text=text)
+        await gate.wait()
+        yield Chunk(text="never")
+
+    got: list[str] = []
+
+    async def consume() -> None:
+        async for chunk in coalesce(slow(), max_parts=4, linger=0.001, stall=0.2):
+            got.append(chunk.text)
+
+    task = asyncio.create_task(consume())
+    await eventually(_is(lambda: got == ["a", "b"]), what="two slow tokens")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert got == ["a", "b"]
 
 
 async def test_coalesce_raises_backend_errors_in_order() -> None:

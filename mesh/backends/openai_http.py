@@ -84,6 +84,12 @@ class OpenAIHTTPBackend:
             sock_connect=self.settings.http_timeout,
             sock_read=self.settings.http_timeout,
         )
+        # A stream's reads have no timer of their own: aiohttp would set one again on every
+        # token it reads; the generation's stall watchdog (``mesh.generate.coalesce``) stands
+        # for it, one timer per answer.
+        self._streaming = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.settings.http_timeout, sock_read=None
+        )
         self._session = aiohttp.ClientSession(
             headers=headers,
             timeout=timeout,
@@ -199,7 +205,9 @@ class OpenAIHTTPBackend:
         finish_reason: str | None = None
         usage: Usage | None = None
         try:
-            async with self._session.post(self._base + path, json=body) as resp:
+            async with self._session.post(
+                self._base + path, json=body, timeout=self._streaming
+            ) as resp:
                 if resp.status != 200:
                     raise _http_error(resp.status, await resp.text(), request.id)
                 async for data in _sse_data(resp):
