@@ -16,6 +16,10 @@ them in one go:
 
 Order is kept: messages go out in the order they were put, and a caller that publishes something
 itself afterwards on the same subject (an answer's end) calls :meth:`flush` first.
+
+A burst is handed to nats-py from the timer's callback itself, not from a task started for it
+(:func:`_publish_now`): one task less per write (the worker's CPU per token, one mesh, A/B:
+60.2 -> 56.6 us).
 """
 
 from __future__ import annotations
@@ -87,9 +91,32 @@ class WriteBatch:
 
     def _kick(self) -> None:
         self._scheduled = None
-        task = asyncio.get_running_loop().create_task(self.flush(), name="write-batch-flush")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if self._lock.locked():  # a flush is under way (it waits on the connection): after it
+            task = asyncio.get_running_loop().create_task(self.flush(), name="write-batch-flush")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        queued, self._queued = self._queued, []
+        if queued:
+            self._write(queued)
+
+    def _write(self, queued: list[Message]) -> bool:
+        self._last = asyncio.get_running_loop().time()
+        self.writes += 1
+        self.messages += len(queued)
+        failed = 0
+        for index, (subject, data, headers) in enumerate(queued):
+            try:
+                _publish_now(self.client, subject, data, headers)
+            except _ONE_MESSAGE as exc:  # that message alone
+                failed += self._drop([subject], exc)
+            except Exception as exc:  # closed, or the reconnect buffer is full: the rest too
+                failed += self._drop([m[0] for m in queued[index:]], exc)
+                break
+        if failed:
+            self.failures += 1
+            log.warning("answer events not published", count=failed, of=len(queued))
+        return not failed
 
     async def flush(self) -> bool:
         """Publish everything queued, in order; False when some of it could not be: a message
@@ -103,22 +130,7 @@ class WriteBatch:
             queued, self._queued = self._queued, []
             if not queued:
                 return True
-            self._last = asyncio.get_running_loop().time()
-            self.writes += 1
-            self.messages += len(queued)
-            failed = 0
-            for index, (subject, data, headers) in enumerate(queued):
-                try:
-                    await self.client.publish(subject, data, headers=headers)
-                except _ONE_MESSAGE as exc:  # that message alone
-                    failed += self._drop([subject], exc)
-                except Exception as exc:  # closed, or the reconnect buffer is full: the rest too
-                    failed += self._drop([m[0] for m in queued[index:]], exc)
-                    break
-            if failed:
-                self.failures += 1
-                log.warning("answer events not published", count=failed, of=len(queued))
-            return not failed
+            return self._write(queued)
 
     def _drop(self, subjects: list[str], exc: Exception) -> int:
         """Remember why these subjects lost a message: the next put on each raises."""
@@ -134,3 +146,17 @@ class WriteBatch:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _publish_now(client: Client, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+    """``client.publish`` run to its end here, without a task: nats-py's publish only queues
+    the message for its flusher and returns, without waiting, unless its buffer is over
+    ``pending_size``; then, with the message already queued and the flusher called, it waits
+    for the write. That wait is left out (the flusher writes it all the same). Raises what
+    ``publish`` raises."""
+    coro = client.publish(subject, data, headers=headers)
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()

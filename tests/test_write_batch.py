@@ -105,6 +105,29 @@ async def test_a_busy_write_batch_holds_events_but_never_a_first_one(
         await reader.close()
 
 
+async def test_a_burst_over_the_clients_buffer_still_goes_out_whole(
+    nats_server: NatsServer,
+) -> None:
+    """The write batch publishes without a task; nats-py then waits for its flusher only when
+    its buffer is over ``pending_size``, with the message already queued. Every message of such
+    a burst arrives, in order, and nothing raises."""
+    reader, got, changed = await _reader(nats_server, "batch.full")
+    nc = await nats.connect(nats_server.url, pending_size=256)
+    try:
+        box = WriteBatch(nc, gap=0.001)
+        sent = [f"m{i:03d}".encode() * 40 for i in range(50)]  # 160 bytes each
+        for data in sent:
+            box.put("batch.full", data, None)
+        await _until(got, changed, 50)
+        assert got == sent
+        assert box.failures == 0
+        box.put("batch.full", b"after", None)  # the write batch goes on
+        await _until(got, changed, 51)
+    finally:
+        await nc.close()
+        await reader.close()
+
+
 async def test_events_that_cannot_be_published_make_the_next_put_raise(
     nats_server: NatsServer,
 ) -> None:
