@@ -221,6 +221,7 @@ class CloudRelay:
                     "the request's deadline passed before the cloud finished",
                     request_id=self.req.id,
                 )
+            moving = False  # a token came: the worker is evidently there and generating
             for event in await reader.next(min(_TICK_S, hard_end - now)):
                 if isinstance(event, StartEvent):
                     worker = worker_of(event.node) or event.node
@@ -228,6 +229,7 @@ class CloudRelay:
                     gone_since = None
                 elif isinstance(event, TokenEvent):
                     first_token_by = None
+                    moving = True
                     self.first_token = self.first_token or time.perf_counter()
                 elif (
                     isinstance(event, ErrorEvent)
@@ -241,6 +243,8 @@ class CloudRelay:
                 await self.record.emit([with_id(passed, self.req.id)])
             if state.done:  # after the whole batch: a repair brings many events at once
                 return
+            if moving:  # what follows asks whether the worker went quiet, stopped or stalled
+                continue
             now = clock()
             if not parts.conn.connected:
                 continue  # cut off, we cannot tell what the cloud does: only the deadline counts
