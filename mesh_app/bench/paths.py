@@ -9,6 +9,9 @@ a benchmark backend, not a model: 50 ms prefill, 50 tokens/s per stream by defau
 - bare relay: the floor for any relay over NATS on this machine, not an alternative: a
   request on a core subject to a bare nats-py process that calls the same server and publishes
   each token to the reply inbox. No queue, no store, no checks: what the hops alone cost.
+- bare middle: the bare relay behind a bare nats-py process that receives each of its messages
+  and publishes it again to the client: the floor for a hop in the middle, what an edge is
+  (its CPU is the "bare middle" column).
 
 At each concurrency the paths take turns, round after round, so they see the same load. Each
 process's CPU time is read (``/proc``) around each path's turn, so that every path gets the CPU
@@ -37,10 +40,11 @@ from nats.aio.msg import Msg
 from mesh.client import MeshClient
 from mesh_app.bench.common import Timed, bench_mesh, cpu_seconds, pct, table, timed_stream
 
-PATHS = ("direct", "bare relay", "via cloud", "via edge")
-PROCESSES = ("bench", "nats-server", "worker", "edge", "bare relay")
+PATHS = ("direct", "bare relay", "bare middle", "via cloud", "via edge")
+PROCESSES = ("bench", "nats-server", "worker", "edge", "bare relay", "bare middle")
 """Whose CPU is read: ``bench`` is this process, which runs every path's clients."""
 BARE_SUBJECT = "bench.bare.request"
+MIDDLE_SUBJECT = "bench.middle.request"
 
 
 async def direct(session: aiohttp.ClientSession, url: str, prompt: str, tokens: int) -> Timed:
@@ -71,8 +75,9 @@ def _deltas(line: bytes) -> list[str]:
     return [text for c in choices if (text := (c.get("delta") or {}).get("content"))]
 
 
-async def bare(nc: NATS, prompt: str, tokens: int) -> Timed:
-    """One request through the bare relay: tokens on the reply inbox, an empty message last."""
+async def bare(nc: NATS, prompt: str, tokens: int, subject: str = BARE_SUBJECT) -> Timed:
+    """One request through the bare relay (or the bare middle in front of it, on its
+    ``subject``): tokens on the reply inbox, an empty message last."""
     arrived: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on_msg(msg: Msg) -> None:
@@ -85,7 +90,7 @@ async def bare(nc: NATS, prompt: str, tokens: int) -> Timed:
     got = 0
     try:
         body = json.dumps({"prompt": prompt, "max_tokens": tokens}).encode()
-        await nc.publish(BARE_SUBJECT, body, reply=inbox)
+        await nc.publish(subject, body, reply=inbox)
         while await asyncio.wait_for(arrived.get(), 60):
             first = first or time.perf_counter()
             got += 1
@@ -126,6 +131,29 @@ async def _serve_bare(nats_url: str, backend_url: str) -> None:
         await asyncio.Event().wait()
 
 
+async def _serve_middle(nats_url: str) -> None:
+    """The bare middle process (``python -m mesh_app.bench.paths --middle URL``): each request
+    goes on to the bare relay; each message coming back is published again to its client."""
+    nc = await nats.connect(nats_url)
+
+    async def on_request(msg: Msg) -> None:
+        client = msg.reply
+
+        async def on_back(back: Msg) -> None:
+            await nc.publish(client, back.data)
+            if not back.data:
+                await sub.unsubscribe()
+
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, cb=on_back)
+        await nc.publish(BARE_SUBJECT, msg.data, reply=inbox)
+
+    await nc.subscribe(MIDDLE_SUBJECT, queue="middle", cb=on_request)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
 async def run(
     *,
     concurrency: tuple[int, ...] = (1, 32),
@@ -138,7 +166,8 @@ async def run(
     results["tokens"] = tokens
     async with (
         bench_mesh(prefill_ms=prefill_ms, token_ms=token_ms, slots=max(concurrency)) as mesh,
-        _bare_relay(mesh.server.url, mesh.backend_url) as bare_pid,
+        _bare_relay("--bare", mesh.server.url, mesh.backend_url) as bare_pid,
+        _bare_relay("--middle", mesh.server.url) as middle_pid,
         MeshClient(settings=mesh.settings, first_event_timeout=60, idle_timeout=60) as client,
         aiohttp.ClientSession() as session,
     ):
@@ -150,6 +179,7 @@ async def run(
             "worker": mesh.worker.pid,
             "edge": mesh.edge.pid,
             "bare relay": bare_pid,
+            "bare middle": middle_pid,
         }
 
         def cpu() -> dict[str, float]:
@@ -160,6 +190,8 @@ async def run(
                 return await direct(session, mesh.backend_url, prompt, tokens)
             if path == "bare relay":
                 return await bare(nc, prompt, tokens)
+            if path == "bare middle":
+                return await bare(nc, prompt, tokens, MIDDLE_SUBJECT)
             if path == "via cloud":
                 return await timed_stream(client, prompt, via="cloud", max_tokens=tokens)
             return await timed_stream(client, prompt, route="cloud", max_tokens=tokens)
@@ -187,15 +219,10 @@ async def run(
 
 
 @contextlib.asynccontextmanager
-async def _bare_relay(nats_url: str, backend_url: str) -> AsyncIterator[int]:
+async def _bare_relay(*args: str) -> AsyncIterator[int]:
+    """This module run as a bare process (``--bare`` or ``--middle`` and their arguments)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "mesh_app.bench.paths",
-        "--bare",
-        nats_url,
-        backend_url,
-        stdout=asyncio.subprocess.PIPE,
+        sys.executable, "-m", "mesh_app.bench.paths", *args, stdout=asyncio.subprocess.PIPE
     )
     try:
         assert proc.stdout is not None
@@ -307,6 +334,8 @@ def render(results: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bare", nargs=2, metavar=("NATS_URL", "BACKEND_URL"), required=True)
+    role = parser.add_mutually_exclusive_group(required=True)
+    role.add_argument("--bare", nargs=2, metavar=("NATS_URL", "BACKEND_URL"))
+    role.add_argument("--middle", metavar="NATS_URL")
     args = parser.parse_args()
-    asyncio.run(_serve_bare(*args.bare))
+    asyncio.run(_serve_bare(*args.bare) if args.bare else _serve_middle(args.middle))
