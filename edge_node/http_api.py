@@ -142,6 +142,9 @@ class _CollectSink:
     async def send(self, event: WireEvent) -> None:
         self.answer.feed(event)
 
+    def send_now(self, event: TokenEvent) -> None:
+        self.answer.feed(event)
+
 
 class _SSESink:
     """Streams the OpenAI chunks of one answer. The HTTP response starts with the first event,

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import nats.errors
 
@@ -47,6 +47,14 @@ class Sink(Protocol):
 
     async def send(self, event: WireEvent) -> None:
         """Pass one event on; raises :class:`MeshError` when the client cannot be reached."""
+        ...
+
+
+class TokenSink(Sink, Protocol):
+    """A sink that takes a token without waiting for anything (see :meth:`Record.emit_now`)."""
+
+    def send_now(self, event: TokenEvent) -> None:
+        """Pass one token on at once; raises :class:`MeshError` as :meth:`send` does."""
         ...
 
 
@@ -95,11 +103,8 @@ class NatsSink:
     async def send(self, event: WireEvent) -> None:
         if isinstance(event, ErrorEvent):
             await self._error(event)
-        elif self.streaming and isinstance(event, TokenEvent):
-            self._tokens += 1
-            data = dump_event(event, self.fmt)
-            first = self._tokens == 1  # never waits, as a worker's
-            self.conn.write_batch.put(self.inbox, data, None, now=first)
+        elif isinstance(event, TokenEvent):
+            self.send_now(event)
         elif self.streaming:
             await self._publish(dump_event(event, self.fmt), self._headers)
         else:
@@ -109,6 +114,15 @@ class NatsSink:
                 await self._error(whole)
             elif whole is not None:
                 await self._publish(dump(whole, self.fmt), self._headers)
+
+    def send_now(self, event: TokenEvent) -> None:
+        if not self.streaming:
+            self._answer.feed(event)
+            return
+        self._tokens += 1
+        data = dump_event(event, self.fmt)
+        first = self._tokens == 1  # never waits, as a worker's
+        self.conn.write_batch.put(self.inbox, data, None, now=first)
 
     async def _error(self, event: ErrorEvent) -> None:
         await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
@@ -150,6 +164,22 @@ class Record:
             for sink in list(self.sinks):
                 try:
                     await sink.send(event)
+                except MeshError as err:
+                    log.info("client unreachable", request_id=self.client_id, error=err.message)
+
+    def can_emit_now(self) -> bool:
+        """Whether every sink takes tokens without waiting (:meth:`emit_now` may be used)."""
+        return all(hasattr(sink, "send_now") for sink in self.sinks)
+
+    def emit_now(self, tokens: list[TokenEvent]) -> None:
+        """:meth:`emit` for tokens, when :meth:`can_emit_now`: nothing waits, so nothing else
+        runs in between (a token never starts an answer over)."""
+        for event in tokens:
+            self.state.feed(event)
+            self.log.append(event)
+            for sink in list(self.sinks):
+                try:
+                    cast("TokenSink", sink).send_now(event)
                 except MeshError as err:
                     log.info("client unreachable", request_id=self.client_id, error=err.message)
 

@@ -79,12 +79,15 @@ class Fallback(Exception):
 def with_id(event: WireEvent, request_id: str) -> WireEvent:
     """``event`` under another request id (the client's instead of the queue's)."""
     if isinstance(event, TokenEvent):
-        return token_event(
-            request_id, event.seq, event.text, event.attempt, event.n, event.logprobs
-        )
+        return token_as(event, request_id)
     if isinstance(event, StartEvent):  # the hub's queue delivery is none of the client's
         return event.model_copy(update={"id": request_id, "delivery": None})
     return event.model_copy(update={"id": request_id})
+
+
+def token_as(event: TokenEvent, request_id: str) -> TokenEvent:
+    """:func:`with_id` for a token."""
+    return token_event(request_id, event.seq, event.text, event.attempt, event.n, event.logprobs)
 
 
 def estimate_prompt_tokens(req: InferRequest) -> int:
@@ -137,6 +140,17 @@ class CloudRelay:
         self.tried = tried
         """Earlier cloud pools of the edge's fallback chain that could not serve it, and why."""
         self.first_token: float | None = None
+
+    def ready(self) -> bool:
+        """Whether the reader may pass tokens straight on (:meth:`take`): every client of the
+        request takes them without waiting (NATS clients do; an SSE stream does not)."""
+        return self.record.can_emit_now()
+
+    def take(self, tokens: list[TokenEvent]) -> None:
+        """In-order tokens, from the reader's subscription callback, while :meth:`_follow`
+        waits: on to the clients at once (``mesh.reader.Passer``)."""
+        self.first_token = self.first_token or time.perf_counter()
+        self.record.emit_now([token_as(t, self.req.id) for t in tokens])
 
     def _give_up(self, reason: str, kind: str) -> Fallback:
         if self.local_fits:
@@ -213,6 +227,8 @@ class CloudRelay:
         gone_since: float | None = None
         # How long a dead worker's answer may take to be picked up and continued.
         takeover = parts.stream.ack_wait + parts.worker.fetch_timeout + es.cloud_first_token_timeout
+        reader.pass_tokens(self)
+        taken = reader.passed
         while True:
             raise_if_cancelled()
             now = clock()
@@ -222,7 +238,12 @@ class CloudRelay:
                     request_id=self.req.id,
                 )
             moving = False  # a token came: the worker is evidently there and generating
-            for event in await reader.next(min(_TICK_S, hard_end - now)):
+            events = await reader.next(min(_TICK_S, hard_end - now))
+            if reader.passed != taken:  # tokens went on meanwhile, from the callback (take)
+                taken = reader.passed
+                first_token_by = None
+                moving = True
+            for event in events:
                 if isinstance(event, StartEvent):
                     worker = worker_of(event.node) or event.node
                     first_token_by = clock() + first_token_wait if self.local_fits else None
