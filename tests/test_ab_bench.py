@@ -1,0 +1,44 @@
+"""``scripts/ab_bench.py``: two versions of a node in one mesh, here the same code on both sides."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["worker", "edge"])
+def test_ab_bench_measures_both_versions_and_the_floor(role: str, tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "ab_bench.py"),
+            "--role",
+            role,
+            "--a-tree",
+            str(ROOT),
+            "--streams",
+            "2",
+            "--rounds",
+            "1",
+            "--lens",
+            "2,6",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) >= {"floor", "A", "B"}
+    assert "B/A" in run.stdout and f"{role} A/B" in run.stdout
