@@ -12,7 +12,9 @@ versions see the same server, backend, load and minute. Version A is the code in
 
 Each path runs ``--streams`` requests at once, at two answer lengths (``--lens``), round after
 round in rotating order; CPU per token is the slope between the two lengths, the fixed part
-what is left. A development tool, not part of the mesh.
+what is left. Read one run with care: the same code on both sides (``--a-tree`` this tree)
+read 0.84 and 1.09 here (worker, edge; 8 rounds), and pinning processes to cores did not
+narrow it (1.13). Run it more than once. A development tool, not part of the mesh.
 """
 
 from __future__ import annotations
