@@ -53,6 +53,27 @@ async def _read_all(reader: AnswerReader, passer: _Collect) -> list[WireEvent]:
     return out
 
 
+async def _stream(
+    server: NatsServer, reader: AnswerReader, passer: _Collect, events: list[WireEvent]
+) -> list[WireEvent]:
+    """Publish ``events`` one at a time, as a worker streams, while the reader reads; what
+    went on, in order."""
+    reader.pass_tokens(passer)
+    await reader.subscribe(SUBJECT)
+    await reader.conn.nc.flush()
+    worker = await nats.connect(server.url)
+    try:
+        reading = asyncio.create_task(_read_all(reader, passer))
+        for event in events:
+            await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
+            await worker.flush()
+            await asyncio.sleep(0.01)
+        return await asyncio.wait_for(reading, 10)
+    finally:
+        await worker.close()
+        await reader.close()
+
+
 async def test_passed_tokens_and_the_rest_make_one_whole_answer_in_order(
     nats_server: NatsServer, conn: Connection
 ) -> None:
@@ -66,21 +87,7 @@ async def test_passed_tokens_and_the_rest_make_one_whole_answer_in_order(
 
     reader = AnswerReader(conn, AnswerState("r1"), repair, what="the cloud")
     passer = _Collect()
-    reader.pass_tokens(passer)
-    await reader.subscribe(SUBJECT)
-    await conn.nc.flush()
-    worker = await nats.connect(nats_server.url)
-    try:
-        reading = asyncio.create_task(_read_all(reader, passer))
-        for event in answer:
-            if event is not lost:
-                await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
-                await worker.flush()
-                await asyncio.sleep(0.01)  # a token at a time, as a worker streams
-        out = await asyncio.wait_for(reading, 10)
-    finally:
-        await worker.close()
-        await reader.close()
+    out = await _stream(nats_server, reader, passer, [e for e in answer if e is not lost])
     assert [(type(e).__name__, getattr(e, "seq", None)) for e in out] == [
         (type(e).__name__, getattr(e, "seq", None)) for e in answer
     ]
@@ -99,19 +106,6 @@ async def test_a_client_that_cannot_take_tokens_now_gets_them_the_plain_way(
     reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud")
     passer = _Collect()
     passer.now = False  # an SSE stream among the clients
-    reader.pass_tokens(passer)
-    await reader.subscribe(SUBJECT)
-    await conn.nc.flush()
-    worker = await nats.connect(nats_server.url)
-    try:
-        reading = asyncio.create_task(_read_all(reader, passer))
-        for event in answer:
-            await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
-            await worker.flush()
-            await asyncio.sleep(0.005)
-        out = await asyncio.wait_for(reading, 10)
-    finally:
-        await worker.close()
-        await reader.close()
+    out = await _stream(nats_server, reader, passer, answer)
     assert passer.taken == [] and reader.passed == 0
     assert [getattr(e, "seq", None) for e in out] == [getattr(e, "seq", None) for e in answer]
