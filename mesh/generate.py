@@ -48,24 +48,20 @@ async def coalesce(
     me = asyncio.current_task()
     reading = False  # the caller's task awaits the engine (the watchdog may interrupt it)
     stalled = False
-    produced = 0  # engine chunks produced (the watchdog reads it)
-    guard: list[asyncio.TimerHandle | None] = [None]
+    watch = _Watch()
     sent = loop.time()
 
-    def watchdog(limit: float, seen: int, since: float) -> None:
-        """One timer per generation, not one per token, and no task: a hung engine becomes
-        an error (the caller's task, waiting on it, is interrupted)."""
+    def interrupt() -> bool:
+        """A hung engine: interrupt the caller's task where it waits on it."""
         nonlocal stalled
-        if produced != seen:
-            seen, since = produced, loop.time()
-        elif loop.time() - since > limit and reading and me is not None:
-            stalled = True
-            me.cancel()
-            return
-        guard[0] = loop.call_later(limit / 4, watchdog, limit, seen, since)
+        if not reading or me is None:
+            return False
+        stalled = True
+        me.cancel()
+        return True
 
     async def read() -> Chunk:
-        nonlocal reading, produced
+        nonlocal reading
         reading = True
         try:
             chunk = await chunks.__anext__()
@@ -79,12 +75,12 @@ async def coalesce(
             reading = False
         if stalled:  # the engine swallowed the interruption: it is hung all the same
             raise _stalled(stall)
-        produced += 1
+        watch.produced += 1
         return chunk
 
+    watch.on_stall = interrupt
+    stop_watching = _watchdog(loop, watch, stall) if stall else None
     try:
-        if stall:
-            guard[0] = loop.call_later(stall / 4, watchdog, stall, produced, loop.time())
         while True:
             try:
                 chunk = await read()
@@ -93,21 +89,44 @@ async def coalesce(
             if chunk.finish_reason is not None:
                 yield chunk
                 return
-            if produced > 1 and loop.time() - sent < linger:
+            if watch.produced > 1 and loop.time() - sent < linger:
                 break  # a fast engine: batch from here on
             sent = loop.time()
             yield chunk
-        if guard[0] is not None:
-            guard[0].cancel()
-            guard[0] = None
-        batched = _batched(chunks, chunk, sent, max_parts, linger, stall)
+        batched = _batched(chunks, chunk, sent, max_parts, linger, stall, watch)
         async with contextlib.aclosing(batched):
             async for batch in batched:
                 yield batch
     finally:
-        if guard[0] is not None:
-            guard[0].cancel()
+        if stop_watching is not None:
+            stop_watching()
         await _close(chunks)
+
+
+class _Watch:
+    """What the stall watchdog reads, and what it does: ``produced`` counts the engine's chunks;
+    ``on_stall`` acts on a hung engine and says whether it did (False: not now, keep watching)."""
+
+    def __init__(self) -> None:
+        self.produced = 0
+        self.on_stall: Callable[[], bool] = lambda: False
+
+
+def _watchdog(loop: asyncio.AbstractEventLoop, watch: _Watch, limit: float) -> Callable[[], None]:
+    """One timer per generation, not one per token, and no task: calls ``watch.on_stall`` once
+    ``watch.produced`` has stood still for ``limit`` seconds (checked every quarter of it).
+    Returns what stops it."""
+    handle: list[asyncio.TimerHandle] = []
+
+    def check(seen: int, since: float) -> None:
+        if watch.produced != seen:
+            seen, since = watch.produced, loop.time()
+        elif loop.time() - since > limit and watch.on_stall():
+            return
+        handle[0] = loop.call_later(limit / 4, check, seen, since)
+
+    handle.append(loop.call_later(limit / 4, check, watch.produced, loop.time()))
+    return lambda: handle[0].cancel()  # noqa: PLW0108 - the handle is a new one each check
 
 
 async def _batched(  # noqa: PLR0917
@@ -117,20 +136,19 @@ async def _batched(  # noqa: PLR0917
     max_parts: int,
     linger: float,
     stall: float | None,
+    watch: _Watch,
 ) -> AsyncGenerator[Chunk, None]:
     """The rest of a fast engine's stream, ``held`` first (it came within the linger of the
     chunk that went out at ``sent``): a pump task reads the engine and builds the batches; this
     generator, in the caller's task, takes sealed ones, or the partial one once the linger has
-    run out. Does not close ``chunks``."""
+    run out; a hung engine (``watch``) becomes an error in order. Does not close ``chunks``."""
     loop = asyncio.get_running_loop()
     task: asyncio.Task[None] | None = None
-    guard: list[asyncio.TimerHandle | None] = [None]
     # The pump builds the batches as the engine's tokens come: per token, an append and a
     # count (relay, 4 x 4,000 tokens: the worker's CPU per 10k tokens 15.1 -> 13.5-14.1 ms).
     ready: deque[Any] = deque()  # sealed batches, then the finish, an error or ``done``
     parts: list[str] = [held.text]
     in_parts = held.n  # engine tokens in ``parts``
-    produced = 0  # engine chunks produced (the watchdog reads it)
     lps: list[Any] = list(held.logprobs or [])  # logprobs of ``parts``, when the engine gives them
     with_lps = held.logprobs is not None
     waiting: list[asyncio.Future[None]] = []
@@ -181,11 +199,11 @@ async def _batched(  # noqa: PLR0917
     async def pump() -> None:
         # Plain closure variables, not one-element lists: this loop runs once per engine
         # token (in process, 4,000 tokens: 0.19 -> 0.16 us a token over the engine's own).
-        nonlocal in_parts, produced, with_lps
+        nonlocal in_parts, with_lps
         append = parts.append
         try:
             async for chunk in chunks:
-                produced += 1
+                watch.produced += 1
                 if chunk.finish_reason is not None:
                     finish(chunk)
                     continue
@@ -204,18 +222,13 @@ async def _batched(  # noqa: PLR0917
         finally:
             finish(done)
 
-    def watchdog(limit: float, seen: int, since: float) -> None:
-        if produced != seen:
-            seen, since = produced, loop.time()
-        elif loop.time() - since > limit:
-            finish(_stalled(limit))
-            return
-        guard[0] = loop.call_later(limit / 4, watchdog, limit, seen, since)
+    def stalled() -> bool:
+        finish(_stalled(stall))
+        return True
 
+    watch.on_stall = stalled
     try:
         task = loop.create_task(pump(), name="coalesce-pump")
-        if stall:
-            guard[0] = loop.call_later(stall / 4, watchdog, stall, produced, loop.time())
         while True:
             if ready:
                 item = ready.popleft()
@@ -238,8 +251,6 @@ async def _batched(  # noqa: PLR0917
                     continue
             seal()
     finally:
-        if guard[0] is not None:
-            guard[0].cancel()
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
