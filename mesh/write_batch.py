@@ -25,7 +25,6 @@ A burst is handed to nats-py from the timer's callback itself, not from a task s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import nats.errors
 from nats.aio.client import Client
@@ -56,8 +55,6 @@ class WriteBatch:
         self._scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
         self._urgent = False
         self._last = float("-inf")
-        self._lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[bool]] = set()
         self._dropped: dict[str, str] = {}  # subject -> why a message of it was dropped
         self.failures = 0
         """Bursts that could not be published in full. A publisher that compares this before
@@ -86,21 +83,20 @@ class WriteBatch:
             self._scheduled.cancel()
         self._urgent = wait <= 0
         self._scheduled = (
-            loop.call_soon(self._kick) if wait <= 0 else loop.call_later(wait, self._kick)
+            loop.call_soon(self._write_queued)
+            if wait <= 0
+            else loop.call_later(wait, self._write_queued)
         )
 
-    def _kick(self) -> None:
-        self._scheduled = None
-        if self._lock.locked():  # a flush is under way (it waits on the connection): after it
-            task = asyncio.get_running_loop().create_task(self.flush(), name="write-batch-flush")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return
+    def _write_queued(self) -> bool:
+        """Hand everything queued to nats-py, in order, here and now (nothing waits); the
+        scheduled write's own callback too."""
+        if self._scheduled is not None:
+            self._scheduled.cancel()
+            self._scheduled = None
         queued, self._queued = self._queued, []
-        if queued:
-            self._write(queued)
-
-    def _write(self, queued: list[Message]) -> bool:
+        if not queued:
+            return True
         self._last = asyncio.get_running_loop().time()
         self.writes += 1
         self.messages += len(queued)
@@ -123,14 +119,7 @@ class WriteBatch:
         too large is skipped, and after an error of the connection the rest of the burst is
         dropped. :attr:`failures` counts such bursts, and the next :meth:`put` on a subject
         that lost a message raises. Never raises a publish error."""
-        async with self._lock:
-            if self._scheduled is not None:
-                self._scheduled.cancel()
-                self._scheduled = None
-            queued, self._queued = self._queued, []
-            if not queued:
-                return True
-            return self._write(queued)
+        return self._write_queued()
 
     def _drop(self, subjects: list[str], exc: Exception) -> int:
         """Remember why these subjects lost a message: the next put on each raises."""
@@ -143,9 +132,6 @@ class WriteBatch:
     async def close(self) -> None:
         """Publish what is queued (before the connection drains) and stop."""
         await self.flush()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 def _publish_now(client: Client, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
