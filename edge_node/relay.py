@@ -237,12 +237,13 @@ class CloudRelay:
                     "the request's deadline passed before the cloud finished",
                     request_id=self.req.id,
                 )
-            moving = False  # a token came: the worker is evidently there and generating
+            moving = False  # a token came this turn: the worker is there and generating
             events = await reader.next(min(_TICK_S, hard_end - now))
             if reader.passed != taken:  # tokens went on meanwhile, from the callback (take)
+                # Not "moving": the reader may have learned, later in the same wait, that the
+                # worker stopped or stalled; the checks below see it this turn, not next.
                 taken = reader.passed
                 first_token_by = None
-                moving = True
             for event in events:
                 if isinstance(event, StartEvent):
                     worker = worker_of(event.node) or event.node

@@ -203,7 +203,8 @@ class AnswerReader:
 
     async def next(self, timeout: float) -> list[WireEvent]:
         """Events to pass on, in order, as soon as there are some; an empty list when
-        ``timeout`` seconds pass with nothing new. Raises :class:`UnavailableError` when the
+        ``timeout`` seconds pass with nothing new (with a passer, also right after it checked
+        on the answer's generator). Raises :class:`UnavailableError` when the
         connection is closed or nobody serves the subject."""
         deadline = time.monotonic() + max(0.0, timeout)
         while not self.state.done or self._ready:
@@ -221,6 +222,10 @@ class AnswerReader:
                 assert self._watch is not None
                 self._watched = now
                 await self._watch(self.state)
+                if self._passer is not None:
+                    # Its caller, not woken by the tokens passed on, last looked up to a tick
+                    # ago: it sees what the check found (a worker gone, stalled) now.
+                    return []
                 continue
             if self._repair is not None and self._repair_due(now):
                 out = await self._run_repair()

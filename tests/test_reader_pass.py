@@ -109,3 +109,43 @@ async def test_a_client_that_cannot_take_tokens_now_gets_them_the_plain_way(
     out = await _stream(nats_server, reader, passer, answer)
     assert passer.taken == [] and reader.passed == 0
     assert [getattr(e, "seq", None) for e in out] == [getattr(e, "seq", None) for e in answer]
+
+
+async def test_with_a_passer_the_caller_hears_of_a_check_on_the_worker_at_once(
+    nats_server: NatsServer, conn: Connection
+) -> None:
+    """Tokens passed on do not wake the caller, so after the answer goes quiet and the reader
+    checks on its worker, next() returns then, not at the end of the caller's wait: an edge
+    falls back as soon as the check says the worker is gone."""
+    answer = _answer()
+    checked = asyncio.Event()
+
+    async def watch(_state: AnswerState) -> None:
+        checked.set()
+
+    reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud", watch=watch)
+    passer = _Collect()
+    reader.pass_tokens(passer)
+    await reader.subscribe(SUBJECT)
+    await conn.nc.flush()
+    worker = await nats.connect(nats_server.url)
+    try:
+        await worker.publish(SUBJECT, dump_event(answer[0], WireFormat.MSGPACK))
+        await worker.flush()
+        assert await reader.next(5) == [answer[0]]  # the start, the usual way
+        for event in answer[1:4]:
+            await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
+        await worker.flush()  # then nothing: the worker is gone
+
+        async def until_quiet() -> list[WireEvent]:
+            got: list[WireEvent] = []
+            while out := await reader.next(30):
+                got += out
+            return got
+
+        got = await asyncio.wait_for(until_quiet(), 10)  # not the 30 s each wait was given
+        assert checked.is_set()
+        assert [e.seq for e in [*passer.taken, *got]] == [0, 1, 2]
+    finally:
+        await worker.close()
+        await reader.close()
