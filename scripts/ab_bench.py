@@ -32,7 +32,7 @@ from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, edge_env, wait_for_edge, wait_for_worker
-from mesh_app.bench.common import bench_mesh, cpu_seconds, timed_stream
+from mesh_app.bench.common import bench_mesh, bench_worker_env, cpu_seconds, timed_stream
 from mesh_app.bench.paths import MIDDLE_SUBJECT, _bare_relay, bare
 
 PROMPT = "[tag:b] benchmark"
@@ -51,14 +51,8 @@ async def run(
         url = mesh.server.url
         if role == "worker":
             env = {
-                "MESH_NATS_URL": url,
-                "MESH_WORKER_NODE_ID": "bench-worker-a",
-                "MESH_WORKER_MODEL_BACKEND": "openai",
-                "MESH_WORKER_MODEL_BASE_URL": mesh.backend_url,
-                "MESH_WORKER_MODEL_SLOTS": str(streams),
-                "MESH_WORKER_MODEL_CONTINUATION": "vllm",
+                **bench_worker_env(url, mesh.backend_url, streams, "bench-worker-a"),
                 "MESH_WORKER_MODEL_NAME": "model-a",
-                "MESH_LOG_LEVEL": "warning",
                 **tree,
             }
             other = MeshProcess("worker", "bench-worker-a", env, Path("/dev/null"))

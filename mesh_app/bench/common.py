@@ -104,6 +104,20 @@ class BenchMesh:
     edge: MeshProcess
 
 
+def bench_worker_env(nats_url: str, backend_url: str, slots: int, node_id: str) -> dict[str, str]:
+    """A bench worker's environment: ``node_id`` on the OpenAI-compatible server at
+    ``backend_url``, ``slots`` requests at a time."""
+    return {
+        "MESH_NATS_URL": nats_url,
+        "MESH_WORKER_NODE_ID": node_id,
+        "MESH_WORKER_MODEL_BACKEND": "openai",
+        "MESH_WORKER_MODEL_BASE_URL": backend_url,
+        "MESH_WORKER_MODEL_SLOTS": str(slots),
+        "MESH_WORKER_MODEL_CONTINUATION": "vllm",
+        "MESH_LOG_LEVEL": "warning",
+    }
+
+
 @contextlib.asynccontextmanager
 async def bench_mesh(
     *, prefill_ms: float, token_ms: float, slots: int, worker_env: dict[str, str] | None = None
@@ -131,16 +145,7 @@ async def bench_mesh(
         settings = load_settings(
             {("nats", "url"): server.url, ("edge", "edge_id"): "bench"}, environ={}
         )
-        env = {
-            "MESH_NATS_URL": server.url,
-            "MESH_WORKER_NODE_ID": "bench-worker",
-            "MESH_WORKER_MODEL_BACKEND": "openai",
-            "MESH_WORKER_MODEL_BASE_URL": url,
-            "MESH_WORKER_MODEL_SLOTS": str(slots),
-            "MESH_WORKER_MODEL_CONTINUATION": "vllm",
-            "MESH_LOG_LEVEL": "warning",
-            **(worker_env or {}),
-        }
+        env = {**bench_worker_env(server.url, url, slots, "bench-worker"), **(worker_env or {})}
         worker = MeshProcess("worker", "bench-worker", env, tmp / "worker.log")
         edge = MeshProcess(
             "edge",
