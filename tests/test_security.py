@@ -134,6 +134,12 @@ class Denials:
 
         await eventually(seen, timeout=5, what=f"server to refuse {what} {subject}")
 
+    async def cannot_subscribe(self, subject: str) -> None:
+        """Subscribe to ``subject`` and wait for the server to refuse it."""
+        assert self.nc is not None
+        await self.nc.subscribe(subject)
+        await self.refused("Subscription", subject)
+
     async def close(self) -> None:
         if self.nc is not None:
             with contextlib.suppress(Exception):
@@ -279,9 +285,7 @@ async def test_a_client_of_an_edge_may_only_call_that_edge(mesh: Hub) -> None:
     # An app minted on its own (--client site-a:kiosk) cannot read the other apps' replies.
     kiosk = await Denials().connect(mesh, "client-site-a-kiosk")
     try:
-        assert kiosk.nc is not None
-        await kiosk.nc.subscribe("_INBOX.client.site-a-apps.>")
-        await kiosk.refused("Subscription", "_INBOX.client.site-a-apps.>")
+        await kiosk.cannot_subscribe("_INBOX.client.site-a-apps.>")
     finally:
         await kiosk.close()
 
