@@ -33,6 +33,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 
 from mesh.connection import Connection
+from mesh.inline_sub import subscribe_inline
 from mesh.logs import get_logger
 from mesh.tasks import raise_if_cancelled
 from protocol.codec import decode_event
@@ -133,7 +134,7 @@ class AnswerReader:
         """Start receiving ``subject`` (before anything is published to it). Raises
         :class:`UnavailableError` when the connection cannot take a subscription now."""
         try:
-            self._sub = await self.conn.nc.subscribe(subject, cb=self._on_msg)
+            self._sub = await subscribe_inline(self.conn.nc, subject, self._on_msg)
         except nats.errors.Error as exc:
             raise UnavailableError(
                 f"cannot read {self.what}: the NATS connection is {type(exc).__name__}"
@@ -145,7 +146,8 @@ class AnswerReader:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _on_msg(self, msg: Msg) -> None:
+        """Called in the connection's read loop (:mod:`mesh.inline_sub`) for each message."""
         if len(self._buffer) >= self._limit:
             self.dropped += 1  # a slow consumer: drop it now, fetch it again later
             if self._repair_at is None:

@@ -160,11 +160,11 @@ async def test_an_event_neither_the_store_nor_the_reader_got_is_sent_again_by_it
     real_on_msg, real_replay = AnswerReader._on_msg, AnswerStore.replay
     dropped: list[int] = []
 
-    async def on_msg(self: AnswerReader, msg: Msg) -> None:
+    def on_msg(self: AnswerReader, msg: Msg) -> None:
         if not dropped and msg.data and is_lost(decode_event(msg.data, msg.headers)):
             dropped.append(lost)  # its server died with it
             return
-        await real_on_msg(self, msg)
+        real_on_msg(self, msg)
 
     async def replay(
         self: AnswerStore, subject: str, timeout: float | None = None

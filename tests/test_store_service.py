@@ -260,13 +260,13 @@ async def test_an_edge_repairs_a_gap_through_the_workers_with_no_consumer(
     real_on_msg = AnswerReader._on_msg
     dropped: list[int] = []
 
-    async def on_msg(self: AnswerReader, msg: Msg) -> None:
+    def on_msg(self: AnswerReader, msg: Msg) -> None:
         if self.conn is secured.edge_conn and not dropped and msg.data:
             event = decode_event(msg.data, msg.headers)
             if isinstance(event, TokenEvent) and event.seq >= 5:
                 dropped.append(event.seq)  # lost on the way to the edge
                 return
-        await real_on_msg(self, msg)
+        real_on_msg(self, msg)
 
     monkeypatch.setattr(AnswerReader, "_on_msg", on_msg)
     text = await ask(secured.hub, "site-a", "[tag:g] x", 40)

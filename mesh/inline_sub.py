@@ -1,0 +1,72 @@
+"""Subscriptions whose messages are handled in the connection's read loop, as they are parsed.
+
+nats-py hands each message of a subscription with a callback to a task of that subscription
+through an ``asyncio.Queue``: one more task wake-up per message. For a handler that only files
+the message away (an answer reader appends it to its buffer, or passes a token on), that hop is
+pure overhead: on a stream of single tokens it is a queue put, a task switch and a queue get per
+token. :func:`subscribe_inline` puts the handler in the queue's place, so nats-py calls it from
+its read loop for each message, in the order they arrived.
+
+The handler must be synchronous and quick (it holds up the whole connection's reading while it
+runs). An exception it raises is logged and the message dropped; it never reaches nats-py's read
+loop, which would take the connection down.
+
+This leans on one private attribute of nats-py's ``Subscription`` (``_pending_queue``, which
+nats-py's ``_process_msg`` calls ``put_nowait`` on); ``tests/test_inline_sub.py`` checks that
+delivery, order, unsubscribe, drain and reconnects still hold with the installed nats-py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from mesh.logs import get_logger
+
+log = get_logger(__name__)
+
+Handler = Callable[[Msg], None]
+
+
+class _Inline:
+    """Stands in for a subscription's pending queue: every message put goes to the handler now,
+    so nothing is ever pending (no slow consumer can build up here)."""
+
+    __slots__ = ("handler", "sub")
+
+    def __init__(self, sub: Subscription, handler: Handler) -> None:
+        self.sub = sub
+        self.handler = handler
+
+    def put_nowait(self, msg: Msg) -> None:
+        sub = self.sub
+        sub._pending_size -= len(msg.data)  # counted by nats-py just before the put
+        try:
+            self.handler(msg)
+        except Exception:  # never into nats-py's read loop
+            log.exception("inline_handler_failed", subject=msg.subject)
+
+    def qsize(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return True
+
+    def task_done(self) -> None:
+        pass
+
+    async def join(self) -> None:  # Subscription.drain waits for the queue to be handled
+        return None
+
+
+async def subscribe_inline(
+    nc: Client, subject: str, handler: Handler, *, queue: str = ""
+) -> Subscription:
+    """Subscribe to ``subject`` with ``handler`` called for each message in the read loop. The
+    subscription behaves like any other for unsubscribe, drain and reconnects."""
+    sub = await nc.subscribe(subject, queue=queue)  # no callback: nats-py starts no task
+    sub._pending_queue = _Inline(sub, handler)  # type: ignore[assignment]
+    return sub

@@ -1,0 +1,138 @@
+"""Inline subscriptions (``mesh.inline_sub``) against a real nats-server, with the nats-py this
+project installs: they lean on one of its private attributes, so these tests say at once if an
+upgrade changed what they rely on."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import nats
+from nats.aio.msg import Msg
+
+from mesh.inline_sub import subscribe_inline
+from mesh.nats_server import NatsServer
+from mesh.testing.chaos import Server
+
+N = 500
+
+
+class Got(list[bytes]):
+    """Payloads a handler was given, and a wait for a count of them (an event, not a poll)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = asyncio.Event()
+
+    def take(self, msg: Msg) -> None:
+        self.append(msg.data)
+        self.changed.set()
+
+    async def reach(self, n: int, timeout: float = 10.0) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self) < n:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def test_messages_reach_the_handler_in_order_from_the_read_loop(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    pub = await nats.connect(nats_server.url)
+    got = Got()
+    tasks: set[asyncio.Task[object] | None] = set()
+
+    def handler(msg: Msg) -> None:
+        got.take(msg)
+        tasks.add(asyncio.current_task())
+
+    try:
+        sub = await subscribe_inline(nc, "inline.order", handler)
+        await nc.flush()
+        for i in range(N):
+            await pub.publish("inline.order", str(i).encode())
+        await pub.flush()
+        await got.reach(N)
+        assert got == [str(i).encode() for i in range(N)]
+        assert sub._wait_for_msgs_task is None  # no task of its own per subscription
+        assert len(tasks) == 1  # all handled in one task: the connection's read loop
+        assert sub.pending_msgs == 0 and sub.pending_bytes == 0
+        await sub.unsubscribe()
+        await pub.publish("inline.order", b"after")
+        await pub.flush()
+        await nc.flush()
+        assert got[-1] == str(N - 1).encode()  # nothing after the unsubscribe
+    finally:
+        await nc.close()
+        await pub.close()
+
+
+async def test_a_handler_that_raises_loses_that_message_only(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
+    got = Got()
+
+    def handler(msg: Msg) -> None:
+        if msg.data == b"bad":
+            raise ValueError("a bug in the handler")
+        got.take(msg)
+
+    try:
+        await subscribe_inline(nc, "inline.raise", handler)
+        for data in (b"1", b"bad", b"2"):
+            await nc.publish("inline.raise", data)
+        await got.reach(2)
+        assert got == [b"1", b"2"]
+        assert nc.is_connected
+    finally:
+        await nc.close()
+
+
+async def test_drain_returns_and_a_queue_group_shares_the_messages(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    a, b = Got(), Got()
+    b.changed = a.changed  # one wake-up for either
+    try:
+        sub_a = await subscribe_inline(nc, "inline.q", a.take, queue="g")
+        sub_b = await subscribe_inline(nc, "inline.q", b.take, queue="g")
+        await nc.flush()
+        for i in range(100):
+            await nc.publish("inline.q", str(i).encode())
+        async with asyncio.timeout(10):
+            while len(a) + len(b) < 100:
+                a.changed.clear()
+                await a.changed.wait()
+        assert sorted(a + b, key=int) == [str(i).encode() for i in range(100)]
+        await asyncio.wait_for(sub_a.drain(), 5)
+        await asyncio.wait_for(sub_b.drain(), 5)
+    finally:
+        await nc.close()
+
+
+async def test_the_subscription_delivers_again_after_the_server_restarts(tmp_path: Path) -> None:
+    server = Server(tmp_path / "store")
+    await server.start()
+    reconnected = asyncio.Event()
+
+    async def on_reconnect() -> None:
+        reconnected.set()
+
+    nc = await nats.connect(
+        server.url, reconnected_cb=on_reconnect, reconnect_time_wait=0.1, max_reconnect_attempts=-1
+    )
+    got = Got()
+    try:
+        await subscribe_inline(nc, "inline.restart", got.take)
+        await nc.publish("inline.restart", b"before")
+        await got.reach(1)
+        assert got == [b"before"]
+        await server.restart(outage=0.3)
+        await asyncio.wait_for(reconnected.wait(), 15)
+        await nc.publish("inline.restart", b"after")
+        await got.reach(2)
+        assert got == [b"before", b"after"]
+    finally:
+        await nc.close()
+        await server.stop()
