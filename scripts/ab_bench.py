@@ -1,4 +1,4 @@
-"""Two versions of a worker (or of an edge) in one mesh, taking turns: CPU per token and per
+"""Two versions of a worker, an edge or the SDK in one mesh, taking turns: CPU per token and per
 request of each, beside a floor measured in the same run.
 
 Run-to-run drift on a shared 2-core machine (10% and more) hides a change worth 5%; here both
@@ -9,6 +9,8 @@ versions see the same server, backend, load and minute. Version A is the code in
   streams via the cloud to each in turn. Floor: the bare relay (``mesh bench paths``).
 - ``--role edge``: edge A (``edge-a``) and edge B in front of one worker; the SDK streams
   through each (route=cloud). Floor: the bare middle (``mesh bench paths``).
+- ``--role sdk``: SDK A and SDK B, each in a client process of its own, stream via the cloud
+  to one worker. Floor: a bare nats-py reader of the bare relay, in a third client process.
 
 Each path runs ``--streams`` requests at once, at two answer lengths (``--lens``), round after
 round in rotating order; CPU per token is the slope between the two lengths, the fixed part
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,6 +39,61 @@ from mesh_app.bench.common import bench_mesh, bench_worker_env, cpu_seconds, tim
 from mesh_app.bench.paths import MIDDLE_SUBJECT, _bare_relay, bare
 
 PROMPT = "[tag:b] benchmark"
+HERE = str(Path(__file__).resolve().parents[1])
+"""This tree (version B)."""
+
+
+class ClientProcess:
+    """A client of the mesh in a process of its own (``ab_bench.py --client URL PATH``), from
+    the tree on its ``PYTHONPATH``: told a length, it runs one round and says it is done."""
+
+    def __init__(self, url: str, path: str, env: dict[str, str]) -> None:
+        self.args = (sys.executable, __file__, "--client", url, path)
+        self.env = env
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> int:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, **self.env},
+        )
+        await self.round(8)  # connected, and warm
+        return self.proc.pid
+
+    async def round(self, tokens: int, streams: int = 3) -> None:
+        assert self.proc is not None
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write(f"{tokens} {streams}\n".encode())
+        await self.proc.stdin.drain()
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 120)
+        if line.strip() != b"done":
+            raise RuntimeError(f"client {self.args[-1]} failed: {line!r}")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def serve_client(url: str, path: str) -> None:
+    """The client process: one round per line on stdin (``TOKENS STREAMS``)."""
+    settings = load_settings({("nats", "url"): url, ("edge", "edge_id"): "bench"}, environ={})
+    async with MeshClient(settings=settings, first_event_timeout=60, idle_timeout=60) as client:
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            tokens, streams = (int(x) for x in line.split())
+            if path == "bare":
+                runs = [bare(client.conn.nc, PROMPT, tokens) for _ in range(streams)]
+            else:
+                runs = [
+                    timed_stream(client, PROMPT, via="cloud", max_tokens=tokens)
+                    for _ in range(streams)
+                ]
+            await asyncio.gather(*runs)
+            print("done", flush=True)
 
 
 async def run(
@@ -49,6 +107,20 @@ async def run(
             bench_mesh(prefill_ms=50, token_ms=20, slots=streams)
         )
         url = mesh.server.url
+        if role == "sdk":
+            here = {"PYTHONPATH": HERE, "PYTHONSAFEPATH": "1"}
+            clients = {
+                "floor": ClientProcess(url, "bare", here),
+                "A": ClientProcess(url, "cloud", tree),
+                "B": ClientProcess(url, "cloud", here),
+            }
+            await stack.enter_async_context(_bare_relay("--bare", url, mesh.backend_url))
+            for c in clients.values():
+                stack.push_async_callback(c.stop)
+            pids = {name: await c.start() for name, c in clients.items()}
+            return await _rounds(
+                pids, lambda name: lambda t: clients[name].round(t, streams), streams, rounds, lens
+            ) | {"role": role}
         if role == "worker":
             env = {
                 **bench_worker_env(url, mesh.backend_url, streams, "bench-worker-a"),
@@ -96,19 +168,35 @@ async def run(
             sdk = client_a if name == "A" else client
             return lambda tokens: timed_stream(sdk, PROMPT, route="cloud", max_tokens=tokens)
 
-        names = ("floor", "A", "B")
-        for name in names:  # warm connections, consumers and caches
+        for name in pids:  # warm connections, consumers and caches
             for _ in range(3):
                 await path(name)(8)
-        spent = {(name, n): 0.0 for name in names for n in lens}
-        for r in range(rounds):
-            for tokens in lens:
-                for name in names[r % 3 :] + names[: r % 3]:
-                    before = cpu_seconds(pids[name])
-                    await asyncio.gather(*(path(name)(tokens) for _ in range(streams)))
-                    spent[(name, tokens)] += cpu_seconds(pids[name]) - before
+
+        def together(name: str) -> Callable[[int], Awaitable[Any]]:
+            return lambda tokens: asyncio.gather(*(path(name)(tokens) for _ in range(streams)))
+
+        return await _rounds(pids, together, streams, rounds, lens) | {"role": role}
+
+
+async def _rounds(
+    pids: dict[str, int],
+    together: Callable[[str], Callable[[int], Awaitable[Any]]],
+    streams: int,
+    rounds: int,
+    lens: tuple[int, int],
+) -> dict[str, Any]:
+    """Each of floor, A and B in turn (rotating), ``streams`` requests at once, at each length;
+    CPU per token (the slope between the lengths) and the fixed part of each process."""
+    names = ("floor", "A", "B")
+    spent = {(name, n): 0.0 for name in names for n in lens}
+    for r in range(rounds):
+        for tokens in lens:
+            for name in names[r % 3 :] + names[: r % 3]:
+                before = cpu_seconds(pids[name])
+                await together(name)(tokens)
+                spent[(name, tokens)] += cpu_seconds(pids[name]) - before
     requests = rounds * streams
-    out: dict[str, Any] = {"role": role, "streams": streams, "rounds": rounds, "lens": lens}
+    out: dict[str, Any] = {"streams": streams, "rounds": rounds, "lens": lens}
     for name in names:
         short, long = (spent[(name, n)] / requests for n in lens)
         per_token = (long - short) / (lens[1] - lens[0])
@@ -121,7 +209,7 @@ async def run(
 
 
 def render(out: dict[str, Any]) -> str:
-    floor = "bare relay" if out["role"] == "worker" else "bare middle"
+    floor = {"worker": "bare relay", "edge": "bare middle", "sdk": "bare reader"}[out["role"]]
     rows = [
         f"{out['role']} A/B, {out['streams']} streams, {out['rounds']} rounds, "
         f"answers of {out['lens'][0]} and {out['lens'][1]} tokens (floor: the {floor})"
@@ -145,7 +233,10 @@ def _ratio(a: float, b: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=("worker", "edge"), default="worker")
+    if sys.argv[1:2] == ["--client"]:
+        asyncio.run(serve_client(sys.argv[2], sys.argv[3]))
+        return
+    parser.add_argument("--role", choices=("worker", "edge", "sdk"), default="worker")
     parser.add_argument("--a-tree", required=True, help="checkout of version A")
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=8)

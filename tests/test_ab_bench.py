@@ -1,4 +1,5 @@
-"""``scripts/ab_bench.py``: two versions of a node in one mesh, here the same code on both sides."""
+"""``scripts/ab_bench.py``: two versions of a node (or of the SDK) in one mesh, here the same code
+on both sides."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("role", ["worker", "edge"])
+@pytest.mark.parametrize("role", ["worker", "edge", "sdk"])
 def test_ab_bench_measures_both_versions_and_the_floor(role: str, tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
     run = subprocess.run(
