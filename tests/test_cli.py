@@ -196,6 +196,24 @@ async def test_bench_paths_compares_every_path_on_complete_answers() -> None:
 
 
 @pytest.mark.slow
+async def test_bench_relay_moves_every_token_in_process_and_through_http() -> None:
+    """Each path moves every token of every round, and the HTTP path is set beside its floor."""
+    from mesh_app.bench import relay
+
+    results = await relay.run(streams=2, tokens=300, rounds=3)
+    http_rounds = 1  # rounds // 3
+    for label, figures in results.items():
+        if not isinstance(figures, dict):
+            continue
+        expected = 2 * 300 * (http_rounds if "HTTP" in label else 3)
+        assert figures["tokens"] == expected, (label, figures)
+        assert figures["tokens_per_s"] > 0
+    assert {relay.HTTP_MESH, relay.HTTP_FLOOR} <= set(results)
+    text = relay.render(results)
+    assert "bare relay, HTTP backend" in text and "the bare relay's" in text
+
+
+@pytest.mark.slow
 async def test_bench_fleet_runs_one_server_and_a_cluster_with_every_answer_whole() -> None:
     from mesh_app.bench import fleet
 

@@ -119,13 +119,8 @@ def bench_worker_env(nats_url: str, backend_url: str, slots: int, node_id: str) 
 
 
 @contextlib.asynccontextmanager
-async def bench_mesh(
-    *, prefill_ms: float, token_ms: float, slots: int, worker_env: dict[str, str] | None = None
-) -> AsyncIterator[BenchMesh]:
-    """Everything as separate processes, as deployed; the bench process only runs clients."""
-    tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
-    server = Server(tmp / "store")
-    await server.start()
+async def openai_backend(*, prefill_ms: float, token_ms: float) -> AsyncIterator[str]:
+    """The deterministic OpenAI-compatible server as a process of its own; yields its base URL."""
     backend = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -137,30 +132,45 @@ async def bench_mesh(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
     )
-    processes: list[MeshProcess] = []
     try:
         assert backend.stdout is not None
         port = int((await asyncio.wait_for(backend.stdout.readline(), 30)).split()[-1])
-        url = f"http://127.0.0.1:{port}/v1"
-        settings = load_settings(
-            {("nats", "url"): server.url, ("edge", "edge_id"): "bench"}, environ={}
-        )
-        env = {**bench_worker_env(server.url, url, slots, "bench-worker"), **(worker_env or {})}
-        worker = MeshProcess("worker", "bench-worker", env, tmp / "worker.log")
-        edge = MeshProcess(
-            "edge",
-            "bench",
-            {**edge_env(server.url, "bench"), "MESH_LOG_LEVEL": "warning"},
-            tmp / "edge.log",
-        )
-        processes += [await worker.start(), await edge.start()]
-        async with Connection(settings.nats, "bench-probe") as conn:
-            await wait_for_worker(conn, "bench-worker")
-            await wait_for_edge(conn, "bench")
-        yield BenchMesh(server, url, settings, worker, edge)
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
-        await asyncio.gather(*(p.stop() for p in processes), return_exceptions=True)
         with contextlib.suppress(ProcessLookupError):
             backend.kill()
         await backend.wait()
+
+
+@contextlib.asynccontextmanager
+async def bench_mesh(
+    *, prefill_ms: float, token_ms: float, slots: int, worker_env: dict[str, str] | None = None
+) -> AsyncIterator[BenchMesh]:
+    """Everything as separate processes, as deployed; the bench process only runs clients."""
+    tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
+    server = Server(tmp / "store")
+    await server.start()
+    processes: list[MeshProcess] = []
+    try:
+        async with openai_backend(prefill_ms=prefill_ms, token_ms=token_ms) as url:
+            settings = load_settings(
+                {("nats", "url"): server.url, ("edge", "edge_id"): "bench"}, environ={}
+            )
+            env = {**bench_worker_env(server.url, url, slots, "bench-worker"), **(worker_env or {})}
+            worker = MeshProcess("worker", "bench-worker", env, tmp / "worker.log")
+            edge = MeshProcess(
+                "edge",
+                "bench",
+                {**edge_env(server.url, "bench"), "MESH_LOG_LEVEL": "warning"},
+                tmp / "edge.log",
+            )
+            try:
+                processes += [await worker.start(), await edge.start()]
+                async with Connection(settings.nats, "bench-probe") as conn:
+                    await wait_for_worker(conn, "bench-worker")
+                    await wait_for_edge(conn, "bench")
+                yield BenchMesh(server, url, settings, worker, edge)
+            finally:
+                await asyncio.gather(*(p.stop() for p in processes), return_exceptions=True)
+    finally:
         await server.stop()

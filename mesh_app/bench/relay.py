@@ -5,6 +5,11 @@ can) streams to SDK clients in this process, with coalescing on (16 tokens or 5 
 and off. Next to it, round after round in turn, the ceiling: a bare nats-py publisher process
 sending the same token events (same coalescing) to plain subscribers here. Reported: tokens/s,
 and CPU seconds per 10k tokens in the sending process, in this one and in the server.
+
+Then the same through HTTP, as a worker in front of vLLM runs: a worker on the deterministic
+OpenAI-compatible server (no delays, one SSE event per token, coalescing as deployed) against
+its floor, the bare relay of ``mesh bench paths`` (aiohttp SSE in, one nats-py publish per
+event out) on the same server, round after round in turn.
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, Server, wait_for_worker
-from mesh_app.bench.common import cpu_seconds, table, timed_stream
+from mesh_app.bench.common import (
+    bench_worker_env,
+    cpu_seconds,
+    openai_backend,
+    table,
+    timed_stream,
+)
+from mesh_app.bench.paths import _bare_relay, bare
 from protocol.codec import WireFormat, dump_token
 
 
@@ -44,6 +56,7 @@ class _Tally:
     def figures(self) -> dict[str, float]:
         per_10k = 10_000 / self.moved
         return {
+            "tokens": self.moved,
             "tokens_per_s": self.moved / self.wall,
             "sender_cpu_per_10k": self.sender * per_10k,
             "client_cpu_per_10k": self.client * per_10k,
@@ -151,7 +164,7 @@ async def _side_by_side(
     worker = await MeshProcess("worker", name, env, tmp / f"{name}.log").start()
     settings = load_settings({("nats", "url"): server.url}, environ={})
     shape = {"streams": streams, "tokens": tokens}
-    mesh, bare = _Tally(), _Tally()
+    mesh, floor = _Tally(), _Tally()
     nc = await nats.connect(server.url)
     sender = _BareSender(server, parts=parts, **shape)
     try:
@@ -164,12 +177,58 @@ async def _side_by_side(
                 b = await _bare_round(nc, sender, server, **shape)
                 if round_no:
                     mesh.add(*m)
-                    bare.add(*b)
+                    floor.add(*b)
     finally:
         await sender.stop()
         await nc.close()
         await worker.stop()
-    return mesh.figures(), bare.figures()
+    return mesh.figures(), floor.figures()
+
+
+async def _http_side_by_side(
+    server: Server, tmp: Path, *, streams: int, tokens: int, rounds: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """A worker on the OpenAI-compatible server against the bare relay on the same server."""
+    name = "relay-http"
+    settings = load_settings({("nats", "url"): server.url}, environ={})
+    mesh, floor = _Tally(), _Tally()
+    async with openai_backend(prefill_ms=0, token_ms=0) as url:
+        env = {**bench_worker_env(server.url, url, streams, name), "MESH_WORKER_MODEL_NAME": name}
+        worker = await MeshProcess("worker", name, env, tmp / f"{name}.log").start()
+        try:
+            async with (
+                _bare_relay("--bare", server.url, url) as relay_pid,
+                Connection(settings.nats, "relay-probe") as conn,
+            ):
+                await wait_for_worker(conn, name)
+                async with MeshClient(settings=settings) as client:
+                    for round_no in range(rounds + 1):  # round 0 warms up
+                        m = await _mesh_round(
+                            client, worker.pid, server, name=name, streams=streams, tokens=tokens
+                        )
+                        b = await _floor_round(conn.nc, relay_pid, server, streams, tokens)
+                        if round_no:
+                            mesh.add(*m)
+                            floor.add(*b)
+        finally:
+            await worker.stop()
+    return mesh.figures(), floor.figures()
+
+
+async def _floor_round(
+    nc: Any, relay_pid: int, server: Server, streams: int, tokens: int
+) -> tuple[int, float, float, float, float]:
+    cpu_r, cpu_c, cpu_s = cpu_seconds(relay_pid), cpu_seconds(), cpu_seconds(server.pid)
+    began = time.perf_counter()
+    rows = await asyncio.gather(*(bare(nc, "[tag:r] go", tokens) for _ in range(streams)))
+    wall = time.perf_counter() - began
+    return (
+        sum(r.tokens for r in rows),
+        wall,
+        cpu_seconds(relay_pid) - cpu_r,
+        cpu_seconds() - cpu_c,
+        cpu_seconds(server.pid) - cpu_s,
+    )
 
 
 async def _publish(url: str, parts: int, streams: int, tokens: int) -> None:
@@ -199,6 +258,10 @@ async def _publish(url: str, parts: int, streams: int, tokens: int) -> None:
         print(cpu_seconds() - started, flush=True)
 
 
+HTTP_MESH = "mesh, HTTP backend (coalescing as deployed)"
+HTTP_FLOOR = "bare relay, HTTP backend (aiohttp SSE -> nats-py)"
+
+
 async def run(*, streams: int = 4, tokens: int = 4000, rounds: int = 30) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-relay-"))
     server = Server(tmp / "store")
@@ -207,13 +270,23 @@ async def run(*, streams: int = 4, tokens: int = 4000, rounds: int = 30) -> dict
     try:
         for label, parts in (("coalescing on (16, 5 ms)", 16), ("coalescing off", 1)):
             shape = {"parts": parts, "streams": streams, "tokens": tokens, "rounds": rounds}
-            mesh, bare = await _side_by_side(server, tmp, **shape)
-            results[f"mesh, {label}"], results[f"bare nats-py, {label}"] = mesh, bare
+            mesh, floor = await _side_by_side(server, tmp, **shape)
+            results[f"mesh, {label}"], results[f"bare nats-py, {label}"] = mesh, floor
+        results["http_tokens"] = tokens
+        mesh, floor = await _http_side_by_side(
+            server, tmp, streams=streams, tokens=tokens, rounds=max(1, rounds // 3)
+        )
+        results[HTTP_MESH], results[HTTP_FLOOR] = mesh, floor
     finally:
         await server.stop()
     for label in ("coalescing on (16, 5 ms)", "coalescing off"):
-        mesh, bare = results[f"mesh, {label}"], results[f"bare nats-py, {label}"]
-        mesh["share_of_bare"] = mesh["tokens_per_s"] / bare["tokens_per_s"]
+        mesh, floor = results[f"mesh, {label}"], results[f"bare nats-py, {label}"]
+        mesh["share_of_bare"] = mesh["tokens_per_s"] / floor["tokens_per_s"]
+    mesh, floor = results[HTTP_MESH], results[HTTP_FLOOR]
+    mesh["share_of_bare"] = mesh["tokens_per_s"] / floor["tokens_per_s"]
+    # /proc counts CPU in 10 ms ticks: a short run may read none for the floor.
+    spent = floor["sender_cpu_per_10k"]
+    mesh["sender_cpu_of_bare"] = mesh["sender_cpu_per_10k"] / spent if spent else float("nan")
     return results
 
 
@@ -234,12 +307,21 @@ def render(results: dict[str, Any]) -> str:
         )
     head = (
         f"relay: {results['streams']} streams x {results['tokens']} tokens, one worker "
-        "process (deterministic backend, no delays); CPU in ms per 10k tokens"
+        "process (deterministic backend, no delays); through HTTP "
+        f"{results['streams']} x {results['http_tokens']} tokens from the OpenAI-compatible "
+        "server (no delays); CPU in ms per 10k tokens"
     )
-    return (
-        head
-        + "\n"
-        + table(["path", "tokens/s", "sender CPU", "client CPU", "server CPU", "of bare"], rows)
+    http = results[HTTP_MESH]
+    tail = (
+        f"through HTTP, the worker's CPU per token is {http['sender_cpu_of_bare']:.2f}x the "
+        "bare relay's (the sender CPU column)"
+    )
+    return "\n".join(
+        [
+            head,
+            table(["path", "tokens/s", "sender CPU", "client CPU", "server CPU", "of bare"], rows),
+            tail,
+        ]
     )
 
 
