@@ -29,7 +29,14 @@ from mesh.connection import Connection
 from mesh.logs import get_logger
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event
 from protocol.errors import DuplicateRequestError, MeshError, OverloadedError, status_of
-from protocol.messages import EndEvent, ErrorEvent, StartEvent, TokenEvent, WireEvent
+from protocol.messages import (
+    EndEvent,
+    ErrorEvent,
+    StartEvent,
+    TokenEvent,
+    WireEvent,
+    token_event,
+)
 from protocol.stream import AnswerState, starts_over
 
 log = get_logger(__name__)
@@ -137,13 +144,33 @@ class NatsSink:
             raise MeshError(f"cannot reach the client: {type(exc).__name__}") from None
 
 
+Logged = WireEvent | tuple[str, int, str, int, int]
+"""An event as a record's log keeps it: a token without logprobs as a plain tuple (id, seq,
+text, attempt, n). The garbage collector stops tracking a tuple of plain values, so the minute
+of answers an edge keeps for replays is not walked, token by token, by every full collection
+(each one stops the event loop meanwhile: ``docs/performance.md``)."""
+
+
+def _logged(event: WireEvent) -> Logged:
+    if isinstance(event, TokenEvent) and event.logprobs is None:
+        return (event.id, event.seq, event.text, event.attempt, event.n)
+    return event
+
+
+def _event(item: Logged) -> WireEvent:
+    if isinstance(item, tuple):
+        return token_event(item[0], item[1], item[2], item[3], item[4])
+    return item
+
+
 @dataclass
 class Record:
     scope: str
     client_id: str
     fingerprint: str
     state: AnswerState
-    log: list[WireEvent] = field(default_factory=list)
+    log: list[Logged] = field(default_factory=list)
+    """What was passed on, in order (see :data:`Logged`)."""
     sinks: list[Sink] = field(default_factory=list)
     task: asyncio.Task[Any] | None = None
     finished_at: float | None = None
@@ -160,7 +187,7 @@ class Record:
             if starts_over(event, self.state.positions):
                 self.restarts += 1
             self.state.feed(event)
-            self.log.append(event)
+            self.log.append(_logged(event))
             for sink in list(self.sinks):
                 try:
                     await sink.send(event)
@@ -176,7 +203,7 @@ class Record:
         runs in between (a token never starts an answer over)."""
         for event in tokens:
             self.state.feed(event)
-            self.log.append(event)
+            self.log.append(_logged(event))
             for sink in list(self.sinks):
                 try:
                     cast("TokenSink", sink).send_now(event)
@@ -199,15 +226,16 @@ class Record:
                     request_id=self.client_id,
                 )
             self.sinks.append(sink)
-        for event in list(self.log):
+        for item in list(self.log):
             try:
-                await sink.send(event)
+                await sink.send(_event(item))
             except MeshError:
                 return
 
     def lacking(self, attempt: int, positions: int) -> list[WireEvent]:
         """The events a reader that has ``positions`` positions of ``attempt`` lacks."""
-        return [e for e in self.log if _lacks(e, attempt, positions)]
+        events = (_event(item) for item in self.log)
+        return [e for e in events if _lacks(e, attempt, positions)]
 
 
 def _lacks(event: WireEvent, attempt: int, positions: int) -> bool:

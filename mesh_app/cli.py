@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import signal
 import sys
@@ -151,6 +152,7 @@ def _run(factory: Callable[[], Awaitable[int]]) -> int:
 
 
 async def _until_signal() -> None:
+    _settle_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -160,6 +162,15 @@ async def _until_signal() -> None:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _settle_heap() -> None:
+    """Once a node has started, what it built (modules, settings, clients) lives as long as it
+    does: collect once, then freeze it out of the collector's sight. A full collection while
+    serving then walks only what was made since, and stops the event loop for that long
+    (``docs/performance.md``: 35 to 72 ms before, every stream standing still meanwhile)."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _up(settings: MeshSettings) -> int:
