@@ -47,7 +47,7 @@ from mesh.hub import provision_hub
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
-from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition
+from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
 from mesh.registry import Heartbeat, NodeInfo, live_workers
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
@@ -240,6 +240,7 @@ class Worker(Lifecycle):
         self._undo_reconnect = lambda: [u() for u in undo]
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             self._page.add(registry)
+        watch_gc(self._page)
         await self._puller.start()
         self._loop_task = self._tasks.supervise(self._tick, name="pull")
         # Not one of self._tasks either: those are drained for up to drain_grace on stop.

@@ -48,7 +48,7 @@ from mesh.connection import Connection
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, trace_id
 from mesh.loop_lag import LoopLag
-from mesh.metrics import NatsMetrics, exposition
+from mesh.metrics import NatsMetrics, exposition, watch_gc
 from mesh.registry import NodeView
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
@@ -208,6 +208,7 @@ class EdgeNode(Lifecycle):
         self.accepting = True
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.add(registry)
+        watch_gc(exposition)
         self._background.supervise(self._refresh_metadata, name="edge-metadata")
         self._background.supervise(self.loop_lag.run, name="loop-lag")
         if self._es.http_port >= 0:

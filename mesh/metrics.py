@@ -22,7 +22,9 @@ counters; labels take a few known values only.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
+import time
 from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -366,3 +368,40 @@ class Exposition:
 
 exposition = Exposition()
 """This process's metrics page."""
+
+GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class GcPauses:
+    """How long the garbage collector stopped this process, by generation: while it runs, every
+    stream the process serves stands still. One per process (:data:`gc_pauses`), on the page of
+    every node the process runs (:func:`watch_gc`)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        pauses = Histogram(
+            "mesh_process_gc_pause_seconds",
+            "How long each garbage collection stopped this process (every stream it serves)",
+            ["generation"],
+            buckets=GC_PAUSE_BUCKETS,
+            registry=self.registry,
+        )
+        self._by_generation = {g: pauses.labels(generation=str(g)) for g in range(3)}
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        """A ``gc.callbacks`` entry: called as each collection starts and stops."""
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif (child := self._by_generation.get(info.get("generation", -1))) is not None:
+            child.observe(time.perf_counter() - self._started)
+
+
+gc_pauses = GcPauses()
+
+
+def watch_gc(page: Exposition) -> None:
+    """Time this process's garbage collections (once per process) and show them on ``page``."""
+    if gc_pauses not in gc.callbacks:
+        gc.callbacks.append(gc_pauses)
+    page.add(gc_pauses.registry)

@@ -5,6 +5,7 @@ that is set, as a standalone `mesh worker`'s do."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -75,6 +76,30 @@ async def test_mesh_up_page_has_each_family_and_series_once(local_mesh: LocalMes
     assert {"mesh_edge_requests", "mesh_worker_requests", "mesh_worker_slots"} <= set(families)
     assert page.count('mesh_nats_reconnects_total{connection="mesh-local"}') == 1
     assert page.count('mesh_nats_message_losses_total{connection="mesh-local"}') == 1
+
+
+async def test_the_page_shows_how_long_garbage_collections_stopped_the_process(
+    local_mesh: LocalMesh,
+) -> None:
+    """A full collection stops every stream the process serves: each is timed, by generation,
+    once on the page although both nodes of `mesh up` show it."""
+    mesh = local_mesh
+    assert mesh.edge is not None and mesh.edge.http is not None
+
+    def full_collections(page: str) -> float:
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name == "mesh_process_gc_pause_seconds_count" and sample.labels == {
+                    "generation": "2"
+                }:
+                    return sample.value
+        raise AssertionError("no mesh_process_gc_pause_seconds for generation 2 on the page")
+
+    before = full_collections(await scrape(f"{mesh.edge.http.url}/metrics"))
+    gc.collect()
+    page = await scrape(f"{mesh.edge.http.url}/metrics")
+    assert_valid_exposition(page)
+    assert full_collections(page) >= before + 1  # ours (and any the process made meanwhile)
 
 
 async def test_nats_collectors_report_each_connection_once(settings: MeshSettings) -> None:
