@@ -19,6 +19,7 @@ import asyncio
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, Server, wait_for_worker
 from mesh_app.bench.common import (
+    Timed,
     bench_worker_env,
     cpu_seconds,
     openai_backend,
@@ -64,25 +66,32 @@ class _Tally:
         }
 
 
-async def _mesh_round(
-    client: MeshClient, worker_pid: int, server: Server, *, name: str, streams: int, tokens: int
+async def _timed_round(
+    sender_pid: int, server: Server, answers: Sequence[Awaitable[Timed]]
 ) -> tuple[int, float, float, float, float]:
-    cpu_w, cpu_c, cpu_s = cpu_seconds(worker_pid), cpu_seconds(), cpu_seconds(server.pid)
+    """Tokens, wall time and CPU seconds (the sending process, this one, the server) of one
+    round of answers run at once."""
+    cpu_w, cpu_c, cpu_s = cpu_seconds(sender_pid), cpu_seconds(), cpu_seconds(server.pid)
     began = time.perf_counter()
-    rows = await asyncio.gather(
-        *(
-            timed_stream(client, "[tag:r] go", via="cloud", model=name, max_tokens=tokens)
-            for _ in range(streams)
-        )
-    )
+    rows = await asyncio.gather(*answers)
     wall = time.perf_counter() - began
     return (
         sum(r.tokens for r in rows),
         wall,
-        cpu_seconds(worker_pid) - cpu_w,
+        cpu_seconds(sender_pid) - cpu_w,
         cpu_seconds() - cpu_c,
         cpu_seconds(server.pid) - cpu_s,
     )
+
+
+async def _mesh_round(
+    client: MeshClient, worker_pid: int, server: Server, *, name: str, streams: int, tokens: int
+) -> tuple[int, float, float, float, float]:
+    answers = [
+        timed_stream(client, "[tag:r] go", via="cloud", model=name, max_tokens=tokens)
+        for _ in range(streams)
+    ]
+    return await _timed_round(worker_pid, server, answers)
 
 
 class _Counter:
@@ -218,17 +227,8 @@ async def _http_side_by_side(
 async def _floor_round(
     nc: Any, relay_pid: int, server: Server, streams: int, tokens: int
 ) -> tuple[int, float, float, float, float]:
-    cpu_r, cpu_c, cpu_s = cpu_seconds(relay_pid), cpu_seconds(), cpu_seconds(server.pid)
-    began = time.perf_counter()
-    rows = await asyncio.gather(*(bare(nc, "[tag:r] go", tokens) for _ in range(streams)))
-    wall = time.perf_counter() - began
-    return (
-        sum(r.tokens for r in rows),
-        wall,
-        cpu_seconds(relay_pid) - cpu_r,
-        cpu_seconds() - cpu_c,
-        cpu_seconds(server.pid) - cpu_s,
-    )
+    answers = [bare(nc, "[tag:r] go", tokens) for _ in range(streams)]
+    return await _timed_round(relay_pid, server, answers)
 
 
 async def _publish(url: str, parts: int, streams: int, tokens: int) -> None:
