@@ -112,21 +112,35 @@ class _Watch:
         self.on_stall: Callable[[], bool] = lambda: False
 
 
-def _watchdog(loop: asyncio.AbstractEventLoop, watch: _Watch, limit: float) -> Callable[[], None]:
+class _Watchdog:
     """One timer per generation, not one per token, and no task: calls ``watch.on_stall`` once
-    ``watch.produced`` has stood still for ``limit`` seconds (checked every quarter of it).
-    Returns what stops it."""
-    handle: list[asyncio.TimerHandle] = []
+    ``watch.produced`` has stood still for ``limit`` seconds (checked every quarter of it). A
+    class, not a closure that schedules itself: such a closure refers to itself, and every
+    generation's would be left to the garbage collector."""
 
-    def check(seen: int, since: float) -> None:
+    __slots__ = ("handle", "limit", "loop", "watch")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, watch: _Watch, limit: float) -> None:
+        self.loop = loop
+        self.watch = watch
+        self.limit = limit
+        self.handle = loop.call_later(limit / 4, self.check, watch.produced, loop.time())
+
+    def check(self, seen: int, since: float) -> None:
+        watch, loop = self.watch, self.loop
         if watch.produced != seen:
             seen, since = watch.produced, loop.time()
-        elif loop.time() - since > limit and watch.on_stall():
+        elif loop.time() - since > self.limit and watch.on_stall():
             return
-        handle[0] = loop.call_later(limit / 4, check, seen, since)
+        self.handle = loop.call_later(self.limit / 4, self.check, seen, since)
 
-    handle.append(loop.call_later(limit / 4, check, watch.produced, loop.time()))
-    return lambda: handle[0].cancel()  # noqa: PLW0108 - the handle is a new one each check
+    def stop(self) -> None:
+        self.handle.cancel()  # a cancelled handle lets go of its callback (and this watchdog)
+
+
+def _watchdog(loop: asyncio.AbstractEventLoop, watch: _Watch, limit: float) -> Callable[[], None]:
+    """Start a :class:`_Watchdog`; returns what stops it."""
+    return _Watchdog(loop, watch, limit).stop
 
 
 async def _batched(  # noqa: PLR0917

@@ -18,6 +18,7 @@ delivery, order, unsubscribe, drain and reconnects still hold with the installed
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 from nats.aio.client import Client
@@ -33,17 +34,20 @@ Handler = Callable[[Msg], None]
 
 class _Inline:
     """Stands in for a subscription's pending queue: every message put goes to the handler now,
-    so nothing is ever pending (no slow consumer can build up here)."""
+    so nothing is ever pending (no slow consumer can build up here). It holds its subscription
+    weakly: the subscription holds it, and a cycle would leave both, and the reader behind the
+    handler, to the garbage collector instead of freeing them at the unsubscribe."""
 
     __slots__ = ("handler", "sub")
 
     def __init__(self, sub: Subscription, handler: Handler) -> None:
-        self.sub = sub
+        self.sub = weakref.ref(sub)
         self.handler = handler
 
     def put_nowait(self, msg: Msg) -> None:
-        sub = self.sub
-        sub._pending_size -= len(msg.data)  # counted by nats-py just before the put
+        sub = self.sub()
+        if sub is not None:
+            sub._pending_size -= len(msg.data)  # counted by nats-py just before the put
         try:
             self.handler(msg)
         except Exception:  # never into nats-py's read loop
@@ -69,4 +73,5 @@ async def subscribe_inline(
     subscription behaves like any other for unsubscribe, drain and reconnects."""
     sub = await nc.subscribe(subject, queue=queue)  # no callback: nats-py starts no task
     sub._pending_queue = _Inline(sub, handler)  # type: ignore[assignment]
+    sub._message_iterator = None  # never iterated; it and the subscription refer to each other
     return sub

@@ -141,6 +141,11 @@ class AnswerReader:
             ) from None
 
     async def close(self) -> None:
+        """Stop receiving. A closed reader calls nothing back: its owner's callbacks are let go
+        here, so that the owner (whose methods they are) and the reader are freed at once,
+        not left to the garbage collector as a cycle."""
+        self._watch = self._resend = self._unserved = None
+        self._passer = None
         sub, self._sub = self._sub, None
         if sub is not None:
             with contextlib.suppress(nats.errors.Error):
