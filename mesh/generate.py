@@ -79,7 +79,7 @@ async def coalesce(
         return chunk
 
     watch.on_stall = interrupt
-    stop_watching = _watchdog(loop, watch, stall) if stall else None
+    stop_watching = _Watchdog(loop, watch, stall).stop if stall else None
     try:
         while True:
             try:
@@ -136,11 +136,6 @@ class _Watchdog:
 
     def stop(self) -> None:
         self.handle.cancel()  # a cancelled handle lets go of its callback (and this watchdog)
-
-
-def _watchdog(loop: asyncio.AbstractEventLoop, watch: _Watch, limit: float) -> Callable[[], None]:
-    """Start a :class:`_Watchdog`; returns what stops it."""
-    return _Watchdog(loop, watch, limit).stop
 
 
 async def _batched(  # noqa: PLR0917

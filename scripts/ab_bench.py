@@ -43,6 +43,12 @@ HERE = str(Path(__file__).resolve().parents[1])
 """This tree (version B)."""
 
 
+def _from_tree(tree: str) -> dict[str, str]:
+    """The environment that makes a Python process import the mesh from ``tree`` only
+    (PYTHONSAFEPATH keeps the working directory off its path)."""
+    return {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}
+
+
 class ClientProcess:
     """A client of the mesh in a process of its own (``ab_bench.py --client URL PATH``), from
     the tree on its ``PYTHONPATH``: told a length, it runs one round and says it is done."""
@@ -99,16 +105,14 @@ async def serve_client(url: str, path: str) -> None:
 async def run(
     role: str, a_tree: str, streams: int, rounds: int, lens: tuple[int, int]
 ) -> dict[str, Any]:
-    # Version A's modules come from its tree only: PYTHONSAFEPATH keeps the working directory
-    # (this tree) off its path.
-    tree = {"PYTHONPATH": a_tree, "PYTHONSAFEPATH": "1"}
+    tree = _from_tree(a_tree)
     async with contextlib.AsyncExitStack() as stack:
         mesh = await stack.enter_async_context(
             bench_mesh(prefill_ms=50, token_ms=20, slots=streams)
         )
         url = mesh.server.url
         if role == "sdk":
-            here = {"PYTHONPATH": HERE, "PYTHONSAFEPATH": "1"}
+            here = _from_tree(HERE)
             clients = {
                 "floor": ClientProcess(url, "bare", here),
                 "A": ClientProcess(url, "cloud", tree),
