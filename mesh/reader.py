@@ -17,6 +17,11 @@ missing event: it went out as the store's leader died), the reader asks the work
 the answer to send it again (*resend*), if it was given a way to. The reader never passes on a
 gap: it waits for the repair, and its caller decides, on its own deadlines, when waiting is
 over.
+
+Repairs, and the checks on the answer's generator (*watch*, *resend*), run beside the reading,
+each at most once at a time: they wait on other processes and servers (a worker moving between
+servers in a rolling restart answers a check late, a store read waits out an election), and
+in-order tokens that come meanwhile go on at once.
 """
 
 from __future__ import annotations
@@ -116,6 +121,11 @@ class AnswerReader:
         self._send_again_at: float | None = None
         self._watch = watch
         self._watched = self.last_event
+        self._checks: dict[str, asyncio.Future[None]] = {}
+        """The watch and the resend, each running beside the reading at most once: a check
+        waits on another process (up to a second when it is moving between servers), and
+        tokens that come meanwhile must not wait with it."""
+        self._checked = False
         self._resend = resend
         self._passer: Passer | None = None
         self._ready: list[WireEvent] = []  # fed to the state in the callback, for next()
@@ -146,6 +156,9 @@ class AnswerReader:
         not left to the garbage collector as a cycle."""
         self._watch = self._resend = self._unserved = None
         self._passer = None
+        for task in list(self._checks.values()):
+            task.cancel()
+        self._checks.clear()
         sub, self._sub = self._sub, None
         if sub is not None:
             with contextlib.suppress(nats.errors.Error):
@@ -225,20 +238,19 @@ class AnswerReader:
                 self._send_again_at = None
                 await self._unserved()
                 continue
-            if self._watch_due(now):
-                assert self._watch is not None
-                self._watched = now
-                await self._watch(self.state)
+            if self._checked:
+                self._checked = False
                 if self._passer is not None:
                     # Its caller, not woken by the tokens passed on, last looked up to a tick
                     # ago: it sees what the check found (a worker gone, stalled) now.
                     return []
-                continue
+            if self._watch_due(now):
+                assert self._watch is not None
+                self._watched = now
+                self._check("watch", self._watch)
             if self._repair is not None and self._repair_due(now):
-                out = await self._run_repair()
-                if out:
-                    return out
-                now = time.monotonic()
+                self._losses = self.conn.losses
+                self._check("repair", self._repair_beside)
             if self._buffer:
                 out = self._drain()
                 if out:
@@ -249,10 +261,12 @@ class AnswerReader:
                 return []
             if self.conn.nc.is_closed:
                 raise UnavailableError(f"NATS connection closed while reading {self.what}")
-            wait = left if self._repair is None else min(left, self._next_check(now) - now)
+            wait = left
+            if self._repair is not None and "repair" not in self._checks:
+                wait = min(left, self._next_check(now) - now)
             if self._send_again_at is not None:
                 wait = min(wait, self._send_again_at - now)
-            if self._watch is not None and self.state.started:
+            if self._watch is not None and self.state.started and "watch" not in self._checks:
                 wait = min(wait, max(self.last_event, self._watched) + WATCH_QUIET_S - now)
             await self._wait(max(0.001, wait))
         return []
@@ -307,12 +321,15 @@ class AnswerReader:
     def _watch_due(self, now: float) -> bool:
         return (
             self._watch is not None
+            and "watch" not in self._checks
             and self.state.started
             and now - max(self.last_event, self._watched) >= WATCH_QUIET_S
             and self.conn.connected
         )
 
     def _repair_due(self, now: float) -> bool:
+        if "repair" in self._checks:
+            return False
         if self.conn.losses != self._losses:
             return True
         if self._repair_at is not None and now >= self._repair_at:
@@ -324,9 +341,22 @@ class AnswerReader:
         due = quiet_at if self._repair_at is None else min(quiet_at, self._repair_at)
         return max(now, due)
 
+    async def _repair_beside(self, _state: AnswerState) -> None:
+        """A repair, run beside the reading: what it releases is passed on next, in order
+        (tokens that come while it waits go on meanwhile, when nothing before them is
+        missing)."""
+        try:
+            out = await self._run_repair()
+        except (MeshError, nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+            # Not one of the repair's own errors: tried again later, never in a tight loop.
+            log.warning("repair failed; will retry", source=self.what, error=repr(exc))
+            self._repair_at = time.monotonic() + self._gap_retry
+            self._gap_retry = min(self._gap_retry * 2, _QUIET_MAX_S)
+            return
+        self._ready.extend(out)
+
     async def _run_repair(self) -> list[WireEvent]:
         assert self._repair is not None
-        self._losses = self.conn.losses
         quiet = time.monotonic() - max(self.last_event, self._last_probe) >= self._quiet
         try:
             events = await self._repair(self.state)
@@ -350,7 +380,7 @@ class AnswerReader:
             # its reconnect), or never will be until the store has a leader again: ask their
             # source for them, and look again soon, then less often.
             if self._resend is not None and self.conn.connected:
-                await self._resend(self.state)
+                self._check("resend", self._resend)
             self._repair_at = time.monotonic() + self._gap_retry
             self._gap_retry = min(self._gap_retry * 2, _QUIET_MAX_S)
         else:
@@ -364,6 +394,28 @@ class AnswerReader:
                 positions=self.state.positions,
             )
         return step.out
+
+    def _check(self, name: str, check: Watch) -> None:
+        """Run ``check`` beside the reading, unless it runs already; when it ends, the reader's
+        wait ends too (see :meth:`next`)."""
+        if name in self._checks:
+            return
+        task = asyncio.ensure_future(check(self.state))
+        self._checks[name] = task
+        task.add_done_callback(self._check_done)
+
+    def _check_done(self, task: asyncio.Future[None]) -> None:
+        for name, running in list(self._checks.items()):
+            if running is task:
+                del self._checks[name]
+        if task.cancelled():
+            return
+        if (exc := task.exception()) is not None:
+            log.warning("a check on the answer failed", source=self.what, error=repr(exc))
+        self._checked = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

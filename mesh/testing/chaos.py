@@ -396,6 +396,12 @@ class Outcome:
         gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
         return max(gaps) if gaps else None
 
+    @property
+    def silence_began(self) -> float:
+        """When the longest silence began (``time.monotonic()``; nan with fewer than two)."""
+        gaps = [(b - a, a) for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+        return max(gaps)[1] if gaps else float("nan")
+
 
 @dataclass
 class Tally:

@@ -1,0 +1,107 @@
+"""A reader's checks (asking the worker whether it is there, reading the answer store) wait on
+other processes: up to a second when a worker is moving between servers in a rolling restart, a
+store read up to its timeout while the stream elects a leader. Tokens that come meanwhile go on
+at once; they used to wait for the check (a 1 s freeze seen in the lame-duck restart test).
+
+Real nats-server; the events are published on a plain connection as a worker publishes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.reader import WATCH_QUIET_S, AnswerReader
+from protocol.codec import WireFormat, dump_event
+from protocol.messages import TokenEvent, WireEvent
+from protocol.stream import AnswerState, AnswerWriter
+
+SUBJECT = "mesh.v1.tok.checks.r1"
+CHECK_S = 3.0
+"""How long each slow check takes: far longer than any token may wait."""
+
+
+class _Slow:
+    """A check that takes CHECK_S, as one whose request goes unanswered until its timeout."""
+
+    def __init__(self) -> None:
+        self.began = asyncio.Event()
+        self.ended = 0
+
+    async def __call__(self, _state: AnswerState) -> list[WireEvent]:
+        self.began.set()
+        await asyncio.sleep(CHECK_S)
+        self.ended += 1
+        return []
+
+
+async def _tokens_during_a_check(
+    server: NatsServer, reader: AnswerReader, check: _Slow, pause: float
+) -> tuple[list[str], float]:
+    """Start and two tokens; a pause of ``pause`` s (the check begins); three more tokens.
+    The texts read, and how long after their publish the last token came out of next()."""
+    writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
+    await reader.subscribe(SUBJECT)
+    await reader.conn.nc.flush()
+    worker = await nats.connect(server.url)
+    texts: list[str] = []
+
+    async def send(events: list[WireEvent]) -> None:
+        for event in events:
+            await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
+        await worker.flush()
+
+    async def read(until: int) -> None:
+        while len(texts) < until:
+            for event in await reader.next(0.1):
+                if isinstance(event, TokenEvent):
+                    texts.append(event.text)
+
+    try:
+        await send([writer.start(), writer.token("a"), writer.token("b")])
+        await asyncio.wait_for(read(2), 5)
+        reading = asyncio.create_task(read(5))
+        await asyncio.wait_for(check.began.wait(), pause + 2)  # it begins after the pause
+        sent = time.monotonic()
+        await send([writer.token("c"), writer.token("d"), writer.token("e")])
+        await asyncio.wait_for(reading, CHECK_S + 5)
+        return texts, time.monotonic() - sent
+    finally:
+        await worker.close()
+        await reader.close()
+
+
+async def test_tokens_go_on_while_the_reader_asks_after_the_worker(
+    nats_server: NatsServer, conn: Connection
+) -> None:
+    check = _Slow()
+    reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud", watch=check)
+    texts, waited = await _tokens_during_a_check(nats_server, reader, check, WATCH_QUIET_S)
+    assert texts == ["a", "b", "c", "d", "e"]
+    assert waited < CHECK_S / 3, f"tokens waited {waited:.2f} s for the worker check"
+    assert check.ended == 0, "the check had ended: the test proves nothing"
+
+
+async def test_tokens_go_on_while_the_reader_reads_the_answer_store(
+    nats_server: NatsServer, conn: Connection
+) -> None:
+    check = _Slow()
+    reader = AnswerReader(conn, AnswerState("r1"), check, what="the cloud")
+    # A quiet spell (1 s) starts a store read, in case the tail was lost.
+    texts, waited = await _tokens_during_a_check(nats_server, reader, check, 1.0)
+    assert texts == ["a", "b", "c", "d", "e"]
+    assert waited < CHECK_S / 3, f"tokens waited {waited:.2f} s for the store read"
+    assert check.ended == 0, "the check had ended: the test proves nothing"
+
+
+async def test_a_closed_reader_stops_its_checks(nats_server: NatsServer, conn: Connection) -> None:
+    check = _Slow()
+    reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud", watch=check)
+    await _tokens_during_a_check(nats_server, reader, check, WATCH_QUIET_S)
+    await asyncio.sleep(0.05)
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+    assert not [t for t in tasks if "_Slow" in repr(t.get_coro())], tasks
