@@ -267,18 +267,60 @@ class OpenAIHTTPBackend:
 
 async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
     """The ``data:`` payloads of a server-sent event stream, one per event (multi-line data
-    joined with newlines, as the SSE spec has it)."""
-    buffer: list[str] = []
-    async for raw in resp.content:
-        line = raw.decode("utf-8").rstrip("\r\n")
-        if not line:
-            if buffer:
-                yield "\n".join(buffer)
-                buffer = []
-        elif line.startswith("data:"):
-            buffer.append(line[5:].removeprefix(" "))
-    if buffer:
-        yield "\n".join(buffer)
+    joined with newlines, as the SSE spec has it; lines end in LF, CRLF or CR).
+
+    It takes whatever the connection has (one await per read, not per line: a token's event is
+    two lines) and splits it here, up to the last line end. A CRLF cut in two ends one line,
+    and a multi-byte character is never cut (line ends are ASCII)."""
+    parser = _SseLines()
+    async for piece in resp.content.iter_any():
+        for data in parser.feed(piece):
+            yield data
+    for data in parser.close():
+        yield data
+
+
+class _SseLines:
+    """Pieces of an event stream in, the ``data:`` payloads of the events they complete out."""
+
+    def __init__(self) -> None:
+        self._pending = b""  # a line not ended yet
+        self._after_cr = False  # the last piece ended in CR: a LF first ends no other line
+        self._data: list[str] = []
+
+    def feed(self, piece: bytes) -> list[str]:
+        if self._after_cr and piece.startswith(b"\n"):
+            piece = piece[1:]  # the LF of a CRLF cut in two: that line has ended
+        self._after_cr = piece.endswith(b"\r")
+        if b"\r" in piece:
+            piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        pending = self._pending + piece
+        cut = pending.rfind(b"\n")
+        if cut < 0:
+            self._pending = pending
+            return []
+        block, self._pending = pending[:cut], pending[cut + 1 :]
+        return self._events(block)
+
+    def close(self) -> list[str]:
+        """What is left at the end of the stream (its last line may have no end)."""
+        events = self._events(self._pending) if self._pending else []
+        if self._data:
+            events.append("\n".join(self._data))
+        return events
+
+    def _events(self, block: bytes) -> list[str]:
+        """Takes the LF-separated lines of ``block`` (its final line end cut off); the events
+        they end."""
+        events: list[str] = []
+        for line in block.decode("utf-8").split("\n"):
+            if not line:
+                if self._data:
+                    events.append("\n".join(self._data))
+                    self._data = []
+            elif line.startswith("data:"):
+                self._data.append(line[5:].removeprefix(" "))
+        return events
 
 
 def _logprobs(choice: dict[str, Any], request: InferRequest) -> list[TokenLogprob] | None:
