@@ -4,13 +4,19 @@ the same ``data:`` payloads in the same order."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
+from aiohttp import web
 
-from mesh.backends.openai_http import _sse_data
+from mesh.backends.base import Chunk
+from mesh.backends.openai_http import OpenAIHTTPBackend, _SseLines
+from mesh.config import ModelSettings
+from protocol.errors import BackendError
+from protocol.messages import InferRequest
 
 STREAM = (
     ": a comment the server sends to keep the line open\n\n"
@@ -31,23 +37,12 @@ WANT = [
 ]
 
 
-class _Content:
-    def __init__(self, pieces: list[bytes]) -> None:
-        self.pieces = pieces
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        for piece in self.pieces:
-            yield piece
-
-
-class _Response:
-    def __init__(self, pieces: list[bytes]) -> None:
-        self.content = _Content(pieces)
-
-
 async def _parse(pieces: list[bytes]) -> list[str]:
-    resp: Any = _Response(pieces)
-    return [data async for data in _sse_data(resp)]
+    parser = _SseLines()
+    out: list[str] = []
+    for piece in pieces:
+        out += parser.feed(piece)
+    return out + parser.close()
 
 
 def _cut(data: bytes, seed: int) -> list[bytes]:
@@ -79,3 +74,76 @@ async def test_a_crlf_cut_between_its_two_bytes_ends_one_line() -> None:
     assert await _parse([b"data: a\r\n", b"data: b\r\n\r\n"]) == ["a\nb"]
     assert await _parse([b"data: a\r", b"\ndata: b\r", b"\n\r\n"]) == ["a\nb"]
     assert await _parse([b"data: a\r", b"data: b\r", b"\r"]) == ["a\nb"]
+
+
+# -- the backend over a real HTTP server, sending these bytes as they are ---------------------
+def _event(content: str | None = None, finish: str | None = None) -> bytes:
+    choice: dict[str, object] = {"index": 0, "delta": {"content": content} if content else {}}
+    if finish:
+        choice["finish_reason"] = finish
+    return f"data: {json.dumps({'choices': [choice]})}\r\n\r\n".encode()
+
+
+@contextlib.asynccontextmanager
+async def _backend(body: bytes, pieces: int = 7) -> AsyncIterator[OpenAIHTTPBackend]:
+    """The backend, against a server that answers every chat completion with ``body``, written
+    in ``pieces`` writes."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        step = max(1, len(body) // pieces)
+        for at in range(0, len(body), step):
+            await response.write(body[at : at + step])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    backend = OpenAIHTTPBackend(ModelSettings(backend="openai", base_url=base, http_timeout=10))
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()
+        await runner.cleanup()
+
+
+async def _generate(body: bytes) -> list[Chunk]:
+    async with _backend(body) as backend:
+        request = InferRequest(id="sse-1", prompt="hi", max_tokens=8)
+        return [chunk async for chunk in backend.generate(request)]
+
+
+async def test_the_backend_reads_every_token_and_the_finish() -> None:
+    body = _event("Hé") + _event("llo ✓") + _event(finish="stop") + b"data: [DONE]\r\n\r\n"
+    chunks = await _generate(body)
+    assert [c.text for c in chunks[:-1]] == ["Hé", "llo ✓"]
+    assert chunks[-1].finish_reason == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+
+
+async def test_nothing_after_done_is_read() -> None:
+    body = _event("a") + _event(finish="stop") + b"data: [DONE]\n\n" + _event("stray")
+    assert [c.text for c in await _generate(body)] == ["a", ""]
+
+
+async def test_a_stream_cut_before_its_finish_is_an_error_not_a_short_answer() -> None:
+    with pytest.raises(BackendError, match="ended the stream before the answer was complete"):
+        await _generate(_event("a") + _event("b"))
+
+
+async def test_an_error_event_mid_stream_is_an_error() -> None:
+    body = _event("a") + b'data: {"error": {"message": "out of memory"}}\n\n'
+    with pytest.raises(BackendError, match="out of memory"):
+        await _generate(body)
+
+
+async def test_a_malformed_event_is_an_error() -> None:
+    with pytest.raises(BackendError, match="malformed event"):
+        await _generate(_event("a") + b"data: {not json\n\n")

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -201,53 +201,27 @@ class OpenAIHTTPBackend:
             raise ValueError("this server cannot continue an answer (continuation is off)")
         path, body = self._body(request, prefix, prefix_tokens)
         self._busy += 1
-        produced = 0
-        finish_reason: str | None = None
-        usage: Usage | None = None
+        reading = _Reading(self._base, request)
         try:
             async with self._session.post(
                 self._base + path, json=body, timeout=self._streaming
             ) as resp:
                 if resp.status != 200:
                     raise _http_error(resp.status, await resp.text(), request.id)
-                async for data in _sse_data(resp):
-                    if data == "[DONE]":
+                # The events of each piece the connection hands over, with no async generator
+                # between: one await per read (_SseLines).
+                parser = _SseLines()
+                async for piece in resp.content.iter_any():
+                    for data in parser.feed(piece):
+                        for chunk in reading.event(data):
+                            yield chunk
+                    if reading.done:
                         break
-                    event = json.loads(data)
-                    if not isinstance(event, dict):
-                        raise BackendError(f"{self._base} sent a non-object event")
-                    if event.get("error") or event.get("object") == "error":
-                        raise BackendError(
-                            f"{self._base} reported an error mid-stream: {_error_text(event)}",
-                            request_id=request.id,
-                        )
-                    if event.get("usage"):
-                        usage = Usage(
-                            prompt_tokens=event["usage"].get("prompt_tokens") or 0,
-                            completion_tokens=event["usage"].get("completion_tokens") or 0,
-                        )
-                    for choice in event.get("choices") or []:
-                        text = (
-                            choice.get("text")
-                            if request.raw
-                            else (choice.get("delta") or {}).get("content")
-                        )
-                        if text:
-                            produced += 1
-                            logprobs = _logprobs(choice, request) if request.logprobs else None
-                            yield Chunk(text=text, logprobs=logprobs)
-                        if choice.get("finish_reason"):
-                            finish_reason = choice["finish_reason"]
-            if finish_reason is None:
-                # Cut off mid-answer (the server restarted, or interrupted us for another
-                # request, as llama_cpp.server does): never pass a truncated answer as complete.
-                raise BackendError(
-                    f"{self._base} ended the stream before the answer was complete",
-                    request_id=request.id,
-                )
-            yield Chunk(
-                finish_reason=finish_reason, usage=usage or Usage(completion_tokens=produced)
-            )
+                else:
+                    for data in parser.close():
+                        for chunk in reading.event(data):
+                            yield chunk
+            yield reading.last()
         except asyncio.TimeoutError:
             raise MeshTimeoutError(
                 f"{self._base} sent nothing for {self.settings.http_timeout:g}s",
@@ -265,23 +239,68 @@ class OpenAIHTTPBackend:
             self._busy -= 1
 
 
-async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a server-sent event stream, one per event (multi-line data
-    joined with newlines, as the SSE spec has it; lines end in LF, CRLF or CR).
+class _Reading:
+    """One generation's events, read: the chunks each one brings, and how it finished."""
 
-    It takes whatever the connection has (one await per read, not per line: a token's event is
-    two lines) and splits it here, up to the last line end. A CRLF cut in two ends one line,
-    and a multi-byte character is never cut (line ends are ASCII)."""
-    parser = _SseLines()
-    async for piece in resp.content.iter_any():
-        for data in parser.feed(piece):
-            yield data
-    for data in parser.close():
-        yield data
+    def __init__(self, base: str, request: InferRequest) -> None:
+        self.base = base
+        self.request = request
+        self.produced = 0
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.done = False
+        """``[DONE]`` came: the events after it (none, from a sound server) are not read."""
+
+    def event(self, data: str) -> list[Chunk]:
+        if data == "[DONE]" or self.done:
+            self.done = True
+            return []
+        event = json.loads(data)
+        if not isinstance(event, dict):
+            raise BackendError(f"{self.base} sent a non-object event")
+        request = self.request
+        if event.get("error") or event.get("object") == "error":
+            raise BackendError(
+                f"{self.base} reported an error mid-stream: {_error_text(event)}",
+                request_id=request.id,
+            )
+        if event.get("usage"):
+            self.usage = Usage(
+                prompt_tokens=event["usage"].get("prompt_tokens") or 0,
+                completion_tokens=event["usage"].get("completion_tokens") or 0,
+            )
+        chunks: list[Chunk] = []
+        for choice in event.get("choices") or []:
+            text = choice.get("text") if request.raw else (choice.get("delta") or {}).get("content")
+            if text:
+                self.produced += 1
+                logprobs = _logprobs(choice, request) if request.logprobs else None
+                chunks.append(Chunk(text=text, logprobs=logprobs))
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return chunks
+
+    def last(self) -> Chunk:
+        """The finishing chunk; raises when the stream ended before the answer did."""
+        if self.finish_reason is None:
+            # Cut off mid-answer (the server restarted, or interrupted us for another
+            # request, as llama_cpp.server does): never pass a truncated answer as complete.
+            raise BackendError(
+                f"{self.base} ended the stream before the answer was complete",
+                request_id=self.request.id,
+            )
+        return Chunk(
+            finish_reason=self.finish_reason,
+            usage=self.usage or Usage(completion_tokens=self.produced),
+        )
 
 
 class _SseLines:
-    """Pieces of an event stream in, the ``data:`` payloads of the events they complete out."""
+    """Pieces of a server-sent event stream in, the ``data:`` payloads of the events they
+    complete out (multi-line data joined with newlines, as the SSE spec has it; lines end in
+    LF, CRLF or CR). A piece is whatever the connection has (one await per read, not per line:
+    a token's event is two lines). A CRLF cut in two ends one line, and a multi-byte character
+    is never cut (line ends are ASCII)."""
 
     def __init__(self) -> None:
         self._pending = b""  # a line not ended yet
