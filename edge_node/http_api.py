@@ -63,6 +63,7 @@ from protocol.messages import (
     StartEvent,
     TokenEvent,
     WireEvent,
+    token_event,
 )
 from protocol.stream import AnswerState, starts_over
 from protocol.subjects import is_token
@@ -144,6 +145,11 @@ class _CollectSink:
 
     def send_now(self, event: TokenEvent) -> None:
         self.answer.feed(event)
+
+    def send_token(self, seq: int, text: str, attempt: int, n: int) -> None:
+        answer = self.answer
+        if not answer.take_token(answer.request_id, attempt, seq, text, n):
+            answer.feed(token_event(answer.request_id, seq, text, attempt, n))
 
 
 class _SSESink:

@@ -27,7 +27,7 @@ import nats.errors
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event
+from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event, dump_token
 from protocol.errors import DuplicateRequestError, MeshError, OverloadedError, status_of
 from protocol.messages import (
     EndEvent,
@@ -62,6 +62,11 @@ class TokenSink(Sink, Protocol):
 
     def send_now(self, event: TokenEvent) -> None:
         """Pass one token on at once; raises :class:`MeshError` as :meth:`send` does."""
+        ...
+
+    def send_token(self, seq: int, text: str, attempt: int, n: int) -> None:
+        """:meth:`send_now` for a token without logprobs, from its fields (this request's id):
+        no event is built for it (the hot path)."""
         ...
 
 
@@ -131,6 +136,16 @@ class NatsSink:
         first = self._tokens == 1  # never waits, as a worker's
         self.conn.write_batch.put(self.inbox, data, None, now=first)
 
+    def send_token(self, seq: int, text: str, attempt: int, n: int) -> None:
+        answer = self._answer
+        if not self.streaming:
+            if not answer.take_token(answer.request_id, attempt, seq, text, n):
+                answer.feed(token_event(answer.request_id, seq, text, attempt, n))
+            return
+        self._tokens += 1
+        data = dump_token(answer.request_id, seq, text, attempt, self.fmt, n)
+        self.conn.write_batch.put(self.inbox, data, None, now=self._tokens == 1)
+
     async def _error(self, event: ErrorEvent) -> None:
         await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
         if self._on_error is not None:
@@ -192,23 +207,53 @@ class Record:
                 try:
                     await sink.send(event)
                 except MeshError as err:
-                    log.info("client unreachable", request_id=self.client_id, error=err.message)
+                    log_unreachable(self.client_id, err)
 
     def can_emit_now(self) -> bool:
         """Whether every sink takes tokens without waiting (:meth:`emit_now` may be used)."""
         return all(hasattr(sink, "send_now") for sink in self.sinks)
 
     def emit_now(self, tokens: list[TokenEvent]) -> None:
-        """:meth:`emit` for tokens, when :meth:`can_emit_now`: nothing waits, so nothing else
-        runs in between (a token never starts an answer over)."""
-        for event in tokens:
-            self.state.feed(event)
-            self.log.append(_logged(event))
-            for sink in list(self.sinks):
-                try:
-                    cast("TokenSink", sink).send_now(event)
-                except MeshError as err:
-                    log.info("client unreachable", request_id=self.client_id, error=err.message)
+        """:meth:`emit` for in-order tokens, when :meth:`can_emit_now`, under this record's id
+        (a relay's tokens carry the queue's): nothing waits, so nothing else runs in between
+        (a token never starts an answer over)."""
+        for token in tokens:
+            if token.logprobs is None:
+                self.emit_token_now(token.seq, token.text, token.attempt, token.n)
+            else:
+                self._emit_now(
+                    token_event(
+                        self.client_id,
+                        token.seq,
+                        token.text,
+                        token.attempt,
+                        token.n,
+                        token.logprobs,
+                    )
+                )
+
+    def emit_token_now(self, seq: int, text: str, attempt: int, n: int) -> None:
+        """:meth:`emit_now` for one token without logprobs, from its fields: when it is the
+        answer's next one (the hot path), no event is built for it."""
+        client_id = self.client_id
+        if not self.state.take_token(client_id, attempt, seq, text, n):
+            self._emit_now(token_event(client_id, seq, text, attempt, n))
+            return
+        self.log.append((client_id, seq, text, attempt, n))
+        for sink in self.sinks:
+            try:
+                cast("TokenSink", sink).send_token(seq, text, attempt, n)
+            except MeshError as err:
+                log_unreachable(client_id, err)
+
+    def _emit_now(self, event: TokenEvent) -> None:
+        self.state.feed(event)
+        self.log.append(_logged(event))
+        for sink in self.sinks:
+            try:
+                cast("TokenSink", sink).send_now(event)
+            except MeshError as err:
+                log_unreachable(self.client_id, err)
 
     async def fail(self, error: MeshError) -> None:
         """End in ``error``, unless an outcome was already passed on."""
@@ -300,3 +345,7 @@ class Records:
                 break
             del self._finished[key]
             self._records.pop(key, None)
+
+
+def log_unreachable(request_id: str, err: MeshError) -> None:
+    log.info("client unreachable", request_id=request_id, error=err.message)

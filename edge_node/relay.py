@@ -150,7 +150,12 @@ class CloudRelay:
         """In-order tokens, from the reader's subscription callback, while :meth:`_follow`
         waits: on to the clients at once (``mesh.reader.Passer``)."""
         self.first_token = self.first_token or time.perf_counter()
-        self.record.emit_now([token_as(t, self.req.id) for t in tokens])
+        self.record.emit_now(tokens)  # under the client's id
+
+    def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
+        """:meth:`take` for the answer's next token, from its fields."""
+        self.first_token = self.first_token or time.perf_counter()
+        self.record.emit_token_now(seq, text, attempt, n)
 
     def _give_up(self, reason: str, kind: str) -> Fallback:
         if self.local_fits:

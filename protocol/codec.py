@@ -251,6 +251,14 @@ def decode_event(data: bytes, headers: Mapping[str, str] | None = None) -> Any:
 def _token_fast(raw: Any) -> TokenEvent | None:
     """A well-formed token event without pydantic's validation (the hot path); None when the map
     is anything else or anything looks off, so the full validation decides."""
+    fields = token_fields(raw)
+    return None if fields is None else token_event(*fields)
+
+
+def token_fields(raw: Any) -> tuple[str, int, str, int, int] | None:
+    """A decoded map's token fields (id, seq, text, attempt, n) when it is a well-formed token
+    event without logprobs; None for anything else (the full validation decides). For a
+    reader that needs no event object for an in-order token."""
     if not isinstance(raw, dict) or raw.get("t") != "tok" or len(raw) > 6:
         return None  # logprobs (a 7th field) take the validated path
     rid, seq, text = raw.get("id"), raw.get("seq"), raw.get("text")
@@ -266,7 +274,7 @@ def _token_fast(raw: Any) -> TokenEvent | None:
         and n >= 0
         and set(raw) <= _TOKEN_FIELDS
     ):
-        return token_event(rid, seq, text, attempt, n)
+        return rid, seq, text, attempt, n
     return None
 
 

@@ -270,6 +270,12 @@ class AnswerState:
 
     # -- feeding ---------------------------------------------------------------------------
     def feed(self, event: WireEvent) -> Step:
+        if (
+            type(event) is TokenEvent
+            and event.logprobs is None
+            and self.take_token(event.id, event.attempt, event.seq, event.text, event.n)
+        ):
+            return Step(out=[event])
         step = Step()
         if self.outcome is not None or (
             event.id != self.request_id and not (isinstance(event, ErrorEvent) and event.id is None)
@@ -286,6 +292,27 @@ class AnswerState:
         self._drain(step.out)
         step.gap = bool(self.held) and self.outcome is None
         return step
+
+    def take_token(self, request_id: str, attempt: int, seq: int, text: str, n: int) -> bool:
+        """The next token of the current attempt (no logprobs), taken from its fields alone:
+        what :meth:`feed` does with it, without the checks that only other events need (the
+        hot path: every token of every answer, on every hop). False, with nothing changed,
+        when it is anything else: then :meth:`feed` decides."""
+        texts = self.texts
+        if (
+            seq != len(texts)
+            or attempt != self.attempt
+            or self.held
+            or self.outcome is not None
+            or request_id != self.request_id
+        ):
+            return False
+        digests = self._digests
+        texts.append(text)
+        digests.append(digest_of(text, digests[-1] if digests else 0))
+        self._tokens.append(n)
+        self._logprobs.append(None)
+        return True
 
     def feed_all(self, events: list[WireEvent]) -> Step:
         """Feed events in order (a replay of what a store kept); one combined step."""

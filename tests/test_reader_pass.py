@@ -14,7 +14,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.reader import AnswerReader
 from protocol.codec import WireFormat, dump_event
-from protocol.messages import EndEvent, TokenEvent, Usage, WireEvent
+from protocol.messages import EndEvent, TokenEvent, Usage, WireEvent, token_event
 from protocol.stream import AnswerState, AnswerWriter
 
 SUBJECT = "mesh.v1.tok.pass.r1"
@@ -30,6 +30,9 @@ class _Collect:
 
     def take(self, tokens: list[TokenEvent]) -> None:
         self.taken.extend(tokens)
+
+    def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
+        self.taken.append(token_event("r1", seq, text, attempt, n))
 
 
 def _answer() -> list[WireEvent]:
