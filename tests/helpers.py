@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+
+from aiohttp import web
 
 from mesh.config import MeshSettings
 from mesh.connection import Connection
@@ -71,3 +74,21 @@ def modules_loaded_by(code: str) -> list[str]:
     )
     loaded: list[str] = json.loads(listed.stdout.strip().splitlines()[-1])
     return loaded
+
+
+@contextlib.asynccontextmanager
+async def chat_server(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """A real aiohttp server on a free loopback port that answers ``POST
+    /v1/chat/completions`` with ``handler``; yields its base URL (``.../v1``)."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    finally:
+        await runner.cleanup()

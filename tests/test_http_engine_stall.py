@@ -20,6 +20,7 @@ from mesh.config import ModelSettings
 from mesh.generate import coalesce
 from protocol.errors import BackendError
 from protocol.messages import InferRequest
+from tests.helpers import chat_server
 
 
 async def _stalling_server() -> AsyncIterator[tuple[str, asyncio.Event]]:
@@ -34,18 +35,11 @@ async def _stalling_server() -> AsyncIterator[tuple[str, asyncio.Event]]:
         await release.wait()  # silent, the connection open: a hung engine
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}/v1", release
-    finally:
-        release.set()
-        await runner.cleanup()
+    async with chat_server(chat) as base:
+        try:
+            yield base, release
+        finally:
+            release.set()  # before the server's cleanup, which waits for this handler
 
 
 @pytest.mark.parametrize("linger", [0.0, 30.0], ids=["tokens-as-they-come", "batching"])

@@ -17,6 +17,7 @@ from mesh.backends.openai_http import OpenAIHTTPBackend, _SseLines
 from mesh.config import ModelSettings
 from protocol.errors import BackendError
 from protocol.messages import InferRequest
+from tests.helpers import chat_server
 
 STREAM = (
     ": a comment the server sends to keep the line open\n\n"
@@ -98,20 +99,13 @@ async def _backend(body: bytes, pieces: int = 7) -> AsyncIterator[OpenAIHTTPBack
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
-    backend = OpenAIHTTPBackend(ModelSettings(backend="openai", base_url=base, http_timeout=10))
-    await backend.start()
-    try:
-        yield backend
-    finally:
-        await backend.close()
-        await runner.cleanup()
+    async with chat_server(chat) as base:
+        backend = OpenAIHTTPBackend(ModelSettings(backend="openai", base_url=base, http_timeout=10))
+        await backend.start()
+        try:
+            yield backend
+        finally:
+            await backend.close()
 
 
 async def _generate(body: bytes) -> list[Chunk]:
