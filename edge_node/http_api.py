@@ -63,7 +63,6 @@ from protocol.messages import (
     StartEvent,
     TokenEvent,
     WireEvent,
-    token_event,
 )
 from protocol.stream import AnswerState, starts_over
 from protocol.subjects import is_token
@@ -147,9 +146,7 @@ class _CollectSink:
         self.answer.feed(event)
 
     def send_token(self, seq: int, text: str, attempt: int, n: int) -> None:
-        answer = self.answer
-        if not answer.take_token(answer.request_id, attempt, seq, text, n):
-            answer.feed(token_event(answer.request_id, seq, text, attempt, n))
+        self.answer.feed_token(attempt, seq, text, n)
 
 
 class _SSESink:

@@ -137,13 +137,11 @@ class NatsSink:
         self.conn.write_batch.put(self.inbox, data, None, now=first)
 
     def send_token(self, seq: int, text: str, attempt: int, n: int) -> None:
-        answer = self._answer
         if not self.streaming:
-            if not answer.take_token(answer.request_id, attempt, seq, text, n):
-                answer.feed(token_event(answer.request_id, seq, text, attempt, n))
+            self._answer.feed_token(attempt, seq, text, n)
             return
         self._tokens += 1
-        data = dump_token(answer.request_id, seq, text, attempt, self.fmt, n)
+        data = dump_token(self._answer.request_id, seq, text, attempt, self.fmt, n)
         self.conn.write_batch.put(self.inbox, data, None, now=self._tokens == 1)
 
     async def _error(self, event: ErrorEvent) -> None:

@@ -307,12 +307,14 @@ class AnswerState:
             or request_id != self.request_id
         ):
             return False
-        digests = self._digests
-        texts.append(text)
-        digests.append(digest_of(text, digests[-1] if digests else 0))
-        self._tokens.append(n)
-        self._logprobs.append(None)
+        self._append(text, n, None)
         return True
+
+    def feed_token(self, attempt: int, seq: int, text: str, n: int) -> None:
+        """Feed this request's token given by its fields (no logprobs): taken as it is when it
+        is the next one, else built into an event and fed."""
+        if not self.take_token(self.request_id, attempt, seq, text, n):
+            self.feed(token_event(self.request_id, seq, text, attempt, n))
 
     def feed_all(self, events: list[WireEvent]) -> Step:
         """Feed events in order (a replay of what a store kept); one combined step."""
@@ -355,10 +357,7 @@ class AnswerState:
 
     def _apply(self, event: WireEvent, out: list[WireEvent]) -> None:
         if isinstance(event, TokenEvent):
-            self.texts.append(event.text)
-            self._digests.append(digest_of(event.text, self._digests[-1] if self._digests else 0))
-            self._tokens.append(event.n)
-            self._logprobs.append(event.logprobs)
+            self._append(event.text, event.n, event.logprobs)
             out.append(event)
         elif isinstance(event, StartEvent):
             self._start(event, out)
@@ -367,6 +366,13 @@ class AnswerState:
         else:
             self.outcome = event
             out.append(event)
+
+    def _append(self, text: str, n: int, logprobs: list[TokenLogprob] | None) -> None:
+        digests = self._digests
+        self.texts.append(text)
+        digests.append(digest_of(text, digests[-1] if digests else 0))
+        self._tokens.append(n)
+        self._logprobs.append(logprobs)
 
     def _start(self, event: StartEvent, out: list[WireEvent]) -> None:
         if self.fingerprint and event.req and event.req != self.fingerprint:
