@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -393,14 +394,18 @@ class Outcome:
     def longest_silence(self) -> float | None:
         """The longest gap between two token messages, in seconds (None with fewer than two):
         how long the client's answer stood still."""
-        gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
-        return max(gaps) if gaps else None
+        gap = self._longest_gap()
+        return None if gap is None else gap[0]
 
     @property
     def silence_began(self) -> float:
         """When the longest silence began (``time.monotonic()``; nan with fewer than two)."""
-        gaps = [(b - a, a) for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
-        return max(gaps)[1] if gaps else float("nan")
+        gap = self._longest_gap()
+        return float("nan") if gap is None else gap[1]
+
+    def _longest_gap(self) -> tuple[float, float] | None:
+        """The longest gap between two token messages and when it began."""
+        return max(((b - a, a) for a, b in itertools.pairwise(self.token_times)), default=None)
 
 
 @dataclass
