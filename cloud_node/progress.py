@@ -185,7 +185,8 @@ class KeepAlive:
 
 class LoopStalls:
     """Counts the times this process stood still (SIGSTOP, a starved or blocked event loop) for
-    ``STALL_S`` or more: a ticker every ``TICK_S`` and the gaps between its ticks.
+    ``STALL_S`` or more: the gaps between the ticks of the process's loop ticker
+    (:class:`mesh.loop_lag.LoopLag`, every 50 ms), handed to :meth:`tick`.
 
     A live worker hands back the delivery of a worker that does not answer "are you there?"
     within :data:`cloud_node.orphans.ALIVE_WAIT_S` (0.4 s): only a process that stood still at
@@ -193,7 +194,6 @@ class LoopStalls:
     (0.3 s), the one still under way included, so the worker checks the answer store before it
     settles anything."""
 
-    TICK_S = 0.05
     STALL_S = 0.3
 
     def __init__(self, on_stall: Callable[[], None] = lambda: None) -> None:
@@ -208,14 +208,10 @@ class LoopStalls:
         late = asyncio.get_running_loop().time() - self._last >= self.STALL_S
         return self.stalls + (1 if late else 0)
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._last = loop.time()
-        while True:
-            await asyncio.sleep(self.TICK_S)
-            now = loop.time()
-            if now - self._last >= self.STALL_S:
-                self.stalls += 1
-                log.warning("this process stood still", seconds=round(now - self._last, 2))
-                self._on_stall()
-            self._last = now
+    def tick(self, now: float) -> None:
+        """One tick of the ticker, at ``now`` (``loop.time()``)."""
+        last, self._last = self._last, now
+        if last is not None and now - last >= self.STALL_S:
+            self.stalls += 1
+            log.warning("this process stood still", seconds=round(now - last, 2))
+            self._on_stall()

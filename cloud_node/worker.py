@@ -153,7 +153,6 @@ class Worker(Lifecycle):
         self._stopping = False
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
-        self._stall_task: asyncio.Task[Any] | None = None
         self._lag_task: asyncio.Task[Any] | None = None
         self._undo_reconnect: Any = None
         self._heartbeat = Heartbeat(
@@ -172,6 +171,7 @@ class Worker(Lifecycle):
         self.loop_lag = LoopLag(
             "worker",
             advice="run another worker process for this engine (docs/performance.md)",
+            on_tick=self.handler.stalls.tick,
         )
         """How late the worker's event loop runs: behind, it cannot keep up with its engine."""
         self.metrics.loop_lag.set_function(lambda: self.loop_lag.lag)
@@ -243,13 +243,10 @@ class Worker(Lifecycle):
         watch_gc(self._page)
         await self._puller.start()
         self._loop_task = self._tasks.supervise(self._tick, name="pull")
-        # Not one of self._tasks either: those are drained for up to drain_grace on stop.
+        # Not one of self._tasks: those are drained for up to drain_grace on stop, and its
+        # ticks count the stand-stills (handler.stalls) until the last answer is drained.
         self._lag_task = asyncio.get_running_loop().create_task(
             self.loop_lag.run(), name="loop-lag"
-        )
-        # Not one of self._tasks: it watches until the last answer is drained (see stop()).
-        self._stall_task = asyncio.get_running_loop().create_task(
-            self.handler.stalls.run(), name="stall-watch"
         )
         log.info(
             "worker started",
@@ -309,11 +306,10 @@ class Worker(Lifecycle):
             self._undo_reconnect()
         await self._heartbeat.stop()  # edges stop counting on us before intake stops
         await self._puller.stop()  # no new work; late deliveries are handed back at once
-        for task in (self._loop_task, self._lag_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
         grace = self._ws.drain_grace
         if self.handler.inflight and self._ws.hand_over and await self._peers_with_room():
             grace = 0.0  # another worker continues each answer from the store, at once
@@ -321,10 +317,10 @@ class Worker(Lifecycle):
         elif self.handler.inflight:
             log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
         await self._tasks.close(grace=grace)
-        if self._stall_task is not None:
-            self._stall_task.cancel()
+        if self._lag_task is not None:
+            self._lag_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._stall_task
+                await self._lag_task
         await self.settler.close()
         await self.orphans.close()
         await self.store_service.close()

@@ -8,6 +8,12 @@ that wait, for about 20 wakeups a second.
 
 ``lag`` is the worst lateness in the last ``window`` seconds; ``behind`` says it is over
 ``behind_s``. It clears by itself once the loop catches up (within ``window``).
+
+The ticks are one timer callback each, not a task woken from ``asyncio.sleep`` (a future, a
+timer and a task step per tick), and other watches of the loop listen to the same ticks
+(``on_tick``) instead of keeping a ticker of their own: the worker's stand-still count
+(:class:`cloud_node.progress.LoopStalls`) did. An idle worker spent 8.2-9.6 ms of CPU a second
+before, with the two tickers as tasks (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 from mesh.logs import get_logger
 
@@ -36,14 +43,18 @@ class LoopLag:
         window: float = WINDOW_S,
         behind_s: float = BEHIND_S,
         advice: str = "",
+        on_tick: Callable[[float], None] | None = None,
     ) -> None:
+        """``on_tick(now)``: called on each tick too (``now``: ``loop.time()``)."""
         self.what = what
+        self.on_tick = on_tick
         self.interval = interval
         self.window = window
         self.behind_s = behind_s
         self.advice = advice
         self._late: deque[tuple[float, float]] = deque()  # (when, how late), oldest first
         self._behind = False
+        self._handle: asyncio.TimerHandle | None = None
 
     @property
     def lag(self) -> float:
@@ -84,8 +95,22 @@ class LoopLag:
             self._late.popleft()
 
     async def run(self) -> None:
+        """Tick every ``interval`` until cancelled."""
         loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + self.interval
-            await asyncio.sleep(self.interval)
-            self.note(max(0.0, loop.time() - due))
+        due = loop.time() + self.interval
+        self._handle = loop.call_at(due, self._tick, loop, due)
+        try:
+            await loop.create_future()  # the ticks are timer callbacks: nothing to do here
+        finally:
+            if self._handle is not None:
+                self._handle.cancel()
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        now = loop.time()
+        try:
+            self.note(max(0.0, now - due), now)
+            if self.on_tick is not None:
+                self.on_tick(now)
+        finally:  # a listener that raises (the loop logs it) does not stop the ticks
+            due = now + self.interval
+            self._handle = loop.call_at(due, self._tick, loop, due)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from cloud_node.progress import LoopStalls
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
@@ -91,3 +92,41 @@ async def test_an_edge_whose_loop_runs_late_says_so_too(
         await eventually(behind, timeout=5, what="the edge to say it is behind")
         status = await collect_status(conn, settings)
         assert any("BEHIND" in line for line in render(status)), render(status)
+
+
+async def test_the_ticks_go_on_to_a_listener_and_a_listener_that_raises_stops_nothing() -> None:
+    """One ticker per process: the worker's stand-still count listens to its ticks."""
+    seen: list[float] = []
+
+    def listener(now: float) -> None:
+        seen.append(now)
+        if len(seen) == 2:
+            raise RuntimeError("a listener that fails once")
+
+    loop = asyncio.get_running_loop()
+    errors: list[object] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context.get("exception")))
+    lag = LoopLag("test", interval=0.01, on_tick=listener)
+    ticking = loop.create_task(lag.run())
+    try:
+
+        async def ticked() -> bool:
+            return len(seen) >= 5
+
+        await eventually(ticked, timeout=5, what="five ticks")
+        assert seen == sorted(seen)
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    finally:
+        ticking.cancel()
+        loop.set_exception_handler(None)
+    count = len(seen)
+    await asyncio.sleep(0.05)
+    assert len(seen) == count  # a cancelled ticker ticks no more
+
+
+def test_a_gap_between_ticks_counts_as_a_stand_still() -> None:
+    stood: list[int] = []
+    stalls = LoopStalls(on_stall=lambda: stood.append(1))
+    for now in (10.0, 10.05, 10.1, 10.6, 10.65):  # 0.5 s between 10.1 and 10.6
+        stalls.tick(now)
+    assert stalls.stalls == 1 and stood == [1]
