@@ -60,38 +60,34 @@ async def coalesce(
         me.cancel()
         return True
 
-    async def read() -> Chunk:
-        nonlocal reading
-        reading = True
-        try:
-            chunk = await chunks.__anext__()
-        except asyncio.CancelledError:
-            if not stalled:
-                raise
-            if me is not None and hasattr(me, "uncancel"):  # Python 3.11+
-                me.uncancel()
-            raise _stalled(stall) from None
-        finally:
-            reading = False
-        if stalled:  # the engine swallowed the interruption: it is hung all the same
-            raise _stalled(stall)
-        watch.produced += 1
-        return chunk
-
     watch.on_stall = interrupt
     stop_watching = _Watchdog(loop, watch, stall).stop if stall else None
+    following = chunks.__anext__
     try:
-        while True:
+        while True:  # the engine's chunks, read here in the caller's task (no call per chunk)
+            reading = True
             try:
-                chunk = await read()
+                chunk = await following()
             except StopAsyncIteration:
                 return
+            except asyncio.CancelledError:
+                if not stalled:
+                    raise
+                if me is not None and hasattr(me, "uncancel"):  # Python 3.11+
+                    me.uncancel()
+                raise _stalled(stall) from None
+            finally:
+                reading = False
+            if stalled:  # the engine swallowed the interruption: it is hung all the same
+                raise _stalled(stall)
+            watch.produced += 1
             if chunk.finish_reason is not None:
                 yield chunk
                 return
-            if watch.produced > 1 and loop.time() - sent < linger:
+            now = loop.time()
+            if watch.produced > 1 and now - sent < linger:
                 break  # a fast engine: batch from here on
-            sent = loop.time()
+            sent = now
             yield chunk
         batched = _batched(chunks, chunk, sent, max_parts, linger, stall, watch)
         async with contextlib.aclosing(batched):

@@ -41,7 +41,7 @@ from mesh.connection import Connection
 from mesh.inline_sub import subscribe_inline
 from mesh.logs import get_logger
 from mesh.tasks import raise_if_cancelled
-from protocol.codec import decode_event, load, sniff, token_fields
+from protocol.codec import decode_event, message_token_fields
 from protocol.errors import IncompleteAnswerError, MeshError, UnavailableError
 from protocol.messages import Answer, TokenEvent, WireEvent, token_event
 from protocol.stream import AnswerState
@@ -199,12 +199,9 @@ class AnswerReader:
             or not passer.ready()
         ):
             return False
-        try:
-            fields = token_fields(load(msg.data, sniff(msg.data, None)))
-        except MeshError:
-            return False  # the buffer's way logs and drops it
+        fields = message_token_fields(msg.data)
         if fields is None:
-            return False  # not a plain token: the buffer's way decodes it
+            return False  # not a plain token: the buffer's way decodes it (or says why not)
         request_id, seq, text, attempt, n = fields
         self.last_event = time.monotonic()
         self._quiet = _QUIET_FIRST_S

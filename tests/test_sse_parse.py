@@ -77,6 +77,16 @@ async def test_a_crlf_cut_between_its_two_bytes_ends_one_line() -> None:
     assert await _parse([b"data: a\r", b"data: b\r", b"\r"]) == ["a\nb"]
 
 
+async def test_one_whole_event_per_piece_as_servers_send_them() -> None:
+    """The usual piece (one event of one data line, nothing pending) takes the parser's short
+    way; what came before it still counts."""
+    assert await _parse([b'data: {"a":1}\n\n', b"data:x\n\n", b"data:\n\n"]) == ['{"a":1}', "x", ""]
+    assert await _parse([b"data: a\n", b"data: b\n\n"]) == ["a\nb"]  # a data line pending
+    assert await _parse([b"data: a\r", b"data: b\n\n"]) == ["a\nb"]  # a line ended by CR
+    assert await _parse([b"data: a\n\n", b"data: b\ndata: c\n\n"]) == ["a", "b\nc"]
+    assert await _parse([b"dataset: a\n\n", b"data: b\r\n\n"]) == ["b"]
+
+
 # -- the backend over a real HTTP server, sending these bytes as they are ---------------------
 def _event(content: str | None = None, finish: str | None = None) -> bytes:
     choice: dict[str, object] = {"index": 0, "delta": {"content": content} if content else {}}

@@ -209,9 +209,10 @@ class OpenAIHTTPBackend:
                 if resp.status != 200:
                     raise _http_error(resp.status, await resp.text(), request.id)
                 # The events of each piece the connection hands over, with no async generator
-                # between: one await per read (_SseLines).
+                # or iterator between: one await per read (_SseLines).
                 parser = _SseLines()
-                async for piece in resp.content.iter_any():
+                read = resp.content.readany
+                while piece := await read():
                     for data in parser.feed(piece):
                         for chunk in reading.event(data):
                             yield chunk
@@ -308,6 +309,16 @@ class _SseLines:
         self._data: list[str] = []
 
     def feed(self, piece: bytes) -> list[str]:
+        if (  # the usual piece: one whole event of one data line, nothing pending
+            piece[-2:] == b"\n\n"
+            and not self._pending
+            and not self._data
+            and not self._after_cr
+            and piece.startswith(b"data:")
+            and piece.count(b"\n") == 2
+            and b"\r" not in piece
+        ):
+            return [piece[5:-2].decode("utf-8").removeprefix(" ")]
         if self._after_cr and piece.startswith(b"\n"):
             piece = piece[1:]  # the LF of a CRLF cut in two: that line has ended
         self._after_cr = piece.endswith(b"\r")
