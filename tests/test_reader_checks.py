@@ -105,3 +105,71 @@ async def test_a_closed_reader_stops_its_checks(nats_server: NatsServer, conn: C
     await asyncio.sleep(0.05)
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
     assert not [t for t in tasks if "_Slow" in repr(t.get_coro())], tasks
+
+
+class _Collect:
+    """A passer that takes every in-order token (as an edge relaying to NATS clients)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def ready(self) -> bool:
+        return True
+
+    def take(self, tokens: list[TokenEvent]) -> None:
+        self.texts += [t.text for t in tokens]
+
+    def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
+        self.texts.append(text)
+
+
+async def test_tokens_passed_on_do_not_wake_the_reading_task_until_the_answer_goes_quiet(
+    nats_server: NatsServer, conn: Connection
+) -> None:
+    """While tokens go on from the callback, the watch's quiet spell keeps moving: the waiting
+    task is not woken to find that out (one wait for the whole stream), and the watch still
+    asks after the worker once the tokens stop."""
+    asked: list[float] = []
+
+    async def watch(_state: AnswerState) -> list[WireEvent]:
+        asked.append(time.monotonic())
+        return []
+
+    reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud", watch=watch)
+    passer = _Collect()
+    reader.pass_tokens(passer)
+    waits = 0
+    real_wait = reader._wait
+
+    async def counted(deadline: float) -> None:
+        nonlocal waits
+        waits += 1
+        await real_wait(deadline)
+
+    reader._wait = counted  # type: ignore[method-assign]
+    await reader.subscribe(SUBJECT)
+    await conn.nc.flush()
+    worker = await nats.connect(nats_server.url)
+    writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
+    try:
+        await worker.publish(SUBJECT, dump_event(writer.start(), WireFormat.MSGPACK))
+        await worker.flush()
+        started = await reader.next(1.0)  # the start goes the usual way
+        assert [type(e).__name__ for e in started] == ["StartEvent"]
+        waits = 0
+        reading = asyncio.create_task(reader.next(10.0))
+
+        for i in range(60):  # 1.2 s of tokens, 20 ms apart: never quiet for WATCH_QUIET_S
+            await worker.publish(SUBJECT, dump_event(writer.token(f"t{i}"), WireFormat.MSGPACK))
+            await worker.flush()
+            await asyncio.sleep(0.02)
+        last = time.monotonic()
+        assert not reading.done(), "the reading task returned while tokens went on"
+        assert await asyncio.wait_for(reading, 5) == []  # after the watch asked
+        assert passer.texts == [f"t{i}" for i in range(60)]
+        assert len(asked) == 1 and asked[0] - last >= WATCH_QUIET_S - 0.05, (asked, last)
+        # One wait while the tokens went on, one while the watch's check ran.
+        assert waits == 2, f"the reading task was woken {waits - 2} times for nothing"
+    finally:
+        await worker.close()
+        await reader.close()
