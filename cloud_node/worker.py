@@ -42,7 +42,7 @@ from mesh import __version__, kept
 from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
-from mesh.connection import Connection
+from mesh.connection import Connection, stop_service
 from mesh.hub import provision_hub
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
@@ -328,9 +328,7 @@ class Worker(Lifecycle):
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
-        if self._service is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._service.stop()
+        await stop_service(self._service, self.conn.settings.request_timeout)
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             self._page.remove(registry)
         log.info("worker stopped", node_id=self.node_id, **self.counts.snapshot())

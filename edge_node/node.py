@@ -44,7 +44,7 @@ from edge_node.served import CloudModels
 from edge_node.site import SiteParts, SiteStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
-from mesh.connection import Connection
+from mesh.connection import Connection, stop_service
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, trace_id
 from mesh.loop_lag import LoopLag
@@ -252,9 +252,7 @@ class EdgeNode(Lifecycle):
         await self.tasks.close(grace=max(0.0, ends - time.monotonic()))
         if self.site is not None:
             await self.site.stop()
-        if self._service is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._service.stop()
+        await stop_service(self._service, self.conn.settings.request_timeout)
         await self.nodes.stop()
         budget = self.budget
         if budget is not None:

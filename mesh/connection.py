@@ -19,6 +19,7 @@ import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.manager import JetStreamManager
+from nats.micro.service import Service
 
 from mesh.config import NatsSettings
 from mesh.credentials import check_creds_file
@@ -220,6 +221,20 @@ class Connection(Lifecycle):
 
     start = connect
     stop = close
+
+
+async def stop_service(service: Service | None, timeout: float) -> None:
+    """Stop a NATS micro service within ``timeout`` seconds. nats-py drains each of its
+    subscriptions, and a drain waits for the subscription's queued messages with no limit of
+    its own: one whose message task ended early (a cancelled handler) would hold a node's
+    shutdown for ever. Past the limit the node goes on stopping; the connection's close
+    removes what is left."""
+    if service is None:
+        return
+    try:
+        await asyncio.wait_for(service.stop(), timeout)
+    except (asyncio.TimeoutError, nats.errors.Error) as exc:
+        log.warning("micro service not stopped cleanly", error=repr(exc))
 
 
 async def _first_of(
