@@ -50,6 +50,7 @@ from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.queue import orphan_worker
 from mesh.registry import handback_key, open_bucket
+from mesh.tasks import cancel_and_wait
 from protocol.codec import RequestLimits, decode_request
 from protocol.errors import MeshError
 from protocol.messages import EndEvent, ErrorEvent, StartEvent, WireEvent
@@ -294,10 +295,7 @@ class Orphans:
         return "alive"
 
     async def close(self) -> None:
-        pending: list[asyncio.Future[Any]] = [*self._busy, *self._asking.values()]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await cancel_and_wait([*self._busy, *self._asking.values()])
 
     async def _claim(self, scope: str, request_id: str, attempt: int) -> bool | None:
         """Claim the hand-back of this attempt's delivery, once across every worker: a key

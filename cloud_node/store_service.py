@@ -34,6 +34,7 @@ from nats.aio.subscription import Subscription
 from mesh.answer_store import MIN_PAGE_BYTES, AnswerStore, error_reply, read_page_request
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.tasks import cancel_and_wait
 from protocol.errors import MeshError, MeshTimeoutError, OverloadedError, UnavailableError
 from protocol.subjects import STORE_WILDCARD, addressed, is_reply_inbox, token_subject
 
@@ -112,7 +113,4 @@ class StoreService:
             await self.conn.nc.publish(reply, data)
 
     async def close(self) -> None:
-        pending = list(self._busy)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await cancel_and_wait(list(self._busy))

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from mesh.logs import get_logger
 
 log = get_logger(__name__)
+CANCELLED_WAIT_S = 5.0
+"""How long stopping waits for cancelled tasks to end (their cleanup may hand a delivery back
+over the network, with timeouts of its own well within this)."""
+
+
+async def cancel_and_wait(
+    tasks: Iterable[asyncio.Future[Any]], timeout: float = CANCELLED_WAIT_S
+) -> bool:
+    """Cancel ``tasks`` and wait ``timeout`` seconds at most for them to end; False when some
+    did not (logged by name: a task that ignores its cancellation is a bug, and must not hold a
+    node's shutdown for ever). What they raised is taken here, not left to the garbage
+    collector's warnings."""
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    if not pending:
+        return True
+    done, left = await asyncio.wait(pending, timeout=timeout)
+    for task in done:
+        if not task.cancelled():
+            task.exception()
+    if left:
+        names = sorted(t.get_name() if isinstance(t, asyncio.Task) else repr(t) for t in left)
+        log.warning("tasks did not end when cancelled", tasks=names, waited_s=timeout)
+    return not left
 
 
 def raise_if_cancelled() -> None:
@@ -96,8 +121,4 @@ class TaskSet:
         """Give tasks ``grace`` seconds to finish, then cancel the rest and wait for them."""
         if grace > 0:
             await self.wait(grace)
-        tasks = set(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(set(self._tasks))
