@@ -12,8 +12,9 @@ that wait, for about 20 wakeups a second.
 The ticks are one timer callback each, not a task woken from ``asyncio.sleep`` (a future, a
 timer and a task step per tick), and other watches of the loop listen to the same ticks
 (``on_tick``) instead of keeping a ticker of their own: the worker's stand-still count
-(:class:`cloud_node.progress.LoopStalls`) did. An idle worker spent 8.2-9.6 ms of CPU a second
-before, with the two tickers as tasks (``docs/performance.md``).
+(:class:`cloud_node.progress.LoopStalls`) did. An idle edge's samples outside ``epoll_wait``
+fell from 57 to 33 in 10 s (py-spy); an idle worker's CPU did not move beyond its spread, most
+of it being elsewhere (``docs/performance.md``).
 """
 
 from __future__ import annotations
