@@ -209,10 +209,7 @@ class Record:
 
     def can_emit_now(self) -> bool:
         """Whether every sink takes tokens without waiting (:meth:`emit_now` may be used)."""
-        sinks = self.sinks
-        if len(sinks) == 1:  # the usual record (asked once for every token it relays)
-            return hasattr(sinks[0], "send_now")
-        return all(hasattr(sink, "send_now") for sink in sinks)
+        return all(hasattr(sink, "send_now") for sink in self.sinks)
 
     def emit_now(self, tokens: list[TokenEvent]) -> None:
         """:meth:`emit` for in-order tokens, when :meth:`can_emit_now`, under this record's id

@@ -283,14 +283,7 @@ _TOKEN_FIELDS = frozenset({"t", "id", "seq", "text", "attempt", "n"})
 
 def message_token_fields(data: bytes) -> tuple[str, int, str, int, int] | None:
     """:func:`token_fields` of a message without headers, read from its bytes; None for
-    anything else, a payload that does not parse included (the full decoding then says why).
-    A msgpack map, the usual token, is unpacked here with no call between."""
-    if data and data[0] in _MSGPACK_MAP_FIRST_BYTES:
-        try:
-            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception:  # msgpack raises several unrelated exception types
-            return None
-        return token_fields(raw)
+    anything else, a payload that does not parse included (the full decoding then says why)."""
     try:
         return token_fields(load(data, sniff(data, None)))
     except MeshError:

@@ -35,7 +35,6 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from typing import Literal
-from zlib import crc32
 
 from protocol.codec import error_event
 from protocol.errors import DuplicateRequestError, IncompleteAnswerError, MeshError
@@ -371,8 +370,7 @@ class AnswerState:
     def _append(self, text: str, n: int, logprobs: list[TokenLogprob] | None) -> None:
         digests = self._digests
         self.texts.append(text)
-        # digest_of, inline: this runs for every token on every hop
-        digests.append(crc32(text.encode("utf-8", "surrogatepass"), digests[-1] if digests else 0))
+        digests.append(digest_of(text, digests[-1] if digests else 0))
         self._tokens.append(n)
         self._logprobs.append(logprobs)
 
