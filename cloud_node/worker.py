@@ -399,7 +399,7 @@ class Worker(Lifecycle):
         requests that expired or were refused, a connection that came back."""
         while not self._stopping:
             await asyncio.sleep(CAPACITY_POLL_S)
-            await self._puller.top_up()
+            await self._puller.top_up(whole=True)
 
     async def _accept(self, msg: Msg) -> None:
         """A delivery: reserve its slot and handle it at once."""

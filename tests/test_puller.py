@@ -1,0 +1,145 @@
+"""The worker's pull consumer (cloud_node.puller) against a real JetStream: which free slots it
+keeps covered by pull requests, and so how fast a burst of requests reaches the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from nats.js.errors import NotFoundError
+
+from cloud_node.puller import Puller
+from mesh.connection import Connection
+
+pytestmark = pytest.mark.asyncio
+
+SLOTS = 8
+LONG = 60.0
+"""Pull requests that outlive the test: a message can only come through a request open now,
+never through one issued again after an expiry."""
+
+
+@dataclass
+class Slots:
+    """A worker's slots as the puller sees them: a delivery takes one, an answer's end frees
+    it and tops up, as the worker does."""
+
+    total: int = SLOTS
+    busy: int = 0
+    delivered: list[Msg] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def free(self) -> int:
+        return self.total - self.busy
+
+    async def deliver(self, msg: Msg) -> None:
+        self.busy += 1
+        self.delivered.append(msg)
+        await msg.ack()
+        self.arrived.set()
+
+    async def wait_for(self, count: int, timeout: float = 10.0) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self.delivered) < count:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+@pytest.fixture
+async def queue(conn: Connection) -> AsyncIterator[tuple[str, str]]:
+    name = f"PULL{uuid.uuid4().hex[:8].upper()}"
+    subject = f"pulltest.{name}"
+    jsm = conn.jsm()
+    await jsm.add_stream(StreamConfig(name=name, subjects=[subject]))
+    await jsm.add_consumer(
+        name, ConsumerConfig(durable_name="w", ack_policy=AckPolicy.EXPLICIT, ack_wait=30)
+    )
+    try:
+        yield name, subject
+    finally:
+        with contextlib.suppress(NotFoundError):
+            await jsm.delete_stream(name)
+
+
+async def _puller(conn: Connection, stream: str, slots: Slots) -> Puller:
+    puller = Puller(
+        conn,
+        stream,
+        "w",
+        free_slots=slots.free,
+        total_slots=lambda: slots.total,
+        deliver=slots.deliver,
+        expires=LONG,
+    )
+    await puller.start()
+    await conn.nc.flush()
+    return puller
+
+
+async def _burst(conn: Connection, subject: str, count: int) -> None:
+    js = conn.nc.jetstream()
+    for i in range(count):
+        await js.publish(subject, f"request {i}".encode())
+
+
+async def _end_answers(puller: Puller, slots: Slots, count: int) -> None:
+    """Answers end one at a time, each freeing its slot (the worker's ``_handle``)."""
+    for _ in range(count):
+        slots.busy -= 1
+        await puller.top_up()
+
+
+async def test_an_idle_worker_covers_every_slot_and_takes_a_whole_burst_at_once(
+    conn: Connection, queue: tuple[str, str]
+) -> None:
+    stream, subject = queue
+    slots = Slots()
+    puller = await _puller(conn, stream, slots)
+    try:
+        assert puller.outstanding == SLOTS
+        await _burst(conn, subject, SLOTS)
+        await slots.wait_for(SLOTS)
+        # The answers end one by one: while others are in flight, freed slots are asked for
+        # in chunks; once none is in flight, every slot is asked for again.
+        await _end_answers(puller, slots, SLOTS)
+        assert slots.busy == 0
+        assert puller.outstanding == SLOTS, "an idle worker left slots uncovered"
+        # A second burst of the slots' size comes through the requests already open.
+        await _burst(conn, subject, SLOTS)
+        await slots.wait_for(2 * SLOTS)
+        assert [m.data for m in slots.delivered[SLOTS:]] == [
+            f"request {i}".encode() for i in range(SLOTS)
+        ]
+    finally:
+        await puller.stop()
+
+
+async def test_while_answers_are_in_flight_freed_slots_go_in_chunks_and_the_tick_covers_the_rest(
+    conn: Connection, queue: tuple[str, str]
+) -> None:
+    stream, subject = queue
+    slots = Slots()
+    puller = await _puller(conn, stream, slots)
+    try:
+        await _burst(conn, subject, SLOTS)
+        await slots.wait_for(SLOTS)
+        await _end_answers(puller, slots, 2)  # a chunk is 2 of 8; the first end asks for 1
+        assert slots.busy == SLOTS - 2
+        assert puller.outstanding == 1, "one request per freed slot while answers are in flight"
+        await puller.top_up(whole=True)  # the worker's tick
+        assert puller.outstanding == slots.free() == 2
+        # Never more than the free slots: back-pressure holds.
+        await puller.top_up(whole=True)
+        assert puller.outstanding == 2
+        await _burst(conn, subject, 3)
+        await slots.wait_for(SLOTS + 2)
+        await asyncio.sleep(0)
+        assert len(slots.delivered) == SLOTS + 2, "delivered more than the free slots"
+    finally:
+        await puller.stop()
