@@ -80,6 +80,10 @@ WATCH_QUIET_S = 0.25
 """After this long with nothing from a started answer, the reader checks on its generator
 (then again each time as long): a round trip when it is alive, a takeover when it is dead.
 Token gaps are tens of milliseconds; a prefill or a busy worker costs a few round trips."""
+OFFLINE_LOOK_S = 0.05
+"""While the connection is down, how often a reader whose watch is due looks whether it is back
+(the watch asks only over a live link). It used to wake every millisecond, for each answer in
+flight, all through a cut (``tests/test_reader_checks.py``)."""
 
 
 class AnswerReader:
@@ -282,7 +286,10 @@ class AnswerReader:
         if self._send_again_at is not None:
             wait = min(wait, self._send_again_at - now)
         if self._watch is not None and self.state.started and "watch" not in self._checks:
-            wait = min(wait, max(self.last_event, self._watched) + WATCH_QUIET_S - now)
+            due = max(self.last_event, self._watched) + WATCH_QUIET_S - now
+            if due <= 0 and not self.conn.connected:
+                due = OFFLINE_LOOK_S  # the watch waits for the link (see _watch_due)
+            wait = min(wait, due)
         return wait
 
     async def _wait(self, deadline: float) -> None:

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import nats
 
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.reader import WATCH_QUIET_S, AnswerReader
+from mesh.reader import OFFLINE_LOOK_S, WATCH_QUIET_S, AnswerReader
+from mesh.testing.chaos import TcpProxy
 from protocol.codec import WireFormat, dump_event
 from protocol.messages import TokenEvent, WireEvent
 from protocol.stream import AnswerState, AnswerWriter
+from tests.conftest import make_settings
+from tests.helpers import eventually
 
 SUBJECT = "mesh.v1.tok.checks.r1"
 CHECK_S = 3.0
@@ -173,3 +177,66 @@ async def test_tokens_passed_on_do_not_wake_the_reading_task_until_the_answer_go
     finally:
         await worker.close()
         await reader.close()
+
+
+def _is(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def probe() -> bool:
+        return check()
+
+    return probe
+
+
+async def test_a_reader_cut_off_does_not_spin_and_asks_after_the_worker_once_the_link_is_back(
+    nats_server: NatsServer,
+) -> None:
+    """A started answer goes quiet because the link is cut: the watch cannot ask anyone, so the
+    reading task looks again every OFFLINE_LOOK_S (it used to wake every millisecond for the
+    whole cut), and asks after the worker as soon as the link is back."""
+    proxy = await TcpProxy(nats_server.port).start()
+    settings = make_settings(proxy.url)
+    settings.nats.reconnect_wait = 0.1
+    asked: list[float] = []
+
+    async def watch(_state: AnswerState) -> list[WireEvent]:
+        asked.append(time.monotonic())
+        return []
+
+    worker = await nats.connect(nats_server.url)
+    try:
+        async with Connection(settings.nats, "cut-reader") as conn:
+            reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud", watch=watch)
+            waits = 0
+            real_wait = reader._wait
+
+            async def counted(deadline: float) -> None:
+                nonlocal waits
+                waits += 1
+                await real_wait(deadline)
+
+            reader._wait = counted  # type: ignore[method-assign]
+            await reader.subscribe(SUBJECT)
+            await conn.nc.flush()
+            writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
+            await worker.publish(SUBJECT, dump_event(writer.start(), WireFormat.MSGPACK))
+            await worker.flush()
+            assert [type(e).__name__ for e in await reader.next(2.0)] == ["StartEvent"]
+
+            proxy.cut(30.0)
+            await eventually(_is(lambda: not conn.connected), 5, "the link cut")
+            asked.clear()
+            waits = 0
+            cut_for = 1.0
+            assert await reader.next(cut_for) == []
+            assert asked == [], "the watch asked over a cut link"
+            assert waits <= cut_for / OFFLINE_LOOK_S + 5, f"{waits} wakeups in {cut_for} s cut off"
+
+            proxy.restore()
+            await eventually(_is(lambda: conn.connected), 10, "the link back")
+            back = time.monotonic()
+            await reader.next(2.0)
+            assert asked, "the watch never asked after the worker once the link was back"
+            assert asked[0] - back < 0.5, f"the watch asked {asked[0] - back:.2f} s after"
+            await reader.close()
+    finally:
+        await worker.close()
+        await proxy.stop()
