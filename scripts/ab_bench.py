@@ -14,9 +14,11 @@ versions see the same server, backend, load and minute. Version A is the code in
 
 Each path runs ``--streams`` requests at once, at two answer lengths (``--lens``), round after
 round in rotating order; CPU per token is the slope between the two lengths, the fixed part
-what is left. Read one run with care: the same code on both sides (``--a-tree`` this tree)
-read 0.84 and 1.09 here (worker, edge; 8 rounds), and pinning processes to cores did not
-narrow it (1.13). Run it more than once. A development tool, not part of the mesh.
+what is left. Beside the CPU it prints each side's time to first token at the client (p50 and
+p99 over every request of the run; the worker and edge roles). Read one run with care: the
+same code on both sides (``--a-tree`` this tree) read 0.84 and 1.09 here (worker, edge; 8
+rounds), and pinning processes to cores did not narrow it (1.13). Run it more than once. A
+development tool, not part of the mesh.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, edge_env, wait_for_edge, wait_for_worker
-from mesh_app.bench.common import bench_mesh, bench_worker_env, cpu_seconds, timed_stream
+from mesh_app.bench.common import Timed, bench_mesh, bench_worker_env, cpu_seconds, timed_stream
 from mesh_app.bench.paths import MIDDLE_SUBJECT, _bare_relay, bare
 
 PROMPT = "[tag:b] benchmark"
@@ -193,12 +195,14 @@ async def _rounds(
     CPU per token (the slope between the lengths) and the fixed part of each process."""
     names = ("floor", "A", "B")
     spent = {(name, n): 0.0 for name in names for n in lens}
+    ttfts: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for tokens in lens:
             for name in names[r % 3 :] + names[: r % 3]:
                 before = cpu_seconds(pids[name])
-                await together(name)(tokens)
+                timed = await together(name)(tokens)
                 spent[(name, tokens)] += cpu_seconds(pids[name]) - before
+                ttfts[name] += [t.ttft * 1000 for t in timed or [] if isinstance(t, Timed)]
     requests = rounds * streams
     out: dict[str, Any] = {"streams": streams, "rounds": rounds, "lens": lens}
     for name in names:
@@ -209,7 +213,14 @@ async def _rounds(
             "fixed_ms": (short - per_token * lens[0]) * 1e3,
             f"ms_per_request_at_{lens[1]}": long * 1e3,
         }
+        if ttfts[name]:  # the clients' time to first token (not measured by a client process)
+            out[name]["ttft_ms"] = {"p50": _pct(ttfts[name], 0.5), "p99": _pct(ttfts[name], 0.99)}
     return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def render(out: dict[str, Any]) -> str:
@@ -220,8 +231,10 @@ def render(out: dict[str, Any]) -> str:
     ]
     for name in ("floor", "A", "B"):
         r = out[name]
+        ttft = r.get("ttft_ms")
         rows.append(
             f"{name:5}  CPU per token {r['per_token_us']:6.1f} us  fixed {r['fixed_ms']:6.3f} ms"
+            + (f"  TTFT p50 {ttft['p50']:6.2f} p99 {ttft['p99']:6.2f} ms" if ttft else "")
         )
     fa, fb, ff = out["A"]["per_token_us"], out["B"]["per_token_us"], out["floor"]["per_token_us"]
     rows.append(

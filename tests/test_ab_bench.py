@@ -43,3 +43,7 @@ def test_ab_bench_measures_both_versions_and_the_floor(role: str, tmp_path: Path
     figures = json.loads(out.read_text())
     assert set(figures) >= {"floor", "A", "B"}
     assert "B/A" in run.stdout and f"{role} A/B" in run.stdout
+    if role != "sdk":  # the SDK's sides run in client processes of their own: no TTFT here
+        for side in ("floor", "A", "B"):
+            ttft = figures[side]["ttft_ms"]
+            assert 0 < ttft["p50"] <= ttft["p99"] < 60_000, (side, ttft)
