@@ -120,7 +120,7 @@ class Keeper:
             raise MeshError("the answer's stored events hold no outcome", retryable=True)
         await self.collectable(scope)
         try:
-            await self.conn.js.publish(
+            await self.conn.publish_acked(
                 answer_subject(scope, request_id),
                 kept.encode_outcome(outcome),
                 stream=ANSWERS_STREAM,

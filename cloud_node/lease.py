@@ -186,7 +186,7 @@ class Leases:
         """The new lease message's sequence (an int); ``CHANGED`` when the subject's last
         sequence is not ``expect``; None when the store did not answer."""
         try:
-            ack = await self.conn.js.publish(
+            ack = await self.conn.publish_acked(
                 subject,
                 f"{copy} {fingerprint}".encode(),
                 stream=LEASES_STREAM,

@@ -193,7 +193,7 @@ class AnswerPublisher:
         off or does not answer."""
         if self.store.enabled:
             try:
-                await self.conn.js.publish(
+                await self.conn.publish_acked(
                     self.subject, data, timeout=self.timeout, headers=dict(self._headers)
                 )
                 return True

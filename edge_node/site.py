@@ -208,7 +208,7 @@ class SiteStore:
         another under its id is held too, and told ``duplicate`` when the first one's answer
         comes."""
         try:
-            ack = await self.conn.site_js().publish(
+            ack = await self.conn.publish_acked(
                 outbox_subject(model, self.scope),
                 dump(req, WireFormat.MSGPACK),
                 stream=OUTBOX_STREAM,
@@ -225,7 +225,7 @@ class SiteStore:
         log.info("request held at the site", request_id=req.id, duplicate=ack.duplicate)
         claim = {"fp": fingerprint, "key": key_hash(claim_key)}
         with contextlib.suppress(APIError):  # held before under this id: the first claim stays
-            await self.conn.site_js().publish(
+            await self.conn.publish_acked(
                 claim_subject(req.id), json.dumps(claim).encode(), stream=CLAIMS_STREAM
             )
 
@@ -330,7 +330,7 @@ class SiteStore:
         last_progress = time.monotonic()
         while True:
             try:
-                await self.conn.js.publish(
+                await self.conn.publish_acked(
                     infer_subject(model, scope),
                     msg.data,
                     stream=self.parts.stream.name,
@@ -363,7 +363,7 @@ class SiteStore:
         fingerprint = (msg.headers or {}).get(MSG_ID_HEADER, "").rpartition(".")[2]
         error = error_event(UnavailableError(reason, request_id=request_id), request_id)
         try:
-            await self.conn.site_js().publish(
+            await self.conn.publish_acked(
                 kept_subject(request_id),
                 dump(error, WireFormat.MSGPACK),
                 stream=KEPT_STREAM,
@@ -406,7 +406,7 @@ class SiteStore:
         request_id = msg.subject.rsplit(".", 1)[-1]
         try:
             fingerprint = (msg.headers or {}).get(kept.FINGERPRINT_HEADER, "")
-            await self.conn.site_js().publish(
+            await self.conn.publish_acked(
                 kept_subject(request_id),
                 msg.data,
                 stream=KEPT_STREAM,

@@ -131,7 +131,7 @@ async def publish_request(
         CONTENT_TYPE: WireFormat.MSGPACK.content_type,
     }
     try:
-        return await conn.js.publish(
+        return await conn.publish_acked(
             subject,
             dump(request, WireFormat.MSGPACK),
             timeout=conn.settings.request_timeout,

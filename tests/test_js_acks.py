@@ -1,0 +1,118 @@
+"""``Connection.publish_acked`` (mesh.js_acks): JetStream publishes whose acks are read in the
+connection's read loop, against a real nats-server. Each outcome is the one nats-py's
+``js.publish`` gives, to the type."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import nats.errors
+import pytest
+from nats.js.api import StreamConfig
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.testing.chaos import TcpProxy
+from tests.conftest import make_settings
+from tests.helpers import eventually
+
+
+@pytest.fixture
+async def stream(conn: Connection) -> AsyncIterator[tuple[str, str]]:
+    name = f"ACKS{uuid.uuid4().hex[:8].upper()}"
+    subject = f"ackstest.{name}"
+    await conn.jsm().add_stream(StreamConfig(name=name, subjects=[f"{subject}.>"]))
+    try:
+        yield name, subject
+    finally:
+        with contextlib.suppress(NotFoundError):
+            await conn.jsm().delete_stream(name)
+
+
+async def test_acks_name_the_stream_and_the_sequence_and_each_publish_gets_its_own(
+    conn: Connection, stream: tuple[str, str]
+) -> None:
+    name, subject = stream
+    first = await conn.publish_acked(f"{subject}.a", b"one", stream=name)
+    assert (first.stream, first.seq, first.duplicate) == (name, 1, None)
+    acks = await asyncio.gather(
+        *(conn.publish_acked(f"{subject}.b", f"{i}".encode(), stream=name) for i in range(200))
+    )
+    assert sorted(a.seq for a in acks) == list(range(2, 202))
+    info = await conn.jsm().stream_info(name)
+    assert info.state.messages == 201
+
+
+async def test_a_repeated_message_id_is_acked_as_a_duplicate(
+    conn: Connection, stream: tuple[str, str]
+) -> None:
+    name, subject = stream
+    headers = {"Nats-Msg-Id": "same"}
+    once = await conn.publish_acked(f"{subject}.a", b"x", stream=name, headers=headers)
+    again = await conn.publish_acked(f"{subject}.a", b"x", stream=name, headers=headers)
+    assert not once.duplicate and again.duplicate and again.seq == once.seq
+
+
+async def test_the_stores_refusals_are_typed_as_through_nats_py(
+    conn: Connection, stream: tuple[str, str]
+) -> None:
+    _name, subject = stream
+    with pytest.raises(APIError) as wrong_stream:
+        await conn.publish_acked(f"{subject}.a", b"x", stream="NOT_THIS_ONE")
+    assert wrong_stream.value.err_code == 10060  # expected stream does not match
+    with pytest.raises(NoStreamResponseError):  # the server says nobody takes the subject
+        await conn.publish_acked(f"nostream.{uuid.uuid4().hex}", b"x")
+    # nats-py raises the same for each.
+    with pytest.raises(APIError) as through_nats_py:
+        await conn.js.publish(f"{subject}.a", b"x", stream="NOT_THIS_ONE")
+    assert through_nats_py.value.err_code == wrong_stream.value.err_code
+
+
+async def test_an_ack_that_never_comes_times_out_in_time(conn: Connection) -> None:
+    subject = f"silent.{uuid.uuid4().hex}"
+    listener = await conn.nc.subscribe(subject)  # someone is there, and never answers
+    try:
+        began = time.monotonic()
+        with pytest.raises(nats.errors.TimeoutError):
+            await conn.publish_acked(subject, b"x", timeout=0.3)
+        assert 0.25 <= time.monotonic() - began < 2.0
+    finally:
+        await listener.unsubscribe()
+
+
+async def test_publishes_are_acked_again_after_the_link_comes_back(
+    nats_server: NatsServer, conn: Connection, stream: tuple[str, str]
+) -> None:
+    """The acks' subscription is a plain one: nats-py restores it with the connection."""
+    name, subject = stream
+    proxy = await TcpProxy(nats_server.port).start()
+    settings = make_settings(proxy.url)
+    settings.nats.reconnect_wait = 0.1
+    try:
+        async with Connection(settings.nats, "acks-cut") as cut:
+            assert (await cut.publish_acked(f"{subject}.a", b"before", stream=name)).seq == 1
+            proxy.cut(1.0)
+
+            async def back() -> bool:
+                return cut.reconnects >= 1 and cut.connected
+
+            await eventually(back, 10, "the link back")
+            ack = await cut.publish_acked(f"{subject}.a", b"after", stream=name)
+            assert ack.seq == 2 and not ack.duplicate
+    finally:
+        await proxy.stop()
+
+
+async def test_before_connect_and_after_close_it_says_so(nats_server: NatsServer) -> None:
+    conn = Connection(make_settings(nats_server.url).nats, "acks-closed")
+    with pytest.raises(RuntimeError, match="not connected"):
+        await conn.publish_acked("any", b"x")
+    async with conn:
+        pass
+    with pytest.raises(RuntimeError, match="not connected"):
+        await conn.publish_acked("any", b"x")
