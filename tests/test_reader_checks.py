@@ -111,6 +111,20 @@ async def test_a_closed_reader_stops_its_checks(nats_server: NatsServer, conn: C
     assert not [t for t in tasks if "_Slow" in repr(t.get_coro())], tasks
 
 
+class _Waits:
+    """Counts the times a reader's task goes to sleep in :meth:`AnswerReader.next`."""
+
+    def __init__(self, reader: AnswerReader) -> None:
+        self.count = 0
+        real_wait = reader._wait
+
+        async def counted(deadline: float) -> None:
+            self.count += 1
+            await real_wait(deadline)
+
+        reader._wait = counted  # type: ignore[method-assign]
+
+
 class _Collect:
     """A passer that takes every in-order token (as an edge relaying to NATS clients)."""
 
@@ -142,15 +156,7 @@ async def test_tokens_passed_on_do_not_wake_the_reading_task_until_the_answer_go
     reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud", watch=watch)
     passer = _Collect()
     reader.pass_tokens(passer)
-    waits = 0
-    real_wait = reader._wait
-
-    async def counted(deadline: float) -> None:
-        nonlocal waits
-        waits += 1
-        await real_wait(deadline)
-
-    reader._wait = counted  # type: ignore[method-assign]
+    waits = _Waits(reader)
     await reader.subscribe(SUBJECT)
     await conn.nc.flush()
     worker = await nats.connect(nats_server.url)
@@ -160,7 +166,7 @@ async def test_tokens_passed_on_do_not_wake_the_reading_task_until_the_answer_go
         await worker.flush()
         started = await reader.next(1.0)  # the start goes the usual way
         assert [type(e).__name__ for e in started] == ["StartEvent"]
-        waits = 0
+        waits.count = 0
         reading = asyncio.create_task(reader.next(10.0))
 
         for i in range(60):  # 1.2 s of tokens, 20 ms apart: never quiet for WATCH_QUIET_S
@@ -173,7 +179,7 @@ async def test_tokens_passed_on_do_not_wake_the_reading_task_until_the_answer_go
         assert passer.texts == [f"t{i}" for i in range(60)]
         assert len(asked) == 1 and asked[0] - last >= WATCH_QUIET_S - 0.05, (asked, last)
         # One wait while the tokens went on, one while the watch's check ran.
-        assert waits == 2, f"the reading task was woken {waits - 2} times for nothing"
+        assert waits.count == 2, f"the reading task was woken {waits.count - 2} times for nothing"
     finally:
         await worker.close()
         await reader.close()
@@ -205,15 +211,7 @@ async def test_a_reader_cut_off_does_not_spin_and_asks_after_the_worker_once_the
     try:
         async with Connection(settings.nats, "cut-reader") as conn:
             reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud", watch=watch)
-            waits = 0
-            real_wait = reader._wait
-
-            async def counted(deadline: float) -> None:
-                nonlocal waits
-                waits += 1
-                await real_wait(deadline)
-
-            reader._wait = counted  # type: ignore[method-assign]
+            waits = _Waits(reader)
             await reader.subscribe(SUBJECT)
             await conn.nc.flush()
             writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
@@ -224,11 +222,11 @@ async def test_a_reader_cut_off_does_not_spin_and_asks_after_the_worker_once_the
             proxy.cut(30.0)
             await eventually(_is(lambda: not conn.connected), 5, "the link cut")
             asked.clear()
-            waits = 0
+            waits.count = 0
             cut_for = 1.0
             assert await reader.next(cut_for) == []
             assert asked == [], "the watch asked over a cut link"
-            assert waits <= cut_for / OFFLINE_LOOK_S + 5, f"{waits} wakeups in {cut_for} s cut off"
+            assert waits.count <= cut_for / OFFLINE_LOOK_S + 5, f"{waits.count} wakeups"
 
             proxy.restore()
             await eventually(_is(lambda: conn.connected), 10, "the link back")
