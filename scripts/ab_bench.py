@@ -37,7 +37,14 @@ from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, edge_env, wait_for_edge, wait_for_worker
-from mesh_app.bench.common import Timed, bench_mesh, bench_worker_env, cpu_seconds, timed_stream
+from mesh_app.bench.common import (
+    Timed,
+    bench_mesh,
+    bench_worker_env,
+    cpu_seconds,
+    pct,
+    timed_stream,
+)
 from mesh_app.bench.paths import MIDDLE_SUBJECT, _bare_relay, bare
 
 PROMPT = "[tag:b] benchmark"
@@ -214,13 +221,8 @@ async def _rounds(
             f"ms_per_request_at_{lens[1]}": long * 1e3,
         }
         if ttfts[name]:  # the clients' time to first token (not measured by a client process)
-            out[name]["ttft_ms"] = {"p50": _pct(ttfts[name], 0.5), "p99": _pct(ttfts[name], 0.99)}
+            out[name]["ttft_ms"] = {"p50": pct(ttfts[name], 0.5), "p99": pct(ttfts[name], 0.99)}
     return out
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def render(out: dict[str, Any]) -> str:
