@@ -67,7 +67,19 @@ async def queue(conn: Connection) -> AsyncIterator[tuple[str, str]]:
             await jsm.delete_stream(name)
 
 
-async def _puller(conn: Connection, stream: str, slots: Slots) -> Puller:
+@dataclass
+class Pulling:
+    """A puller over its slots, on ``subject``'s queue."""
+
+    puller: Puller
+    slots: Slots
+    subject: str
+
+
+@pytest.fixture
+async def worker(conn: Connection, queue: tuple[str, str]) -> AsyncIterator[Pulling]:
+    stream, subject = queue
+    slots = Slots()
     puller = Puller(
         conn,
         stream,
@@ -79,7 +91,10 @@ async def _puller(conn: Connection, stream: str, slots: Slots) -> Puller:
     )
     await puller.start()
     await conn.nc.flush()
-    return puller
+    try:
+        yield Pulling(puller, slots, subject)
+    finally:
+        await puller.stop()
 
 
 async def _burst(conn: Connection, subject: str, count: int) -> None:
@@ -96,50 +111,41 @@ async def _end_answers(puller: Puller, slots: Slots, count: int) -> None:
 
 
 async def test_an_idle_worker_covers_every_slot_and_takes_a_whole_burst_at_once(
-    conn: Connection, queue: tuple[str, str]
+    conn: Connection, worker: Pulling
 ) -> None:
-    stream, subject = queue
-    slots = Slots()
-    puller = await _puller(conn, stream, slots)
-    try:
-        assert puller.outstanding == SLOTS
-        await _burst(conn, subject, SLOTS)
-        await slots.wait_for(SLOTS)
-        # The answers end one by one: while others are in flight, freed slots are asked for
-        # in chunks; once none is in flight, every slot is asked for again.
-        await _end_answers(puller, slots, SLOTS)
-        assert slots.busy == 0
-        assert puller.outstanding == SLOTS, "an idle worker left slots uncovered"
-        # A second burst of the slots' size comes through the requests already open.
-        await _burst(conn, subject, SLOTS)
-        await slots.wait_for(2 * SLOTS)
-        assert [m.data for m in slots.delivered[SLOTS:]] == [
-            f"request {i}".encode() for i in range(SLOTS)
-        ]
-    finally:
-        await puller.stop()
+    puller, slots, subject = worker.puller, worker.slots, worker.subject
+    assert puller.outstanding == SLOTS
+    await _burst(conn, subject, SLOTS)
+    await slots.wait_for(SLOTS)
+    # The answers end one by one: while others are in flight, freed slots are asked for in
+    # chunks; once none is in flight, every slot is asked for again.
+    await _end_answers(puller, slots, SLOTS)
+    assert slots.busy == 0
+    assert puller.outstanding == SLOTS, "an idle worker left slots uncovered"
+    # A second burst of the slots' size comes through the requests already open.
+    await _burst(conn, subject, SLOTS)
+    await slots.wait_for(2 * SLOTS)
+    assert [m.data for m in slots.delivered[SLOTS:]] == [
+        f"request {i}".encode() for i in range(SLOTS)
+    ]
 
 
 async def test_while_answers_are_in_flight_freed_slots_go_in_chunks_and_the_tick_covers_the_rest(
-    conn: Connection, queue: tuple[str, str]
+    conn: Connection, worker: Pulling
 ) -> None:
-    stream, subject = queue
-    slots = Slots()
-    puller = await _puller(conn, stream, slots)
-    try:
-        await _burst(conn, subject, SLOTS)
-        await slots.wait_for(SLOTS)
-        await _end_answers(puller, slots, 2)  # a chunk is 2 of 8; the first end asks for 1
-        assert slots.busy == SLOTS - 2
-        assert puller.outstanding == 1, "one request per freed slot while answers are in flight"
-        await puller.top_up(whole=True)  # the worker's tick
-        assert puller.outstanding == slots.free() == 2
-        # Never more than the free slots: back-pressure holds.
-        await puller.top_up(whole=True)
-        assert puller.outstanding == 2
-        await _burst(conn, subject, 3)
-        await slots.wait_for(SLOTS + 2)
-        await asyncio.sleep(0)
-        assert len(slots.delivered) == SLOTS + 2, "delivered more than the free slots"
-    finally:
-        await puller.stop()
+    puller, slots, subject = worker.puller, worker.slots, worker.subject
+    await _burst(conn, subject, SLOTS)
+    await slots.wait_for(SLOTS)
+    await _end_answers(puller, slots, 2)  # a chunk is 2 of 8; the first end asks for 1
+    assert slots.busy == SLOTS - 2
+    assert puller.outstanding == 1, "one request per freed slot while answers are in flight"
+    await puller.top_up(whole=True)  # the worker's tick
+    assert puller.outstanding == slots.free() == 2
+    # Never more than the free slots: back-pressure holds.
+    await puller.top_up(whole=True)
+    assert puller.outstanding == 2
+    await _burst(conn, subject, 3)
+    await slots.wait_for(SLOTS + 2)
+    assert puller.outstanding == 0
+    with pytest.raises(TimeoutError):  # the third stays queued: no slot was free for it
+        await slots.wait_for(SLOTS + 3, timeout=0.5)
