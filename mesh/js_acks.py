@@ -43,7 +43,7 @@ class Acks:
         self._pending: dict[str, asyncio.Future[Msg]] = {}
         self._next = 0
         self._sub: Subscription | None = None
-        self._subscribing: asyncio.Lock | None = None
+        self._subscribing = asyncio.Lock()
 
     async def publish(
         self,
@@ -83,8 +83,6 @@ class Acks:
         return api.PubAck.from_response(resp)
 
     async def _subscribe(self) -> None:
-        if self._subscribing is None:
-            self._subscribing = asyncio.Lock()
         async with self._subscribing:
             if self._sub is None:
                 self._sub = await subscribe_inline(self._nc, f"{self._prefix}.*", self._on_ack)

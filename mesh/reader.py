@@ -280,13 +280,12 @@ class AnswerReader:
         ``deadline``, a repair, a resend or a watch (0 or less: now)."""
         wait = deadline - now
         if self._repair is not None and "repair" not in self._checks:
-            if self.conn.losses != self._losses:
-                return 0.0
             wait = min(wait, self._next_check(now) - now)
         if self._send_again_at is not None:
             wait = min(wait, self._send_again_at - now)
-        if self._watch is not None and self.state.started and "watch" not in self._checks:
-            due = max(self.last_event, self._watched) + WATCH_QUIET_S - now
+        watch_at = self._watch_at()
+        if watch_at is not None:
+            due = watch_at - now
             if due <= 0 and not self.conn.connected:
                 due = OFFLINE_LOOK_S  # the watch waits for the link (see _watch_due)
             wait = min(wait, due)
@@ -355,25 +354,26 @@ class AnswerReader:
         self._send_again_at = min(now + self._unserved_delay, self._unserved_until)
         self._unserved_delay *= 2
 
+    def _watch_at(self) -> float | None:
+        """When the watch falls due (after a quiet spell of a started answer); None when there
+        is none to run, or it runs already."""
+        if self._watch is None or "watch" in self._checks or not self.state.started:
+            return None
+        return max(self.last_event, self._watched) + WATCH_QUIET_S
+
     def _watch_due(self, now: float) -> bool:
-        return (
-            self._watch is not None
-            and "watch" not in self._checks
-            and self.state.started
-            and now - max(self.last_event, self._watched) >= WATCH_QUIET_S
-            and self.conn.connected
-        )
+        """The watch asks only over a live link."""
+        watch_at = self._watch_at()
+        return watch_at is not None and now >= watch_at and self.conn.connected
 
     def _repair_due(self, now: float) -> bool:
-        if "repair" in self._checks:
-            return False
-        if self.conn.losses != self._losses:
-            return True
-        if self._repair_at is not None and now >= self._repair_at:
-            return True
-        return now - max(self.last_event, self._last_probe) >= self._quiet
+        return "repair" not in self._checks and now >= self._next_check(now)
 
     def _next_check(self, now: float) -> float:
+        """When the next repair falls due: now when messages may have been lost since the last
+        one, else after a quiet spell or at the time a gap set."""
+        if self.conn.losses != self._losses:
+            return now
         quiet_at = max(self.last_event, self._last_probe) + self._quiet
         due = quiet_at if self._repair_at is None else min(quiet_at, self._repair_at)
         return max(now, due)
