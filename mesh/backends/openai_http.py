@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 
 from mesh.backends.base import Capacity, Chunk, Health, engine_saturated, openai_logprobs
+from mesh.backends.eager_send import EagerRequest
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from protocol.errors import BackendError, ContextTooLongError, MeshTimeoutError, UnavailableError
@@ -94,6 +95,7 @@ class OpenAIHTTPBackend:
             headers=headers,
             timeout=timeout,
             connector=aiohttp.TCPConnector(limit=0),  # the mesh limits concurrency (slots)
+            request_class=EagerRequest,  # a request leaves in the call that makes it
         )
         mode = self.settings.continuation
         self.continues = mode == "vllm" or (mode == "auto" and await self._is_vllm())
