@@ -30,6 +30,7 @@ from nats.aio.subscription import Subscription
 from nats.js import api
 
 from mesh.inline_sub import subscribe_inline
+from mesh.write_now import write_queued
 
 NO_RESPONDERS = "503"
 
@@ -71,6 +72,7 @@ class Acks:
             await self._nc.publish(
                 subject, payload, reply=f"{self._prefix}.{token}", headers=hdr or None
             )
+            write_queued(self._nc)  # a burst leaves in groups (mesh.write_now)
             msg = await acked
         finally:
             timer.cancel()

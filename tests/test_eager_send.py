@@ -54,7 +54,8 @@ class _OneShotHttp:
                 data = data[length:]
                 self.arrived.append(time.monotonic())
                 conn.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 2\r\n\r\n{}"
                 )
 
     def close(self) -> None:

@@ -1,0 +1,125 @@
+"""mesh.write_now, through ``Connection.publish_acked``, against a real nats-server: a burst of
+request publishes leaves in groups while the publisher's loop is still busy; a few publishes wait
+for the loop's turn, written together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from urllib.parse import urlparse
+
+import pytest
+from nats.js.api import StreamConfig
+from nats.js.errors import NotFoundError
+
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.write_now import GROUP
+from tests.helpers import eventually
+
+
+class _Watcher:
+    """A NATS subscriber on a plain socket in a thread, speaking the protocol itself: notes when
+    each message arrived, on a clock the event loop under test cannot hold up."""
+
+    def __init__(self, url: str, subject: str) -> None:
+        parsed = urlparse(url)
+        self.sock = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
+        self.file = self.sock.makefile("rb")
+        self.file.readline()  # INFO
+        self.sock.sendall(f"CONNECT {{}}\r\nSUB {subject} 1\r\nPING\r\n".encode())
+        while self.file.readline().strip() != b"PONG":  # subscribed at the server
+            pass
+        self.arrived: list[float] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while line := self.file.readline():
+                if line.startswith(b"MSG "):
+                    self.arrived.append(time.monotonic())
+                    self.file.read(int(line.split()[-1]) + 2)  # the payload and its CRLF
+                elif line.startswith(b"PING"):
+                    self.sock.sendall(b"PONG\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+async def stream(conn: Connection) -> AsyncIterator[tuple[str, str]]:
+    name = f"NOW{uuid.uuid4().hex[:8].upper()}"
+    subject = f"nowtest.{name}"
+    await conn.jsm().add_stream(StreamConfig(name=name, subjects=[f"{subject}.>"]))
+    try:
+        yield name, subject
+    finally:
+        with contextlib.suppress(NotFoundError):
+            await conn.jsm().delete_stream(name)
+
+
+@pytest.fixture
+def watcher(nats_server: NatsServer, stream: tuple[str, str]) -> Iterator[_Watcher]:
+    watching = _Watcher(nats_server.url, f"{stream[1]}.>")
+    yield watching
+    watching.close()
+
+
+async def _seen(watcher: _Watcher, count: int) -> None:
+    async def all_came() -> bool:
+        return len(watcher.arrived) >= count
+
+    await eventually(all_came, 5, f"{count} messages at the subscriber")
+    assert len(watcher.arrived) == count
+
+
+async def _warm(conn: Connection, stream: tuple[str, str], watcher: _Watcher) -> None:
+    """One publish first: the connection's ack inbox is subscribed to on the first."""
+    await conn.publish_acked(f"{stream[1]}.warm", b"w", stream=stream[0])
+    await _seen(watcher, 1)
+    watcher.arrived.clear()
+
+
+async def _burst_while_busy(
+    conn: Connection, stream: tuple[str, str], watcher: _Watcher, count: int
+) -> tuple[list[float], float]:
+    """``count`` publishes made in one turn of the loop, with another callback queued behind
+    them that holds the loop for 0.3 s (the rest of a burst). Returns when each arrived at a
+    subscriber and when the loop was free again."""
+    name, subject = stream
+    freed: list[float] = []
+
+    def busy() -> None:
+        time.sleep(0.3)
+        freed.append(time.monotonic())
+
+    publishes = [
+        asyncio.create_task(conn.publish_acked(f"{subject}.r", f"{i}".encode(), stream=name))
+        for i in range(count)
+    ]
+    asyncio.get_running_loop().call_soon(busy)
+    acks = await asyncio.wait_for(asyncio.gather(*publishes), 10)
+    assert len({a.seq for a in acks}) == count  # each stored, once
+    await _seen(watcher, count)
+    return watcher.arrived, freed[0]
+
+
+async def test_a_group_of_requests_leaves_while_the_loop_is_still_busy(
+    conn: Connection, stream: tuple[str, str], watcher: _Watcher
+) -> None:
+    await _warm(conn, stream, watcher)
+    arrived, freed = await _burst_while_busy(conn, stream, watcher, GROUP)
+    assert max(arrived) < freed, "the group waited for the busy loop before it was written"
+
+
+async def test_fewer_than_a_group_go_together_at_the_loops_turn(
+    conn: Connection, stream: tuple[str, str], watcher: _Watcher
+) -> None:
+    await _warm(conn, stream, watcher)
+    arrived, freed = await _burst_while_busy(conn, stream, watcher, 3)
+    assert min(arrived) > freed  # written once, by nats-py's flusher, when the loop came round
