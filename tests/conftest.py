@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
 
 from cloud_node.worker import Worker
@@ -88,6 +89,20 @@ async def conn(settings: MeshSettings) -> AsyncIterator[Connection]:
         with contextlib.suppress(NotFoundError):
             await connection.jsm().delete_stream(f"KV_{NODES_BUCKET}")
         yield connection
+
+
+@pytest.fixture
+async def js_stream(conn: Connection) -> AsyncIterator[tuple[str, str]]:
+    """A JetStream stream of the test's own: its name, and the subject prefix it stores
+    (``<prefix>.>``)."""
+    name = f"T{uuid.uuid4().hex[:10].upper()}"
+    subject = f"jstest.{name}"
+    await conn.jsm().add_stream(StreamConfig(name=name, subjects=[f"{subject}.>"]))
+    try:
+        yield name, subject
+    finally:
+        with contextlib.suppress(NotFoundError):
+            await conn.jsm().delete_stream(name)
 
 
 @pytest.fixture(scope="session")

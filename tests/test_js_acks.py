@@ -5,15 +5,12 @@ connection's read loop, against a real nats-server. Each outcome is the one nats
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import nats.errors
 import pytest
-from nats.js.api import StreamConfig
-from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError
 
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
@@ -22,22 +19,10 @@ from tests.conftest import make_settings
 from tests.helpers import eventually
 
 
-@pytest.fixture
-async def stream(conn: Connection) -> AsyncIterator[tuple[str, str]]:
-    name = f"ACKS{uuid.uuid4().hex[:8].upper()}"
-    subject = f"ackstest.{name}"
-    await conn.jsm().add_stream(StreamConfig(name=name, subjects=[f"{subject}.>"]))
-    try:
-        yield name, subject
-    finally:
-        with contextlib.suppress(NotFoundError):
-            await conn.jsm().delete_stream(name)
-
-
 async def test_acks_name_the_stream_and_the_sequence_and_each_publish_gets_its_own(
-    conn: Connection, stream: tuple[str, str]
+    conn: Connection, js_stream: tuple[str, str]
 ) -> None:
-    name, subject = stream
+    name, subject = js_stream
     first = await conn.publish_acked(f"{subject}.a", b"one", stream=name)
     assert (first.stream, first.seq, first.duplicate) == (name, 1, None)
     acks = await asyncio.gather(
@@ -49,9 +34,9 @@ async def test_acks_name_the_stream_and_the_sequence_and_each_publish_gets_its_o
 
 
 async def test_a_repeated_message_id_is_acked_as_a_duplicate(
-    conn: Connection, stream: tuple[str, str]
+    conn: Connection, js_stream: tuple[str, str]
 ) -> None:
-    name, subject = stream
+    name, subject = js_stream
     headers = {"Nats-Msg-Id": "same"}
     once = await conn.publish_acked(f"{subject}.a", b"x", stream=name, headers=headers)
     again = await conn.publish_acked(f"{subject}.a", b"x", stream=name, headers=headers)
@@ -59,9 +44,9 @@ async def test_a_repeated_message_id_is_acked_as_a_duplicate(
 
 
 async def test_the_stores_refusals_are_typed_as_through_nats_py(
-    conn: Connection, stream: tuple[str, str]
+    conn: Connection, js_stream: tuple[str, str]
 ) -> None:
-    _name, subject = stream
+    _name, subject = js_stream
     with pytest.raises(APIError) as wrong_stream:
         await conn.publish_acked(f"{subject}.a", b"x", stream="NOT_THIS_ONE")
     assert wrong_stream.value.err_code == 10060  # expected stream does not match
@@ -86,10 +71,10 @@ async def test_an_ack_that_never_comes_times_out_in_time(conn: Connection) -> No
 
 
 async def test_publishes_are_acked_again_after_the_link_comes_back(
-    nats_server: NatsServer, conn: Connection, stream: tuple[str, str]
+    nats_server: NatsServer, conn: Connection, js_stream: tuple[str, str]
 ) -> None:
     """The acks' subscription is a plain one: nats-py restores it with the connection."""
-    name, subject = stream
+    name, subject = js_stream
     proxy = await TcpProxy(nats_server.port).start()
     settings = make_settings(proxy.url)
     settings.nats.reconnect_wait = 0.1

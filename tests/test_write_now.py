@@ -9,13 +9,10 @@ import contextlib
 import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import pytest
-from nats.js.api import StreamConfig
-from nats.js.errors import NotFoundError
 
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
@@ -52,20 +49,8 @@ class _Watcher:
 
 
 @pytest.fixture
-async def stream(conn: Connection) -> AsyncIterator[tuple[str, str]]:
-    name = f"NOW{uuid.uuid4().hex[:8].upper()}"
-    subject = f"nowtest.{name}"
-    await conn.jsm().add_stream(StreamConfig(name=name, subjects=[f"{subject}.>"]))
-    try:
-        yield name, subject
-    finally:
-        with contextlib.suppress(NotFoundError):
-            await conn.jsm().delete_stream(name)
-
-
-@pytest.fixture
-def watcher(nats_server: NatsServer, stream: tuple[str, str]) -> Iterator[_Watcher]:
-    watching = _Watcher(nats_server.url, f"{stream[1]}.>")
+def watcher(nats_server: NatsServer, js_stream: tuple[str, str]) -> Iterator[_Watcher]:
+    watching = _Watcher(nats_server.url, f"{js_stream[1]}.>")
     yield watching
     watching.close()
 
@@ -78,20 +63,20 @@ async def _seen(watcher: _Watcher, count: int) -> None:
     assert len(watcher.arrived) == count
 
 
-async def _warm(conn: Connection, stream: tuple[str, str], watcher: _Watcher) -> None:
+async def _warm(conn: Connection, js_stream: tuple[str, str], watcher: _Watcher) -> None:
     """One publish first: the connection's ack inbox is subscribed to on the first."""
-    await conn.publish_acked(f"{stream[1]}.warm", b"w", stream=stream[0])
+    await conn.publish_acked(f"{js_stream[1]}.warm", b"w", stream=js_stream[0])
     await _seen(watcher, 1)
     watcher.arrived.clear()
 
 
 async def _burst_while_busy(
-    conn: Connection, stream: tuple[str, str], watcher: _Watcher, count: int
+    conn: Connection, js_stream: tuple[str, str], watcher: _Watcher, count: int
 ) -> tuple[list[float], float]:
     """``count`` publishes made in one turn of the loop, with another callback queued behind
     them that holds the loop for 0.3 s (the rest of a burst). Returns when each arrived at a
     subscriber and when the loop was free again."""
-    name, subject = stream
+    name, subject = js_stream
     freed: list[float] = []
 
     def busy() -> None:
@@ -110,16 +95,16 @@ async def _burst_while_busy(
 
 
 async def test_a_group_of_requests_leaves_while_the_loop_is_still_busy(
-    conn: Connection, stream: tuple[str, str], watcher: _Watcher
+    conn: Connection, js_stream: tuple[str, str], watcher: _Watcher
 ) -> None:
-    await _warm(conn, stream, watcher)
-    arrived, freed = await _burst_while_busy(conn, stream, watcher, GROUP)
+    await _warm(conn, js_stream, watcher)
+    arrived, freed = await _burst_while_busy(conn, js_stream, watcher, GROUP)
     assert max(arrived) < freed, "the group waited for the busy loop before it was written"
 
 
 async def test_fewer_than_a_group_go_together_at_the_loops_turn(
-    conn: Connection, stream: tuple[str, str], watcher: _Watcher
+    conn: Connection, js_stream: tuple[str, str], watcher: _Watcher
 ) -> None:
-    await _warm(conn, stream, watcher)
-    arrived, freed = await _burst_while_busy(conn, stream, watcher, 3)
+    await _warm(conn, js_stream, watcher)
+    arrived, freed = await _burst_while_busy(conn, js_stream, watcher, 3)
     assert min(arrived) > freed  # written once, by nats-py's flusher, when the loop came round
