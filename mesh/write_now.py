@@ -16,8 +16,9 @@ loop's turn, with whatever else is queued by then.
 Measured in one mesh, taking turns with the rule off and on in the same processes, 20 rounds of
 32 requests at once through an edge (``docs/performance.md``): time to first token p50 -3.4 ms
 (2-token answers) and -4.2 ms (32-token answers). CPU per request, edge and worker: -0.09 and
-+0.11 ms at 2 tokens, +0.30 each at 32. That rise is the burst's streams no longer running in
-step: 32 answers whose tokens all came in the same instant were relayed in fewer, larger writes.
++0.11 ms at 2 tokens, +0.30 each at 32 (at 128 tokens, two runs: +4% to +15%). That rise is
+the burst's streams no longer running in step: 32 answers whose tokens all came in the same
+instant were relayed in fewer, larger writes.
 The same 32 requests sent 1 ms apart cost more with the rule off (edge 3.28, worker 3.64 ms)
 than the burst did with it on (2.83, 3.25), and did not form groups (on: 3.45, 3.67 ms; TTFT the
 same). Every request written alone (a group of 1) gained less (-3.0 ms) and cost more (+0.17

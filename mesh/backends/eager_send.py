@@ -50,6 +50,10 @@ async def _finished(value: Any) -> Any:
     return value
 
 
+async def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
 def start_now(coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
     """Run ``coro`` now, up to its first wait; returns a coroutine that runs the rest (or
     returns its result at once), for a task to run. An exception raised before the first wait
@@ -61,10 +65,6 @@ def start_now(coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
     except BaseException as exc:
         return _raise(exc)
     return _resume(coro, yielded)
-
-
-async def _raise(exc: BaseException) -> Any:
-    raise exc
 
 
 class _EagerRequest(ClientRequest):
