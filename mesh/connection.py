@@ -31,6 +31,7 @@ from mesh.write_batch import WriteBatch
 from protocol.errors import UnauthorizedError, UnavailableError
 
 log = get_logger(__name__)
+NOT_CONNECTED = "not connected to NATS: call connect() or use 'async with' first"
 
 
 class Connection(Lifecycle):
@@ -63,14 +64,14 @@ class Connection(Lifecycle):
     @property
     def nc(self) -> Client:
         if self._nc is None:
-            raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
+            raise RuntimeError(NOT_CONNECTED)
         return self._nc
 
     @property
     def write_batch(self) -> WriteBatch:
         """Where answer events that may wait a moment are published (:mod:`mesh.write_batch`)."""
         if self._write_batch is None:
-            raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
+            raise RuntimeError(NOT_CONNECTED)
         return self._write_batch
 
     async def publish_acked(
@@ -85,7 +86,7 @@ class Connection(Lifecycle):
         """Publish to JetStream and wait for the store's ack (``request_timeout`` by default);
         the outcome and errors of nats-py's ``js.publish``, at less cost (:mod:`mesh.js_acks`)."""
         if self._acks is None:
-            raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
+            raise RuntimeError(NOT_CONNECTED)
         return await self._acks.publish(
             subject,
             payload,
@@ -102,7 +103,7 @@ class Connection(Lifecycle):
     @property
     def js(self) -> JetStreamContext:
         if self._js is None:
-            raise RuntimeError("not connected to NATS: call connect() or use 'async with' first")
+            raise RuntimeError(NOT_CONNECTED)
         return self._js
 
     @property
