@@ -9,6 +9,14 @@ answers), and the puller knows how many messages each still owes; JetStream ends
 a status (408 when it expires, 409 when the consumer cannot serve it), and what it still owed
 goes back to the pool. Back-pressure is
 unchanged: the messages asked for never exceed the free slots.
+
+Every message of a pull request is handled in the connection's read loop as it is parsed
+(:mod:`mesh.inline_sub`), and a pull request that ends is renewed there, written at once. The
+requests expire every ``expires`` seconds (short, so a frozen worker's requests cannot hold
+deliveries for long), and an expiry can fall inside a burst: until the renewal reaches the
+server, the rest of the burst waits in the stream. With the status taken in the subscription's
+own task and the renewal written by nats-py's flusher, that wait was three turns of a loop busy
+with the burst's first requests (13 to 35 ms behind the rest of the round, here); now it is one.
 """
 
 from __future__ import annotations
@@ -16,14 +24,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from mesh.connection import Connection
+from mesh.eager import run_now
+from mesh.inline_sub import subscribe_inline
 from mesh.logs import get_logger
+from mesh.write_now import write_queued
 
 log = get_logger(__name__)
 MAX_REQUESTS = 8
@@ -40,7 +51,7 @@ class Puller:
         *,
         free_slots: Callable[[], int],
         total_slots: Callable[[], int],
-        deliver: Callable[[Msg], Awaitable[None]],
+        deliver: Callable[[Msg], None],
         expires: float,
     ) -> None:
         self.conn = conn
@@ -54,6 +65,7 @@ class Puller:
         self._next = 0
         self._stopped = True
         self._closing: set[asyncio.Task[None]] = set()
+        self._renewing: set[asyncio.Task[None]] = set()
 
     @property
     def outstanding(self) -> int:
@@ -68,7 +80,7 @@ class Puller:
         self._stopped = True
         for token in list(self._subs):
             await self._close(token)
-        for task in list(self._closing):
+        for task in [*self._closing, *self._renewing]:
             await task
 
     def forget(self) -> None:
@@ -102,11 +114,11 @@ class Puller:
         inbox = nc.new_inbox()
         self._owed[token] = want
 
-        async def on_msg(msg: Msg) -> None:
-            await self._on_msg(token, msg)
+        def on_msg(msg: Msg) -> None:
+            self._on_msg(token, msg)
 
         try:
-            self._subs[token] = await nc.subscribe(inbox, cb=on_msg)
+            self._subs[token] = await subscribe_inline(nc, inbox, on_msg)
             request = {"batch": want, "expires": self._expires_ns}
             await nc.publish(self._api, json.dumps(request).encode(), reply=inbox)
         except nats.errors.Error as exc:  # disconnected: the tick tries again
@@ -114,7 +126,8 @@ class Puller:
             self._later_close(token)
             log.warning("pull request not sent", error=repr(exc))
 
-    async def _on_msg(self, token: int, msg: Msg) -> None:
+    def _on_msg(self, token: int, msg: Msg) -> None:
+        """A message of pull request ``token``, in the connection's read loop."""
         status = msg.headers.get("Status") if msg.headers else None
         if status is not None and not msg.data:
             if status == HEARTBEAT:
@@ -125,7 +138,7 @@ class Puller:
             self._owed.pop(token, None)
             self._later_close(token)
             if status in ("404", "408"):
-                await self.top_up()
+                self._renew()
             else:
                 reason = msg.headers.get("Description") if msg.headers else None
                 log.warning("pull request refused", status=status, reason=reason)
@@ -138,15 +151,20 @@ class Puller:
         elif owed is not None:
             self._owed[token] = owed - 1
         if self._stopped:
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak()  # hand it to another worker now, not after ack_wait
+            run_now(nak(msg), self._renewing, name="nak")
             return
-        await self._deliver(msg)
+        self._deliver(msg)
         if filled:
-            await self.top_up()  # a burst used the request up: cover the slots still free
+            self._renew()  # a burst used the request up: cover the slots still free
+
+    def _renew(self) -> None:
+        """Top up now, from the read loop, and write the new request at once: a burst's rest
+        may be waiting in the stream for it."""
+        run_now(self.top_up(), self._renewing, name="pull")
+        write_queued(self.conn.nc, at_least=1)
 
     def _later_close(self, token: int) -> None:
-        """Unsubscribe outside the subscription's own callback (which runs in its task)."""
+        """Unsubscribe outside the read loop (nats-py is in the middle of the message)."""
         task = asyncio.get_running_loop().create_task(self._close(token))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -156,3 +174,9 @@ class Puller:
         if sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+
+
+async def nak(msg: Msg) -> None:
+    """Hand ``msg`` back to the queue now (to another worker), not after ack_wait."""
+    with contextlib.suppress(nats.errors.Error):
+        await msg.nak()

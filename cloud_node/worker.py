@@ -34,7 +34,7 @@ from cloud_node.lease import Leases
 from cloud_node.orphans import Orphans
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import Settler
-from cloud_node.puller import Puller
+from cloud_node.puller import Puller, nak
 from cloud_node.serve import Parts
 from cloud_node.store_service import StoreService
 from cloud_node.takeover import Takeover
@@ -401,11 +401,10 @@ class Worker(Lifecycle):
             await asyncio.sleep(CAPACITY_POLL_S)
             await self._puller.top_up(whole=True)
 
-    async def _accept(self, msg: Msg) -> None:
-        """A delivery: reserve its slot and handle it at once."""
+    def _accept(self, msg: Msg) -> None:
+        """A delivery (in the connection's read loop): reserve its slot and handle it."""
         if self._stopping:
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak()  # hand it to another worker now, not after ack_wait
+            self._tasks.spawn(nak(msg), name="nak")
             return
         self.counts.fetched()
         self._reserved += 1

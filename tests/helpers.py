@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from urllib.parse import urlparse
 
 from aiohttp import web
 
@@ -92,3 +95,40 @@ async def chat_server(
         yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
     finally:
         await runner.cleanup()
+
+
+class ThreadWatcher:
+    """A NATS subscriber on a plain socket in a thread, speaking the protocol itself: notes the
+    subject of each message and when it arrived, on a clock the event loop under test cannot
+    hold up (a test holds that loop with blocking callbacks; the thread runs meanwhile)."""
+
+    def __init__(self, url: str, *subjects: str) -> None:
+        parsed = urlparse(url)
+        self.sock = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
+        self.file = self.sock.makefile("rb")
+        self.file.readline()  # INFO
+        subs = "".join(f"SUB {s} {i}\r\n" for i, s in enumerate(subjects, 1))
+        self.sock.sendall(f'CONNECT {{"headers":true}}\r\n{subs}PING\r\n'.encode())
+        while self.file.readline().strip() != b"PONG":  # subscribed at the server
+            pass
+        self.seen: list[tuple[str, float]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    @property
+    def arrived(self) -> list[float]:
+        return [at for _, at in self.seen]
+
+    def clear(self) -> None:
+        self.seen.clear()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while line := self.file.readline():
+                if line.startswith((b"MSG ", b"HMSG ")):
+                    self.seen.append((line.split()[1].decode(), time.monotonic()))
+                    self.file.read(int(line.split()[-1]) + 2)  # the payload and its CRLF
+                elif line.startswith(b"PING"):
+                    self.sock.sendall(b"PONG\r\n")
+
+    def close(self) -> None:
+        self.sock.close()

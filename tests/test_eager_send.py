@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from mesh.backends.eager_send import EagerRequest, start_now
+from mesh.backends.eager_send import EagerRequest
+from mesh.eager import start_now
 
 
 class _OneShotHttp:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from nats.js.errors import NotFoundError
 
 from cloud_node.puller import Puller
 from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from tests.helpers import ThreadWatcher, eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -38,10 +41,14 @@ class Slots:
     def free(self) -> int:
         return self.total - self.busy
 
-    async def deliver(self, msg: Msg) -> None:
+    acks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def deliver(self, msg: Msg) -> None:
         self.busy += 1
         self.delivered.append(msg)
-        await msg.ack()
+        ack = asyncio.get_running_loop().create_task(msg.ack())
+        self.acks.add(ack)
+        ack.add_done_callback(self.acks.discard)
         self.arrived.set()
 
     async def wait_for(self, count: int, timeout: float = 10.0) -> None:
@@ -149,3 +156,62 @@ async def test_while_answers_are_in_flight_freed_slots_go_in_chunks_and_the_tick
     assert puller.outstanding == 0
     with pytest.raises(TimeoutError):  # the third stays queued: no slot was free for it
         await slots.wait_for(SLOTS + 3, timeout=0.5)
+
+
+async def test_a_request_that_expires_while_the_loop_is_busy_is_renewed_at_the_loops_next_read(
+    conn: Connection, queue: tuple[str, str], nats_server: NatsServer
+) -> None:
+    """A pull request's expiry can fall inside a burst, the worker busy with its first requests
+    and the rest of the burst waiting in the stream for a new pull request. The renewal leaves
+    from the read loop that took the expiry, not turns of the loop later."""
+    stream, _ = queue
+    api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.w"
+    watcher = ThreadWatcher(nats_server.url, api, "_INBOX.>")  # pull requests and their ends
+    slots = Slots()
+    expires = 0.3
+    puller = Puller(
+        conn,
+        stream,
+        "w",
+        free_slots=slots.free,
+        total_slots=lambda: slots.total,
+        deliver=slots.deliver,
+        expires=expires,
+    )
+    try:
+        await puller.start()
+
+        async def asked() -> bool:
+            return any(subject == api for subject, _ in watcher.seen)
+
+        await eventually(asked, 5, "the first pull request at the server")
+        # The loop is then held by a chain of callbacks, each 0.1 s long and queueing the next
+        # (a burst's handlers), from before the request expires to well after.
+        loop = asyncio.get_running_loop()
+        links: list[float] = []
+        chain_done = loop.create_future()
+
+        def link(left: int) -> None:
+            links.append(time.monotonic())
+            time.sleep(0.1)
+            if left:
+                loop.call_soon(link, left - 1)
+            else:
+                chain_done.set_result(None)
+
+        loop.call_soon(link, 12)
+        await chain_done
+        await puller.stop()
+        expired = next(at for subject, at in watcher.seen if subject.startswith("_INBOX."))
+        renewed = [at for subject, at in watcher.seen if subject == api and at > expired]
+        assert renewed, "no pull request after the expiry"
+        assert expired < links[-1] - 0.3, "the chain did not go on long after the expiry"
+        # Links begun between the expiry and the renewal at the server: the expiry is read at
+        # the loop's next turn, the read loop takes it at the one after and writes the renewal,
+        # which the server has as the next link begins: three. Through the subscription's own
+        # task and nats-py's flusher it was five.
+        waited = [at for at in links if expired < at < renewed[0]]
+        assert len(waited) <= 3, f"the renewal waited {len(waited)} turns of the busy loop"
+    finally:
+        await puller.stop()
+        watcher.close()

@@ -5,57 +5,25 @@ for the loop's turn, written together."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from urllib.parse import urlparse
 
 import pytest
 
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.write_now import GROUP
-from tests.helpers import eventually
-
-
-class _Watcher:
-    """A NATS subscriber on a plain socket in a thread, speaking the protocol itself: notes when
-    each message arrived, on a clock the event loop under test cannot hold up."""
-
-    def __init__(self, url: str, subject: str) -> None:
-        parsed = urlparse(url)
-        self.sock = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
-        self.file = self.sock.makefile("rb")
-        self.file.readline()  # INFO
-        self.sock.sendall(f"CONNECT {{}}\r\nSUB {subject} 1\r\nPING\r\n".encode())
-        while self.file.readline().strip() != b"PONG":  # subscribed at the server
-            pass
-        self.arrived: list[float] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            while line := self.file.readline():
-                if line.startswith(b"MSG "):
-                    self.arrived.append(time.monotonic())
-                    self.file.read(int(line.split()[-1]) + 2)  # the payload and its CRLF
-                elif line.startswith(b"PING"):
-                    self.sock.sendall(b"PONG\r\n")
-
-    def close(self) -> None:
-        self.sock.close()
+from tests.helpers import ThreadWatcher, eventually
 
 
 @pytest.fixture
-def watcher(nats_server: NatsServer, js_stream: tuple[str, str]) -> Iterator[_Watcher]:
-    watching = _Watcher(nats_server.url, f"{js_stream[1]}.>")
+def watcher(nats_server: NatsServer, js_stream: tuple[str, str]) -> Iterator[ThreadWatcher]:
+    watching = ThreadWatcher(nats_server.url, f"{js_stream[1]}.>")
     yield watching
     watching.close()
 
 
-async def _seen(watcher: _Watcher, count: int) -> None:
+async def _seen(watcher: ThreadWatcher, count: int) -> None:
     async def all_came() -> bool:
         return len(watcher.arrived) >= count
 
@@ -63,15 +31,15 @@ async def _seen(watcher: _Watcher, count: int) -> None:
     assert len(watcher.arrived) == count
 
 
-async def _warm(conn: Connection, js_stream: tuple[str, str], watcher: _Watcher) -> None:
+async def _warm(conn: Connection, js_stream: tuple[str, str], watcher: ThreadWatcher) -> None:
     """One publish first: the connection's ack inbox is subscribed to on the first."""
     await conn.publish_acked(f"{js_stream[1]}.warm", b"w", stream=js_stream[0])
     await _seen(watcher, 1)
-    watcher.arrived.clear()
+    watcher.clear()
 
 
 async def _burst_while_busy(
-    conn: Connection, js_stream: tuple[str, str], watcher: _Watcher, count: int
+    conn: Connection, js_stream: tuple[str, str], watcher: ThreadWatcher, count: int
 ) -> tuple[list[float], float]:
     """``count`` publishes made in one turn of the loop, with another callback queued behind
     them that holds the loop for 0.3 s (the rest of a burst). Returns when each arrived at a
@@ -95,7 +63,7 @@ async def _burst_while_busy(
 
 
 async def test_a_group_of_requests_leaves_while_the_loop_is_still_busy(
-    conn: Connection, js_stream: tuple[str, str], watcher: _Watcher
+    conn: Connection, js_stream: tuple[str, str], watcher: ThreadWatcher
 ) -> None:
     await _warm(conn, js_stream, watcher)
     arrived, freed = await _burst_while_busy(conn, js_stream, watcher, GROUP)
@@ -103,7 +71,7 @@ async def test_a_group_of_requests_leaves_while_the_loop_is_still_busy(
 
 
 async def test_fewer_than_a_group_go_together_at_the_loops_turn(
-    conn: Connection, js_stream: tuple[str, str], watcher: _Watcher
+    conn: Connection, js_stream: tuple[str, str], watcher: ThreadWatcher
 ) -> None:
     await _warm(conn, js_stream, watcher)
     arrived, freed = await _burst_while_busy(conn, js_stream, watcher, 3)

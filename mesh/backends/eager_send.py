@@ -19,52 +19,12 @@ that way; on 3.12 and later it is aiohttp's own class, unchanged.
 from __future__ import annotations
 
 import sys
-import types
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import ClientRequest
 
-
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, Any], yielded: Any) -> Generator[Any, Any, Any]:
-    """Go on running ``coro``, already started, from where it yielded ``yielded``: what
-    ``await`` does, for a coroutine whose first step has run outside any task. Each value it
-    yields goes to the task running this; what the task sends or throws goes back in."""
-    while True:
-        try:
-            received = yield yielded
-        except BaseException as exc:  # cancellation included: the coroutine decides
-            try:
-                yielded = coro.throw(exc)
-            except StopIteration as stop:
-                return stop.value
-            continue
-        try:
-            yielded = coro.send(received)
-        except StopIteration as stop:
-            return stop.value
-
-
-async def _finished(value: Any) -> Any:
-    return value
-
-
-async def _raise(exc: BaseException) -> Any:
-    raise exc
-
-
-def start_now(coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
-    """Run ``coro`` now, up to its first wait; returns a coroutine that runs the rest (or
-    returns its result at once), for a task to run. An exception raised before the first wait
-    is raised by that coroutine, as it would have been by ``coro`` in its task."""
-    try:
-        yielded = coro.send(None)
-    except StopIteration as stop:
-        return _finished(stop.value)
-    except BaseException as exc:
-        return _raise(exc)
-    return _resume(coro, yielded)
+from mesh.eager import start_now
 
 
 class _EagerRequest(ClientRequest):
