@@ -17,8 +17,15 @@ round in rotating order; CPU per token is the slope between the two lengths, the
 what is left. Beside the CPU it prints each side's time to first token at the client (p50 and
 p99 over every request of the run; the worker and edge roles). Read one run with care: the
 same code on both sides (``--a-tree`` this tree) read 0.84 and 1.09 here (worker, edge; 8
-rounds), and pinning processes to cores did not narrow it (1.13). Run it more than once. A
-development tool, not part of the mesh.
+rounds), and pinning processes to cores did not narrow it (1.13). Run it more than once.
+
+Compare time to first token only with the sides swapped too (run this script from the other
+tree, with ``--a-tree`` this one): a side's TTFT depends on its letter, whichever code runs there.
+In the worker role B's p99 read 9 to 32 ms above A's in nine runs (12 and 16 rounds; old or new
+code as B); in the edge role 11 to 35 ms below in five, and B's p50 about 1.5 ms below. Taking
+turns in all six orders instead of three rotations did not change it (B +29 and +19 ms), and
+the bench's other processes (the idle edge, the server) spent the same CPU in either side's
+turns. The cause is not found. A development tool, not part of the mesh.
 """
 
 from __future__ import annotations
