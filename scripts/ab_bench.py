@@ -22,7 +22,7 @@ rounds), and pinning processes to cores did not narrow it (1.13). Run it more th
 Compare time to first token only with the sides swapped too (run this script from the other
 tree, with ``--a-tree`` this one): a side's TTFT depends on its letter, whichever code runs there.
 In the worker role B's p99 read 9 to 32 ms above A's in nine runs (12 and 16 rounds; old or new
-code as B); in the edge role 11 to 35 ms below in five, and B's p50 about 1.5 ms below. Taking
+code as B); in the edge role 11 to 35 ms below in five, and B's p50 0 to 2 ms below. Taking
 turns in all six orders instead of three rotations did not change it (B +29 and +19 ms), and
 the bench's other processes (the idle edge, the server) spent the same CPU in either side's
 turns. The cause is not found. A development tool, not part of the mesh.
