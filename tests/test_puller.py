@@ -83,19 +83,24 @@ class Pulling:
     subject: str
 
 
-@pytest.fixture
-async def worker(conn: Connection, queue: tuple[str, str]) -> AsyncIterator[Pulling]:
-    stream, subject = queue
-    slots = Slots()
-    puller = Puller(
+def _puller(conn: Connection, stream: str, slots: Slots, expires: float) -> Puller:
+    """A puller of consumer ``w`` over ``slots``."""
+    return Puller(
         conn,
         stream,
         "w",
         free_slots=slots.free,
         total_slots=lambda: slots.total,
         deliver=slots.deliver,
-        expires=LONG,
+        expires=expires,
     )
+
+
+@pytest.fixture
+async def worker(conn: Connection, queue: tuple[str, str]) -> AsyncIterator[Pulling]:
+    stream, subject = queue
+    slots = Slots()
+    puller = _puller(conn, stream, slots, LONG)
     await puller.start()
     await conn.nc.flush()
     try:
@@ -167,17 +172,7 @@ async def test_a_request_that_expires_while_the_loop_is_busy_is_renewed_at_the_l
     stream, _ = queue
     api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.w"
     watcher = ThreadWatcher(nats_server.url, api, "_INBOX.>")  # pull requests and their ends
-    slots = Slots()
-    expires = 0.3
-    puller = Puller(
-        conn,
-        stream,
-        "w",
-        free_slots=slots.free,
-        total_slots=lambda: slots.total,
-        deliver=slots.deliver,
-        expires=expires,
-    )
+    puller = _puller(conn, stream, Slots(), expires=0.3)
     try:
         await puller.start()
 
