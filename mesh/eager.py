@@ -3,9 +3,9 @@
 Python 3.11 starts a task at the loop's next turn, after every callback already queued. In a
 burst those callbacks are the rest of the burst, so work that could have gone out at once (a
 request's bytes, a pull request renewed) waits for all of it. Python 3.12's eager tasks run a
-coroutine's first step in the call that creates it; this module does the same on 3.11, for the
-few places that measured the difference (:mod:`mesh.backends.eager_send`,
-:mod:`cloud_node.puller`).
+coroutine's first step in the call that creates it; this module does the same on 3.11, where a
+write would otherwise wait behind a burst: the engine's request (:mod:`mesh.backends.eager_send`,
+measured in ``docs/performance.md``) and a pull request's renewal (:mod:`cloud_node.puller`).
 """
 
 from __future__ import annotations
