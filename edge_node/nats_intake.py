@@ -13,7 +13,6 @@ Only ``infer`` carries the edge's counters as its ``data``: they are about its r
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -23,7 +22,6 @@ from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service, ServiceConfig, ServiceStats
 
@@ -39,8 +37,6 @@ from edge_node.records import (
 from mesh import __version__
 from mesh.config import EdgeSettings, LimitSettings
 from mesh.connection import Connection
-from mesh.eager import run_now
-from mesh.inline_sub import make_inline
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.queue import trace_headers
 from mesh.tasks import TaskSet
@@ -136,8 +132,6 @@ class NatsIntake:
         self.parts = parts
         self.errors = {name: EndpointErrors() for name in ("infer", "cancel", "resend", "answer")}
         self.service: EdgeService | None = None
-        self._intake_tasks: set[asyncio.Task[None]] = set()
-        """The rest of an intake handler that had to wait (an overloaded edge's answer)."""
 
     async def start(self, metadata: dict[str, str]) -> EdgeService:
         """The micro service ``mesh-edge`` and its endpoints (``metadata``: the service keeps
@@ -162,25 +156,7 @@ class NatsIntake:
             await service.add_endpoint(
                 name=name, subject=subject, handler=handler, queue_group=group
             )
-        self._take_requests_inline(service)
         return service
-
-    def _take_requests_inline(self, service: EdgeService) -> None:
-        """The ``infer`` endpoint's requests are taken in the connection's read loop: its handler
-        only checks the request and starts the request's task, so the subscription's own task
-        would be one more hop for nothing (a turn of the loop, behind whatever is queued).
-        Leans on two private attributes of nats-py's micro (``Service._endpoints``,
-        ``Endpoint._subscription``); without them the endpoint works as nats-py made it."""
-        for endpoint in getattr(service, "_endpoints", []):
-            sub = getattr(endpoint, "_subscription", None)
-            if getattr(endpoint, "_name", None) != "infer" or sub is None:
-                continue
-            handle = endpoint._handle_request  # keeps micro's counts (num_requests)
-
-            def take(msg: Msg, handle: Any = handle) -> None:
-                run_now(handle(msg), self._intake_tasks, name="edge-intake")
-
-            make_inline(sub, take)
 
     def _stats_data(self, endpoint: EndpointStats) -> dict[str, Any] | None:
         return self.parts.stats() if endpoint.name == "infer" else None
@@ -197,7 +173,7 @@ class NatsIntake:
         )
 
     async def on_request(self, request: Request) -> None:
-        # Called in the read loop (_take_requests_inline): hand off, return at once.
+        # nats-py runs one subscription's callbacks one at a time: hand off, return at once.
         reply = reply_of(request)
         if not reply:
             log.warning(

@@ -75,15 +75,3 @@ async def subscribe_inline(
     sub._pending_queue = _Inline(sub, handler)  # type: ignore[assignment]
     sub._message_iterator = None  # never iterated; it and the subscription refer to each other
     return sub
-
-
-def make_inline(sub: Subscription, handler: Handler) -> None:
-    """Turn ``sub``, made with a callback, into an inline one: ``handler`` takes each message
-    in the read loop from now on, and the subscription's own task (idle, since nothing reaches
-    its queue any more) is stopped. For a subscription made by another library (a micro
-    endpoint's)."""
-    task = sub._wait_for_msgs_task
-    sub._pending_queue = _Inline(sub, handler)  # type: ignore[assignment]
-    sub._message_iterator = None
-    if task is not None and not task.done():
-        task.cancel()

@@ -10,46 +10,11 @@ from pathlib import Path
 import nats
 from nats.aio.msg import Msg
 
-from mesh.inline_sub import make_inline, subscribe_inline
+from mesh.inline_sub import subscribe_inline
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import Server
 
 N = 500
-
-
-async def test_a_subscription_made_with_a_callback_turns_inline(nats_server: NatsServer) -> None:
-    """``make_inline``: a subscription another library made (a micro endpoint's) hands its
-    messages to the handler in the read loop; its callback and its task get nothing more."""
-    nc = await nats.connect(nats_server.url)
-    by_callback = Got()
-    got = Got()
-    in_read_loop: list[bool] = []
-
-    async def callback(msg: Msg) -> None:
-        by_callback.take(msg)
-
-    def handler(msg: Msg) -> None:
-        in_read_loop.append(asyncio.current_task() is nc._reading_task)
-        got.take(msg)
-
-    try:
-        sub = await nc.subscribe("inline.made", cb=callback)
-        await nc.publish("inline.made", b"before")
-        await nc.flush()
-        await by_callback.reach(1)
-        task = sub._wait_for_msgs_task
-        make_inline(sub, handler)
-        for i in range(N):
-            await nc.publish("inline.made", str(i).encode())
-        await got.reach(N)
-        assert got == [str(i).encode() for i in range(N)]
-        assert all(in_read_loop)
-        assert by_callback == [b"before"]
-        await asyncio.sleep(0)  # the cancelled task ends at its next turn
-        assert task is not None and task.done()
-        await sub.unsubscribe()
-    finally:
-        await nc.close()
 
 
 class Got(list[bytes]):

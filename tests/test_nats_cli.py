@@ -3,13 +3,11 @@ msgpack). docs/protocol.md's commands are these."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 
 import pytest
-from nats.micro.request import Request
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
@@ -151,23 +149,3 @@ async def test_nats_req_with_a_lone_surrogate_outside_the_text_still_gets_its_er
     error = reply.json()
     assert error["code"] == "invalid_request" and said in error["message"], error
     assert reply.headers["Nats-Service-Error-Code"] == "400"
-
-
-async def test_the_edge_takes_a_request_in_its_connections_read_loop(
-    edge: EdgeNode, cli: RawNatsClient
-) -> None:
-    """The ``infer`` endpoint's handler runs as the request is read, not in a task of the
-    endpoint's own a turn of the loop later (``NatsIntake._take_requests_inline``)."""
-    assert edge.intake.service is not None
-    endpoint = next(e for e in edge.intake.service._endpoints if e._name == "infer")
-    handler = endpoint._handler
-    in_read_loop: list[bool] = []
-
-    async def spy(request: Request) -> None:
-        in_read_loop.append(asyncio.current_task() is edge.conn.nc._reading_task)
-        await handler(request)
-
-    endpoint._handler = spy
-    reply = await cli.request(edge.subject, b'{"prompt": "Say hi", "max_tokens": 4}')
-    assert reply.json()["t"] == "answer"
-    assert in_read_loop == [True]
