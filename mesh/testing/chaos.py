@@ -26,7 +26,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -444,9 +444,11 @@ async def ask(
     tag: str,
     max_tokens: int,
     *directives: str,
+    first_token: asyncio.Event | None = None,
     **kwargs: Any,
 ) -> Outcome:
-    """One request through the SDK, checked exactly."""
+    """One request through the SDK, checked exactly. ``first_token`` is set when the first token
+    arrives, so a fault test can wait until its answers are under way."""
     began = time.monotonic()
     parts: list[str] = []
     restarts = 0
@@ -460,6 +462,8 @@ async def ask(
             if isinstance(event, TokenEvent):
                 parts.append(event.text)
                 token_times.append(time.monotonic())
+                if first_token is not None:
+                    first_token.set()
                 if restarts and first_restarted is None:
                     first_restarted = time.monotonic()
                 if event.attempt > attempts:
@@ -489,6 +493,18 @@ async def ask(
         first_restarted=first_restarted,
         token_times=token_times,
     )
+
+
+async def under_way(started: Sequence[asyncio.Event], timeout: float = 30) -> None:
+    """Wait until every answer has its first token (the events given to ``ask``)."""
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout)
+
+
+def assert_in_flight(pending: Sequence[asyncio.Future[Any]]) -> None:
+    """Right before a fault: every answer is still streaming, so the fault strikes it mid-answer
+    however slow the machine was to set the fault up."""
+    ended = sum(future.done() for future in pending)
+    assert not ended, f"{ended} of {len(pending)} answers ended before the fault: make them longer"
 
 
 def request_for(tag: str, max_tokens: int, *directives: str, **fields: Any) -> InferRequest:

@@ -14,7 +14,16 @@ import time
 
 import pytest
 
-from mesh.testing.chaos import Outcome, Tally, ask, expected_text, free_port, prompt
+from mesh.testing.chaos import (
+    Outcome,
+    Tally,
+    ask,
+    assert_in_flight,
+    expected_text,
+    free_port,
+    prompt,
+    under_way,
+)
 from tests.chaos.conftest import Cluster
 
 pytestmark = pytest.mark.chaos
@@ -31,15 +40,19 @@ async def test_kill_9_a_worker_mid_stream(cluster: Cluster) -> None:
     await cluster.edge(MESH_EDGE_HTTP_PORT=str(http_port))
     client = await cluster.client()
     tally = Tally()
-    n = 80  # tokens at 20 ms: answers take 1.6 s
-    asks = [ask(client, f"e{i}", n, via="edge", route="cloud") for i in range(2)]
-    asks += [ask(client, f"c{i}", n, via="cloud") for i in range(2)]
+    n = 250  # tokens at 20 ms: answers take 5 s, still streaming once the survivor is up
+    started = [asyncio.Event() for _ in range(4)]
+    asks = [
+        ask(client, f"e{i}", n, via="edge", route="cloud", first_token=started[i]) for i in range(2)
+    ]
+    asks += [ask(client, f"c{i}", n, via="cloud", first_token=started[2 + i]) for i in range(2)]
     # What the `nats` CLI sends (JSON in, one JSON answer out), and an OpenAI SSE client.
     asks += [nats_req(cluster, f"n{i}", n) for i in range(2)]
     asks += [sse(http_port, f"s{i}", n) for i in range(2)]
     pending = [asyncio.ensure_future(a) for a in asks]
-    await wait_tokens_flowing(cluster, 0.6)
+    await under_way(started)
     survivor = await cluster.worker("survivor", slots=6)
+    assert_in_flight(pending)
     killed_at = time.monotonic()
     doomed.kill()
     for outcome in await asyncio.gather(*pending):
@@ -325,13 +338,17 @@ async def test_kill_9_when_the_backend_cannot_continue(cluster: Cluster) -> None
     http_port = free_port()
     await cluster.edge(MESH_EDGE_HTTP_PORT=str(http_port))
     client = await cluster.client()
-    n = 80
-    asks = [ask(client, f"e{i}", n, via="edge", route="cloud") for i in range(2)]
-    asks += [ask(client, f"c{i}", n, via="cloud") for i in range(2)]
+    n = 250  # 5 s at 20 ms a token: still streaming once the survivor is up
+    started = [asyncio.Event() for _ in range(4)]
+    asks = [
+        ask(client, f"e{i}", n, via="edge", route="cloud", first_token=started[i]) for i in range(2)
+    ]
+    asks += [ask(client, f"c{i}", n, via="cloud", first_token=started[2 + i]) for i in range(2)]
     asks += [nats_req(cluster, "n0", n), sse(http_port, "s0", n)]
     pending = [asyncio.ensure_future(a) for a in asks]
-    await wait_tokens_flowing(cluster, 0.6)
+    await under_way(started)
     await cluster.worker("survivor", backend_url=server, continuation="off", slots=8)
+    assert_in_flight(pending)
     doomed.kill()
     tally = Tally()
     outcomes = await asyncio.gather(*pending)

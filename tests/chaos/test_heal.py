@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Sequence
 
 import pytest
 
-from mesh.testing.chaos import Outcome, Tally, ask, paused
+from mesh.testing.chaos import Outcome, Tally, ask, assert_in_flight, paused, under_way
 from tests.chaos.conftest import Cluster
 
 pytestmark = pytest.mark.chaos
@@ -40,12 +40,16 @@ async def test_kill_9_continues_on_another_worker_long_before_ack_wait(cluster: 
     doomed = await cluster.worker("doomed", slots=8, extra_env=LONG_ACK_WAIT)
     await cluster.edge(**LONG_ACK_WAIT)
     client = await cluster.client()
-    n = 80  # tokens at 20 ms
-    asks = [ask(client, f"e{i}", n, via="edge", route="cloud") for i in range(3)]
-    asks += [ask(client, f"c{i}", n, via="cloud") for i in range(3)]
+    n = 250  # tokens at 20 ms: 5 s, longer than a slow machine takes to start the survivor
+    started = [asyncio.Event() for _ in range(6)]
+    asks = [
+        ask(client, f"e{i}", n, via="edge", route="cloud", first_token=started[i]) for i in range(3)
+    ]
+    asks += [ask(client, f"c{i}", n, via="cloud", first_token=started[3 + i]) for i in range(3)]
     pending = [asyncio.ensure_future(a) for a in asks]
-    await asyncio.sleep(0.6)
+    await under_way(started)
     await cluster.worker("survivor", slots=8, extra_env=LONG_ACK_WAIT)
+    assert_in_flight(pending)
     killed_at = time.monotonic()
     doomed.kill()
     tally = await _tally(pending)
@@ -164,12 +168,16 @@ async def test_a_worker_stopped_with_answers_in_flight_hands_them_over_without_a
     leaving = await cluster.worker("leaving", slots=8, extra_env=grace)
     await cluster.edge()
     client = await cluster.client()
-    n = 100
-    asks = [ask(client, f"e{i}", n, via="edge", route="cloud") for i in range(2)]
-    asks += [ask(client, f"c{i}", n, via="cloud") for i in range(2)]
+    n = 250  # 5 s at 20 ms a token: still streaming once the other worker is up
+    started = [asyncio.Event() for _ in range(4)]
+    asks = [
+        ask(client, f"e{i}", n, via="edge", route="cloud", first_token=started[i]) for i in range(2)
+    ]
+    asks += [ask(client, f"c{i}", n, via="cloud", first_token=started[2 + i]) for i in range(2)]
     pending = [asyncio.ensure_future(a) for a in asks]
+    await under_way(started)
     await cluster.worker("staying", slots=8, extra_env=grace)
-    await asyncio.sleep(0.6)
+    assert_in_flight(pending)
     stopping = time.monotonic()
     await leaving.stop()
     stopped_in = time.monotonic() - stopping
