@@ -56,8 +56,7 @@ class Connection(Lifecycle):
         back while it was cut off, see :mod:`cloud_node.orphans`)."""
         self.losses = 0
         """Reconnects plus slow-consumer drops: when this moves, messages may have been lost."""
-        self.lost = asyncio.Event()
-        """Set whenever ``losses`` moves; readers clear it when they have caught up."""
+        self._loss_listeners: set[Callable[[], None]] = set()
         self.recovery = Recovery(name)
         """What a reconnect may have lost, put back until it is (see :mod:`mesh.recovery`)."""
 
@@ -138,9 +137,21 @@ class Connection(Lifecycle):
         """The after-reconnect steps not restored yet: while any is, the node is degraded."""
         return self.recovery.pending
 
+    def on_loss(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` (plain, quick, in the event loop) whenever ``losses`` moves: a
+        reader waiting for a message that may have been lost hears of it at once, not when the
+        next message comes or a quiet spell ends (a lost tail has no next message). Returns
+        the undo."""
+        self._loss_listeners.add(listener)
+        return lambda: self._loss_listeners.discard(listener)
+
     def _lost(self) -> None:
         self.losses += 1
-        self.lost.set()
+        for listener in list(self._loss_listeners):
+            try:
+                listener()
+            except Exception:  # one reader's fault must not keep the others from hearing
+                log.exception("a loss listener failed", connection=self.name)
 
     async def connect(self) -> Connection:
         servers = self.settings.servers()

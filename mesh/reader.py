@@ -6,7 +6,9 @@ missing, it asks its *repair* for what was kept and feeds that too:
 
 - a gap (the state holds events past a missing one);
 - a reconnect or a slow-consumer drop on its connection (:attr:`Connection.losses` moved):
-  whatever was published meanwhile never reached the subscription;
+  whatever was published meanwhile never reached the subscription. The connection says so
+  (:meth:`Connection.on_loss`) and the reader repairs at once, also when nothing later comes
+  (a lost tail);
 - a quiet spell: nothing for a while (1 s, then 2, 4, up to 8 s), in case the tail was lost with
   no later event to reveal the gap;
 - its own buffer overflowing (the reader's consumer is slower than the stream).
@@ -114,6 +116,7 @@ class AnswerReader:
         self._timer: asyncio.TimerHandle | None = None
         self._sub: Subscription | None = None
         self._losses = conn.losses
+        self._unlisten: Callable[[], None] | None = None
         self._repair_at: float | None = None
         self._gap_retry = _GAP_RETRY_FIRST_S
         self._quiet = _QUIET_FIRST_S
@@ -158,6 +161,8 @@ class AnswerReader:
             raise UnavailableError(
                 f"cannot read {self.what}: the NATS connection is {type(exc).__name__}"
             ) from None
+        if self._repair is not None:
+            self._unlisten = self.conn.on_loss(self._wake)
 
     async def close(self) -> None:
         """Stop receiving. A closed reader calls nothing back: its owner's callbacks are let go
@@ -165,6 +170,9 @@ class AnswerReader:
         not left to the garbage collector as a cycle."""
         self._watch = self._resend = self._unserved = None
         self._passer = None
+        unlisten, self._unlisten = self._unlisten, None
+        if unlisten is not None:
+            unlisten()
         for task in list(self._checks.values()):
             task.cancel()
         self._checks.clear()
@@ -183,6 +191,11 @@ class AnswerReader:
             self._buffer.append(msg)
         else:
             return
+        self._wake()
+
+    def _wake(self) -> None:
+        """End :meth:`next`'s wait: a message came, or the connection says messages may have
+        been lost (then the repair is due at once, see :meth:`_next_check`)."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

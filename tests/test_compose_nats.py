@@ -25,7 +25,8 @@ from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer, find_nats_server
-from mesh.testing.chaos import MeshProcess, TcpProxy, wait_for_edge, wait_for_worker
+from mesh.testing.chaos import MeshProcess, wait_for_edge, wait_for_worker
+from mesh.testing.proxy import TcpProxy
 from mesh_app.creds import mint
 from protocol.subjects import orphan_subject, worker_alive_subject, worker_cancel_subject
 from tests.helpers import eventually

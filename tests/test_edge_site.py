@@ -26,7 +26,8 @@ from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.queue import MSG_ID_HEADER
-from mesh.testing.chaos import TcpProxy, expected_text
+from mesh.testing.chaos import expected_text
+from mesh.testing.proxy import TcpProxy
 from mesh_app.creds import Minted, mint
 from protocol.errors import DuplicateRequestError, MeshError, UnavailableError
 from protocol.subjects import infer_subject, token_subject

@@ -14,7 +14,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.testing.chaos import TcpProxy
+from mesh.testing.proxy import TcpProxy
 from tests.conftest import make_settings
 from tests.helpers import eventually
 

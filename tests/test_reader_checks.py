@@ -14,13 +14,14 @@ import time
 from collections.abc import Awaitable, Callable
 
 import nats
+import pytest
 
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.reader import OFFLINE_LOOK_S, WATCH_QUIET_S, AnswerReader
-from mesh.testing.chaos import TcpProxy
+from mesh.testing.proxy import TcpProxy
 from protocol.codec import WireFormat, dump_event
-from protocol.messages import TokenEvent, WireEvent
+from protocol.messages import TokenEvent, Usage, WireEvent
 from protocol.stream import AnswerState, AnswerWriter
 from tests.conftest import make_settings
 from tests.helpers import eventually
@@ -244,6 +245,67 @@ async def test_a_reader_cut_off_does_not_spin_and_asks_after_the_worker_once_the
             reading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reading
+            await reader.close()
+    finally:
+        await worker.close()
+        await proxy.stop()
+
+
+async def test_a_tail_lost_in_a_reconnect_is_fetched_at_once_not_after_a_quiet_spell(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link drops while the answer's last events are published: nothing later comes to
+    show the gap. The reconnect itself is the event: the reader fetches what was kept as soon
+    as the link is back, waiting neither for a message nor for a quiet spell (it used to wait
+    the spell, 1 s: a lame-duck restart test saw an answer stand still for 1.00 s)."""
+    monkeypatch.setattr("mesh.reader._QUIET_FIRST_S", 30.0)  # only the event can explain a heal
+    proxy = await TcpProxy(nats_server.port).start()
+    settings = make_settings(proxy.url)
+    settings.nats.reconnect_wait = 0.1
+    writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
+    head = [writer.start(), writer.token("a")]
+    tail = [writer.token("b"), writer.end(finish_reason="stop", usage=Usage(completion_tokens=2))]
+    repaired: list[float] = []
+
+    async def store(_state: AnswerState) -> list[WireEvent]:  # what the answer store kept
+        repaired.append(time.monotonic())
+        return head + tail
+
+    worker = await nats.connect(nats_server.url)
+    try:
+        async with Connection(settings.nats, "tail-reader") as conn:
+            reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud")
+            await reader.subscribe(SUBJECT)
+            await conn.nc.flush()
+            for event in head:
+                await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
+            await worker.flush()
+            got: list[WireEvent] = []
+            while len(got) < 2:
+                got += await reader.next(2.0)
+            reading = asyncio.create_task(reader.next(20.0))  # waiting when the link drops
+            proxy.cut(30.0)
+            await eventually(_is(lambda: not conn.connected), 5, "the link cut")
+            for event in tail:  # the reader's link is down: it never sees these
+                await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
+            await worker.flush()
+            back: list[float] = []
+
+            async def stamp() -> None:
+                back.append(time.monotonic())
+
+            conn.on_reconnect("stamp", stamp)
+            proxy.restore()
+            got += await asyncio.wait_for(reading, 15)
+            assert [type(e).__name__ for e in got] == [
+                "StartEvent",
+                "TokenEvent",
+                "TokenEvent",
+                "EndEvent",
+            ], got
+            assert back and repaired, (back, repaired)
+            heal = repaired[-1] - back[0]
+            assert heal < 0.5, f"the store was read {heal:.2f} s after the link was back"
             await reader.close()
     finally:
         await worker.close()

@@ -24,7 +24,8 @@ from mesh.registry import (
     node_key,
     open_bucket,
 )
-from mesh.testing.chaos import Server, TcpProxy
+from mesh.testing.chaos import Server
+from mesh.testing.proxy import TcpProxy
 from protocol.errors import UnavailableError
 from protocol.subjects import NODES_BUCKET, NODES_STREAM
 from tests.conftest import make_settings

@@ -20,12 +20,12 @@ from mesh.testing.chaos import (
     JsCluster,
     MeshProcess,
     Server,
-    TcpProxy,
     edge_env,
     wait_for_edge,
     wait_for_worker,
     worker_env,
 )
+from mesh.testing.proxy import TcpProxy
 
 
 @dataclass

@@ -21,7 +21,8 @@ from mesh.connection import Connection
 from mesh.provision import model_is_served, provision
 from mesh.queue import publish_request
 from mesh.registry import Heartbeat, NodeInfo, NodeView
-from mesh.testing.chaos import JsCluster, TcpProxy
+from mesh.testing.chaos import JsCluster
+from mesh.testing.proxy import TcpProxy
 from protocol.errors import MeshError
 from protocol.messages import InferRequest
 from tests.conftest import make_settings
