@@ -107,6 +107,11 @@ class EdgeService(Service):
         return stats
 
 
+RESYNC_BEFORE_S = 2.0
+"""How long before its link dropped an answer may have ended and still lost its tail (writes
+that sat in buffers on the way to the server)."""
+
+
 @dataclass(frozen=True)
 class IntakeParts:
     """What the intake uses of the edge."""
@@ -157,6 +162,30 @@ class NatsIntake:
                 name=name, subject=subject, handler=handler, queue_group=group
             )
         return service
+
+    async def resync(self) -> None:
+        """After the edge's link came back (a recovery step, :meth:`Connection.on_reconnect`).
+
+        What the edge wrote to its clients' inboxes just before the link dropped may never
+        have reached the server, and a lost tail has nothing after it to show a client the
+        gap: its reader would wait out a quiet spell (1 s) before asking. So each streaming
+        client whose answer was in flight then, or ended shortly before, gets that answer's
+        last event again: a duplicate it drops, or the gap it repairs at once (``resend``)."""
+        conn = self.parts.conn
+        since = (conn.dropped_at or time.monotonic()) - RESYNC_BEFORE_S
+        sent = 0
+        for record in self.parts.records.since(since):
+            last = record.last()
+            if last is None:
+                continue
+            for sink in list(record.sinks):
+                if isinstance(sink, NatsSink) and sink.streaming:
+                    with contextlib.suppress(MeshError):
+                        await sink.send_again(last)
+                        sent += 1
+        await conn.nc.flush(timeout=max(1, round(conn.settings.request_timeout)))
+        if sent:
+            log.info("last events sent again to clients after a reconnect", events=sent)
 
     def _stats_data(self, endpoint: EndpointStats) -> dict[str, Any] | None:
         return self.parts.stats() if endpoint.name == "infer" else None

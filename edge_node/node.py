@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -103,6 +103,7 @@ class EdgeNode(Lifecycle):
         self._service: Service | None = None
         self._metadata: dict[str, str] = {}
         self._status_sub: Any = None
+        self._undo_resync: Callable[[], None] = lambda: None
         self.accepting = False
         self.nodes = NodeView(
             conn, settings.stream.node_ttl, pool=model_token(settings.edge.cloud_model)
@@ -203,6 +204,7 @@ class EdgeNode(Lifecycle):
         }
         self._service = await self.intake.start(self._metadata)
         self._status_sub = await nc.subscribe(STATUS_ASK, cb=self._on_status_ask)
+        self._undo_resync = self.conn.on_reconnect("client streams", self.intake.resync)
         # Once start() returns, the server knows our subscriptions: clients can reach us.
         await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
         self.accepting = True
@@ -247,6 +249,7 @@ class EdgeNode(Lifecycle):
             with contextlib.suppress(nats.errors.Error):
                 await self._status_sub.unsubscribe()
         await self._background.close()
+        self._undo_resync()
         if self.http is not None:
             await self.http.stop()  # stops accepting; in-flight HTTP answers get the grace
         await self.tasks.close(grace=max(0.0, ends - time.monotonic()))

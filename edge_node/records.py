@@ -144,6 +144,14 @@ class NatsSink:
         data = dump_token(self._answer.request_id, seq, text, attempt, self.fmt, n)
         self.conn.write_batch.put(self.inbox, data, None, now=self._tokens == 1)
 
+    async def send_again(self, event: WireEvent) -> None:
+        """Publish an event this streaming sink already sent (its client drops it if it has
+        it), counting nothing; raises :class:`MeshError` as :meth:`send` does."""
+        if isinstance(event, ErrorEvent):
+            await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
+        else:
+            await self._publish(dump_event(event, self.fmt), self._headers)
+
     async def _error(self, event: ErrorEvent) -> None:
         await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
         if self._on_error is not None:
@@ -275,6 +283,10 @@ class Record:
             except MeshError:
                 return
 
+    def last(self) -> WireEvent | None:
+        """The last event passed on, if any."""
+        return _event(self.log[-1]) if self.log else None
+
     def lacking(self, attempt: int, positions: int) -> list[WireEvent]:
         """The events a reader that has ``positions`` positions of ``attempt`` lacks."""
         events = (_event(item) for item in self.log)
@@ -324,6 +336,12 @@ class Records:
         record = Record(scope, client_id, fingerprint, AnswerState(client_id))
         self._records[(scope, client_id)] = record
         return record, True
+
+    def since(self, moment: float) -> list[Record]:
+        """Records in flight, and those finished at ``moment`` (``time.monotonic()``) or later."""
+        return [
+            r for r in self._records.values() if r.finished_at is None or r.finished_at >= moment
+        ]
 
     def finished(self, record: Record) -> None:
         key = (record.scope, record.client_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -56,6 +57,9 @@ class Connection(Lifecycle):
         back while it was cut off, see :mod:`cloud_node.orphans`)."""
         self.losses = 0
         """Reconnects plus slow-consumer drops: when this moves, messages may have been lost."""
+        self.dropped_at: float | None = None
+        """When the connection last dropped (``time.monotonic()``); what this process wrote
+        just before may not have reached the server."""
         self._loss_listeners: set[Callable[[], None]] = set()
         self.recovery = Recovery(name)
         """What a reconnect may have lost, put back until it is (see :mod:`mesh.recovery`)."""
@@ -182,6 +186,7 @@ class Connection(Lifecycle):
                 log.debug("nats connection closed", connection=self.name)
             else:
                 self.drops += 1
+                self.dropped_at = time.monotonic()
                 log.warning("nats disconnected", connection=self.name)
 
         async def on_reconnected() -> None:

@@ -305,6 +305,7 @@ async def test_a_tail_lost_in_a_reconnect_is_fetched_at_once_not_after_a_quiet_s
             ], got
             assert back and repaired, (back, repaired)
             heal = repaired[-1] - back[0]
+            print(f"\nthe link back -> the store read: {heal:.3f} s")
             assert heal < 0.5, f"the store was read {heal:.2f} s after the link was back"
             await reader.close()
     finally:

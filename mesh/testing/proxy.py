@@ -1,7 +1,9 @@
 """A cuttable link for fault tests: a loopback TCP relay in front of nats-server.
 
 ``cut(seconds)`` drops every connection through it and refuses new ones for that long;
-``restore()`` ends a cut early.
+``restore()`` ends a cut early. ``swallow()`` makes the link half-dead: what clients send is
+read and thrown away (a route that lost its way), while the server's side still comes through;
+the next cut ends it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class TcpProxy:
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._cut_until = 0.0
+        self._swallowing = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -39,7 +42,13 @@ class TcpProxy:
     def cut(self, seconds: float) -> None:
         """Drop every connection now and refuse new ones for ``seconds``."""
         self._cut_until = time.monotonic() + seconds
+        self._swallowing = False
         self._drop()
+
+    def swallow(self) -> None:
+        """From now until the next cut, throw away what clients send (the writes of every
+        connection through the link vanish, unseen by either side)."""
+        self._swallowing = True
 
     def restore(self) -> None:
         """End a cut now: new connections go through again."""
@@ -61,8 +70,9 @@ class TcpProxy:
             writer.transport.abort()
             return
         self._writers |= {writer, up_writer}
-        for src, dst in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.get_running_loop().create_task(self._pump(src, dst, writer, up_writer))
+        for src, dst, upward in ((reader, up_writer, True), (up_reader, writer, False)):
+            pump = self._pump(src, dst, upward, writer, up_writer)
+            task = asyncio.get_running_loop().create_task(pump)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -70,10 +80,13 @@ class TcpProxy:
         self,
         src: asyncio.StreamReader,
         dst: asyncio.StreamWriter,
+        upward: bool,
         *pair: asyncio.StreamWriter,
     ) -> None:
         try:
             while data := await src.read(65536):
+                if upward and self._swallowing:
+                    continue
                 dst.write(data)
                 await dst.drain()
         except (OSError, asyncio.IncompleteReadError):
