@@ -26,7 +26,7 @@ import hmac
 import itertools
 import json
 import secrets
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -279,7 +279,7 @@ class MeshClient(Lifecycle):
         reader = AnswerReader(
             self.conn,
             AnswerState(request.id),
-            self._edge_repair(request.id, inbox),
+            self._edge_repair(request.id, inbox, send),
             what=f"edge {self.edge_id!r}",
             pending_limit=self._pending_limit,
             unserved=send,  # an edge restarting: it subscribes again within a moment
@@ -307,8 +307,13 @@ class MeshClient(Lifecycle):
                     )
             await reader.close()
 
-    def _edge_repair(self, request_id: str, inbox: str) -> Repair:
-        """Ask the edge to send our inbox the events we lack; they arrive on the subscription."""
+    def _edge_repair(
+        self, request_id: str, inbox: str, send: Callable[[], Awaitable[None]]
+    ) -> Repair:
+        """Ask the edge to send our inbox the events we lack; they arrive on the subscription.
+        An edge that does not know the request, when nothing of its answer came, never got it
+        (it went out as our link dropped): it is sent again (the edge joins a request sent
+        twice into one answer). Anything of the answer came: the edge lost it, a typed error."""
 
         async def repair(state: AnswerState) -> list[WireEvent]:
             payload = {"id": request_id, "inbox": inbox, "attempt": state.attempt}
@@ -325,6 +330,9 @@ class MeshClient(Lifecycle):
                 raise UnavailableError(f"resend failed: {type(exc).__name__}") from None
             with contextlib.suppress(ValueError):
                 if not json.loads(reply.data).get("known", True):
+                    if not state.started and not state.held:
+                        await send()
+                        return []
                     raise IncompleteAnswerError(
                         f"edge {self.edge_id!r} no longer knows request {request_id!r} "
                         "(it restarted, or the answer aged out); retry",

@@ -191,8 +191,17 @@ class Connection(Lifecycle):
 
         async def on_reconnected() -> None:
             self.reconnects += 1
+            again = 0
+            if self._acks is not None:  # before the readers' repairs: a request first
+                with contextlib.suppress(nats.errors.Error):
+                    again = await self._acks.again()
             self._lost()
-            log.info("nats reconnected", connection=self.name, server=_server_url(client))
+            log.info(
+                "nats reconnected",
+                connection=self.name,
+                server=_server_url(client),
+                **({"published_again": again} if again else {}),
+            )
             self.recovery.reconnected()
 
         try:

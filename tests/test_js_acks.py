@@ -93,6 +93,46 @@ async def test_publishes_are_acked_again_after_the_link_comes_back(
         await proxy.stop()
 
 
+async def test_a_publish_lost_in_the_dying_link_is_published_again_once_the_link_is_back(
+    nats_server: NatsServer, js_stream: tuple[str, str]
+) -> None:
+    """With a message id, it is published again on the reconnect and acked at once, stored
+    once; without one, it is left to its timeout (published twice it could be stored twice)."""
+    name, subject = js_stream
+    proxy = await TcpProxy(nats_server.port).start()
+    settings = make_settings(proxy.url)
+    settings.nats.reconnect_wait = 0.1
+    try:
+        async with Connection(settings.nats, "acks-lost") as cut:
+            await cut.publish_acked(f"{subject}.warm", b"subscribed", stream=name)
+            proxy.swallow()
+            with_id = asyncio.create_task(
+                cut.publish_acked(
+                    f"{subject}.a", b"kept", stream=name, headers={"Nats-Msg-Id": "m1"}, timeout=30
+                )
+            )
+            without = asyncio.create_task(
+                cut.publish_acked(f"{subject}.b", b"left", stream=name, timeout=3)
+            )
+
+            async def both_swallowed() -> bool:
+                return b"kept" in proxy.swallowed and b"left" in proxy.swallowed
+
+            await eventually(both_swallowed, 10, "both publishes to go into the dying link")
+            proxy.cut(0.2)
+            began = time.monotonic()
+            ack = await asyncio.wait_for(with_id, 10)
+            took = time.monotonic() - began
+            print(f"\nthe link cut -> the ack of the publish sent again: {took:.3f} s")
+            assert ack.seq == 2 and not ack.duplicate
+            with pytest.raises(nats.errors.TimeoutError):
+                await without
+            info = await cut.jsm().stream_info(name)
+            assert info.state.messages == 2  # the warm-up, and the one published again once
+    finally:
+        await proxy.stop()
+
+
 async def test_before_connect_and_after_close_it_says_so(nats_server: NatsServer) -> None:
     conn = Connection(make_settings(nats_server.url).nats, "acks-closed")
     with pytest.raises(RuntimeError, match="not connected"):

@@ -21,6 +21,8 @@ class TcpProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._cut_until = 0.0
         self._swallowing = False
+        self.swallowed = bytearray()
+        """What the link threw away (see :meth:`swallow`)."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -86,6 +88,7 @@ class TcpProxy:
         try:
             while data := await src.read(65536):
                 if upward and self._swallowing:
+                    self.swallowed += data
                     continue
                 dst.write(data)
                 await dst.drain()

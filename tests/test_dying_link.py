@@ -1,0 +1,144 @@
+"""A link that dies under a sender: what it wrote just before may never reach the server.
+
+- An edge's: when that is an answer's tail, nothing after it shows the client the gap. Once the
+  edge's link is back it sends each such client the answer's last event again, so the client
+  asks for what it lacks at once instead of after its quiet spell.
+- A client's: when that is the request itself, the edge never got it. Once the client's link is
+  back its reader asks the edge for what it lacks; the edge does not know the request, and
+  nothing of the answer came, so the client sends the request again instead of failing.
+- A client's, straight to the cloud queue: the request's publish has no ack yet when the link is
+  back, and it carries a message id, so it is published again at once (stored once), instead of
+  the client waiting out the ack's timeout and failing.
+
+Real nats-server; the edge and the client in this process, one of their links through a proxy
+that first swallows what its side writes (the writes vanish, as in a link that is dying), then
+drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.client import MeshClient
+from mesh.config import MeshSettings, ModelSettings
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.testing.chaos import ask
+from mesh.testing.proxy import TcpProxy
+from tests.conftest import make_settings
+from tests.helpers import eventually
+
+
+async def test_a_tail_lost_in_the_edges_dying_link_reaches_its_client_once_the_link_is_back(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mesh.reader._QUIET_FIRST_S", 30.0)  # only the edge's resync can heal
+    proxy = await TcpProxy(nats_server.port).start()
+    edge_settings = make_settings(proxy.url)
+    edge_settings.nats.reconnect_wait = 0.1
+    client_settings = make_settings(nats_server.url)
+    client_settings.edge.edge_id = edge_settings.edge.edge_id
+    model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=20)
+    try:
+        async with (
+            Connection(edge_settings.nats, "resync-edge") as edge_conn,
+            EdgeNode(
+                edge_settings, edge_conn, DeterministicBackend(model), HeuristicRouter()
+            ) as edge,
+            MeshClient(settings=client_settings, first_event_timeout=30, idle_timeout=30) as client,
+        ):
+            started = asyncio.Event()
+            answer = asyncio.create_task(
+                ask(client, "tail", 20, via="edge", route="local", first_token=started)
+            )
+            await asyncio.wait_for(started.wait(), 10)
+            proxy.swallow()  # the rest of the answer, its end too, goes nowhere
+
+            async def answered_here() -> bool:
+                records = edge.records.since(0.0)
+                return bool(records) and all(r.done for r in records)
+
+            await eventually(answered_here, 10, "the edge to send the whole answer")
+            assert not answer.done(), "the client got an answer the edge's link swallowed"
+            back: list[float] = []
+
+            async def stamp() -> None:
+                back.append(time.monotonic())
+
+            edge_conn.on_reconnect("stamp", stamp)
+            proxy.cut(0.2)
+            outcome = await asyncio.wait_for(answer, 10)
+            assert outcome.kind == "correct", outcome
+            assert back, "the edge did not reconnect"
+            healed = outcome.token_times[-1] - back[0]
+            print(f"\nthe edge back -> the client's last token: {healed:.3f} s")
+            assert healed < 1.0, f"the tail came {healed:.2f} s after the edge was back"
+    finally:
+        await proxy.stop()
+
+
+async def test_a_request_lost_in_the_clients_dying_link_is_sent_again_once_the_link_is_back(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mesh.reader._QUIET_FIRST_S", 30.0)
+    proxy = await TcpProxy(nats_server.port).start()
+    edge_settings = make_settings(nats_server.url)
+    client_settings = make_settings(proxy.url)
+    client_settings.edge.edge_id = edge_settings.edge.edge_id
+    client_settings.nats.reconnect_wait = 0.1
+    model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=5)
+    try:
+        async with (
+            Connection(edge_settings.nats, "resend-edge") as edge_conn,
+            EdgeNode(edge_settings, edge_conn, DeterministicBackend(model), HeuristicRouter()),
+            MeshClient(settings=client_settings, first_event_timeout=30, idle_timeout=30) as client,
+        ):
+            proxy.swallow()
+            answer = asyncio.create_task(ask(client, "again", 12, via="edge", route="local"))
+            subject = f"{edge_settings.edge.edge_id}.infer".encode()
+
+            async def request_swallowed() -> bool:
+                return subject in proxy.swallowed
+
+            await eventually(request_swallowed, 10, "the request to go into the dying link")
+            proxy.cut(0.2)
+            outcome = await asyncio.wait_for(answer, 10)
+            assert outcome.kind == "correct", outcome
+            assert outcome.restarts == 0, outcome
+    finally:
+        await proxy.stop()
+
+
+async def test_a_request_to_the_queue_lost_in_the_clients_dying_link_is_queued_once_it_is_back(
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+) -> None:
+    proxy = await TcpProxy(nats_server.port).start()
+    client_settings = make_settings(proxy.url)
+    client_settings.nats.reconnect_wait = 0.1
+    model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=5)
+    try:
+        async with (
+            Worker(settings, conn, DeterministicBackend(model)),
+            MeshClient(settings=client_settings, first_event_timeout=30, idle_timeout=30) as client,
+        ):
+            await ask(client, "warm", 2, via="cloud")  # the acks' subscription is in place
+            proxy.swallow()
+            answer = asyncio.create_task(ask(client, "queued", 12, via="cloud"))
+
+            async def request_swallowed() -> bool:
+                return b"mesh.v1.infer." in proxy.swallowed
+
+            await eventually(request_swallowed, 10, "the request to go into the dying link")
+            proxy.cut(0.2)
+            outcome = await asyncio.wait_for(answer, 10)
+            assert outcome.kind == "correct", outcome
+            assert outcome.elapsed < client_settings.nats.request_timeout, outcome.elapsed
+    finally:
+        await proxy.stop()
