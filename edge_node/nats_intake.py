@@ -170,7 +170,9 @@ class NatsIntake:
         have reached the server, and a lost tail has nothing after it to show a client the
         gap: its reader would wait out a quiet spell (1 s) before asking. So each streaming
         client whose answer was in flight then, or ended shortly before, gets that answer's
-        last event again: a duplicate it drops, or the gap it repairs at once (``resend``)."""
+        last event again: a duplicate it drops, or the gap it repairs at once (``resend``).
+        A requester (``nats req``: one reply) whose answer ended shortly before gets it again:
+        it takes the first reply only, and without this it would wait out its timeout."""
         conn = self.parts.conn
         since = (conn.dropped_at or time.monotonic()) - RESYNC_BEFORE_S
         sent = 0
@@ -179,7 +181,7 @@ class NatsIntake:
             if last is None:
                 continue
             for sink in list(record.sinks):
-                if isinstance(sink, NatsSink) and sink.streaming:
+                if isinstance(sink, NatsSink):
                     with contextlib.suppress(MeshError):
                         await sink.send_again(last)
                         sent += 1

@@ -144,13 +144,16 @@ class NatsSink:
         data = dump_token(self._answer.request_id, seq, text, attempt, self.fmt, n)
         self.conn.write_batch.put(self.inbox, data, None, now=self._tokens == 1)
 
-    async def send_again(self, event: WireEvent) -> None:
-        """Publish an event this streaming sink already sent (its client drops it if it has
-        it), counting nothing; raises :class:`MeshError` as :meth:`send` does."""
-        if isinstance(event, ErrorEvent):
-            await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
-        else:
-            await self._publish(dump_event(event, self.fmt), self._headers)
+    async def send_again(self, last: WireEvent) -> None:
+        """Publish again, counting nothing, what may have been lost last: streaming, the
+        answer's ``last`` event (a client that has it drops it); else the one ``answer`` or
+        ``err`` once it was sent (a requester takes the first reply only). Raises
+        :class:`MeshError` as :meth:`send` does."""
+        event = last if self.streaming else self._answer.whole()
+        if event is None:
+            return  # the one reply has not been sent yet: nothing was lost
+        errors = error_headers(event) if isinstance(event, ErrorEvent) else {}
+        await self._publish(dump_event(event, self.fmt), {**self._headers, **errors})
 
     async def _error(self, event: ErrorEvent) -> None:
         await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})

@@ -2,7 +2,8 @@
 
 - An edge's: when that is an answer's tail, nothing after it shows the client the gap. Once the
   edge's link is back it sends each such client the answer's last event again, so the client
-  asks for what it lacks at once instead of after its quiet spell.
+  asks for what it lacks at once instead of after its quiet spell. A ``nats req`` client (one
+  reply) gets its answer again: it takes the first reply, and would otherwise time out.
 - A client's: when that is the request itself, the edge never got it. Once the client's link is
   back its reader asks the edge for what it lacks; the edge does not know the request, and
   nothing of the answer came, so the client sends the request again instead of failing.
@@ -18,6 +19,7 @@ drops.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -30,10 +32,12 @@ from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.testing.chaos import ask
+from mesh.testing.chaos import ask, expected_text, prompt
 from mesh.testing.proxy import TcpProxy
+from protocol.subjects import edge_infer_subject
 from tests.conftest import make_settings
 from tests.helpers import eventually
+from tests.nats_wire import RawNatsClient
 
 
 async def test_a_tail_lost_in_the_edges_dying_link_reaches_its_client_once_the_link_is_back(
@@ -81,6 +85,50 @@ async def test_a_tail_lost_in_the_edges_dying_link_reaches_its_client_once_the_l
             print(f"\nthe edge back -> the client's last token: {healed:.3f} s")
             assert healed < 1.0, f"the tail came {healed:.2f} s after the edge was back"
     finally:
+        await proxy.stop()
+
+
+async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once_it_is_back(
+    nats_server: NatsServer,
+) -> None:
+    """What the `nats` CLI does: JSON in, one JSON reply, no msgpack, no resend of its own."""
+    proxy = await TcpProxy(nats_server.port).start()
+    edge_settings = make_settings(proxy.url)
+    edge_settings.nats.reconnect_wait = 0.1
+    model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=20)
+    cli = await RawNatsClient().connect(nats_server.url)
+    try:
+        async with (
+            Connection(edge_settings.nats, "req-edge") as edge_conn,
+            EdgeNode(
+                edge_settings, edge_conn, DeterministicBackend(model), HeuristicRouter()
+            ) as edge,
+        ):
+            body = {"prompt": prompt("req"), "max_tokens": 20, "route": "local"}
+            reply = asyncio.create_task(
+                cli.request(
+                    edge_infer_subject(edge_settings.edge.edge_id),
+                    json.dumps(body).encode(),
+                    timeout=10,
+                )
+            )
+
+            async def taken() -> bool:
+                return bool(edge.records.since(0.0))
+
+            await eventually(taken, 10, "the edge to take the request")
+            proxy.swallow()  # the one reply, when it is sent, goes nowhere
+
+            async def answered_here() -> bool:
+                return all(r.done for r in edge.records.since(0.0))
+
+            await eventually(answered_here, 10, "the edge to send its answer")
+            assert not reply.done(), "the reply came through a link that swallowed it"
+            proxy.cut(0.2)
+            answer = (await asyncio.wait_for(reply, 10)).json()
+            assert answer["t"] == "answer" and answer["text"] == expected_text("req", 20), answer
+    finally:
+        await cli.close()
         await proxy.stop()
 
 
