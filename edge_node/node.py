@@ -108,7 +108,7 @@ class EdgeNode(Lifecycle):
         self.nodes = NodeView(
             conn, settings.stream.node_ttl, pool=model_token(settings.edge.cloud_model)
         )
-        self.models = CloudModels(conn, settings.stream, self.nodes)
+        self.models = CloudModels(conn, settings.stream, self.nodes, self.scope)
         """Whether the cloud serves a model: the one rule (:mod:`edge_node.served`)."""
         self.site = (
             SiteStore(
@@ -256,6 +256,7 @@ class EdgeNode(Lifecycle):
         if self.site is not None:
             await self.site.stop()
         await stop_service(self._service, self.conn.settings.request_timeout)
+        await self.models.close()
         await self.nodes.stop()
         budget = self.budget
         if budget is not None:

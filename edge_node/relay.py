@@ -10,7 +10,9 @@ answer locally instead (``Fallback``), withdrawing the escalation so no worker s
 it:
 
 - queued: nobody started it within ``cloud_start_timeout``, or the registry shows no live worker
-  for the model (within ``node_ttl`` of the last one dying);
+  for the model: within ``node_ttl`` of the last one dying, or sooner, once the server says
+  nobody listens for the workers it shows (:meth:`CloudModels.ask_workers`, from a quarter
+  second unstarted);
 - started: no first token within ``cloud_first_token_timeout`` (a hung engine);
 - the serving worker is gone from the registry: at once if it had passed on nothing yet; else
   after waiting for another worker to continue the answer (``ack_wait`` plus a margin);
@@ -34,6 +36,7 @@ from mesh.config import EdgeSettings, StreamSettings, WorkerSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.queue import CloudCall
+from mesh.reader import WATCH_QUIET_S
 from mesh.tasks import raise_if_cancelled
 from mesh.tracing import Tracing
 from protocol.errors import DeadlineExceededError, ErrorCode, MeshError, UnavailableError
@@ -280,6 +283,8 @@ class CloudRelay:
                     raise self._give_up(
                         f"no worker started it within {start_timeout:g}s", "not_started"
                     )
+                if now - reader.last_event >= WATCH_QUIET_S:
+                    parts.models.ask_workers(model)  # is the fleet the registry shows there?
                 no_worker = parts.models.no_live_worker(model)
                 if no_worker is not None:
                     raise self._give_up(*no_worker)

@@ -10,16 +10,40 @@
 
 :meth:`CloudModels.cannot_serve` puts the two together for an escalation: the cloud cannot take
 a request for a model without a pool, nor for one the registry shows no live worker for.
+
+The registry learns of a worker killed outright only when its entry ages out (``node_ttl``, 3 s):
+meanwhile the edge would queue for a dead fleet and wait. So while a request waits unstarted,
+:meth:`CloudModels.ask_workers` asks each worker the registry shows for its model whether it is
+there (``mesh.v1.worker.<node>.alive...``, at most one round a second per model). A dead
+worker's subscriptions are gone, and the server itself answers "no responders": the view forgets
+it at once (:meth:`mesh.registry.NodeView.gone`), and with no worker left the edge answers
+locally. A worker that is merely busy answers, or says nothing in time: nothing is concluded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from typing import Protocol
+
+import nats.errors
 
 from mesh.config import StreamSettings
 from mesh.connection import Connection
+from mesh.logs import get_logger
 from mesh.provision import ServedModels
+from mesh.queue import ALIVE_WAIT_S
 from mesh.registry import NodeInfo
+from protocol.subjects import model_token, worker_alive_subject
+
+log = get_logger(__name__)
+ASK_EVERY_S = 1.0
+"""The least time between two rounds of questions to a model's workers (see the module)."""
+AGAIN_AFTER_S = 0.05
+"""A worker found gone is asked once more this much later before the view forgets it."""
+PROBE_ID = "anyone-there"
+"""The request id the questions name: no answer has it, so a worker only says it is there."""
 
 
 class RegistryView(Protocol):
@@ -31,11 +55,19 @@ class RegistryView(Protocol):
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None: ...
 
+    def gone(self, node_id: str) -> None: ...
+
 
 class CloudModels:
-    def __init__(self, conn: Connection, stream: StreamSettings, nodes: RegistryView) -> None:
+    def __init__(
+        self, conn: Connection, stream: StreamSettings, nodes: RegistryView, scope: str
+    ) -> None:
+        self._conn = conn
+        self._scope = scope
         self._deployed = ServedModels(conn.jsm, stream)
         self._nodes = nodes
+        self._asked: dict[str, float] = {}
+        self._asking: set[asyncio.Task[None]] = set()
 
     async def deployed(self, model: str) -> bool:
         """Whether a worker pool was deployed for ``model`` (yes when JetStream cannot tell)."""
@@ -58,3 +90,48 @@ class CloudModels:
         if self.live(model) is False:
             return f"no live worker serves {model!r}", "no_worker"
         return None
+
+    def ask_workers(self, model: str) -> None:
+        """Ask the workers the registry shows serving ``model`` whether they are there, in the
+        background, unless a round for it began less than ``ASK_EVERY_S`` ago; those the server
+        says nobody listens for are gone from the view."""
+        now = time.monotonic()
+        if now - self._asked.get(model, -ASK_EVERY_S) < ASK_EVERY_S or not self._conn.connected:
+            return
+        token = model_token(model)
+        nodes = [i.node_id for i in self._nodes.live() if token in map(model_token, i.models)]
+        if not nodes:
+            return
+        self._asked[model] = now
+        task = asyncio.get_running_loop().create_task(self._ask(nodes), name="ask-workers")
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
+
+    async def _ask(self, nodes: list[str]) -> None:
+        gone = await asyncio.gather(*(self._is_gone(node) for node in nodes))
+        for node, is_gone in zip(nodes, gone, strict=True):
+            if is_gone:
+                log.warning("a worker the registry shows is gone", worker=node)
+                self._nodes.gone(node)
+
+    async def _is_gone(self, node: str) -> bool:
+        """True only on the server's word, twice ``AGAIN_AFTER_S`` apart, that nobody listens
+        for ``node`` (a worker moving to another server is away for a few milliseconds)."""
+        subject = worker_alive_subject(node, self._scope, PROBE_ID)
+        for ask in range(2):
+            if ask:
+                await asyncio.sleep(AGAIN_AFTER_S)
+            try:
+                await self._conn.nc.request(subject, b"", timeout=ALIVE_WAIT_S)
+            except nats.errors.NoRespondersError:
+                continue
+            except (nats.errors.Error, asyncio.TimeoutError):
+                pass  # busy, standing still, or our own link is down: nothing proven
+            return False
+        return True
+
+    async def close(self) -> None:
+        for task in list(self._asking):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

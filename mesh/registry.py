@@ -310,6 +310,10 @@ class NodeView:
         self.pool = pool
         self._keys = f"worker.{pool}.>" if pool else "worker.>"
         self._nodes: dict[str, tuple[NodeInfo, float]] = {}
+        self._seqs: dict[str, int] = {}
+        """Each key's newest stream sequence applied."""
+        self._gone: dict[str, int] = {}
+        """Keys of workers found gone (:meth:`gone`): entries up to this sequence are old news."""
         self._ready = False
         self._sub: Subscription | None = None
         self._syncing: dict[str, int] | None = None
@@ -394,20 +398,36 @@ class NodeView:
     def _apply(self, key: str, msg: Msg) -> None:
         if not key or key.startswith(f"{HANDBACK}."):
             return  # a claim, not a node
+        seq = _sequence(msg)
         if self._syncing is not None:  # a read is under way: the newest of both wins
-            seq = _sequence(msg)
             if seq and seq <= self._syncing.get(key, 0):
                 return
             self._syncing[key] = seq
+        if key in self._gone:
+            if seq and seq <= self._gone[key]:
+                return  # written before the worker was found gone
+            del self._gone[key]
         if _deleted(msg):
             self._nodes.pop(key, None)
+            self._seqs.pop(key, None)
             return
+        self._seqs[key] = seq
         try:
             info = NodeInfo.model_validate_json(msg.data)
         except ValidationError:
             log.warning("ignoring malformed registry entry", key=key)
             return
         self._nodes[key] = (info, time.monotonic())
+
+    def gone(self, node_id: str) -> None:
+        """The server says nobody listens for worker ``node_id`` (its process died, or its link
+        is down): forget it now, not when its entry ages out (``ttl``). Its next heartbeat,
+        if it is there after all, brings it back; an entry it wrote before (read again after a
+        reconnect) does not."""
+        for key, (info, _seen) in list(self._nodes.items()):
+            if info.node_id == node_id:
+                del self._nodes[key]
+                self._gone[key] = self._seqs.get(key, 0)
 
     @property
     def ready(self) -> bool:

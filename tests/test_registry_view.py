@@ -285,3 +285,29 @@ async def test_an_edge_follows_the_registry_with_no_consumer_rights(
         assert await _consumers(conns["admin"]) == 0
         await beat.stop()
         await eventually(_is(view, "w1", False), timeout=1.5, what="w1's delete")
+
+
+async def test_a_worker_found_gone_is_forgotten_until_it_announces_itself_again(
+    conn: Connection,
+) -> None:
+    """The server said nobody listens for it: the view forgets it now, not after the ttl. Its
+    old entry, read again (as after a reconnect), does not bring it back; a new one does."""
+    kv = await open_bucket(conn, 30.0)
+    key = node_key("worker", "w1", "smollm2")
+    await kv.put(key, _value("w1"))
+    await kv.put(node_key("worker", "w2", "smollm2"), _value("w2"))
+    view = NodeView(conn, 30.0, pool="smollm2")
+    await view.start()
+    try:
+        assert _nodes(view) == {"w1", "w2"}
+        view.gone("w1")
+        assert _nodes(view) == {"w2"} and view.serves("smollm2") is True
+        view.gone("w2")
+        assert view.serves("smollm2") is False
+        await view._sync()  # the entries read again (as after a reconnect): old news
+        assert _nodes(view) == set()
+        await kv.put(key, _value("w1"))  # w1 was there after all: its next heartbeat
+        await eventually(_is(view, "w1", True), what="w1 back with its next heartbeat")
+        assert view.serves("smollm2") is True
+    finally:
+        await view.stop()

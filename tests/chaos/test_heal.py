@@ -88,6 +88,27 @@ async def test_fleet_killed_mid_answer_edge_answers_locally_long_before_ack_wait
     assert max(local) < WITHIN_S, cluster.logs()
 
 
+async def test_a_request_sent_just_after_the_fleet_died_is_answered_locally_at_once(
+    cluster: Cluster,
+) -> None:
+    """The registry still shows the killed worker for its ttl (3 s). A request that waits
+    unstarted has the edge ask the workers the registry shows whether they are there: the
+    server says nobody listens for the dead one, the view forgets it, and with no worker left
+    the edge answers locally. It used to wait for the entry to age out (3.01 s here)."""
+    doomed = await cluster.worker("only", slots=8)
+    await cluster.edge()
+    client = await cluster.client()
+    warm = await ask(client, "warm", 5, via="edge", route="cloud")
+    assert (warm.kind, warm.path) == ("correct", "cloud"), warm
+    doomed.kill()
+    began = time.monotonic()
+    outcome = await ask(client, "after", 5, via="edge", route="cloud")
+    waited = outcome.token_times[0] - began if outcome.token_times else None
+    print(f"\nfleet killed -> a new request's first (local) token: {waited}")
+    assert (outcome.kind, outcome.path) == ("correct", "local"), outcome
+    assert waited is not None and waited < 2.0, cluster.logs()
+
+
 async def test_a_frozen_worker_is_taken_over_long_before_ack_wait_and_lets_go(
     cluster: Cluster,
 ) -> None:

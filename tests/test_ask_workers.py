@@ -1,0 +1,74 @@
+"""The edge asks the workers its registry view shows whether they are there
+(:meth:`edge_node.served.CloudModels.ask_workers`): one the server says nobody listens for is
+forgotten at once; one that answers, one that is slow to answer, and one away for a moment (a
+worker moving to another server) are kept. Real nats-server; the workers are plain
+subscriptions on their ``alive`` subjects, as a worker's."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+
+from edge_node.served import AGAIN_AFTER_S, CloudModels
+from mesh.config import MeshSettings
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.registry import NodeInfo, NodeView, node_key, open_bucket
+from protocol.subjects import worker_alives
+from tests.helpers import eventually
+
+
+def _value(node: str) -> bytes:
+    info = NodeInfo(node_id=node, role="worker", models=["smollm2"], slots=2, free=0)
+    return info.model_dump_json().encode()
+
+
+async def test_the_edge_forgets_only_the_workers_the_server_says_are_gone(
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+) -> None:
+    kv = await open_bucket(conn, 30.0)
+    for node in ("alive", "slow", "moving", "dead"):
+        await kv.put(node_key("worker", node, "smollm2"), _value(node))
+    workers = await nats.connect(nats_server.url)
+    subs: list[Any] = []
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(b"{}")
+
+    async def answer_late(msg: Msg) -> None:
+        await asyncio.sleep(1.0)  # busy: later than the edge waits
+
+    subs.append(await workers.subscribe(worker_alives("alive"), cb=answer))
+    subs.append(await workers.subscribe(worker_alives("slow"), cb=answer_late))
+    await workers.flush()
+    view = NodeView(conn, 30.0, pool="smollm2")
+    await view.start()
+    models = CloudModels(conn, settings.stream, view, "scope-a")
+    try:
+        assert {i.node_id for i in view.live()} == {"alive", "slow", "moving", "dead"}
+
+        async def back_soon() -> None:  # "moving" is away at the first question only
+            await asyncio.sleep(AGAIN_AFTER_S / 2)
+            subs.append(await workers.subscribe(worker_alives("moving"), cb=answer))
+            await workers.flush()
+
+        moving = asyncio.create_task(back_soon())
+        models.ask_workers("smollm2")
+
+        async def dead_forgotten() -> bool:
+            return "dead" not in {i.node_id for i in view.live()}
+
+        await eventually(dead_forgotten, 5, "the dead worker forgotten")
+        await moving
+        await asyncio.gather(*models._asking)  # every question had its answer or its time
+        assert {i.node_id for i in view.live()} == {"alive", "slow", "moving"}
+        assert view.serves("smollm2") is True
+        models.ask_workers("smollm2")  # within a second of the last round: not asked again
+        assert not models._asking
+    finally:
+        await models.close()
+        await view.stop()
+        await workers.close()
