@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import nats.errors
+from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from mesh.config import MeshSettings, load_settings
@@ -38,7 +39,7 @@ from mesh.connection import Connection
 from mesh.lifecycle import Lifecycle
 from mesh.provision import ServedModels
 from mesh.queue import CloudCall
-from mesh.reader import AnswerReader, Repair
+from mesh.reader import AnswerReader, Repair, SourceGone
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
@@ -78,6 +79,9 @@ from protocol.subjects import (
 Via = Literal["edge", "cloud"]
 StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
+EDGE_GONE_AGAIN_S = 0.05
+"""An edge the server says nobody answers for is asked once more this much later (one moving
+to another server is away for a few milliseconds)."""
 """How long a request the edge was not subscribed for is sent again (an edge daemon restarting)
 before the client says nobody serves it."""
 
@@ -313,34 +317,44 @@ class MeshClient(Lifecycle):
         """Ask the edge to send our inbox the events we lack; they arrive on the subscription.
         An edge that does not know the request, when nothing of its answer came, never got it
         (it went out as our link dropped): it is sent again (the edge joins a request sent
-        twice into one answer). Anything of the answer came: the edge lost it, a typed error."""
+        twice into one answer). Anything of the answer came: the edge lost it, a typed error.
+
+        An edge nobody answers for (the server says so twice, ``EDGE_GONE_AGAIN_S`` apart) is
+        gone, and what it relayed with it: an answer under way ends at once in ``incomplete``,
+        not in the idle timeout's silence; one not begun is sent again (an edge restarted
+        under its id takes it; else the server's "no responders" ends it in ``unavailable``)."""
 
         async def repair(state: AnswerState) -> list[WireEvent]:
             payload = {"id": request_id, "inbox": inbox, "attempt": state.attempt}
             payload["seq"] = state.positions
-            try:
-                reply = await self.conn.nc.request(
-                    edge_resend_subject(self.edge_id),
-                    json.dumps(payload).encode(),
-                    timeout=self.conn.settings.request_timeout,
-                )
-            except nats.errors.NoRespondersError:
-                raise UnavailableError(f"edge {self.edge_id!r} is not reachable") from None
-            except (nats.errors.TimeoutError, nats.errors.Error) as exc:
-                raise UnavailableError(f"resend failed: {type(exc).__name__}") from None
-            with contextlib.suppress(ValueError):
-                if not json.loads(reply.data).get("known", True):
-                    if not state.started and not state.held:
-                        await send()
-                        return []
-                    raise IncompleteAnswerError(
-                        f"edge {self.edge_id!r} no longer knows request {request_id!r} "
-                        "(it restarted, or the answer aged out); retry",
-                        request_id=request_id,
-                    )
-            return []
+            reply = await self._ask_edge(edge_resend_subject(self.edge_id), payload)
+            if reply is not None and _knows(reply):
+                return []
+            if not state.started and not state.held:
+                await send()
+                return []
+            error = IncompleteAnswerError(
+                f"edge {self.edge_id!r} no longer knows request {request_id!r} (it "
+                f"{'is gone' if reply is None else 'restarted, or the answer aged out'}); retry",
+                request_id=request_id,
+            )
+            raise SourceGone(error)
 
         return repair
+
+    async def _ask_edge(self, subject: str, payload: dict[str, object]) -> Msg | None:
+        """The edge's reply; None when the server says, twice, that nobody answers for it."""
+        data, timeout = json.dumps(payload).encode(), self.conn.settings.request_timeout
+        for ask in range(2):
+            if ask:
+                await asyncio.sleep(EDGE_GONE_AGAIN_S)
+            try:
+                return await self.conn.nc.request(subject, data, timeout=timeout)
+            except nats.errors.NoRespondersError:
+                continue
+            except (nats.errors.TimeoutError, nats.errors.Error) as exc:
+                raise UnavailableError(f"resend failed: {type(exc).__name__}") from None
+        return None
 
     async def _via_cloud(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         model = request.model or self.settings.edge.cloud_model
@@ -408,3 +422,11 @@ class MeshClient(Lifecycle):
 
     start = connect
     stop = close
+
+
+def _knows(reply: Msg) -> bool:
+    """Whether an edge's reply to a resend says it knows the request (yes if it does not say)."""
+    try:
+        return bool(json.loads(reply.data).get("known", True))
+    except (ValueError, AttributeError):
+        return True

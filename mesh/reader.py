@@ -88,6 +88,16 @@ OFFLINE_LOOK_S = 0.05
 flight, all through a cut (``tests/test_reader_checks.py``)."""
 
 
+class SourceGone(Exception):
+    """Raised by a repair when the answer's source is gone for good (a dead edge holds what it
+    relayed in its memory only): the answer ends at once in ``error``, typed, instead of in
+    the caller's idle timeout, in silence."""
+
+    def __init__(self, error: MeshError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class AnswerReader:
     """Reads one subject. Messages go from a subscription callback into a bounded buffer of the
     reader's own (nats-py's ``next_msg`` costs a task per message); beyond ``pending_limit``
@@ -413,6 +423,9 @@ class AnswerReader:
         except IncompleteAnswerError as err:  # what was lost is gone for good
             log.warning("answer cannot be repaired", source=self.what, error=err.message)
             return self.state.fail(err).out
+        except SourceGone as gone:
+            log.warning("the answer's source is gone", source=self.what, error=str(gone))
+            return self.state.fail(gone.error).out
         except MeshError as err:
             log.info("repair failed; will retry", source=self.what, error=err.message)
             events = []

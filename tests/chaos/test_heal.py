@@ -109,6 +109,34 @@ async def test_a_request_sent_just_after_the_fleet_died_is_answered_locally_at_o
     assert waited is not None and waited < 2.0, cluster.logs()
 
 
+async def test_an_edge_killed_mid_answer_ends_its_clients_answers_typed_at_once(
+    cluster: Cluster,
+) -> None:
+    """What an edge relayed lived in its memory: killed, its answers cannot go on. Each client
+    ends in one typed ``incomplete`` a moment after its answer goes quiet (its reader's repair
+    finds nobody answering for the edge, twice), not in its idle timeout's silence (30 s here;
+    it used to be exactly that)."""
+    await cluster.worker("w", slots=8)
+    edge = await cluster.edge()
+    client = await cluster.client()  # idle timeout 30 s
+    started = [asyncio.Event() for _ in range(2)]
+    asks = [
+        ask(client, "viacloud", 150, via="edge", route="cloud", first_token=started[0]),
+        ask(client, "local", 600, via="edge", route="local", first_token=started[1]),
+    ]
+    pending = [asyncio.ensure_future(a) for a in asks]
+    await under_way(started)
+    assert_in_flight(pending)
+    edge.kill()
+    killed_at = time.monotonic()
+    tally = await _tally(pending)
+    ended = [round(time.monotonic() - killed_at, 2)]
+    print("\n" + tally.row("edge kill -9 mid-answer"), "kill -> the last typed error:", ended)
+    tally.assert_sound()
+    assert [(o.kind, o.detail) for o in tally.outcomes] == [("typed", "incomplete")] * 2, tally
+    assert ended[0] < WITHIN_S, ended
+
+
 async def test_a_frozen_worker_is_taken_over_long_before_ack_wait_and_lets_go(
     cluster: Cluster,
 ) -> None:
