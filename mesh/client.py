@@ -26,6 +26,7 @@ import hmac
 import itertools
 import json
 import secrets
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -79,6 +80,8 @@ from protocol.subjects import (
 Via = Literal["edge", "cloud"]
 StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
+EDGE_GONE_AFTER_S = 10.0
+"""How long an edge nobody answers for may be away mid-request, by default (see MeshClient)."""
 EDGE_GONE_AGAIN_S = 0.05
 """An edge the server says nobody answers for is asked once more this much later (one moving
 to another server is away for a few milliseconds)."""
@@ -111,9 +114,13 @@ class MeshClient(Lifecycle):
         first_event_timeout: float = 60.0,
         idle_timeout: float = 60.0,
         pending_limit: int | None = None,
+        edge_gone_after: float = EDGE_GONE_AFTER_S,
     ) -> None:
         """``pending_limit``: messages a stream's subscription buffers before NATS drops them
-        (a slow consumer); the SDK fetches dropped events again. nats-py's default when None."""
+        (a slow consumer); the SDK fetches dropped events again. nats-py's default when None.
+        ``edge_gone_after``: how long an edge nobody answers for mid-request may be away (its
+        link down) before its answer ends typed (``incomplete``, or ``unavailable`` when none
+        had begun): what it relayed lives in its memory only."""
         overrides: dict[tuple[str, ...], Any] = {
             ("nats", "url"): nats_url,
             ("edge", "edge_id"): edge_id,
@@ -124,6 +131,7 @@ class MeshClient(Lifecycle):
         self.edge_id = edge_id or self.settings.edge.edge_id
         self.first_event_timeout = first_event_timeout
         self.idle_timeout = idle_timeout
+        self.edge_gone_after = edge_gone_after
         self._own_conn = connection is None
         self.conn = connection or Connection(self.settings.nats, "mesh-client")
         self._pending_limit = pending_limit
@@ -320,25 +328,40 @@ class MeshClient(Lifecycle):
         twice into one answer). Anything of the answer came: the edge lost it, a typed error.
 
         An edge nobody answers for (the server says so twice, ``EDGE_GONE_AGAIN_S`` apart) is
-        gone, and what it relayed with it: an answer under way ends at once in ``incomplete``,
-        not in the idle timeout's silence; one not begun is sent again (an edge restarted
-        under its id takes it; else the server's "no responders" ends it in ``unavailable``)."""
+        away: its link is down, or it died, and what it relayed with it. The repair tries again
+        (the edge keeps its answers while its link is down); once nobody has answered for it for
+        ``edge_gone_after``, the answer ends typed, not in the idle timeout's silence."""
+        away_since: float | None = None
 
         async def repair(state: AnswerState) -> list[WireEvent]:
+            nonlocal away_since
             payload = {"id": request_id, "inbox": inbox, "attempt": state.attempt}
             payload["seq"] = state.positions
             reply = await self._ask_edge(edge_resend_subject(self.edge_id), payload)
-            if reply is not None and _knows(reply):
+            begun = state.started or bool(state.held)
+            if reply is None:
+                now = time.monotonic()
+                away_since = away_since or now
+                if now - away_since < self.edge_gone_after:
+                    raise UnavailableError(f"edge {self.edge_id!r} is not reachable")
+                why = f"nobody has answered for edge {self.edge_id!r} for {now - away_since:.0f}s"
+                if begun:
+                    lost = f"{why}: its answer is lost; retry"
+                    raise SourceGone(IncompleteAnswerError(lost, request_id=request_id))
+                raise SourceGone(UnavailableError(f"{why}; retry", request_id=request_id))
+            away_since = None
+            if _knows(reply):
                 return []
-            if not state.started and not state.held:
+            if not begun:
                 await send()
                 return []
-            error = IncompleteAnswerError(
-                f"edge {self.edge_id!r} no longer knows request {request_id!r} (it "
-                f"{'is gone' if reply is None else 'restarted, or the answer aged out'}); retry",
-                request_id=request_id,
+            raise SourceGone(
+                IncompleteAnswerError(
+                    f"edge {self.edge_id!r} no longer knows request {request_id!r} (it "
+                    "restarted, or the answer aged out); retry",
+                    request_id=request_id,
+                )
             )
-            raise SourceGone(error)
 
         return repair
 
