@@ -40,22 +40,31 @@ from tests.helpers import eventually
 from tests.nats_wire import RawNatsClient
 
 
+def _linked(url: str) -> MeshSettings:
+    """Settings for a process whose link may drop: it reconnects within a tenth of a second."""
+    settings = make_settings(url)
+    settings.nats.reconnect_wait = 0.1
+    return settings
+
+
+def _edge(settings: MeshSettings, conn: Connection, token_ms: float = 20) -> EdgeNode:
+    """An edge answering locally with the deterministic backend, ``token_ms`` a token."""
+    model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=token_ms)
+    return EdgeNode(settings, conn, DeterministicBackend(model), HeuristicRouter())
+
+
 async def test_a_tail_lost_in_the_edges_dying_link_reaches_its_client_once_the_link_is_back(
     nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("mesh.reader._QUIET_FIRST_S", 30.0)  # only the edge's resync can heal
     proxy = await TcpProxy(nats_server.port).start()
-    edge_settings = make_settings(proxy.url)
-    edge_settings.nats.reconnect_wait = 0.1
+    edge_settings = _linked(proxy.url)
     client_settings = make_settings(nats_server.url)
     client_settings.edge.edge_id = edge_settings.edge.edge_id
-    model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=20)
     try:
         async with (
             Connection(edge_settings.nats, "resync-edge") as edge_conn,
-            EdgeNode(
-                edge_settings, edge_conn, DeterministicBackend(model), HeuristicRouter()
-            ) as edge,
+            _edge(edge_settings, edge_conn) as edge,
             MeshClient(settings=client_settings, first_event_timeout=30, idle_timeout=30) as client,
         ):
             started = asyncio.Event()
@@ -93,16 +102,12 @@ async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once
 ) -> None:
     """What the `nats` CLI does: JSON in, one JSON reply, no msgpack, no resend of its own."""
     proxy = await TcpProxy(nats_server.port).start()
-    edge_settings = make_settings(proxy.url)
-    edge_settings.nats.reconnect_wait = 0.1
-    model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=20)
+    edge_settings = _linked(proxy.url)
     cli = await RawNatsClient().connect(nats_server.url)
     try:
         async with (
             Connection(edge_settings.nats, "req-edge") as edge_conn,
-            EdgeNode(
-                edge_settings, edge_conn, DeterministicBackend(model), HeuristicRouter()
-            ) as edge,
+            _edge(edge_settings, edge_conn) as edge,
         ):
             body = {"prompt": prompt("req"), "max_tokens": 20, "route": "local"}
             reply = asyncio.create_task(
@@ -138,14 +143,12 @@ async def test_a_request_lost_in_the_clients_dying_link_is_sent_again_once_the_l
     monkeypatch.setattr("mesh.reader._QUIET_FIRST_S", 30.0)
     proxy = await TcpProxy(nats_server.port).start()
     edge_settings = make_settings(nats_server.url)
-    client_settings = make_settings(proxy.url)
+    client_settings = _linked(proxy.url)
     client_settings.edge.edge_id = edge_settings.edge.edge_id
-    client_settings.nats.reconnect_wait = 0.1
-    model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=5)
     try:
         async with (
             Connection(edge_settings.nats, "resend-edge") as edge_conn,
-            EdgeNode(edge_settings, edge_conn, DeterministicBackend(model), HeuristicRouter()),
+            _edge(edge_settings, edge_conn, token_ms=5),
             MeshClient(settings=client_settings, first_event_timeout=30, idle_timeout=30) as client,
         ):
             proxy.swallow()
@@ -168,8 +171,7 @@ async def test_a_request_to_the_queue_lost_in_the_clients_dying_link_is_queued_o
     nats_server: NatsServer, settings: MeshSettings, conn: Connection
 ) -> None:
     proxy = await TcpProxy(nats_server.port).start()
-    client_settings = make_settings(proxy.url)
-    client_settings.nats.reconnect_wait = 0.1
+    client_settings = _linked(proxy.url)
     model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=5)
     try:
         async with (

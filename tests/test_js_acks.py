@@ -5,8 +5,10 @@ connection's read loop, against a real nats-server. Each outcome is the one nats
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import nats.errors
 import pytest
@@ -17,6 +19,21 @@ from mesh.nats_server import NatsServer
 from mesh.testing.proxy import TcpProxy
 from tests.conftest import make_settings
 from tests.helpers import eventually
+
+
+@contextlib.asynccontextmanager
+async def _through_a_proxy(
+    server: NatsServer, name: str
+) -> AsyncIterator[tuple[TcpProxy, Connection]]:
+    """A connection whose link goes through a proxy (to cut), reconnecting within 0.1 s."""
+    proxy = await TcpProxy(server.port).start()
+    settings = make_settings(proxy.url)
+    settings.nats.reconnect_wait = 0.1
+    try:
+        async with Connection(settings.nats, name) as conn:
+            yield proxy, conn
+    finally:
+        await proxy.stop()
 
 
 async def test_acks_name_the_stream_and_the_sequence_and_each_publish_gets_its_own(
@@ -75,22 +92,16 @@ async def test_publishes_are_acked_again_after_the_link_comes_back(
 ) -> None:
     """The acks' subscription is a plain one: nats-py restores it with the connection."""
     name, subject = js_stream
-    proxy = await TcpProxy(nats_server.port).start()
-    settings = make_settings(proxy.url)
-    settings.nats.reconnect_wait = 0.1
-    try:
-        async with Connection(settings.nats, "acks-cut") as cut:
-            assert (await cut.publish_acked(f"{subject}.a", b"before", stream=name)).seq == 1
-            proxy.cut(1.0)
+    async with _through_a_proxy(nats_server, "acks-cut") as (proxy, cut):
+        assert (await cut.publish_acked(f"{subject}.a", b"before", stream=name)).seq == 1
+        proxy.cut(1.0)
 
-            async def back() -> bool:
-                return cut.reconnects >= 1 and cut.connected
+        async def back() -> bool:
+            return cut.reconnects >= 1 and cut.connected
 
-            await eventually(back, 10, "the link back")
-            ack = await cut.publish_acked(f"{subject}.a", b"after", stream=name)
-            assert ack.seq == 2 and not ack.duplicate
-    finally:
-        await proxy.stop()
+        await eventually(back, 10, "the link back")
+        ack = await cut.publish_acked(f"{subject}.a", b"after", stream=name)
+        assert ack.seq == 2 and not ack.duplicate
 
 
 async def test_a_publish_lost_in_the_dying_link_is_published_again_once_the_link_is_back(
@@ -99,38 +110,32 @@ async def test_a_publish_lost_in_the_dying_link_is_published_again_once_the_link
     """With a message id, it is published again on the reconnect and acked at once, stored
     once; without one, it is left to its timeout (published twice it could be stored twice)."""
     name, subject = js_stream
-    proxy = await TcpProxy(nats_server.port).start()
-    settings = make_settings(proxy.url)
-    settings.nats.reconnect_wait = 0.1
-    try:
-        async with Connection(settings.nats, "acks-lost") as cut:
-            await cut.publish_acked(f"{subject}.warm", b"subscribed", stream=name)
-            proxy.swallow()
-            with_id = asyncio.create_task(
-                cut.publish_acked(
-                    f"{subject}.a", b"kept", stream=name, headers={"Nats-Msg-Id": "m1"}, timeout=30
-                )
+    async with _through_a_proxy(nats_server, "acks-lost") as (proxy, cut):
+        await cut.publish_acked(f"{subject}.warm", b"subscribed", stream=name)
+        proxy.swallow()
+        with_id = asyncio.create_task(
+            cut.publish_acked(
+                f"{subject}.a", b"kept", stream=name, headers={"Nats-Msg-Id": "m1"}, timeout=30
             )
-            without = asyncio.create_task(
-                cut.publish_acked(f"{subject}.b", b"left", stream=name, timeout=3)
-            )
+        )
+        without = asyncio.create_task(
+            cut.publish_acked(f"{subject}.b", b"left", stream=name, timeout=3)
+        )
 
-            async def both_swallowed() -> bool:
-                return b"kept" in proxy.swallowed and b"left" in proxy.swallowed
+        async def both_swallowed() -> bool:
+            return b"kept" in proxy.swallowed and b"left" in proxy.swallowed
 
-            await eventually(both_swallowed, 10, "both publishes to go into the dying link")
-            proxy.cut(0.2)
-            began = time.monotonic()
-            ack = await asyncio.wait_for(with_id, 10)
-            took = time.monotonic() - began
-            print(f"\nthe link cut -> the ack of the publish sent again: {took:.3f} s")
-            assert ack.seq == 2 and not ack.duplicate
-            with pytest.raises(nats.errors.TimeoutError):
-                await without
-            info = await cut.jsm().stream_info(name)
-            assert info.state.messages == 2  # the warm-up, and the one published again once
-    finally:
-        await proxy.stop()
+        await eventually(both_swallowed, 10, "both publishes to go into the dying link")
+        proxy.cut(0.2)
+        began = time.monotonic()
+        ack = await asyncio.wait_for(with_id, 10)
+        took = time.monotonic() - began
+        print(f"\nthe link cut -> the ack of the publish sent again: {took:.3f} s")
+        assert ack.seq == 2 and not ack.duplicate
+        with pytest.raises(nats.errors.TimeoutError):
+            await without
+        info = await cut.jsm().stream_info(name)
+        assert info.state.messages == 2  # the warm-up, and the one published again once
 
 
 async def test_before_connect_and_after_close_it_says_so(nats_server: NatsServer) -> None:
