@@ -11,6 +11,9 @@ exactly. For each fault, the wait from the fault to the first token the client g
 - **SIGTERM**: the same worker is stopped, as a rolling restart stops each in turn: it hands its
   answers over (or drains them) while another has room;
 - **fleet death**: every worker dies mid-answer; the edge answers locally (first local token);
+- **fleet gone**: every worker dies, and requests are sent right after, while the registry still
+  shows the dead worker (its ttl); the edge answers them locally (from the kill to the first
+  local token);
 - **engine hang**: the engine stops producing tokens mid-answer while the worker lives; the edge
   answers locally;
 - **the hub**, 3 nodes with R3 streams: the stream leader killed (an election), then every node
@@ -55,7 +58,9 @@ TOKENS = 100
 """Per answer: 2 s at 20 ms a token; the fault lands 0.6 s in."""
 FREEZE_S = 3.0
 ON_THE_WIRE_S = 0.05
-FAULTS = ("kill -9", "freeze", "SIGTERM", "fleet death", "engine hang")
+FAULTS = ("kill -9", "freeze", "SIGTERM", "fleet death", "fleet gone", "engine hang")
+EDGE_ONLY = ("fleet death", "fleet gone", "engine hang")
+"""Faults only an edge can answer for (locally): every ask goes via it."""
 HUB_KILLS = 3
 """Stream-leader kills on the 3-node hub (each costs an election: 6 to 7 s here)."""
 HANG = "[hang-after:30]"
@@ -129,6 +134,17 @@ async def _round(tmp: Path, fault: str, n: int) -> tuple[list[Outcome], float, f
             ]
             struck = time.monotonic() + HANG_AFTER_S  # about when the engine stops
             return list(await asyncio.gather(*hung)), struck, None
+        if fault == "fleet gone":
+            warm = await ask(mesh.client, f"g{n}w", 4, via="edge", route="cloud")
+            if (warm.kind, warm.path) != ("correct", "cloud"):
+                raise RuntimeError(f"the cloud did not answer before the fault: {warm}")
+            doomed.kill()
+            struck = time.monotonic()
+            after = [
+                ask(mesh.client, f"g{n}e{i}", TOKENS, via="edge", route="cloud")
+                for i in range(REQUESTS)
+            ]
+            return list(await asyncio.gather(*after)), struck, None
         pending: list[asyncio.Future[Outcome]]
         if fault == "fleet death":  # only the edge can answer instead: every ask goes via it
             pending = [
@@ -253,7 +269,7 @@ async def run(rounds: int = ROUNDS) -> dict[str, Any]:
             for i, outcome in enumerate(outcomes):
                 kinds[outcome.kind] = kinds.get(outcome.kind, 0) + 1
                 wait = _wait(outcome, struck)
-                alone = fault in ("fleet death", "engine hang")
+                alone = fault in EDGE_ONLY
                 via = "edge" if alone or i >= REQUESTS // 2 else "sdk"
                 if wait is not None:
                     waits[via].append(wait)
@@ -265,7 +281,7 @@ async def run(rounds: int = ROUNDS) -> dict[str, Any]:
                 "max_s": max(w) if w else None,
             }
             for via, w in waits.items()
-            if w or fault not in ("fleet death", "engine hang")
+            if w or fault not in EDGE_ONLY
         }
         results[fault]["answers"] = kinds
         if stops:
