@@ -49,7 +49,7 @@ from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger, trace_id
 from mesh.loop_lag import LoopLag
 from mesh.metrics import NatsMetrics, exposition, watch_gc
-from mesh.registry import NodeView
+from mesh.node_view import NodeView
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
 from protocol.codec import error_event

@@ -16,7 +16,7 @@ meanwhile the edge would queue for a dead fleet and wait. So while a request wai
 :meth:`CloudModels.ask_workers` asks each worker the registry shows for its model whether it is
 there (``mesh.v1.worker.<node>.alive...``, at most one round a second per model). A dead
 worker's subscriptions are gone, and the server itself answers "no responders": the view forgets
-it at once (:meth:`mesh.registry.NodeView.gone`), and with no worker left the edge answers
+it at once (:meth:`mesh.node_view.NodeView.gone`), and with no worker left the edge answers
 locally. A worker that is merely busy answers, or says nothing in time: nothing is concluded.
 """
 
@@ -47,7 +47,7 @@ PROBE_ID = "anyone-there"
 
 
 class RegistryView(Protocol):
-    """What the edge reads of the node registry (:class:`mesh.registry.NodeView`)."""
+    """What the edge reads of the node registry (:class:`mesh.node_view.NodeView`)."""
 
     def live(self, role: str = "worker") -> list[NodeInfo]: ...
 

@@ -20,7 +20,8 @@ a writer (a worker, passing its ``stream`` settings) adds either to an older buc
 it. A heartbeat that finds the bucket gone (a server restart lost it, or someone deleted it)
 creates it again, and a view reads it afresh after every reconnect, so the registry comes back
 by itself. A view on a bucket without republish yet stays not ready (it cannot follow it without
-a consumer) and tries again until a writer has added it.
+a consumer) and tries again until a writer has added it. The view is
+:class:`mesh.node_view.NodeView`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from typing import Any, Literal
 
 import nats.errors
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import api
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
@@ -100,7 +100,7 @@ async def open_bucket(
     with its replicas and placement, and an existing one moved to its replica count and given
     republish and direct gets when it lacks them (a stream update: only writers may)."""
     js = conn.js
-    with _jetstream_errors("opening"):
+    with jetstream_errors("opening"):
         try:
             kv = await js.key_value(NODES_BUCKET)
         except BucketNotFoundError:
@@ -142,7 +142,7 @@ def lacks(config: api.StreamConfig) -> list[str]:
 
 
 @contextlib.contextmanager
-def _jetstream_errors(doing: str) -> Iterator[None]:
+def jetstream_errors(doing: str) -> Iterator[None]:
     """JetStream's failures as the mesh's typed errors."""
     try:
         yield
@@ -237,7 +237,7 @@ async def read_entries(conn: Connection, key_filter: str) -> list[Msg]:
     request: dict[str, Any] = {"multi_last": [f"{KEYS}.{key_filter}"], "batch": SNAPSHOT_BATCH}
     timeout = conn.settings.request_timeout
     entries: list[Msg] = []
-    with _jetstream_errors("reading"):
+    with jetstream_errors("reading"):
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         try:
@@ -276,224 +276,17 @@ async def live_workers(conn: Connection, pool: str | None = None) -> list[NodeIn
     a consumer: what a worker asks before handing its answers over on a stop."""
     infos = []
     for msg in await read_entries(conn, f"worker.{pool}.>" if pool else "worker.>"):
-        if _deleted(msg):
+        if is_deleted(msg):
             continue
         with contextlib.suppress(ValidationError):
             infos.append(NodeInfo.model_validate_json(msg.data))
     return infos
 
 
-def _deleted(msg: Msg) -> bool:
+def is_deleted(msg: Msg) -> bool:
     headers = msg.headers or {}
     return (
         headers.get(KV_OP) in (KV_DEL, KV_PURGE)
         or "Nats-Marker-Reason" in headers  # a subject delete marker (an expiry)
         or not msg.data
     )
-
-
-class NodeView:
-    """An edge's live view of the registry. ``serves(model)`` is None until the first full
-    snapshot arrives (then callers cannot tell and should not guess), else True/False.
-
-    With ``pool`` (a model's subject token) it follows that pool's workers only: each worker's
-    heartbeat then reaches the edges of its own pool, not every edge of the mesh, and questions
-    about other models are answered None (cannot tell). Without, it follows every worker.
-
-    It creates no consumer: it subscribes to the bucket's republished updates
-    (``mesh.v1.reg.worker.<pool>.>``), then reads the entries with a batched direct get (see
-    the module's doc); again after every reconnect."""
-
-    def __init__(self, conn: Connection, ttl: float, pool: str | None = None) -> None:
-        self._conn = conn
-        self._ttl = ttl
-        self.pool = pool
-        self._keys = f"worker.{pool}.>" if pool else "worker.>"
-        self._nodes: dict[str, tuple[NodeInfo, float]] = {}
-        self._seqs: dict[str, int] = {}
-        """Each key's newest stream sequence applied."""
-        self._gone: dict[str, int] = {}
-        """Keys of workers found gone (:meth:`gone`): entries up to this sequence are old news."""
-        self._ready = False
-        self._sub: Subscription | None = None
-        self._syncing: dict[str, int] | None = None
-        """While a snapshot is read: each key's newest stream sequence seen, live or read."""
-        self._lock = asyncio.Lock()
-        self._retry: asyncio.Task[None] | None = None
-        self._undo_reconnect: Any = None
-        self._reconnected_at = -float("inf")
-
-    async def start(self) -> None:
-        """Follow the registry. Raises (a :class:`MeshError`) when it cannot be read now (no
-        JetStream, or the bucket has no republish yet): the view then tries again by itself,
-        and is not ready meanwhile."""
-        self._undo_reconnect = self._conn.on_reconnect("registry watch", self._rewatch)
-        try:
-            await self._sync()
-        except MeshError:
-            self._retry = asyncio.get_running_loop().create_task(
-                self._sync_until_done(), name="registry-sync"
-            )
-            raise
-
-    async def _rewatch(self) -> None:
-        """After a reconnect the bucket may have been recreated, and updates were missed: read
-        it afresh. Entries seen before stay until they age out; a live worker refreshes its own
-        within a heartbeat. Raises when it cannot be read now (an election, no quorum, no
-        republish yet): the connection's recovery tries again until it can, and the view is
-        not ready meanwhile."""
-        self._reconnected_at = time.monotonic()
-        self._ready = False
-        await self._stop_retry()
-        await self._sync()
-
-    async def _sync_until_done(self) -> None:
-        delay = 0.1
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                await self._sync()
-            except MeshError as exc:
-                log.debug("node registry still unavailable", error=exc.message)
-                delay = min(delay * 2, RETRY_MAX_DELAY)
-            else:
-                log.info("node registry followed")
-                return
-
-    async def _sync(self) -> None:
-        """Subscribe to the updates (once: the client subscribes again after each reconnect),
-        then read the entries, then be ready."""
-        async with self._lock:
-            try:
-                with _jetstream_errors("opening"):
-                    try:
-                        missing = lacks((await self._conn.jsm().stream_info(NODES_STREAM)).config)
-                    except nats.js.errors.NotFoundError:
-                        await open_bucket(self._conn, self._ttl)  # created with what it needs
-                        missing = []
-                if missing:
-                    raise UnavailableError(
-                        f"node registry bucket lacks {' and '.join(missing)}: a worker adds it "
-                        "when it starts (edges follow the registry without a consumer)"
-                    )
-                if self._sub is None:
-                    self._sub = await self._conn.nc.subscribe(
-                        f"{REGISTRY_UPDATES}.{self._keys}", cb=self._on_update
-                    )
-                self._syncing = {}
-                for msg in await read_entries(self._conn, self._keys):
-                    self._apply(_key_of(msg.headers or {}), msg)
-            except nats.errors.Error as exc:  # not connected, or a subscription refused
-                raise UnavailableError(f"node registry unavailable: {exc!r}") from None
-            finally:
-                self._syncing = None
-            self._ready = True
-
-    async def _on_update(self, msg: Msg) -> None:
-        key = msg.subject[
-            len(REGISTRY_UPDATES) + 1 :
-        ]  # the subject, as permitted: not a header's say
-        self._apply(key, msg)
-
-    def _apply(self, key: str, msg: Msg) -> None:
-        if not key or key.startswith(f"{HANDBACK}."):
-            return  # a claim, not a node
-        seq = _sequence(msg)
-        if self._syncing is not None:  # a read is under way: the newest of both wins
-            if seq and seq <= self._syncing.get(key, 0):
-                return
-            self._syncing[key] = seq
-        if key in self._gone:
-            if seq and seq <= self._gone[key]:
-                return  # written before the worker was found gone
-            del self._gone[key]
-        if _deleted(msg):
-            self._nodes.pop(key, None)
-            self._seqs.pop(key, None)
-            return
-        self._seqs[key] = seq
-        try:
-            info = NodeInfo.model_validate_json(msg.data)
-        except ValidationError:
-            log.warning("ignoring malformed registry entry", key=key)
-            return
-        self._nodes[key] = (info, time.monotonic())
-
-    def gone(self, node_id: str) -> None:
-        """The server says nobody listens for worker ``node_id`` (its process died, or its link
-        is down): forget it now, not when its entry ages out (``ttl``). Its next heartbeat,
-        if it is there after all, brings it back; an entry it wrote before (read again after a
-        reconnect) does not."""
-        for key, (info, _seen) in list(self._nodes.items()):
-            if info.node_id == node_id:
-                del self._nodes[key]
-                self._gone[key] = self._seqs.get(key, 0)
-
-    @property
-    def ready(self) -> bool:
-        """True when the view can be trusted: the initial snapshot arrived, the connection is
-        up, and since the last reconnect every live node has had ``ttl`` to announce itself
-        again (while cut off, the view only ages: it cannot tell who died)."""
-        return (
-            self._ready
-            and self._conn.connected
-            and time.monotonic() - self._reconnected_at >= self._ttl
-        )
-
-    def live(self, role: str = "worker") -> list[NodeInfo]:
-        now = time.monotonic()
-        return [
-            info
-            for info, seen in self._nodes.values()
-            if info.role == role and now - seen < self._ttl
-        ]
-
-    def serves(self, model: str) -> bool | None:
-        token = model_token(model)
-        if not self.ready or (self.pool is not None and token != self.pool):
-            return None
-        return any(token in {model_token(m) for m in info.models} for info in self.live())
-
-    def is_live(self, node_id: str, model: str | None = None) -> bool | None:
-        """Whether the worker ``node_id`` (serving ``model``) announced itself within
-        ``node_ttl``; None when the view cannot tell (yet, or not for that model's pool)."""
-        if not self.ready:
-            return None
-        if self.pool is not None and (model is None or model_token(model) != self.pool):
-            return None
-        now = time.monotonic()
-        return any(
-            info.node_id == node_id and now - seen < self._ttl
-            for info, seen in self._nodes.values()
-        )
-
-    async def stop(self) -> None:
-        if self._undo_reconnect is not None:
-            self._undo_reconnect()
-            self._undo_reconnect = None
-        await self._stop_retry()
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
-        self._ready = False
-
-    async def _stop_retry(self) -> None:
-        task, self._retry = self._retry, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-def _sequence(msg: Msg) -> int:
-    """The stream sequence of a republished update or a direct get's reply; 0 if none."""
-    with contextlib.suppress(ValueError):
-        return int((msg.headers or {}).get("Nats-Sequence", "0"))
-    return 0
-
-
-def _key_of(headers: dict[str, str]) -> str:
-    """The key a direct get's reply is for (``Nats-Subject: $KV.mesh_nodes.<key>``)."""
-    subject = headers.get("Nats-Subject", "")
-    return subject[len(KEYS) + 1 :] if subject.startswith(f"{KEYS}.") else ""

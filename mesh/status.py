@@ -21,7 +21,7 @@ from nats.js.errors import NotFoundError
 
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.registry import NodeView
+from mesh.node_view import NodeView
 from protocol.subjects import EDGE_STATUS_WILDCARD, STATUS_ASK, model_token
 
 

@@ -16,7 +16,8 @@ from edge_node.served import AGAIN_AFTER_S, CloudModels
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.registry import NodeInfo, NodeView, node_key, open_bucket
+from mesh.node_view import NodeView
+from mesh.registry import NodeInfo, node_key, open_bucket
 from protocol.subjects import worker_alives
 from tests.helpers import eventually
 

@@ -8,7 +8,7 @@ from cloud_node.worker import Worker
 from mesh.backends.llama_cpp import LlamaCppBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.registry import NodeView
+from mesh.node_view import NodeView
 from tests.helpers import eventually
 
 

@@ -12,14 +12,15 @@ from typing import Any
 import pytest
 from nats.js import api
 
+import mesh.node_view
 import mesh.registry
 from mesh.config import MeshSettings, StreamSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
+from mesh.node_view import NodeView
 from mesh.registry import (
     Heartbeat,
     NodeInfo,
-    NodeView,
     live_workers,
     node_key,
     open_bucket,
@@ -125,7 +126,7 @@ async def test_an_update_heard_during_the_read_wins_over_the_older_entry_read(
     key = node_key("worker", "w1", "smollm2")
     await kv.put(key, _value("w1", free=2))
     view = NodeView(conn, 30.0, pool="smollm2")
-    read = mesh.registry.read_entries
+    read = mesh.node_view.read_entries
 
     async def read_then_a_put_lands(c: Connection, keys: str) -> list[Any]:
         entries = await read(c, keys)  # free=2, read
@@ -137,7 +138,7 @@ async def test_an_update_heard_during_the_read_wins_over_the_older_entry_read(
         await eventually(heard, what="the live update")
         return entries  # the older entry arrives after the newer update
 
-    monkeypatch.setattr(mesh.registry, "read_entries", read_then_a_put_lands)
+    monkeypatch.setattr(mesh.node_view, "read_entries", read_then_a_put_lands)
     await view.start()
     try:
         assert [i.free for i in view.live()] == [0]
