@@ -30,7 +30,7 @@ from typing import Protocol
 import nats.errors
 
 from mesh.config import StreamSettings
-from mesh.connection import Connection
+from mesh.connection import Connection, request_or_nobody
 from mesh.logs import get_logger
 from mesh.provision import ServedModels
 from mesh.queue import ALIVE_WAIT_S
@@ -40,8 +40,6 @@ from protocol.subjects import model_token, worker_alive_subject
 log = get_logger(__name__)
 ASK_EVERY_S = 1.0
 """The least time between two rounds of questions to a model's workers (see the module)."""
-AGAIN_AFTER_S = 0.05
-"""A worker found gone is asked once more this much later before the view forgets it."""
 PROBE_ID = "anyone-there"
 """The request id the questions name: no answer has it, so a worker only says it is there."""
 
@@ -115,20 +113,12 @@ class CloudModels:
                 self._nodes.gone(node)
 
     async def _is_gone(self, node: str) -> bool:
-        """True only on the server's word, twice ``AGAIN_AFTER_S`` apart, that nobody listens
-        for ``node`` (a worker moving to another server is away for a few milliseconds)."""
+        """True only on the server's word, twice, that nobody listens for ``node``."""
         subject = worker_alive_subject(node, self._scope, PROBE_ID)
-        for ask in range(2):
-            if ask:
-                await asyncio.sleep(AGAIN_AFTER_S)
-            try:
-                await self._conn.nc.request(subject, b"", timeout=ALIVE_WAIT_S)
-            except nats.errors.NoRespondersError:
-                continue
-            except (nats.errors.Error, asyncio.TimeoutError):
-                pass  # busy, standing still, or our own link is down: nothing proven
-            return False
-        return True
+        try:
+            return await request_or_nobody(self._conn.nc, subject, b"", ALIVE_WAIT_S) is None
+        except (nats.errors.Error, asyncio.TimeoutError):
+            return False  # busy, standing still, or our own link is down: nothing proven
 
     async def close(self) -> None:
         for task in list(self._asking):

@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from mesh.config import MeshSettings, load_settings
-from mesh.connection import Connection
+from mesh.connection import Connection, request_or_nobody
 from mesh.lifecycle import Lifecycle
 from mesh.provision import ServedModels
 from mesh.queue import CloudCall
@@ -82,9 +82,6 @@ StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
 EDGE_GONE_AFTER_S = 10.0
 """How long an edge nobody answers for may be away mid-request, by default (see MeshClient)."""
-EDGE_GONE_AGAIN_S = 0.05
-"""An edge the server says nobody answers for is asked once more this much later (one moving
-to another server is away for a few milliseconds)."""
 """How long a request the edge was not subscribed for is sent again (an edge daemon restarting)
 before the client says nobody serves it."""
 
@@ -327,7 +324,7 @@ class MeshClient(Lifecycle):
         (it went out as our link dropped): it is sent again (the edge joins a request sent
         twice into one answer). Anything of the answer came: the edge lost it, a typed error.
 
-        An edge nobody answers for (the server says so twice, ``EDGE_GONE_AGAIN_S`` apart) is
+        An edge nobody answers for (the server says so twice: :func:`request_or_nobody`) is
         away: its link is down, or it died, and what it relayed with it. The repair tries again
         (the edge keeps its answers while its link is down); once nobody has answered for it for
         ``edge_gone_after``, the answer ends typed, not in the idle timeout's silence."""
@@ -368,16 +365,10 @@ class MeshClient(Lifecycle):
     async def _ask_edge(self, subject: str, payload: dict[str, object]) -> Msg | None:
         """The edge's reply; None when the server says, twice, that nobody answers for it."""
         data, timeout = json.dumps(payload).encode(), self.conn.settings.request_timeout
-        for ask in range(2):
-            if ask:
-                await asyncio.sleep(EDGE_GONE_AGAIN_S)
-            try:
-                return await self.conn.nc.request(subject, data, timeout=timeout)
-            except nats.errors.NoRespondersError:
-                continue
-            except (nats.errors.TimeoutError, nats.errors.Error) as exc:
-                raise UnavailableError(f"resend failed: {type(exc).__name__}") from None
-        return None
+        try:
+            return await request_or_nobody(self.conn.nc, subject, data, timeout)
+        except (nats.errors.TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError(f"resend failed: {type(exc).__name__}") from None
 
     async def _via_cloud(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         model = request.model or self.settings.edge.cloud_model

@@ -18,6 +18,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.manager import JetStreamManager
 from nats.micro.service import Service
@@ -272,6 +273,25 @@ class Connection(Lifecycle):
 
     start = connect
     stop = close
+
+
+NOBODY_AGAIN_S = 0.05
+"""A subject the server says nobody listens on is asked once more this much later before that
+is believed (a process moving to another server is away for a few milliseconds)."""
+
+
+async def request_or_nobody(nc: Client, subject: str, data: bytes, timeout: float) -> Msg | None:
+    """The reply to a request; None when the server says nobody listens on ``subject``, twice,
+    ``NOBODY_AGAIN_S`` apart (the process behind it is gone, or its link is down). Any other
+    failure raises, as ``nc.request`` does: no word in time proves nothing."""
+    for ask in range(2):
+        if ask:
+            await asyncio.sleep(NOBODY_AGAIN_S)
+        try:
+            return await nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            continue
+    return None
 
 
 async def stop_service(service: Service | None, timeout: float) -> None:

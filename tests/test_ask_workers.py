@@ -12,9 +12,9 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
-from edge_node.served import AGAIN_AFTER_S, CloudModels
+from edge_node.served import CloudModels
 from mesh.config import MeshSettings
-from mesh.connection import Connection
+from mesh.connection import NOBODY_AGAIN_S, Connection
 from mesh.nats_server import NatsServer
 from mesh.node_view import NodeView
 from mesh.registry import NodeInfo, node_key, open_bucket
@@ -52,7 +52,7 @@ async def test_the_edge_forgets_only_the_workers_the_server_says_are_gone(
         assert {i.node_id for i in view.live()} == {"alive", "slow", "moving", "dead"}
 
         async def back_soon() -> None:  # "moving" is away at the first question only
-            await asyncio.sleep(AGAIN_AFTER_S / 2)
+            await asyncio.sleep(NOBODY_AGAIN_S / 2)
             subs.append(await workers.subscribe(worker_alives("moving"), cb=answer))
             await workers.flush()
 
