@@ -80,10 +80,10 @@ from protocol.subjects import (
 Via = Literal["edge", "cloud"]
 StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
-EDGE_GONE_AFTER_S = 10.0
-"""How long an edge nobody answers for may be away mid-request, by default (see MeshClient)."""
 """How long a request the edge was not subscribed for is sent again (an edge daemon restarting)
 before the client says nobody serves it."""
+EDGE_GONE_AFTER_S = 10.0
+"""How long an edge nobody answers for may be away mid-request, by default (see MeshClient)."""
 
 
 @dataclass

@@ -44,7 +44,7 @@ from mesh.inline_sub import subscribe_inline
 from mesh.logs import get_logger
 from mesh.tasks import raise_if_cancelled
 from protocol.codec import decode_event, message_token_fields
-from protocol.errors import IncompleteAnswerError, MeshError, UnavailableError
+from protocol.errors import MeshError, UnavailableError
 from protocol.messages import Answer, TokenEvent, WireEvent, token_event
 from protocol.stream import AnswerState
 
@@ -89,9 +89,10 @@ flight, all through a cut (``tests/test_reader_checks.py``)."""
 
 
 class SourceGone(Exception):
-    """Raised by a repair when the answer's source is gone for good (a dead edge holds what it
-    relayed in its memory only): the answer ends at once in ``error``, typed, instead of in
-    the caller's idle timeout, in silence."""
+    """Raised by a repair when what the reader lacks is gone for good (an edge that restarted
+    or died held what it relayed in its memory only): the answer ends at once in ``error``,
+    typed, instead of in the caller's idle timeout, in silence. A repair's other errors are
+    tried again later."""
 
     def __init__(self, error: MeshError) -> None:
         super().__init__(error.message)
@@ -420,11 +421,8 @@ class AnswerReader:
         quiet = time.monotonic() - max(self.last_event, self._last_probe) >= self._quiet
         try:
             events = await self._repair(self.state)
-        except IncompleteAnswerError as err:  # what was lost is gone for good
-            log.warning("answer cannot be repaired", source=self.what, error=err.message)
-            return self.state.fail(err).out
-        except SourceGone as gone:
-            log.warning("the answer's source is gone", source=self.what, error=str(gone))
+        except SourceGone as gone:  # what was lost is gone for good
+            log.warning("answer cannot be repaired", source=self.what, error=str(gone))
             return self.state.fail(gone.error).out
         except MeshError as err:
             log.info("repair failed; will retry", source=self.what, error=err.message)
