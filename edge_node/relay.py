@@ -35,7 +35,7 @@ from edge_node.served import CloudModels, RegistryView
 from mesh.config import EdgeSettings, StreamSettings, WorkerSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from mesh.queue import CloudCall
+from mesh.queue import CloudCall, new_cancel_key
 from mesh.reader import WATCH_QUIET_S
 from mesh.tasks import raise_if_cancelled
 from mesh.tracing import Tracing
@@ -192,7 +192,7 @@ class CloudRelay:
                 "start_by": now + start_timeout,
                 "deadline": deadline,
                 "reply": None,
-                "cancel_key": None,  # CloudCall draws a fresh one only this edge knows
+                "cancel_key": new_cancel_key(),  # a fresh one only this edge knows
                 "stream": True,
             }
         )

@@ -196,8 +196,14 @@ class CloudCall(Lifecycle):
         self.conn = conn
         self.headers = dict(headers or {})
         self.stream = stream
-        self.request = request.model_copy(
-            update={"reply": None, "cancel_key": request.cancel_key or new_cancel_key()}
+        # Queued without a reply subject, and under a cancel key: a copy only when it lacks
+        # either (a caller that built its own copy, as an edge's relay does, is not copied twice).
+        self.request = (
+            request
+            if request.reply is None and request.cancel_key
+            else request.model_copy(
+                update={"reply": None, "cancel_key": request.cancel_key or new_cancel_key()}
+            )
         )
         self.scope = scope
         self.subject = token_subject(scope, self.request.id)

@@ -173,3 +173,35 @@ def test_mesh_up_serves_the_worker_on_mesh_worker_metrics_port() -> None:
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_labelled_children_are_kept_and_count_as_before() -> None:
+    """An edge's and a worker's labelled metrics hand out the same child for the same labels
+    (looked up once); the page reads as prometheus-client writes it, and wrong labels are still
+    refused."""
+    from prometheus_client import generate_latest
+
+    from mesh.metrics import EdgeMetrics, WorkerMetrics
+
+    edge = EdgeMetrics()
+    first = edge.requests.labels(path="cloud", route="auto", outcome="ok")
+    assert edge.requests.labels(path="cloud", route="auto", outcome="ok") is first
+    first.inc()
+    edge.requests.labels(path="cloud", route="auto", outcome="ok").inc(2)
+    edge.requests.labels("local", "forced", "ok").inc()
+    edge.ttft.labels(path="cloud").observe(0.05)
+    page = generate_latest(edge.registry).decode()
+    assert 'mesh_edge_requests_total{outcome="ok",path="cloud",route="auto"} 3.0' in page
+    assert 'mesh_edge_requests_total{outcome="ok",path="local",route="forced"} 1.0' in page
+    assert 'mesh_edge_time_to_first_token_seconds_count{path="cloud"} 1.0' in page
+    with pytest.raises(ValueError):
+        edge.requests.labels(path="cloud")
+    worker = WorkerMetrics()
+    worker.requests.labels(outcome="completed").inc()
+    assert worker.requests.labels(outcome="completed") is worker.requests.labels(
+        outcome="completed"
+    )
+    assert (
+        'mesh_worker_requests_total{outcome="completed"} 1.0'
+        in generate_latest(worker.registry).decode()
+    )
