@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
-import structlog
 from nats.aio.msg import Msg
 
 from cloud_node.admission import check
@@ -44,7 +43,7 @@ from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import generate_into
-from mesh.logs import get_logger, log_unknown_fields, trace_id
+from mesh.logs import bound, get_logger, log_unknown_fields, trace_id
 from mesh.queue import trace_headers
 from mesh.tasks import TaskSet
 from mesh.tracing import Tracing
@@ -253,7 +252,7 @@ class Handler(ABC):
         self.inflight[address] = (task, request)
         traced = trace_headers(msg.headers)
         traced_id = trace_id(traced.get("traceparent"))
-        with structlog.contextvars.bound_contextvars(
+        with bound(
             request_id=request.id,
             node_id=self._ws.node_id,
             subject=msg.subject,

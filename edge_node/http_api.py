@@ -33,7 +33,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -43,7 +42,7 @@ from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
 from edge_node.parts import EdgeCounts, Serve
 from edge_node.served import CloudModels
 from mesh.config import EdgeSettings, LimitSettings
-from mesh.logs import get_logger
+from mesh.logs import bound, get_logger
 from mesh.metrics import exposition
 from mesh.queue import trace_headers
 from protocol.codec import WireFormat, check_nesting, error_event, load, to_exception
@@ -347,7 +346,7 @@ class EdgeHTTP:
         scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other
         trace = trace_headers(request.headers)
         app = REQUEST_APP.get()  # the app its API key names, on every line of its request
-        with structlog.contextvars.bound_contextvars(**({"app": app} if app else {})):
+        with bound(**({"app": app} if app else {})):
             if req.stream:
                 sink = _SSESink(request, req, shaper, include_usage)
                 await self.parts.serve(req, sink, scope=scope, received=received, trace=trace)

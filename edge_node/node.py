@@ -27,7 +27,6 @@ from functools import partial
 from typing import Any
 
 import nats.errors
-import structlog
 from nats.micro.service import Service
 
 from edge_node.api_keys import ApiKeys
@@ -46,7 +45,7 @@ from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection, stop_service
 from mesh.lifecycle import Lifecycle
-from mesh.logs import get_logger, trace_id
+from mesh.logs import bound, get_logger, trace_id
 from mesh.loop_lag import LoopLag
 from mesh.metrics import NatsMetrics, exposition, watch_gc
 from mesh.node_view import NodeView
@@ -367,7 +366,7 @@ class EdgeNode(Lifecycle):
         record.task = asyncio.current_task()
         received = time.perf_counter() if received is None else received
         traced = trace_id((trace or {}).get("traceparent"))
-        with structlog.contextvars.bound_contextvars(
+        with bound(
             request_id=req.id, node_id=self.node_name, **({"trace_id": traced} if traced else {})
         ):
             try:

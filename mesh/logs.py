@@ -3,7 +3,8 @@
 Every line goes through one renderer to one stream: our own lines straight from structlog, the
 standard library's (nats-py, aiohttp, asyncio) through structlog's ``ProcessorFormatter``.
 Request-scoped fields (``request_id``, ``node_id``, ``subject``, ``trace_id``) are bound with
-``structlog.contextvars.bound_contextvars`` and appear on every line logged inside.
+:class:`bound` and appear on every line logged inside (``structlog.contextvars`` still works
+too: its fields are merged the same way).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from contextvars import ContextVar, Token
+from types import TracebackType
 from typing import Any, TextIO
 
 import structlog
@@ -41,6 +44,7 @@ def configure_logging(
         else structlog.processors.JSONRenderer()
     )
     shared: list[Any] = [
+        merge_bound,
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -68,6 +72,46 @@ def configure_logging(
     root.setLevel(level)
     for name in ("nats", "aiohttp", "asyncio", "llama_cpp", "httpx", "openai"):
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
+
+
+_BOUND: ContextVar[dict[str, Any]] = ContextVar("mesh_log_fields", default={})  # noqa: B039 - never changed
+
+
+class bound:
+    """``with bound(request_id=..., node_id=...):`` puts these fields on every line logged
+    inside, in this task and the tasks it starts (an inner ``bound`` adds to an outer one).
+
+    One context variable holding a dict, set once on entry and reset on exit:
+    ``structlog.contextvars.bound_contextvars`` sets and resets a variable per field, 7 us
+    against 1.3 for a worker's five fields, and every request binds its fields once."""
+
+    __slots__ = ("_fields", "_token")
+
+    def __init__(self, **fields: Any) -> None:
+        self._fields = fields
+        self._token: Token[dict[str, Any]] | None = None
+
+    def __enter__(self) -> None:
+        outer = _BOUND.get()
+        self._token = _BOUND.set({**outer, **self._fields} if outer else self._fields)
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        _exc: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        if self._token is not None:
+            _BOUND.reset(self._token)
+            self._token = None
+
+
+def merge_bound(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """A structlog processor: the fields of the innermost :class:`bound`, after the line's own
+    (a field the line names itself wins), as ``structlog.contextvars`` merges its fields."""
+    for key, value in _BOUND.get().items():
+        event_dict.setdefault(key, value)
+    return event_dict
 
 
 class _SafeWriter(structlog.WriteLogger):

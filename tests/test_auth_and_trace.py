@@ -11,7 +11,7 @@ import structlog
 from cloud_node.worker import Worker
 from mesh.config import LogSettings, MeshSettings, NatsSettings
 from mesh.connection import Connection
-from mesh.logs import configure_logging
+from mesh.logs import configure_logging, merge_bound
 from mesh.nats_server import NatsServer
 from protocol.errors import UnauthorizedError
 from tests.helpers import stat_reaches
@@ -43,7 +43,7 @@ async def test_traceparent_reaches_the_worker(
     configure_logging(LogSettings(level="info"))
     cli = await RawNatsClient().connect(settings.nats.url or "")
     try:
-        with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs:
+        with structlog.testing.capture_logs([merge_bound]) as logs:
             reply = await cli.request(
                 edge.subject,
                 b'{"prompt": "Hi", "route": "cloud", "max_tokens": 4}',
@@ -152,3 +152,40 @@ async def test_with_otel_on_the_worker_span_is_a_child_of_the_edge_span(
     assert worker_span.parent is not None
     assert worker_span.parent.span_id == edge_span.context.span_id
     assert edge_span.attributes["mesh.path"] == "cloud"
+
+
+async def test_bound_fields_reach_every_line_inside_and_its_tasks_and_go_after() -> None:
+    """What a request binds (``mesh.logs.bound``) is on every line logged inside it, our own and
+    the libraries', in tasks it starts too; an inner binding adds to the outer one; a field the
+    line names itself wins; after the block, nothing of it is left."""
+    import io
+    import json
+    import logging
+
+    from mesh.logs import bound
+
+    out = io.StringIO()
+    configure_logging(LogSettings(level="info", format="json"), stream=out)
+    try:
+        log = structlog.get_logger("mesh.test")
+        with bound(request_id="r1", node_id="edge:a"):
+            log.info("outer")
+            with bound(attempt=2, node_id="edge:b"):
+                log.info("inner", request_id="mine")
+                logging.getLogger("aiohttp.client").warning("library")
+
+            async def in_a_task() -> None:
+                log.info("task")
+
+            await asyncio.create_task(in_a_task())
+        log.info("after")
+    finally:
+        configure_logging(LogSettings(level="warning"))
+    lines = {line["event"]: line for line in map(json.loads, out.getvalue().splitlines())}
+    assert (lines["outer"]["request_id"], lines["outer"]["node_id"]) == ("r1", "edge:a")
+    assert "attempt" not in lines["outer"]
+    assert lines["inner"]["request_id"] == "mine"
+    assert (lines["inner"]["node_id"], lines["inner"]["attempt"]) == ("edge:b", 2)
+    assert (lines["library"]["node_id"], lines["library"]["attempt"]) == ("edge:b", 2)
+    assert (lines["task"]["request_id"], lines["task"]["node_id"]) == ("r1", "edge:a")
+    assert "request_id" not in lines["after"] and "node_id" not in lines["after"]

@@ -257,11 +257,11 @@ async def test_one_canonical_log_line_per_request(edge: EdgeNode, client: MeshCl
     import structlog
 
     from mesh.config import LogSettings
-    from mesh.logs import configure_logging
+    from mesh.logs import configure_logging, merge_bound
 
     configure_logging(LogSettings(level="info"))
     try:
-        with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs:
+        with structlog.testing.capture_logs([merge_bound]) as logs:
             answer = await client.complete(SIMPLE, max_tokens=6, temperature=0)
 
             async def logged() -> bool:  # the edge logs right after sending the end
