@@ -269,8 +269,12 @@ class CloudRelay:
                     raise self._give_up(
                         f"the cloud failed: {event.code}: {event.message}", "cloud_error"
                     )
-                passed = self._edge_end(event) if isinstance(event, EndEvent) else event
-                await self.record.emit([with_id(passed, self.req.id)])
+                passed = (
+                    self._edge_end(event)
+                    if isinstance(event, EndEvent)
+                    else with_id(event, self.req.id)
+                )
+                await self.record.emit([passed])
             if state.done:  # after the whole batch: a repair brings many events at once
                 return
             if moving:  # what follows asks whether the worker went quiet, stopped or stalled
@@ -323,7 +327,8 @@ class CloudRelay:
                 )
 
     def _edge_end(self, end: EndEvent) -> EndEvent:
-        """The worker's end, with timings as the edge's client sees them."""
+        """The worker's end under the client's id (:func:`with_id`, in the same copy), with
+        timings as the edge's client sees them."""
         timings = end.timings.model_copy(
             update={
                 "ttft_ms": round((self.first_token - self.received) * 1000, 2)
@@ -332,7 +337,12 @@ class CloudRelay:
                 "total_ms": round((time.perf_counter() - self.received) * 1000, 2),
             }
         )
-        update: dict[str, object] = {"timings": timings, "routing": self.decision, "path": "cloud"}
+        update: dict[str, object] = {
+            "id": self.req.id,
+            "timings": timings,
+            "routing": self.decision,
+            "path": "cloud",
+        }
         if self.tried:
             update["fallback"] = f"served by the {self.req.model!r} pool after {self.tried}"
         return end.model_copy(update=update)
