@@ -228,6 +228,12 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     options(
         "paths",
         ("--tokens", int, "tokens per answer (default 32)"),
+        (
+            "--split",
+            int,
+            "a second answer length, run in turn with --tokens in every round: each process's "
+            "CPU split into a part per token and a fixed part, beside its floor's",
+        ),
         ("--rounds", int, "rounds at each concurrency (default 10)"),
     )
     options(

@@ -193,6 +193,38 @@ async def test_bench_paths_compares_every_path_on_complete_answers() -> None:
     text = paths.render(results)
     assert "bare relay" in text and "over the bare relay" in text
     assert "CPU per request, 5-token answers" in text
+    assert "CPU split" not in text  # one length: nothing to split
+
+
+@pytest.mark.slow
+async def test_bench_paths_split_runs_both_lengths_in_one_run_and_fits_each_process() -> None:
+    """With a second length every path runs at both, whole, and each process's CPU is split
+    into a part per token and a fixed part by the straight line through the two lengths, beside
+    its floor's (``mesh bench paths --split``)."""
+    from mesh_app.bench import paths
+
+    results = await paths.run(
+        concurrency=(2,), rounds=2, tokens=4, split=12, prefill_ms=5, token_ms=2
+    )
+    for figures, length in ((results["2"], 4), (results["at_split"]["2"], 12)):
+        for path in paths.PATHS:
+            assert figures[path]["n"] == 4 and figures[path]["complete"] == 4, (length, path)
+    split = results["per_token"]["2"]
+    assert set(split) == {row[0] for row in paths.SPLIT_ROWS}
+    for row, path, whose, floor_path, floor_whose in paths.SPLIT_ROWS:
+        fit = split[row]
+        for (p, w), per_token, fixed in (
+            ((path, whose), fit["per_token_us"], fit["fixed_ms"]),
+            ((floor_path, floor_whose), fit["floor_per_token_us"], fit["floor_fixed_ms"]),
+        ):
+            short = results["2"][p]["cpu_ms_per_request"][w]
+            long = results["at_split"]["2"][p]["cpu_ms_per_request"][w]
+            # the line through both lengths: fixed + tokens x per token gives each back
+            assert abs(fixed + 4 * per_token / 1000 - short) < 1e-9, (row, p, w)
+            assert abs(fixed + 12 * per_token / 1000 - long) < 1e-9, (row, p, w)
+    text = paths.render(results)
+    assert "CPU split by answer length (4 and 12 tokens" in text
+    assert "12-token answers, over the bare relay" in text and "edge, via edge" in text
 
 
 @pytest.mark.slow

@@ -16,8 +16,14 @@ a benchmark backend, not a model: 50 ms prefill, 50 tokens/s per stream by defau
 At each concurrency the paths take turns, round after round, so they see the same load. Each
 process's CPU time is read (``/proc``) around each path's turn, so that every path gets the CPU
 its requests cost: the bench process (the SDK, the bare client or aiohttp), nats-server, the
-worker, the edge and the bare relay, in milliseconds per request. Run it at two answer lengths
-(``--tokens``) to split a path's cost into a fixed part and a part per token.
+worker, the edge and the bare relay, in milliseconds per request.
+
+With a second answer length (``--split``), every path runs at both lengths in each round, in
+turn, and each process's CPU is split into a part per token (the slope between the two lengths)
+and a fixed part per request, beside the same split of its floor: a worker's against the bare
+relay process, an edge's against the bare middle process, the SDK's against the bench process
+reading the bare relay. Both lengths in one run see the same minutes of a shared machine; two
+runs minutes apart do not.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ PROCESSES = ("bench", "nats-server", "worker", "edge", "bare relay", "bare middl
 """Whose CPU is read: ``bench`` is this process, which runs every path's clients."""
 BARE_SUBJECT = "bench.bare.request"
 MIDDLE_SUBJECT = "bench.middle.request"
+SPLIT_ROWS = (
+    # (row, the path, whose CPU; its floor: the path, whose CPU)
+    ("worker, via cloud", "via cloud", "worker", "bare relay", "bare relay"),
+    ("worker, via edge", "via edge", "worker", "bare relay", "bare relay"),
+    ("edge, via edge", "via edge", "edge", "bare middle", "bare middle"),
+    ("SDK, via cloud", "via cloud", "bench", "bare relay", "bench"),
+    ("SDK, via edge", "via edge", "bench", "bare middle", "bench"),
+    ("nats-server, via cloud", "via cloud", "nats-server", "bare relay", "nats-server"),
+    ("nats-server, via edge", "via edge", "nats-server", "bare middle", "nats-server"),
+)
+"""What ``--split`` sets beside what: each mesh process on its path against the same role's
+bare process on the floor's path (the bench process is the SDK's clients on the mesh paths and
+a bare nats-py reader on the bare ones)."""
 
 
 async def direct(session: aiohttp.ClientSession, url: str, prompt: str, tokens: int) -> Timed:
@@ -159,11 +178,13 @@ async def run(
     concurrency: tuple[int, ...] = (1, 32),
     rounds: int = 10,
     tokens: int = 32,
+    split: int | None = None,
     prefill_ms: float = 50.0,
     token_ms: float = 20.0,
 ) -> dict[str, Any]:
     results: dict[str, Any] = {"backend": {"prefill_ms": prefill_ms, "token_ms": token_ms}}
     results["tokens"] = tokens
+    lengths = (tokens,) if split is None or split == tokens else (tokens, split)
     async with (
         bench_mesh(prefill_ms=prefill_ms, token_ms=token_ms, slots=max(concurrency)) as mesh,
         _bare_relay("--bare", mesh.server.url, mesh.backend_url) as bare_pid,
@@ -185,37 +206,79 @@ async def run(
         def cpu() -> dict[str, float]:
             return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
-        async def one(path: str) -> Timed:
+        async def one(path: str, length: int) -> Timed:
             if path == "direct":
-                return await direct(session, mesh.backend_url, prompt, tokens)
+                return await direct(session, mesh.backend_url, prompt, length)
             if path == "bare relay":
-                return await bare(nc, prompt, tokens)
+                return await bare(nc, prompt, length)
             if path == "bare middle":
-                return await bare(nc, prompt, tokens, MIDDLE_SUBJECT)
+                return await bare(nc, prompt, length, MIDDLE_SUBJECT)
             if path == "via cloud":
-                return await timed_stream(client, prompt, via="cloud", max_tokens=tokens)
-            return await timed_stream(client, prompt, route="cloud", max_tokens=tokens)
+                return await timed_stream(client, prompt, via="cloud", max_tokens=length)
+            return await timed_stream(client, prompt, route="cloud", max_tokens=length)
 
         for path in PATHS:  # warm connections, consumers and caches
             for _ in range(3):
-                await one(path)
+                await one(path, tokens)
         for streams in concurrency:
-            samples: dict[str, list[Timed]] = {p: [] for p in PATHS}
-            spent = {p: dict.fromkeys(PROCESSES, 0.0) for p in PATHS}
+            samples: dict[tuple[int, str], list[Timed]] = {
+                (n, p): [] for n in lengths for p in PATHS
+            }
+            spent = {(n, p): dict.fromkeys(PROCESSES, 0.0) for n in lengths for p in PATHS}
             for r in range(rounds):
                 order = PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]
                 for path in order:
-                    before = cpu()
-                    samples[path] += await asyncio.gather(*(one(path) for _ in range(streams)))
-                    after = cpu()
-                    for name in PROCESSES:
-                        spent[path][name] += after[name] - before[name]
-            results[str(streams)] = _summarize(samples, tokens)
-            for path in PATHS:
-                n = len(samples[path])
-                per = {name: 1000 * seconds / n for name, seconds in spent[path].items()}
-                results[str(streams)][path]["cpu_ms_per_request"] = per
+                    for n in lengths if r % 2 == 0 else lengths[::-1]:
+                        before = cpu()
+                        samples[n, path] += await asyncio.gather(
+                            *(one(path, n) for _ in range(streams))
+                        )
+                        after = cpu()
+                        for name in PROCESSES:
+                            spent[n, path][name] += after[name] - before[name]
+            for n in lengths:
+                figures = _summarize({p: samples[n, p] for p in PATHS}, n)
+                for path in PATHS:
+                    count = len(samples[n, path])
+                    per = {name: 1000 * sec / count for name, sec in spent[n, path].items()}
+                    figures[path]["cpu_ms_per_request"] = per
+                if n == tokens:
+                    results[str(streams)] = figures
+                else:
+                    results.setdefault("at_split", {})[str(streams)] = figures
+            if len(lengths) == 2:
+                results.setdefault("per_token", {})[str(streams)] = split_cpu(
+                    results[str(streams)], results["at_split"][str(streams)], *lengths
+                )
+    if len(lengths) == 2:
+        results["split_tokens"] = lengths[1]
     return results
+
+
+def split_cpu(
+    short: dict[str, Any], long: dict[str, Any], short_n: int, long_n: int
+) -> dict[str, dict[str, float]]:
+    """Each :data:`SPLIT_ROWS` process's CPU per token (us, the slope between the two answer
+    lengths) and fixed CPU per request (ms), its floor's, and the ratio of the two per token."""
+
+    def cut(path: str, whose: str) -> tuple[float, float]:
+        a = short[path]["cpu_ms_per_request"][whose]
+        b = long[path]["cpu_ms_per_request"][whose]
+        per_token_ms = (b - a) / (long_n - short_n)
+        return 1000 * per_token_ms, a - short_n * per_token_ms
+
+    out: dict[str, dict[str, float]] = {}
+    for row, path, whose, floor_path, floor_whose in SPLIT_ROWS:
+        per_token, fixed = cut(path, whose)
+        floor_per_token, floor_fixed = cut(floor_path, floor_whose)
+        out[row] = {
+            "per_token_us": per_token,
+            "fixed_ms": fixed,
+            "floor_per_token_us": floor_per_token,
+            "floor_fixed_ms": floor_fixed,
+            "of_floor": per_token / floor_per_token if floor_per_token > 0 else float("nan"),
+        }
+    return out
 
 
 @contextlib.asynccontextmanager
@@ -261,7 +324,8 @@ def _summarize(samples: dict[str, list[Timed]], tokens: int) -> dict[str, Any]:
 
 def _runs(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(streams, figures by path) for each concurrency run."""
-    return [(k, v) for k, v in results.items() if k not in ("backend", "tokens")]
+    extras = ("backend", "tokens", "split_tokens", "at_split", "per_token")
+    return [(k, v) for k, v in results.items() if k not in extras]
 
 
 def render(results: dict[str, Any]) -> str:
@@ -329,6 +393,47 @@ def render(results: dict[str, Any]) -> str:
         f"turn; bench = the clients; /proc counts in {1000 / os.sysconf('SC_CLK_TCK'):g} ms "
         "ticks, so a figure settles only over many requests)\n"
         + table(["streams", "path", *PROCESSES, "total"], cpu_rows)
+        + _render_split(results)
+    )
+
+
+def _render_split(results: dict[str, Any]) -> str:
+    """The second length's TTFT over the bare relay, and the split table (``--split``)."""
+    if "per_token" not in results:
+        return ""
+    short, long = results["tokens"], results["split_tokens"]
+    notes = [
+        f"{streams} stream(s), {long}-token answers, over the bare relay (TTFT p50 / p99): "
+        + ", ".join(
+            f"{path} {by_path[path]['over_bare_ttft_p50_ms']:+.2f} / "
+            f"{by_path[path]['over_bare_ttft_p99_ms']:+.2f}"
+            for path in ("via cloud", "via edge")
+        )
+        for streams, by_path in results["at_split"].items()
+    ]
+    rows = [
+        [
+            streams,
+            row,
+            f"{r['per_token_us']:.1f}",
+            f"{r['fixed_ms']:.2f}",
+            f"{r['floor_per_token_us']:.1f}",
+            f"{r['floor_fixed_ms']:.2f}",
+            f"{r['of_floor']:.2f}x",
+        ]
+        for streams, by_row in results["per_token"].items()
+        for row, r in by_row.items()
+    ]
+    return (
+        "\n\n"
+        + "\n".join(notes)
+        + f"\n\nCPU split by answer length ({short} and {long} tokens, in turn in every "
+        "round): per token (us, the slope) and fixed per request (ms), beside the same process "
+        "role on its floor's path (see SPLIT_ROWS)\n"
+        + table(
+            ["streams", "process, path", "per token", "fixed", "floor/token", "floor fixed", "x"],
+            rows,
+        )
     )
 
 
