@@ -125,6 +125,7 @@ class AnswerReader:
         self._buffer: deque[Msg] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # the current wait's (see _wait)
         self._sub: Subscription | None = None
         self._losses = conn.losses
         self._unlisten: Callable[[], None] | None = None
@@ -181,6 +182,9 @@ class AnswerReader:
         not left to the garbage collector as a cycle."""
         self._watch = self._resend = self._unserved = None
         self._passer = None
+        if self._timer is not None:
+            self._timer.cancel()  # lets go of its callback (and so of this reader)
+            self._timer = None
         unlisten, self._unlisten = self._unlisten, None
         if unlisten is not None:
             unlisten()
@@ -320,26 +324,31 @@ class AnswerReader:
         and a timer. Tokens passed on in the callback (:meth:`pass_tokens`) move what is due
         later (a watch after a quiet spell): the timer then sets itself again instead of waking
         the task for nothing (an edge relaying 32 answers at 50 tokens/s: 8 of its 12 wakeups a
-        second each)."""
+        second each). The timer outlives the wait: the next wait keeps it when it is due no
+        later than what that wait waits for, so a reader read token by token sets a timer about
+        once per due time, not once per token."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiter = waiter
-        left = max(0.001, self._due_in(time.monotonic(), deadline))
-        self._timer = loop.call_later(left, self._on_timer, waiter, deadline)
+        self._deadline = deadline
+        due_at = loop.time() + max(0.001, self._due_in(time.monotonic(), deadline))
+        if self._timer is None or self._timer.when() > due_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(due_at, self._on_timer)
         try:
             await waiter
         finally:
-            self._timer.cancel()
             self._waiter = None
 
-    def _on_timer(self, waiter: asyncio.Future[None], deadline: float) -> None:
-        if waiter.done():
-            return
-        left = self._due_in(time.monotonic(), deadline)
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait sets a timer of its own
+        left = self._due_in(time.monotonic(), self._deadline)
         if left > 0.001:  # it moved while tokens went on: nothing to do yet
-            self._timer = asyncio.get_running_loop().call_later(
-                left, self._on_timer, waiter, deadline
-            )
+            self._timer = asyncio.get_running_loop().call_later(left, self._on_timer)
         else:
             waiter.set_result(None)
 

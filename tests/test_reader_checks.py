@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -311,3 +312,63 @@ async def test_a_tail_lost_in_a_reconnect_is_fetched_at_once_not_after_a_quiet_s
     finally:
         await worker.close()
         await proxy.stop()
+
+
+async def test_a_reader_read_token_by_token_keeps_one_timer_and_still_watches_on_time(
+    nats_server: NatsServer, conn: Connection
+) -> None:
+    """An SDK reads each token through next(), one wait per token. The wait's timer outlives
+    it: 60 tokens 20 ms apart set a handful of timers, not one each, and once the tokens stop
+    the watch asks after the worker after its quiet spell (and again each quiet spell after),
+    as before."""
+    asked: list[float] = []
+
+    async def watch(_state: AnswerState) -> list[WireEvent]:
+        asked.append(time.monotonic())
+        return []
+
+    reader = AnswerReader(conn, AnswerState("r1"), None, what="the cloud", watch=watch)
+    loop = asyncio.get_running_loop()
+    timers = 0
+    real_call_at = loop.call_at  # call_later goes through it too
+
+    def call_at(
+        when: float, callback: Callable[..., object], *args: object, **kw: object
+    ) -> object:
+        nonlocal timers
+        timers += callback == reader._on_timer
+        return real_call_at(when, callback, *args, **kw)  # type: ignore[arg-type]
+
+    await reader.subscribe(SUBJECT)
+    await conn.nc.flush()
+    worker = await nats.connect(nats_server.url)
+    writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
+    texts: list[str] = []
+
+    async def read() -> None:
+        while len(texts) < 60:
+            texts.extend(e.text for e in await reader.next(5.0) if isinstance(e, TokenEvent))
+
+    try:
+        await worker.publish(SUBJECT, dump_event(writer.start(), WireFormat.MSGPACK))
+        await worker.flush()
+        assert [type(e).__name__ for e in await reader.next(1.0)] == ["StartEvent"]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(loop, "call_at", call_at)
+            reading = asyncio.create_task(read())
+            for i in range(60):  # 1.2 s of tokens, 20 ms apart
+                await worker.publish(SUBJECT, dump_event(writer.token(f"t{i}"), WireFormat.MSGPACK))
+                await worker.flush()
+                await asyncio.sleep(0.02)
+            last = time.monotonic()
+            await asyncio.wait_for(reading, 5)
+            set_while_reading = timers
+            assert await reader.next(3 * WATCH_QUIET_S) == []  # quiet: the watch asks meanwhile
+        assert texts == [f"t{i}" for i in range(60)]
+        assert set_while_reading <= 6, f"{set_while_reading} timers for 60 tokens"
+        assert asked, "the watch never asked after the worker"
+        assert WATCH_QUIET_S - 0.05 <= asked[0] - last < WATCH_QUIET_S + 0.5, (asked[0], last)
+        assert all(b - a >= WATCH_QUIET_S - 0.05 for a, b in itertools.pairwise(asked)), asked
+    finally:
+        await worker.close()
+        await reader.close()
