@@ -55,11 +55,11 @@ class _KeepsChildren:
     per request. Labels take a few known values only (see above), so the kept children stay
     few."""
 
-    _kept: dict[tuple[Any, ...], Any]
-
     def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
         key = labelvalues + tuple(labelkwargs.items())
-        kept = self.__dict__.setdefault("_kept", {})
+        kept: dict[tuple[Any, ...], Any] | None = self.__dict__.get("_kept")
+        if kept is None:  # the first call (setdefault would build a dict on every call)
+            kept = self.__dict__["_kept"] = {}
         child = kept.get(key)
         if child is None:
             child = kept[key] = super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
