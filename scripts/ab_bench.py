@@ -52,6 +52,7 @@ from mesh_app.bench.common import (
     bench_worker_env,
     cpu_seconds,
     pct,
+    split_by_length,
     timed_stream,
 )
 from mesh_app.bench.paths import MIDDLE_SUBJECT, _bare_relay, bare
@@ -223,10 +224,10 @@ async def _rounds(
     out: dict[str, Any] = {"streams": streams, "rounds": rounds, "lens": lens}
     for name in names:
         short, long = (spent[(name, n)] / requests for n in lens)
-        per_token = (long - short) / (lens[1] - lens[0])
+        per_token, fixed = split_by_length(short, long, *lens)
         out[name] = {
             "per_token_us": per_token * 1e6,
-            "fixed_ms": (short - per_token * lens[0]) * 1e3,
+            "fixed_ms": fixed * 1e3,
             f"ms_per_request_at_{lens[1]}": long * 1e3,
         }
         if ttfts[name]:  # the clients' time to first token (not measured by a client process)

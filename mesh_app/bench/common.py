@@ -76,6 +76,14 @@ async def timed_stream(client: MeshClient, prompt: str, **kwargs: Any) -> Timed:
     return Timed(ttft=(first or done) - began, total=done - began, tokens=tokens)
 
 
+def split_by_length(short: float, long: float, short_n: int, long_n: int) -> tuple[float, float]:
+    """The straight line through a cost at two answer lengths (``short`` at ``short_n`` tokens,
+    ``long`` at ``long_n``): the part per token (the slope) and the fixed part per request, in
+    the units given."""
+    per_token = (long - short) / (long_n - short_n)
+    return per_token, short - short_n * per_token
+
+
 def cpu_seconds(pid: int | None = None) -> float:
     """User + system CPU seconds of this process (``pid`` None) or of another one."""
     if pid is None:

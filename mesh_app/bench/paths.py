@@ -44,7 +44,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from mesh.client import MeshClient
-from mesh_app.bench.common import Timed, bench_mesh, cpu_seconds, pct, table, timed_stream
+from mesh_app.bench.common import (
+    Timed,
+    bench_mesh,
+    cpu_seconds,
+    pct,
+    split_by_length,
+    table,
+    timed_stream,
+)
 
 PATHS = ("direct", "bare relay", "bare middle", "via cloud", "via edge")
 PROCESSES = ("bench", "nats-server", "worker", "edge", "bare relay", "bare middle")
@@ -262,10 +270,13 @@ def split_cpu(
     lengths) and fixed CPU per request (ms), its floor's, and the ratio of the two per token."""
 
     def cut(path: str, whose: str) -> tuple[float, float]:
-        a = short[path]["cpu_ms_per_request"][whose]
-        b = long[path]["cpu_ms_per_request"][whose]
-        per_token_ms = (b - a) / (long_n - short_n)
-        return 1000 * per_token_ms, a - short_n * per_token_ms
+        per_token_ms, fixed_ms = split_by_length(
+            short[path]["cpu_ms_per_request"][whose],
+            long[path]["cpu_ms_per_request"][whose],
+            short_n,
+            long_n,
+        )
+        return 1000 * per_token_ms, fixed_ms
 
     out: dict[str, dict[str, float]] = {}
     for row, path, whose, floor_path, floor_whose in SPLIT_ROWS:
