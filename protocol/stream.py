@@ -207,9 +207,14 @@ class AnswerState:
         """The current attempt; 0 until the first ``start``."""
         self.node = ""
         self.texts: list[str] = []
-        self._digests: list[int] = []
-        self._tokens: list[int] = []
-        self._logprobs: list[list[TokenLogprob] | None] = []
+        """Each position's text. A token appends its text and nothing else (the hot path):
+        the rest is kept sparse, or worked out when asked for."""
+        self._counts: dict[int, int] = {}
+        """Engine tokens per position, where not 1."""
+        self._logprobs: dict[int, list[TokenLogprob]] = {}
+        """Logprobs per position, where a token carried them."""
+        self._digested = (0, 0)
+        """(positions, digest of their text): where :meth:`digest_at` left off."""
         self.outcome: EndEvent | ErrorEvent | None = None
         self.held: list[WireEvent] = []
         self._max_held = max_held
@@ -240,11 +245,20 @@ class AnswerState:
 
     def logprobs(self) -> list[TokenLogprob]:
         """The answer's per-token logprobs (empty when none were asked for)."""
-        return [entry for entries in self._logprobs for entry in entries or []]
+        kept = self._logprobs
+        return [entry for seq in sorted(kept) for entry in kept[seq]]
 
     def digest_at(self, seq: int) -> int:
-        """Digest of the text of the first ``seq`` positions."""
-        return self._digests[seq - 1] if seq > 0 else 0
+        """Digest of the text of the first ``seq`` positions. Worked out when asked (an end, a
+        continuation's start: once or twice an answer), on from where the last call left off,
+        not kept per token: CRC-32 continues over concatenated text."""
+        done, digest = self._digested
+        if seq < done:
+            done, digest = 0, 0
+        if seq > done:
+            digest = digest_of("".join(self.texts[done:seq]), digest)
+        self._digested = (seq, digest)
+        return digest
 
     def resume(self) -> Resume:
         """Where a new attempt can continue this answer from."""
@@ -252,7 +266,7 @@ class AnswerState:
             seq=self.positions,
             digest=self.digest_at(self.positions),
             text=self.text(),
-            tokens=sum(self._tokens),
+            tokens=self.positions + sum(n - 1 for n in self._counts.values()),
         )
 
     def missing(self) -> str:
@@ -307,7 +321,9 @@ class AnswerState:
             or request_id != self.request_id
         ):
             return False
-        self._append(text, n, None)
+        texts.append(text)
+        if n != 1:
+            self._counts[seq] = n
         return True
 
     def feed_token(self, attempt: int, seq: int, text: str, n: int) -> None:
@@ -368,11 +384,12 @@ class AnswerState:
             out.append(event)
 
     def _append(self, text: str, n: int, logprobs: list[TokenLogprob] | None) -> None:
-        digests = self._digests
+        position = len(self.texts)
         self.texts.append(text)
-        digests.append(digest_of(text, digests[-1] if digests else 0))
-        self._tokens.append(n)
-        self._logprobs.append(logprobs)
+        if n != 1:
+            self._counts[position] = n
+        if logprobs is not None:
+            self._logprobs[position] = logprobs
 
     def _start(self, event: StartEvent, out: list[WireEvent]) -> None:
         if self.fingerprint and event.req and event.req != self.fingerprint:
@@ -387,7 +404,12 @@ class AnswerState:
             return
         keep = event.seq
         passed_on_beyond = self.positions > keep
-        del self.texts[keep:], self._digests[keep:], self._tokens[keep:], self._logprobs[keep:]
+        del self.texts[keep:]
+        for sparse in (self._counts, self._logprobs):
+            for position in [p for p in sparse if p >= keep]:
+                del sparse[position]
+        if self._digested[0] > keep:
+            self._digested = (0, 0)
         self.attempt = event.attempt
         self.node = event.node
         if not passed_on_beyond:
@@ -405,10 +427,13 @@ class AnswerState:
                 reason=event.reason,
             )
         )
-        for seq, (text, n, logprobs) in enumerate(
-            zip(self.texts, self._tokens, self._logprobs, strict=True)
-        ):
-            out.append(token_event(self.request_id, seq, text, event.attempt, n, logprobs))
+        counts, logprobs = self._counts, self._logprobs
+        for seq, text in enumerate(self.texts):
+            out.append(
+                token_event(
+                    self.request_id, seq, text, event.attempt, counts.get(seq, 1), logprobs.get(seq)
+                )
+            )
 
     def _end(self, event: EndEvent, out: list[WireEvent]) -> None:
         expected = self.digest_at(self.positions)

@@ -11,7 +11,16 @@ from hypothesis import strategies as st
 
 from protocol.codec import WireFormat, decode_event, dump_event
 from protocol.errors import ErrorCode, OverloadedError
-from protocol.messages import EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent, Usage
+from protocol.messages import (
+    EndEvent,
+    ErrorEvent,
+    InferRequest,
+    StartEvent,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+    WireEvent,
+)
 from protocol.stream import AnswerState, AnswerWriter, Resume, digest_of, request_fingerprint
 
 RID = "req1"
@@ -261,3 +270,48 @@ def test_any_loss_duplication_or_reordering_then_a_replay_gives_the_true_answer(
     assert passed_text(out) == truth
     ends = [e for e in out if isinstance(e, (EndEvent, ErrorEvent))]
     assert len(ends) == 1
+
+
+def test_what_a_state_keeps_sparse_or_works_out_later_reads_as_if_kept_per_token() -> None:
+    """Per token a state keeps only the text; engine-token counts and logprobs are kept where a
+    token has them, and digests are worked out when asked. Across a restart that keeps a prefix,
+    every digest, the count a continuation resumes from, and the logprobs read as they would
+    had each been kept per position."""
+    lp = [TokenLogprob(token="x", logprob=-0.5)]
+    texts = [" a0", " a1", " ü2", " a3", " a4"]
+    counts = [1, 3, 1, 2, 1]
+    state = AnswerState(RID)
+    writer = AnswerWriter(RID, attempt=1, node="w1")
+    state.feed(writer.start())
+    for i, (text, n) in enumerate(zip(texts, counts, strict=True)):
+        state.feed(writer.token(text, n=n, logprobs=lp if i in (1, 4) else None))
+    for k in range(len(texts) + 1):
+        assert state.digest_at(k) == digest_of("".join(texts[:k]))
+    assert state.digest_at(2) == digest_of(" a0 a1")  # asked again, lower: still right
+    assert state.resume().tokens == sum(counts)
+    assert state.logprobs() == lp + lp
+    kept = AnswerState(RID)  # a continuation that keeps 3 positions
+    kept.feed_all([writer.start(), *state_events(texts[:3], counts[:3], lp)])
+    second = AnswerWriter(RID, attempt=2, node="w2", resume=kept.resume())
+    step = state.feed(second.start())  # behind what was passed on: start over with 3 kept
+    assert [e.t for e in step.out] == ["start", "tok", "tok", "tok"]
+    assert [e.n for e in step.out if isinstance(e, TokenEvent)] == counts[:3]
+    assert [e.logprobs for e in step.out if isinstance(e, TokenEvent)] == [None, lp, None]
+    assert state.resume() == Resume(
+        seq=3, digest=digest_of(" a0 a1 ü2"), text=" a0 a1 ü2", tokens=sum(counts[:3])
+    )
+    assert state.logprobs() == lp
+    state.feed(second.token(" b3"))
+    state.feed(second.end(finish_reason="stop", usage=Usage()))
+    assert state.done and state.text() == " a0 a1 ü2 b3"
+    assert isinstance(state.outcome, EndEvent)
+
+
+def state_events(texts: list[str], counts: list[int], lp: list[TokenLogprob]) -> list[WireEvent]:
+    """Attempt 1's tokens with these texts and counts (logprobs on the second)."""
+    writer = AnswerWriter(RID, attempt=1, node="w1")
+    writer.start()
+    return [
+        writer.token(t, n=n, logprobs=lp if i == 1 else None)
+        for i, (t, n) in enumerate(zip(texts, counts, strict=True))
+    ]
