@@ -241,3 +241,34 @@ async def test_an_answer_the_store_could_not_confirm_is_made_whole_when_it_can(
     kept = await store.replay(publisher.subject, timeout=5)
     assert _tokens(kept) == [(0, "a"), (1, "b")]
     assert [e.seq for e in kept if isinstance(e, EndEvent)] == [2]
+
+
+async def test_a_burst_keeps_nats_pys_checks_and_its_order_around_messages_with_headers(
+    nats_server: NatsServer,
+) -> None:
+    """The write batch writes plain messages as protocol lines of its own. A subject nats-py
+    would refuse (a blank or line break: it could inject a protocol line) is refused the same
+    way, that message alone; a message with headers goes through nats-py in its place; the
+    burst arrives in order, and the connection stays up."""
+    reader, got, changed = await _reader(nats_server, "batch.order")
+    injected, seen, _ = await _reader(nats_server, "batch.injected")
+    nc = await nats.connect(nats_server.url)
+    try:
+        box = WriteBatch(nc, gap=0.001)
+        box.put("batch.order", b"one", None)
+        box.put("batch.order 3\r\nPUB batch.injected", b"evil", None)
+        box.put("batch.order", b"two", HEADERS)
+        box.put("batch.order", b"three", None)
+        assert not await box.flush()  # one message could not be published
+        box.put("batch.order", b"four", None)
+        await _until(got, changed, 4)
+        assert got == [b"one", b"two", b"three", b"four"]
+        assert box.failures == 1
+        with pytest.raises(MeshError, match="BadSubjectError"):
+            box.put("batch.order 3\r\nPUB batch.injected", b"again", None)
+        await nc.flush(timeout=5)
+        assert nc.is_connected and seen == []
+    finally:
+        await nc.close()
+        await reader.close()
+        await injected.close()
