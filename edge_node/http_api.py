@@ -134,6 +134,7 @@ class _CollectSink:
     """Gathers a whole answer (and its logprobs) for a non-streaming HTTP request."""
 
     streaming = False
+    takes_tokens_now = True
 
     def __init__(self, request_id: str) -> None:
         self.answer = AnswerState(request_id)

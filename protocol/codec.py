@@ -282,12 +282,17 @@ _TOKEN_FIELDS = frozenset({"t", "id", "seq", "text", "attempt", "n"})
 
 
 def message_token_fields(data: bytes) -> tuple[str, int, str, int, int] | None:
-    """:func:`token_fields` of a message without headers, read from its bytes; None for
-    anything else, a payload that does not parse included (the full decoding then says why)."""
-    try:
-        return token_fields(load(data, sniff(data, None)))
-    except MeshError:
+    """:func:`token_fields` of a msgpack message without headers, read from its bytes; None for
+    anything else, a payload that does not parse and JSON included (the full decoding then
+    decides, and says why). Nodes send tokens in msgpack: this is every token's way in, so it
+    unpacks them itself rather than through :func:`sniff` and :func:`load`."""
+    if not data or data[0] not in _MSGPACK_MAP_FIRST_BYTES:
         return None
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises several unrelated exception types
+        return None
+    return token_fields(raw)
 
 
 def error_event(error: MeshError, request_id: str | None = None) -> ErrorEvent:
