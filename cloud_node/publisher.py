@@ -104,6 +104,11 @@ class AnswerPublisher:
         return len(wanted)
 
     async def send(self, event: WireEvent) -> None:
+        self.send_now(event)
+
+    def send_now(self, event: WireEvent) -> None:
+        """:meth:`send`, which never waits: what :func:`mesh.generate.generate_into` calls for
+        each token (no coroutine per token)."""
         data = dump_event(event, self.fmt)
         self._sent.append((event, data))
         # Through the write batch, written together with other answers' events (the start and the

@@ -22,7 +22,9 @@ from protocol.errors import BackendError
 from protocol.messages import InferRequest, Timings, TokenEvent, Usage
 from protocol.stream import AnswerWriter
 
-Emit = Callable[[TokenEvent], Awaitable[None]]
+Emit = Callable[[TokenEvent], Awaitable[None] | None]
+"""Takes each token event: a coroutine function, or a plain function for a taker that never
+waits (a worker's publisher: no coroutine per token)."""
 
 
 async def coalesce(
@@ -333,7 +335,9 @@ async def generate_into(
                 break
             first = first or time.perf_counter()
             new_tokens += chunk.n
-            await emit(writer.token(chunk.text, chunk.n, chunk.logprobs))
+            sent = emit(writer.token(chunk.text, chunk.n, chunk.logprobs))
+            if sent is not None:
+                await sent
     usage = final.usage if final and final.usage else Usage(completion_tokens=new_tokens)
     if resume.tokens:  # the engine counted the kept text as prompt; the client asked for it
         usage = Usage(

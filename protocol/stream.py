@@ -121,10 +121,21 @@ class AnswerWriter:
         self.reason = reason
         self.resume = resume
         self.seq = resume.seq
-        self.digest = resume.digest
         self.tokens = resume.tokens
         self.delivery: str | None = None
         """The queue delivery this attempt holds (a worker's; see ``StartEvent.delivery``)."""
+        self._texts: list[str] = []  # this attempt's positions, for the digest
+        self._digested = (0, resume.digest)  # (of _texts, digest): where ``digest`` left off
+
+    @property
+    def digest(self) -> int:
+        """CRC-32 of the text so far: worked out when the end asks, not per token (the hot
+        path, on every worker and every local answer)."""
+        done, digest = self._digested
+        if done < len(self._texts):
+            digest = digest_of("".join(self._texts[done:]), digest)
+            self._digested = (len(self._texts), digest)
+        return digest
 
     def start(self) -> StartEvent:
         return StartEvent(
@@ -144,7 +155,7 @@ class AnswerWriter:
         """The next position; ``n`` is how many engine tokens ``text`` holds."""
         event = token_event(self.request_id, self.seq, text, self.attempt, n, logprobs)
         self.seq += 1
-        self.digest = digest_of(text, self.digest)
+        self._texts.append(text)
         self.tokens += n
         return event
 

@@ -9,9 +9,10 @@ import pytest
 
 from mesh.backends.base import Chunk
 from mesh.config import describe_settings, env_name, load_settings
-from mesh.generate import coalesce
+from mesh.generate import coalesce, generate_into
 from protocol.errors import BackendError, InvalidRequestError
-from protocol.messages import TokenLogprob
+from protocol.messages import EndEvent, InferRequest, TokenEvent, TokenLogprob
+from protocol.stream import AnswerState, AnswerWriter
 from tests.helpers import eventually
 
 
@@ -252,6 +253,47 @@ async def test_closing_coalesce_closes_the_backend_stream() -> None:
         break
     await stream.aclose()
     assert closed.is_set()
+
+
+class _Scripted:
+    """A backend that yields ``texts`` (and a finish) as fast as it can."""
+
+    model = "scripted"
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    async def generate(self, request: object, prefix: str = "", prefix_tokens: int = 0):  # type: ignore[no-untyped-def]
+        for text in self.texts:
+            yield Chunk(text=text)
+        yield Chunk(finish_reason="stop")
+
+
+@pytest.mark.parametrize("waits", [True, False])
+async def test_generate_into_hands_each_token_to_a_taker_that_waits_or_never_does(
+    waits: bool,
+) -> None:
+    """A worker's publisher takes tokens without a coroutine each; the edge's local path awaits
+    its record. Either way every token goes, numbered, in order, and the end vouches for them."""
+    taken: list[TokenEvent] = []
+
+    async def awaiting(event: TokenEvent) -> None:
+        await asyncio.sleep(0)
+        taken.append(event)
+
+    texts = [f" t{i}" for i in range(40)]
+    writer = AnswerWriter("g1", attempt=1, node="n")
+    request = InferRequest(id="g1", prompt="x", max_tokens=64)
+    settings = load_settings(environ={}).worker
+    emit = awaiting if waits else taken.append
+    gen = await generate_into(_Scripted(texts), request, writer, emit, settings)  # type: ignore[arg-type]
+    state = AnswerState("g1")
+    state.feed(writer.start())
+    for event in taken:
+        state.feed(event)
+    state.feed(writer.end(finish_reason=gen.finish_reason, usage=gen.usage))
+    assert state.done and state.text() == "".join(texts)
+    assert isinstance(state.outcome, EndEvent)  # its seq and digest match what was taken
 
 
 def test_package_data_entries_match_real_files() -> None:
