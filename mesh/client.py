@@ -413,9 +413,11 @@ class MeshClient(Lifecycle):
                     f"no event from {reader.what} within {limit:g}s "
                     f"(waiting for {reader.state.missing()})"
                 )
-            if any(not isinstance(e, StartEvent) for e in out):
-                limit = self.idle_timeout
-                wait_until = clock() + limit
+            for moved in out:  # anything but a start: the idle timeout, from now
+                if not isinstance(moved, StartEvent):
+                    limit = self.idle_timeout
+                    wait_until = clock() + limit
+                    break
             for event in out:
                 if isinstance(event, TokenEvent):
                     passed_on += 1
