@@ -40,7 +40,8 @@ from mesh.connection import Connection, request_or_nobody
 from mesh.lifecycle import Lifecycle
 from mesh.provision import ServedModels
 from mesh.queue import CloudCall
-from mesh.reader import AnswerReader, Repair, SourceGone
+from mesh.reader import AnswerReader
+from mesh.repair import Repair, SourceGone
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,

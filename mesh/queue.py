@@ -28,7 +28,8 @@ from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
-from mesh.reader import AnswerReader, store_repair
+from mesh.reader import AnswerReader
+from mesh.repair import store_repair
 from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.errors import MeshTimeoutError, OverloadedError, UnavailableError
 from protocol.messages import EndEvent, InferRequest, TokenEvent

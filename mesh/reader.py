@@ -42,6 +42,7 @@ from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 from mesh.connection import Connection
 from mesh.inline_sub import subscribe_inline
 from mesh.logs import get_logger
+from mesh.repair import Repair, SourceGone, Watch
 from mesh.tasks import raise_if_cancelled
 from protocol.codec import decode_event, message_token_fields
 from protocol.errors import MeshError, UnavailableError
@@ -51,11 +52,6 @@ from protocol.stream import AnswerState
 log = get_logger(__name__)
 NO_RESPONDERS = "503"
 DEFAULT_PENDING = DEFAULT_SUB_PENDING_MSGS_LIMIT
-Repair = Callable[[AnswerState], Awaitable[list[WireEvent]]]
-"""Fetch what was kept of the answer, given what the reader has; events in their stored order."""
-Watch = Callable[[AnswerState], Awaitable[None]]
-"""Look after whoever is generating the answer, given what the reader has (see
-:meth:`mesh.queue.CloudCall.watch_worker`)."""
 
 
 class Passer(Protocol):
@@ -86,17 +82,6 @@ OFFLINE_LOOK_S = 0.05
 """While the connection is down, how often a reader whose watch is due looks whether it is back
 (the watch asks only over a live link). It used to wake every millisecond, for each answer in
 flight, all through a cut (``tests/test_reader_checks.py``)."""
-
-
-class SourceGone(Exception):
-    """Raised by a repair when what the reader lacks is gone for good (an edge that restarted
-    or died held what it relayed in its memory only): the answer ends at once in ``error``,
-    typed, instead of in the caller's idle timeout, in silence. A repair's other errors are
-    tried again later."""
-
-    def __init__(self, error: MeshError) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 class AnswerReader:
@@ -265,12 +250,12 @@ class AnswerReader:
         ``timeout`` seconds pass with nothing new (with a passer, also right after it checked
         on the answer's generator). Raises :class:`UnavailableError` when the
         connection is closed or nobody serves the subject."""
-        if self._buffer and self._nothing_due():  # the hot path: a message came, nothing else
-            out = self._drain()
-            if out:
-                return out
         deadline = time.monotonic() + max(0.0, timeout)
         while not self.state.done or self._ready:
+            if self._buffer and self._nothing_due():  # a message came, nothing else: hot path
+                out = self._drain()
+                if out:
+                    return out
             if self._ready:  # fed in the callback, before anything buffered or repaired
                 ready, self._ready = self._ready, []
                 return ready
@@ -305,18 +290,12 @@ class AnswerReader:
             if self.conn.nc.is_closed:
                 raise UnavailableError(f"NATS connection closed while reading {self.what}")
             await self._wait(deadline)
-            if self._buffer and self._nothing_due():  # woken by a message: the hot path
-                out = self._drain()
-                if out:
-                    return out
         return []
 
     def _nothing_due(self) -> bool:
-        """Whether what came can be read at once, with no check first: nothing fed in the
-        callback waits, no repair or send-again is due or was asked for, no message may have
-        been lost (the connection says so), no check has ended. A watch or a quiet-spell
-        repair that fell due while the message travelled is not run: the message shows the
-        answer moving, and reading it puts both off (a gap it reveals sets a repair)."""
+        """Whether what came can be read at once: nothing fed in the callback waits, no repair,
+        resend, loss (the connection's) or ended check calls for a look first. A watch or
+        quiet-spell repair due meanwhile is put off by the message (a gap sets a repair)."""
         return (
             not self._ready
             and self._repair_at is None
@@ -518,15 +497,3 @@ class AnswerReader:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-
-def store_repair(replay: Callable[[str], Awaitable[list[WireEvent]]], subject: str) -> Repair:
-    """A repair that reads everything the answer store kept on token ``subject``."""
-
-    async def repair(_state: AnswerState) -> list[WireEvent]:
-        try:
-            return await replay(subject)
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            raise UnavailableError(f"answer store unreadable: {type(exc).__name__}") from None
-
-    return repair
