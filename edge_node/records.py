@@ -23,10 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-import nats.errors
-
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.write_batch import Headers, header_block
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event, dump_token
 from protocol.errors import DuplicateRequestError, MeshError, OverloadedError, status_of
 from protocol.messages import (
@@ -88,12 +87,15 @@ def _status(code: str) -> int:
         return 500
 
 
+_HEADER_BLOCKS = {fmt: header_block({CONTENT_TYPE: fmt.content_type}) for fmt in WireFormat}
+
+
 class NatsSink:
     """A NATS client's inbox: every event (streaming), or one ``answer`` or ``err`` at the end.
 
-    Streamed tokens go through the connection's write batch (:mod:`mesh.write_batch`), written
-    together with other answers' tokens; the first token never waits, and every other event is
-    published after what the write batch holds, so the client gets them in order. ``on_error``
+    Every event goes through the connection's write batch (:mod:`mesh.write_batch`), written
+    together with other answers' events, in order; the first token and every event that is not
+    a token never wait (a start, an end, an error, a collected answer). ``on_error``
     learns of each typed error sent (the micro endpoint's error count)."""
 
     takes_tokens_now = True
@@ -114,6 +116,7 @@ class NatsSink:
         self.fmt = fmt
         self.streaming = streaming
         self._headers = {CONTENT_TYPE: fmt.content_type}
+        self._block = _HEADER_BLOCKS[fmt]
         self._answer = AnswerState(request_id)
         self._tokens = 0
         self._on_error = on_error
@@ -124,14 +127,14 @@ class NatsSink:
         elif isinstance(event, TokenEvent):
             self.send_now(event)
         elif self.streaming:
-            await self._publish(dump_event(event, self.fmt), self._headers)
+            await self._publish(dump_event(event, self.fmt), self._block)
         else:
             self._answer.feed(event)
             whole = self._answer.whole() if isinstance(event, EndEvent) else None
             if isinstance(whole, ErrorEvent):  # an end that did not match its text
                 await self._error(whole)
             elif whole is not None:
-                await self._publish(dump(whole, self.fmt), self._headers)
+                await self._publish(dump(whole, self.fmt), self._block)
 
     def send_now(self, event: TokenEvent) -> None:
         if not self.streaming:
@@ -158,20 +161,23 @@ class NatsSink:
         event = last if self.streaming else self._answer.whole()
         if event is None:
             return  # the one reply has not been sent yet: nothing was lost
-        errors = error_headers(event) if isinstance(event, ErrorEvent) else {}
-        await self._publish(dump_event(event, self.fmt), {**self._headers, **errors})
+        headers = (
+            {**self._headers, **error_headers(event)}
+            if isinstance(event, ErrorEvent)
+            else self._block
+        )
+        await self._publish(dump_event(event, self.fmt), headers)
 
     async def _error(self, event: ErrorEvent) -> None:
         await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
         if self._on_error is not None:
             self._on_error(event)
 
-    async def _publish(self, data: bytes, headers: dict[str, str]) -> None:
-        await self.conn.write_batch.flush()  # tokens still held go first
-        try:
-            await self.conn.nc.publish(self.inbox, data, headers=headers)
-        except nats.errors.Error as exc:
-            raise MeshError(f"cannot reach the client: {type(exc).__name__}") from None
+    async def _publish(self, data: bytes, headers: Headers) -> None:
+        """At once, through the write batch: after the tokens it holds, in one write with them.
+        Raises :class:`MeshError` when an earlier event to this client could not be published
+        (a failure of this one the write batch logs, and the next event raises)."""
+        self._batch.put(self.inbox, data, headers, now=True)
 
 
 Logged = WireEvent | tuple[str, int, str, int, int]

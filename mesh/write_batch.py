@@ -42,7 +42,10 @@ from protocol.errors import ErrorCode, MeshError
 
 log = get_logger(__name__)
 
-Message = tuple[str, bytes, dict[str, str] | None]
+Headers = dict[str, str] | bytes
+"""A message's headers: a dict, or the header block :func:`header_block` made of one (a sender
+whose headers never change makes it once)."""
+Message = tuple[str, bytes, Headers | None]
 MAX_DROPPED = 1024
 _ONE_MESSAGE = (
     nats.errors.MaxPayloadError,
@@ -72,7 +75,7 @@ class WriteBatch:
         self.messages = 0
 
     def put(
-        self, subject: str, data: bytes, headers: dict[str, str] | None, *, now: bool = False
+        self, subject: str, data: bytes, headers: Headers | None, *, now: bool = False
     ) -> None:
         """Queue one message. Raises :class:`MeshError` (``unavailable``), once, when an earlier
         message on the same subject could not be published (the connection is closed, its
@@ -116,13 +119,17 @@ class WriteBatch:
             _check_state(client)
             limit = client.max_payload
             for index, (subject, data, headers) in enumerate(queued):
-                if headers is None and len(data) <= limit and _PLAIN_SUBJECT(subject):
-                    frames.append(_frame(subject, data))
-                    continue
+                if len(data) <= limit and _PLAIN_SUBJECT(subject):
+                    if headers is None:
+                        frames.append(_frame(subject, data))
+                        continue
+                    if type(headers) is bytes:
+                        frames.append(_frame_with(subject, headers, data))
+                        continue
                 _pending(client, frames)  # the frames before it go first
                 frames, first = [], index
                 try:  # nats-py's own publish, in its place
-                    _publish_now(client, subject, data, headers)
+                    _publish_now(client, subject, data, _as_dict(headers))
                 except _ONE_MESSAGE as exc:  # that message alone
                     failed += self._drop([subject], exc)
                 first = index + 1
@@ -163,6 +170,46 @@ let a subject inject protocol lines)."""
 def _frame(subject: str, data: bytes) -> bytes:
     """The protocol line nats-py's ``publish`` writes for a message without headers."""
     return b"PUB %s %d\r\n%s\r\n" % (subject.encode(), len(data), data)
+
+
+def _frame_with(subject: str, block: bytes, data: bytes) -> bytes:
+    """The protocol line nats-py's ``publish`` writes for a message with headers, from their
+    block (:func:`header_block`)."""
+    return b"HPUB %s %d %d\r\n%s%s\r\n" % (
+        subject.encode(),
+        len(block),
+        len(block) + len(data),
+        block,
+        data,
+    )
+
+
+_HEADER_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+").fullmatch
+_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
+
+
+def header_block(headers: dict[str, str]) -> bytes:
+    """Headers as nats-py writes them on the wire (``NATS/1.0``, a line each, an empty line),
+    for a sender whose headers never change: encoded once, not per message. Keys and values
+    are checked and cleaned as nats-py does: raises ``BadHeaderError`` for a key it would
+    refuse; line breaks in a value become blanks."""
+    lines = [b"NATS/1.0"]
+    for name, value in headers.items():
+        key = name.strip()
+        if not key:
+            continue
+        if not _HEADER_KEY(key):
+            raise nats.errors.BadHeaderError(key)
+        lines.append(b"%s: %s" % (key.encode(), value.strip().translate(_NEWLINES).encode()))
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def _as_dict(headers: Headers | None) -> dict[str, str] | None:
+    """Headers as nats-py's ``publish`` takes them (a block read back into its lines)."""
+    if headers is None or isinstance(headers, dict):
+        return headers
+    lines = headers.decode().split("\r\n")[1:]
+    return dict(line.split(": ", 1) for line in lines if line)
 
 
 def _check_state(client: Client) -> None:

@@ -22,7 +22,7 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import Server
-from mesh.write_batch import WriteBatch
+from mesh.write_batch import WriteBatch, _frame_with, header_block
 from protocol.codec import WireFormat
 from protocol.errors import ErrorCode, MeshError
 from protocol.messages import EndEvent, TokenEvent, Usage
@@ -272,3 +272,39 @@ async def test_a_burst_keeps_nats_pys_checks_and_its_order_around_messages_with_
         await nc.close()
         await reader.close()
         await injected.close()
+
+
+async def test_a_header_block_is_written_as_nats_py_writes_those_headers(
+    nats_server: NatsServer,
+) -> None:
+    """A sender whose headers never change encodes them once (``header_block``); the write
+    batch then writes its messages itself. The bytes are nats-py's own for the same headers,
+    and a subscriber reads the headers back."""
+    headers = {"Content-Type": "application/msgpack", " Padded ": " a\r\nb "}
+    nc = await nats.connect(nats_server.url)
+    reader, got, changed = await _reader(nats_server, "batch.headers")
+    seen: list[dict[str, str] | None] = []
+
+    async def note(msg: Msg) -> None:
+        seen.append(msg.headers)
+
+    await reader.subscribe("batch.headers", cb=note)
+    await reader.flush()
+    try:
+        await nc.publish("batch.headers", b"payload", headers=headers)
+        line, rest = bytes(nc._pending[-1]).split(b"\r\n", 1)  # HPUB <subject>  <hdr> <total>
+        block = header_block(headers)
+        assert line.split()[-2:] == [b"%d" % len(block), b"%d" % (len(block) + 7)]
+        assert rest == block + b"payload\r\n"
+        assert _frame_with("batch.headers", block, b"payload").endswith(b"\r\n" + rest)
+        box = WriteBatch(nc, gap=0.0)
+        box.put("batch.headers", b"through the batch", header_block(headers))
+        await _until(got, changed, 2)
+        assert got == [b"payload", b"through the batch"]
+        await eventually(_is(lambda: len(seen) == 2), what="both messages' headers")
+        assert seen[0] == seen[1] == {"Content-Type": "application/msgpack", "Padded": "a  b"}
+        with pytest.raises(nats.errors.BadHeaderError):
+            header_block({"bad key": "x"})
+    finally:
+        await nc.close()
+        await reader.close()
