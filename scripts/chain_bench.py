@@ -235,6 +235,8 @@ async def _engine(settings: MeshSettings) -> tuple[str, Callable[[], Awaitable[N
 
 STREAMS = 4
 """Answers a worker-side run streams at once."""
+ANSWERS = {"worker": STREAMS, "bare relay": STREAMS}
+"""Answers a side streams in one run (1 where not named)."""
 
 
 async def worker(conn: Connection, settings: MeshSettings, tokens: int) -> float:
@@ -382,7 +384,7 @@ def main() -> None:
         short = max(1, args.tokens // 5)
         per = {
             side: (_instructions(side, args.tokens) - _instructions(side, short))
-            / (args.tokens - short)
+            / ((args.tokens - short) * ANSWERS.get(side, 1))
             for side in sides
         }
         figures = {"instructions_per_token": per, "of_floor": per[sides[0]] / per[sides[1]]}
