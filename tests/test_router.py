@@ -336,18 +336,27 @@ async def test_learned_router_through_the_real_mesh(
     assert edge.stats.get("route.local") == 1 and edge.stats.get("route.cloud") == 1
 
 
-@pytest.mark.slow
 async def test_prompt_too_long_for_the_local_model_goes_to_the_cloud(
-    worker: object, edge: object, client: object
+    settings: object, conn: object, worker: object, edge_backend: object, client: object
 ) -> None:
+    """The edge's model here gets a 256-token context (the file loaded once for every test has
+    more; only the edge's check reads the setting), so a prompt of some 200 tokens is too long
+    for it and cheap for the worker: a prompt too long for the default context takes a CPU
+    worker over 30 s to read on 2 cores, longer than the client waits."""
+    from edge_node.node import EdgeNode
     from mesh.client import MeshClient
+    from mesh.config import MeshSettings
 
-    assert isinstance(client, MeshClient)
-    long_but_simple = "Please summarise this note. " + "The meeting is on Tuesday. " * 300
-    answer = await client.complete(long_but_simple, max_tokens=4, temperature=0)
+    assert isinstance(client, MeshClient) and isinstance(settings, MeshSettings)
+    settings.edge.model.n_ctx = 256
+    long_but_simple = "Please summarise this note. " + "The meeting is on Tuesday. " * 30
+    async with EdgeNode(settings, conn, edge_backend, create_router(settings.edge.router)):  # type: ignore[arg-type]
+        answer = await client.complete(long_but_simple, max_tokens=4, temperature=0)
     assert answer.end.routing is not None
     assert answer.end.routing.reason.startswith("prompt too long for the local model")
+    assert "context 256" in answer.end.routing.reason
     assert answer.end.routing.decision == "cloud"
+    assert answer.path == "cloud" and answer.text
 
 
 def test_router_commands_read_the_data_dir_setting(tmp_path: Path) -> None:
