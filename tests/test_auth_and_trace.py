@@ -84,6 +84,48 @@ def test_library_logs_go_through_the_same_json_renderer() -> None:
     assert all("timestamp" in line for line in lines)
 
 
+def test_a_json_line_carries_level_time_and_any_value_and_follows_a_reconfiguration() -> None:
+    """What an operator's log shipper parses: UTC ISO 8601 time with microseconds, the level
+    named as the method (warn and exception named as their levels), a value JSON has no form
+    for shown as text; and a process that configures logging again (cached loggers, as the
+    daemons run) writes to where it was configured last."""
+    import io
+    import json
+    import re
+    from datetime import datetime, timezone
+
+    from mesh.logs import get_logger
+
+    class Tagged:
+        def __structlog__(self) -> str:
+            return "tagged"
+
+    first, second = io.StringIO(), io.StringIO()
+    log = get_logger("mesh.test")
+    configure_logging(LogSettings(level="info", format="json"), stream=first, cache=True)
+    try:
+        before = datetime.now(timezone.utc)
+        log.info("ours", path=Path("/x"), tagged=Tagged(), n=1.5)
+        log.warning("careful")
+        configure_logging(LogSettings(level="info", format="json"), stream=second, cache=True)
+        log.info("moved")
+        after = datetime.now(timezone.utc)
+    finally:
+        configure_logging(LogSettings(level="warning"))
+    lines = [json.loads(line) for line in first.getvalue().splitlines()]
+    assert [(line["event"], line["level"]) for line in lines] == [
+        ("ours", "info"),
+        ("careful", "warning"),
+    ]
+    assert lines[0]["path"] == repr(Path("/x")) and lines[0]["tagged"] == "tagged"
+    assert lines[0]["n"] == 1.5
+    for line in lines:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", line["timestamp"])
+        stamped = datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00"))
+        assert before.replace(microsecond=0) <= stamped <= after
+    assert [json.loads(line)["event"] for line in second.getvalue().splitlines()] == ["moved"]
+
+
 def test_a_log_stream_that_cannot_be_written_never_fails_the_caller() -> None:
     """A broken stderr (a dead pipe, a full disk) loses log lines, not requests: every level,
     our lines and the libraries', returns normally (the standard library's handlers drop such
