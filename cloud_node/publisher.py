@@ -23,14 +23,13 @@ from mesh.answer_store import AnswerStore
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.tasks import TaskSet
-from mesh.write_batch import header_block
+from mesh.write_batch import CONTENT_TYPE_BLOCKS
 from protocol.codec import CONTENT_TYPE, WireFormat, dump_event
 from protocol.errors import MeshError
 from protocol.messages import EndEvent, ErrorEvent, StartEvent, TokenEvent, WireEvent
 from protocol.subjects import token_subject
 
 log = get_logger(__name__)
-_HEADER_BLOCKS = {fmt: header_block({CONTENT_TYPE: fmt.content_type}) for fmt in WireFormat}
 CATCH_UP_RETRY_S = 0.25
 """Seconds before the end's second check of the answer store, when the first finds it short;
 past that the worker settles the answer in the background (:meth:`AnswerPublisher.settle`),
@@ -122,7 +121,7 @@ class AnswerPublisher:
         if isinstance(event, TokenEvent):
             self.last_token = time.monotonic()
         else:
-            headers = _HEADER_BLOCKS[self.fmt]
+            headers = CONTENT_TYPE_BLOCKS[self.fmt]
         self.conn.write_batch.put(self.subject, data, headers, now=len(self._sent) <= 2)
 
     async def finish(self, event: EndEvent | ErrorEvent) -> bool:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from mesh.write_batch import Headers, header_block
+from mesh.write_batch import CONTENT_TYPE_BLOCKS, Headers
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event, dump_token
 from protocol.errors import DuplicateRequestError, MeshError, OverloadedError, status_of
 from protocol.messages import (
@@ -87,9 +87,6 @@ def _status(code: str) -> int:
         return 500
 
 
-_HEADER_BLOCKS = {fmt: header_block({CONTENT_TYPE: fmt.content_type}) for fmt in WireFormat}
-
-
 class NatsSink:
     """A NATS client's inbox: every event (streaming), or one ``answer`` or ``err`` at the end.
 
@@ -116,7 +113,7 @@ class NatsSink:
         self.fmt = fmt
         self.streaming = streaming
         self._headers = {CONTENT_TYPE: fmt.content_type}
-        self._block = _HEADER_BLOCKS[fmt]
+        self._block = CONTENT_TYPE_BLOCKS[fmt]
         self._answer = AnswerState(request_id)
         self._tokens = 0
         self._on_error = on_error

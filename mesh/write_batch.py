@@ -38,6 +38,7 @@ from nats.aio.client import Client
 
 from mesh.logs import get_logger
 from mesh.write_now import write_queued
+from protocol.codec import CONTENT_TYPE, WireFormat
 from protocol.errors import ErrorCode, MeshError
 
 log = get_logger(__name__)
@@ -74,9 +75,7 @@ class WriteBatch:
         """Bursts published (each is one write for nats-py, unless it is larger than its buffer)."""
         self.messages = 0
 
-    def put(
-        self, subject: str, data: bytes, headers: Headers | None, *, now: bool = False
-    ) -> None:
+    def put(self, subject: str, data: bytes, headers: Headers | None, *, now: bool = False) -> None:
         """Queue one message. Raises :class:`MeshError` (``unavailable``), once, when an earlier
         message on the same subject could not be published (the connection is closed, its
         reconnect buffer is full, or the message was too large); that message is lost, as a
@@ -202,6 +201,11 @@ def header_block(headers: dict[str, str]) -> bytes:
             raise nats.errors.BadHeaderError(key)
         lines.append(b"%s: %s" % (key.encode(), value.strip().translate(_NEWLINES).encode()))
     return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+CONTENT_TYPE_BLOCKS = {fmt: header_block({CONTENT_TYPE: fmt.content_type}) for fmt in WireFormat}
+"""The header block of each wire format's events (every one but a token carries its
+content type)."""
 
 
 def _as_dict(headers: Headers | None) -> dict[str, str] | None:
