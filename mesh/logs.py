@@ -82,18 +82,21 @@ def configure_logging(
 # ``default`` builds an encoder per call; datetime.isoformat per line): 36 us with these. An edge
 # and a worker each write one line per request.
 _LEVEL_NAMES = {"warn": "warning", "exception": "error"}
-_second: list[Any] = [None, ""]  # the last whole second stamped, and its text
+_stamped: tuple[int, str] = (-1, "")
+"""The last whole second stamped, and its text (one tuple: a thread never reads half of it)."""
 
 
 def add_level_and_time(_logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
     """A structlog processor: ``level`` (as ``add_log_level`` names it) and ``timestamp``, UTC,
     ISO 8601 with microseconds (``2026-11-28T09:44:24.817314Z``); a second's text is made once."""
+    global _stamped  # noqa: PLW0603
     event_dict["level"] = _LEVEL_NAMES.get(method, method)
     now = time.time()
     second = int(now)
-    if second != _second[0]:
-        _second[:] = [second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))]
-    event_dict["timestamp"] = f"{_second[1]}.{int((now - second) * 1e6):06d}Z"
+    stamped = _stamped
+    if stamped[0] != second:
+        stamped = _stamped = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    event_dict["timestamp"] = f"{stamped[1]}.{int((now - second) * 1e6):06d}Z"
     return event_dict
 
 
