@@ -31,9 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -48,6 +45,7 @@ from mesh.provision import provision
 from protocol.codec import WireFormat, dump_event, dump_token
 from protocol.messages import EndEvent, InferRequest, RouteDecision, TokenEvent, Usage
 from protocol.stream import AnswerWriter
+from scripts.callgrind_count import instructions, report
 
 FLOORS = {"edge": "bare middle", "sdk": "bare reader", "worker": "bare relay"}
 Chain = Callable[[Connection, MeshSettings, int], Awaitable[float]]
@@ -335,35 +333,9 @@ async def _run(sides: list[str], tokens: int, rounds: int) -> dict[str, list[flo
     return spent
 
 
-def _instructions(side: str, tokens: int) -> int:
-    """Instructions this script runs for ``side`` at ``tokens`` under callgrind, start-up and
-    all (the same count run after run, to about 0.2%)."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise SystemExit("--callgrind needs valgrind (apt-get install valgrind)")
-    run = subprocess.run(
-        [
-            valgrind,
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
-            sys.executable,
-            __file__,
-            "--side",
-            side,
-            "--tokens",
-            str(tokens),
-            "--rounds",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=1800,
-    )
-    found = re.search(r"Collected : (\d+)", run.stderr)
-    if run.returncode != 0 or found is None:
-        raise SystemExit(f"{side} under callgrind failed: {run.stderr[-2000:]}")
-    return int(found.group(1))
+def _count(side: str, tokens: int) -> int:
+    """Instructions this script runs for ``side`` at ``tokens`` under callgrind."""
+    return instructions(__file__, "--side", side, "--tokens", str(tokens), "--rounds", "1")
 
 
 def main() -> None:
@@ -383,7 +355,7 @@ def main() -> None:
     if args.callgrind:
         short = max(1, args.tokens // 5)
         per = {
-            side: (_instructions(side, args.tokens) - _instructions(side, short))
+            side: (_count(side, args.tokens) - _count(side, short))
             / ((args.tokens - short) * ANSWERS.get(side, 1))
             for side in sides
         }
@@ -395,12 +367,7 @@ def main() -> None:
         ratio = best[sides[0]] / best[sides[1]]
         figures = {"cpu_us_per_token": spent, "best": best, "of_floor": ratio}
         unit, shown = "CPU us a token, best of the rounds", {s: f"{best[s]:.1f}" for s in sides}
-    print(f"{args.role} chain, {args.tokens} tokens ({unit})")
-    for side in sides:
-        print(f"  {side:12s} {shown[side]:>12s}")
-    print(f"  {args.role} / {FLOORS[args.role]}: {figures['of_floor']:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+    report(f"{args.role} chain, {args.tokens} tokens ({unit})", shown, figures, args.json)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
+from scripts.callgrind_count import instructions, report
 
 FLOORS = {"edge": "bare middle", "cloud": "bare relay"}
 MIDDLE = "bench.request.middle"
@@ -109,10 +107,10 @@ async def mesh(path: str, settings: MeshSettings, requests: int, tokens: int, c:
         wconn = await stack.enter_async_context(Connection(settings.nats, "worker"))
         econn = await stack.enter_async_context(Connection(settings.nats, "edge"))
         backend = DeterministicBackend(settings.worker.model)
-        await stack.enter_async_context(Worker(settings, wconn, backend))
+        worker = await stack.enter_async_context(Worker(settings, wconn, backend))
         local = DeterministicBackend(settings.worker.model)
         router = create_router(settings.edge.router)
-        await stack.enter_async_context(EdgeNode(settings, econn, local, router))
+        edge = await stack.enter_async_context(EdgeNode(settings, econn, local, router))
         client = await stack.enter_async_context(
             MeshClient(settings=settings, first_event_timeout=60, idle_timeout=60)
         )
@@ -129,10 +127,15 @@ async def mesh(path: str, settings: MeshSettings, requests: int, tokens: int, c:
                     return event
             raise AssertionError("no end")
 
-        for _ in range(600):  # until the edge sees the worker
-            if (await one(-1)).path == "cloud":
+        # Until the edge sees the worker, asked without a request: a warm-up of as many requests
+        # as that took would differ from run to run, and so would the count.
+        model = settings.edge.cloud_model
+        for _ in range(1200):
+            if edge.nodes.is_live(worker.node_id, model) and not await edge.models.cannot_serve(
+                model
+            ):
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
         for i in range(8):
             assert (await one(-i)).path == "cloud"
 
@@ -225,20 +228,10 @@ def _quiet_logs() -> None:
     configure_logging(settings.log, open(os.devnull, "w"), cache=True)  # noqa: SIM115
 
 
-def _instructions(side: str, requests: int, tokens: int, c: int) -> int:
-    """Instructions this script runs for ``side`` at ``requests`` under callgrind, start-up and
-    all."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise SystemExit("--callgrind needs valgrind (apt-get install valgrind)")
-    command = [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable]
-    command += [__file__, "--side", side, "--requests", str(requests), "--tokens", str(tokens)]
-    command += ["--concurrency", str(c), "--rounds", "1"]
-    run = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
-    found = re.search(r"Collected : (\d+)", run.stderr)
-    if run.returncode != 0 or found is None:
-        raise SystemExit(f"{side} under callgrind failed: {run.stderr[-2000:]}")
-    return int(found.group(1))
+def _count(side: str, requests: int, tokens: int, c: int) -> int:
+    """Instructions this script runs for ``side`` at ``requests`` under callgrind."""
+    args = ["--side", side, "--requests", str(requests), "--tokens", str(tokens)]
+    return instructions(__file__, *args, "--concurrency", str(c), "--rounds", "1")
 
 
 def main() -> None:
@@ -261,9 +254,7 @@ def main() -> None:
     sides = [args.path, FLOORS[args.path]]
     if args.callgrind:
         few = max(1, k // 5)
-        per = {
-            s: (_instructions(s, k, t, c) - _instructions(s, few, t, c)) / (k - few) for s in sides
-        }
+        per = {s: (_count(s, k, t, c) - _count(s, few, t, c)) / (k - few) for s in sides}
         figures = {"instructions_per_request": per, "of_floor": per[sides[0]] / per[sides[1]]}
         unit, shown = "instructions a request", {s: f"{per[s]:,.0f}" for s in sides}
     else:
@@ -278,12 +269,8 @@ def main() -> None:
             "of_floor": best[sides[0]] / best[sides[1]],
         }
         unit, shown = "CPU ms a request, best of the rounds", {s: f"{best[s]:.3f}" for s in sides}
-    print(f"via {args.path}, {k} requests of {t} token(s), {c} at a time ({unit})")
-    for side in sides:
-        print(f"  {side:12s} {shown[side]:>12s}")
-    print(f"  {args.path} / {FLOORS[args.path]}: {figures['of_floor']:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+    title = f"via {args.path}, {k} requests of {t} token(s), {c} at a time ({unit})"
+    report(title, shown, figures, args.json)
 
 
 if __name__ == "__main__":

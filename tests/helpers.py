@@ -79,6 +79,19 @@ def modules_loaded_by(code: str) -> list[str]:
     return loaded
 
 
+def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``scripts/<name>`` run with ``args`` by this interpreter, its output captured (a
+    development tool's test checks its exit code, its printout and the figures it wrote)."""
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, str(root / "scripts" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 @contextlib.asynccontextmanager
 async def chat_server(
     handler: Callable[[web.Request], Awaitable[web.StreamResponse]],

@@ -4,11 +4,11 @@ on both sides."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,27 +17,20 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("role", ["worker", "edge", "sdk"])
 def test_ab_bench_measures_both_versions_and_the_floor(role: str, tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "ab_bench.py"),
-            "--role",
-            role,
-            "--a-tree",
-            str(ROOT),
-            "--streams",
-            "2",
-            "--rounds",
-            "1",
-            "--lens",
-            "2,6",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    run = run_script(
+        "ab_bench.py",
+        "--role",
+        role,
+        "--a-tree",
+        str(ROOT),
+        "--streams",
+        "2",
+        "--rounds",
+        "1",
+        "--lens",
+        "2,6",
+        "--json",
+        str(out),
     )
     assert run.returncode == 0, run.stderr[-2000:]
     figures = json.loads(out.read_text())

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import run_script
 
 
 @pytest.mark.slow
@@ -20,23 +18,16 @@ def test_chain_bench_runs_a_role_and_its_floor_over_every_token(
     role: str, floor: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "chain.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "chain_bench.py"),
-            "--role",
-            role,
-            "--tokens",
-            "40",
-            "--rounds",
-            "2",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    run = run_script(
+        "chain_bench.py",
+        "--role",
+        role,
+        "--tokens",
+        "40",
+        "--rounds",
+        "2",
+        "--json",
+        str(out),
     )
     assert run.returncode == 0, run.stderr[-2000:]  # each side checks its answer came whole
     figures = json.loads(out.read_text())

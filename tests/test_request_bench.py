@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import run_script
 
 
 @pytest.mark.slow
@@ -18,25 +16,18 @@ def test_request_bench_runs_a_path_and_its_floor_with_every_answer_whole(
     path: str, floor: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "requests.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "request_bench.py"),
-            "--path",
-            path,
-            "--requests",
-            "24",
-            "--tokens",
-            "3",
-            "--rounds",
-            "2",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    run = run_script(
+        "request_bench.py",
+        "--path",
+        path,
+        "--requests",
+        "24",
+        "--tokens",
+        "3",
+        "--rounds",
+        "2",
+        "--json",
+        str(out),
     )
     assert run.returncode == 0, run.stderr[-2000:]  # each side checks every answer came whole
     figures = json.loads(out.read_text())
