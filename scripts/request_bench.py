@@ -17,8 +17,9 @@ between two request counts, the same run after run to about 1% here.
 
 The worker side of both makes its tokens in process (the mesh's instant backend, the bare
 worker's loop): what is counted is the mesh's own work. nats-server runs apart and is not
-counted. The registry heartbeat, the pull expiry and the loop-lag ticker run rarely here, so
-that the wall time a request takes (50 times longer under callgrind) does not count.
+counted. The registry heartbeat, the pull expiry, the loop-lag ticker and a reader's checks
+after a quiet spell run rarely here, so that the wall time a request takes (50 times longer
+under callgrind) does not count.
 
     python scripts/request_bench.py --path edge --requests 200 --callgrind
 """
@@ -81,17 +82,22 @@ async def _batches(one: Callable[[int], Awaitable[None]], requests: int, concurr
 
 
 @contextlib.asynccontextmanager
-async def _quiet_ticker() -> AsyncIterator[None]:
-    """The loop-lag ticker every 5 s instead of its default (it has no setting)."""
-    from mesh import loop_lag
+async def _slow_timers() -> AsyncIterator[None]:
+    """Timers that fire by the clock, not by requests, put off: the loop-lag ticker every 5 s
+    (it has no setting), and a reader's checks after a quiet spell (a watch on the worker after
+    0.25 s, a look at the answer store after 1 s) after 30 s. Under callgrind a request waits
+    that long for its answer, and how many of those checks it made would depend on how fast the
+    machine ran: the count moved by 7% from one run alone to the next."""
+    from mesh import loop_lag, reader
 
     defaults = loop_lag.LoopLag.__init__.__kwdefaults__
-    before = defaults["interval"]
+    before = defaults["interval"], reader.WATCH_QUIET_S, reader._QUIET_FIRST_S
     defaults["interval"] = 5.0
+    reader.WATCH_QUIET_S = reader._QUIET_FIRST_S = 30.0
     try:
         yield
     finally:
-        defaults["interval"] = before
+        defaults["interval"], reader.WATCH_QUIET_S, reader._QUIET_FIRST_S = before
 
 
 async def mesh(path: str, settings: MeshSettings, requests: int, tokens: int, c: int) -> float:
@@ -103,7 +109,7 @@ async def mesh(path: str, settings: MeshSettings, requests: int, tokens: int, c:
     from protocol.messages import EndEvent, TokenEvent
 
     async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(_quiet_ticker())
+        await stack.enter_async_context(_slow_timers())
         wconn = await stack.enter_async_context(Connection(settings.nats, "worker"))
         econn = await stack.enter_async_context(Connection(settings.nats, "edge"))
         backend = DeterministicBackend(settings.worker.model)
