@@ -92,6 +92,20 @@ def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.Comple
     )
 
 
+def check_side_beside_floor(
+    run: subprocess.CompletedProcess[str], out: Path, key: str, side: str, floor: str, rounds: int
+) -> None:
+    """What a side-beside-its-floor tool (``scripts/chain_bench.py``, ``request_bench.py``)
+    must show: it exited cleanly (each side checks its answers came whole), wrote ``rounds``
+    positive figures under ``key`` for both sides, the ratio of their best, and printed it."""
+    assert run.returncode == 0, run.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert set(figures[key]) == {side, floor}
+    assert all(len(v) == rounds and min(v) > 0 for v in figures[key].values())
+    assert figures["of_floor"] == figures["best"][side] / figures["best"][floor]
+    assert f"{side} / {floor}" in run.stdout
+
+
 @contextlib.asynccontextmanager
 async def chat_server(
     handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
