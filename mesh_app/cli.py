@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from mesh import heap
 from mesh.config import MeshSettings, describe_settings
 from mesh_app.args import ENGINE_EXTRAS
 from mesh_app.args import build_parser as _parser
@@ -152,7 +152,7 @@ def _run(factory: Callable[[], Awaitable[int]]) -> int:
 
 
 async def _until_signal() -> None:
-    _settle_heap()
+    heap.settle()  # once the node serves: mesh.heap
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -162,15 +162,6 @@ async def _until_signal() -> None:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-
-
-def _settle_heap() -> None:
-    """Once a node has started, what it built (modules, settings, clients) lives as long as it
-    does: collect once, then freeze it out of the collector's sight. A full collection while
-    serving then walks only what was made since, and stops the event loop for that long
-    (``docs/performance.md``: 35 to 72 ms before, every stream standing still meanwhile)."""
-    gc.collect()
-    gc.freeze()
 
 
 async def _up(settings: MeshSettings) -> int:

@@ -19,7 +19,8 @@ The worker side of both makes its tokens in process (the mesh's instant backend,
 worker's loop): what is counted is the mesh's own work. nats-server runs apart and is not
 counted. The registry heartbeat, the pull expiry, the loop-lag ticker and a reader's checks
 after a quiet spell run rarely here, so that the wall time a request takes (50 times longer
-under callgrind) does not count.
+under callgrind) does not count. Both sides settle the garbage collector as a node's process
+does once it serves (:func:`mesh.heap.settle`).
 
     python scripts/request_bench.py --path edge --requests 200 --callgrind
 """
@@ -38,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mesh import heap
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
@@ -144,6 +146,7 @@ async def mesh(path: str, settings: MeshSettings, requests: int, tokens: int, c:
             await asyncio.sleep(0.05)
         for i in range(8):
             assert (await one(-i)).path == "cloud"
+        heap.settle()  # as a node's process does once it serves
 
         async def counted(i: int) -> None:
             end = await one(i)
@@ -209,6 +212,7 @@ async def bare(path: str, settings: MeshSettings, requests: int, tokens: int, c:
 
         for i in range(8):
             await one(-i)
+        heap.settle()  # the same collector settings as the mesh's side
         return await _batches(one, requests, c)
 
 
