@@ -124,15 +124,14 @@ class NatsSink:
         elif isinstance(event, TokenEvent):
             self.send_now(event)
         elif self.streaming:
-            end = isinstance(event, EndEvent)
-            await self._publish(dump_event(event, self.fmt), self._block, last=end)
+            await self._publish(dump_event(event, self.fmt), self._block)
         else:
             self._answer.feed(event)
             whole = self._answer.whole() if isinstance(event, EndEvent) else None
             if isinstance(whole, ErrorEvent):  # an end that did not match its text
                 await self._error(whole)
             elif whole is not None:
-                await self._publish(dump(whole, self.fmt), self._block, last=True)
+                await self._publish(dump(whole, self.fmt), self._block)
 
     def send_now(self, event: TokenEvent) -> None:
         if not self.streaming:
@@ -167,17 +166,15 @@ class NatsSink:
         await self._publish(dump_event(event, self.fmt), headers)
 
     async def _error(self, event: ErrorEvent) -> None:
-        headers = {**self._headers, **error_headers(event)}
-        await self._publish(dump(event, self.fmt), headers, last=True)
+        await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
         if self._on_error is not None:
             self._on_error(event)
 
-    async def _publish(self, data: bytes, headers: Headers, *, last: bool = False) -> None:
-        """At once, through the write batch: after the tokens it holds, in one write with them
-        (``last``, an answer's end or error: written before this returns, not after the rest of
-        this turn of the loop, the request's bookkeeping among it). Raises :class:`MeshError` when an earlier event to this client could not be published
+    async def _publish(self, data: bytes, headers: Headers) -> None:
+        """At once, through the write batch: after the tokens it holds, in one write with them.
+        Raises :class:`MeshError` when an earlier event to this client could not be published
         (a failure of this one the write batch logs, and the next event raises)."""
-        self._batch.put(self.inbox, data, headers, now=True, last=last)
+        self._batch.put(self.inbox, data, headers, now=True)
 
 
 Logged = WireEvent | tuple[str, int, str, int, int]

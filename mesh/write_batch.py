@@ -12,11 +12,7 @@ them in one go:
   comes round, as it did without the write batch;
 - a busy write batch writes at most once per ``gap``, each write taking everything queued;
 - ``now=True`` (an answer's first events) never waits for the gap: time to first token is not
-  traded for throughput;
-- ``last=True`` (an answer's end, its error) is written there and then, with everything queued
-  before it: not after whatever else the same turn of the loop runs. An edge that relays an end
-  goes on to close the request's subscription, write its log line and observe its metrics in
-  that turn, and the end waited for all of it (0.6 to 1.6 ms a request here).
+  traded for throughput.
 
 Order is kept: messages go out in the order they were put, and a caller that publishes something
 itself afterwards on the same subject (an answer's end) calls :meth:`flush` first.
@@ -79,17 +75,8 @@ class WriteBatch:
         """Bursts published (each is one write for nats-py, unless it is larger than its buffer)."""
         self.messages = 0
 
-    def put(
-        self,
-        subject: str,
-        data: bytes,
-        headers: Headers | None,
-        *,
-        now: bool = False,
-        last: bool = False,
-    ) -> None:
-        """Queue one message (``last``: and write it, with everything queued before it, before
-        returning). Raises :class:`MeshError` (``unavailable``), once, when an earlier
+    def put(self, subject: str, data: bytes, headers: Headers | None, *, now: bool = False) -> None:
+        """Queue one message. Raises :class:`MeshError` (``unavailable``), once, when an earlier
         message on the same subject could not be published (the connection is closed, its
         reconnect buffer is full, or the message was too large); that message is lost, as a
         failed publish would have lost it. Other subjects are not told."""
@@ -98,9 +85,6 @@ class WriteBatch:
             if failure is not None:
                 raise MeshError(f"cannot publish events: {failure}", code=ErrorCode.UNAVAILABLE)
         self._queued.append((subject, data, headers))
-        if last:
-            self._write_queued()
-            return
         if self._scheduled is not None and (self._urgent or not now):
             return
         loop = asyncio.get_running_loop()

@@ -105,30 +105,6 @@ async def test_a_busy_write_batch_holds_events_but_never_a_first_one(
         await reader.close()
 
 
-async def test_an_end_is_written_before_put_returns_with_what_was_held(
-    nats_server: NatsServer,
-) -> None:
-    """An end (``last``) does not wait for the rest of the loop's turn: an edge goes on to its
-    bookkeeping of the finished request right after, and the end went out only after it."""
-    reader, got, changed = await _reader(nats_server, "batch.last")
-    nc = await nats.connect(nats_server.url)
-    try:
-        box = WriteBatch(nc, gap=30.0)
-        box.put("batch.last", b"first", None)
-        await _until(got, changed, 1)
-        box.put("batch.last", b"held token", None)  # within the gap: held
-        writes = box.writes
-        box.put("batch.last", b"end", HEADERS, last=True)
-        # Handed to the socket before put returned: nothing is left queued here or in nats-py.
-        assert box.writes == writes + 1
-        assert not nc._pending
-        await _until(got, changed, 3)
-        assert got == [b"first", b"held token", b"end"]
-    finally:
-        await nc.close()
-        await reader.close()
-
-
 async def test_a_burst_over_the_clients_buffer_still_goes_out_whole(
     nats_server: NatsServer,
 ) -> None:
