@@ -19,10 +19,14 @@ The worker side of both makes its tokens in process (the mesh's instant backend,
 worker's loop): what is counted is the mesh's own work. nats-server runs apart and is not
 counted. The registry heartbeat, the pull expiry, the loop-lag ticker and a reader's checks
 after a quiet spell run rarely here, so that the wall time a request takes (50 times longer
-under callgrind) does not count. The garbage collector keeps the interpreter's settings on both
-sides, as in earlier stops' counts: settling it as a node's process does once it serves
-(:mod:`mesh.heap`) moved the bare middle's count by -11% and the edge path's by +8%, one run
-each, which is not explained yet (``docs/performance.md``).
+under callgrind) does not count. Both sides settle the garbage collector as a node's process
+does once it serves (:func:`mesh.heap.settle`), after their warm-up.
+
+The count does not follow the machine's load as CPU time does, but the work itself follows
+timing (how many messages share a write, how many queued requests one pull takes): the same
+code read 4.68M and 4.94M instructions a request via an edge in two runs alone. Tell changes
+apart by several runs each, or by ``scripts/chain_bench.py`` (the same messages every run)
+where a chain is enough.
 
     python scripts/request_bench.py --path edge --requests 200 --callgrind
 """
@@ -41,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mesh import heap
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
@@ -147,6 +152,7 @@ async def mesh(path: str, settings: MeshSettings, requests: int, tokens: int, c:
             await asyncio.sleep(0.05)
         for i in range(8):
             assert (await one(-i)).path == "cloud"
+        heap.settle()  # as a node's process does once it serves
 
         async def counted(i: int) -> None:
             end = await one(i)
@@ -212,6 +218,7 @@ async def bare(path: str, settings: MeshSettings, requests: int, tokens: int, c:
 
         for i in range(8):
             await one(-i)
+        heap.settle()  # the collector as on the mesh's side
         return await _batches(one, requests, c)
 
 
