@@ -131,15 +131,19 @@ async def mesh(path: str, settings: MeshSettings, requests: int, tokens: int, c:
         how = {"route": "cloud"} if path == "edge" else {"via": "cloud"}
 
         async def one(i: int) -> EndEvent:
-            got = 0
+            """Read to the stream's end, as ``mesh bench paths`` does: a caller that returned
+            at the end event left both of the SDK's generators to asyncio's finalizer hook,
+            two ``aclose`` tasks and a wakeup a request that the bare side does not pay."""
+            got, end = 0, None
             async for event in client.stream(f"q{i}", max_tokens=tokens, **how):  # type: ignore[arg-type]
                 if isinstance(event, TokenEvent):
                     got += 1
-                elif isinstance(event, EndEvent):  # whole: every position, every token
-                    assert got == event.seq, (got, event.seq)
-                    assert event.usage.completion_tokens == tokens, event.usage
-                    return event
-            raise AssertionError("no end")
+                elif isinstance(event, EndEvent):
+                    end = event
+            assert end is not None, "no end"
+            assert got == end.seq, (got, end.seq)  # whole: every position, every token
+            assert end.usage.completion_tokens == tokens, end.usage
+            return end
 
         # Until the edge sees the worker, asked without a request: a warm-up of as many requests
         # as that took would differ from run to run, and so would the count.
