@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
+import aiohttp
 from aiohttp import web
 
 from mesh.config import MeshSettings
@@ -159,3 +160,10 @@ class ThreadWatcher:
 
     def close(self) -> None:
         self.sock.close()
+
+
+async def scrape(url: str) -> str:
+    """A metrics page (or any page) that must answer 200."""
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        assert resp.status == 200, url
+        return await resp.text()

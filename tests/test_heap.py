@@ -10,7 +10,6 @@ import asyncio
 import re
 from pathlib import Path
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.client import MeshClient
@@ -18,16 +17,14 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import MeshProcess, wait_for_worker, worker_env
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, scrape
 
 REQUESTS = 300
 
 
 async def _collections(port: int) -> dict[str, float]:
     """Collections so far, by generation, from the page."""
-    url = f"http://127.0.0.1:{port}/metrics"
-    async with aiohttp.ClientSession() as session, session.get(url) as resp:
-        page = await resp.text()
+    page = await scrape(f"http://127.0.0.1:{port}/metrics")
     return {
         sample.labels["generation"]: sample.value
         for family in text_string_to_metric_families(page)

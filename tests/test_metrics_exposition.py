@@ -15,7 +15,6 @@ import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator
 
-import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,7 +23,7 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.metrics import Exposition, NatsMetrics
 from mesh_app.local import LocalMesh
-from tests.helpers import stat_reaches
+from tests.helpers import scrape, stat_reaches
 
 MESH = [sys.executable, "-m", "mesh_app.cli"]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
@@ -55,12 +54,6 @@ async def local_mesh(settings: MeshSettings, conn: Connection) -> AsyncIterator[
     settings.edge.http_port = 0
     async with LocalMesh(settings) as mesh:
         yield mesh
-
-
-async def scrape(url: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(url) as resp:
-        assert resp.status == 200, url
-        return await resp.text()
 
 
 async def test_mesh_up_page_has_each_family_and_series_once(local_mesh: LocalMesh) -> None:
