@@ -21,7 +21,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from mesh.logs import get_logger
-from mesh.tasks import TaskSet
+from mesh.tasks import TaskSet, raise_if_cancelled
 from protocol.errors import MeshError
 
 log = get_logger(__name__)
@@ -56,6 +56,7 @@ async def keep_alive(
     loop = asyncio.get_running_loop()
     refreshed = since
     while True:
+        raise_if_cancelled()  # one in_progress's or renew's wait_for swallowed (Python 3.11)
         if (keeper.lapsed() or keeper.interrupted()) and await keeper.stop_if_superseded():
             return
         try:

@@ -332,9 +332,7 @@ class Handler(ABC):
         self.publishers[address] = publisher
         try:
             await publisher.send(writer.start())
-            gen = await generate_into(
-                self.backend, request, writer, publisher.send_now, self._ws
-            )
+            gen = await generate_into(self.backend, request, writer, publisher.send_now, self._ws)
             timings = gen.timings(since=gen.started, queue_ms=queued_ms)
             end = writer.end(
                 finish_reason=gen.finish_reason,

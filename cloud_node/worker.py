@@ -49,7 +49,7 @@ from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
 from mesh.registry import Heartbeat, NodeInfo, live_workers
-from mesh.tasks import TaskSet
+from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
 from protocol.errors import MeshError, MeshTimeoutError
 from protocol.subjects import (
@@ -307,9 +307,7 @@ class Worker(Lifecycle):
         await self._heartbeat.stop()  # edges stop counting on us before intake stops
         await self._puller.stop()  # no new work; late deliveries are handed back at once
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+            await cancel_and_wait([self._loop_task])
         grace = self._ws.drain_grace
         if self.handler.inflight and self._ws.hand_over and await self._peers_with_room():
             grace = 0.0  # another worker continues each answer from the store, at once
@@ -318,9 +316,7 @@ class Worker(Lifecycle):
             log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
         await self._tasks.close(grace=grace)
         if self._lag_task is not None:
-            self._lag_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lag_task
+            await cancel_and_wait([self._lag_task])
         await self.settler.close()
         await self.orphans.close()
         await self.store_service.close()

@@ -49,7 +49,7 @@ from mesh.logs import bound, get_logger, trace_id
 from mesh.loop_lag import LoopLag
 from mesh.metrics import NatsMetrics, exposition, watch_gc
 from mesh.node_view import NodeView
-from mesh.tasks import TaskSet
+from mesh.tasks import TaskSet, raise_if_cancelled
 from mesh.tracing import Tracing
 from protocol.codec import error_event
 from protocol.errors import (
@@ -325,6 +325,7 @@ class EdgeNode(Lifecycle):
 
     async def _refresh_metadata(self) -> None:
         while True:
+            raise_if_cancelled()  # one a readiness check's wait_for swallowed (Python 3.11)
             ready = await self.readiness()
             self._metadata.update(status=ready["status"], cloud=ready["checks"]["cloud"])
             await asyncio.sleep(1.0)

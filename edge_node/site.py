@@ -43,7 +43,7 @@ from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.queue import MSG_ID_HEADER, STORE_FULL_CODES
-from mesh.tasks import TaskSet
+from mesh.tasks import TaskSet, raise_if_cancelled
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
@@ -293,6 +293,7 @@ class SiteStore:
         psub = await self.conn.site_js().pull_subscribe_bind(FORWARDER, stream=OUTBOX_STREAM)
         self._pulls.append(psub)
         while True:
+            raise_if_cancelled()  # one the fetch's wait_for swallowed (Python 3.11)
             try:
                 msgs = await psub.fetch(1, timeout=5.0)
             except nats.errors.TimeoutError:
@@ -391,6 +392,7 @@ class SiteStore:
                 log.debug("answers not collectable yet", error=repr(exc))
                 await asyncio.sleep(RETRY_S)
         while True:
+            raise_if_cancelled()
             try:
                 msgs = await psub.fetch(16, timeout=5.0)
             except nats.errors.TimeoutError:

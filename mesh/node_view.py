@@ -33,6 +33,7 @@ from mesh.registry import (
     open_bucket,
     read_entries,
 )
+from mesh.tasks import cancel_and_wait, raise_if_cancelled
 from protocol.errors import MeshError, UnavailableError
 from protocol.subjects import NODES_STREAM, REGISTRY_UPDATES, model_token
 
@@ -98,6 +99,7 @@ class NodeView:
         delay = 0.1
         while True:
             await asyncio.sleep(delay)
+            raise_if_cancelled()
             try:
                 await self._sync()
             except MeshError as exc:
@@ -228,9 +230,7 @@ class NodeView:
     async def _stop_retry(self) -> None:
         task, self._retry = self._retry, None
         if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])
 
 
 def _sequence(msg: Msg) -> int:

@@ -15,11 +15,11 @@ A newer reconnect restarts a step still being retried. While any step is not res
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from mesh.logs import get_logger
+from mesh.tasks import cancel_and_wait, raise_if_cancelled
 
 log = get_logger(__name__)
 
@@ -85,6 +85,7 @@ class Recovery:
         delay = FIRST_DELAY
         tries = 0
         while True:
+            raise_if_cancelled()  # one a step's own wait_for swallowed (Python 3.11)
             tries += 1
             try:
                 await asyncio.wait_for(step(), STEP_TIMEOUT)
@@ -114,8 +115,4 @@ class Recovery:
     async def close(self) -> None:
         tasks = [task for _name, task in self._running.values()]
         self._running.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(tasks)

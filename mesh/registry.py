@@ -45,6 +45,7 @@ from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.provision import placement
+from mesh.tasks import cancel_and_wait, raise_if_cancelled
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.subjects import NODES_BUCKET, NODES_STREAM, REGISTRY_UPDATES, model_token
 
@@ -207,8 +208,10 @@ class Heartbeat:
         failing = False
         while True:
             await asyncio.sleep(self._interval)
+            raise_if_cancelled()  # a stop's cancel the last put's wait_for swallowed (3.11)
             try:
                 await self.beat()
+                raise_if_cancelled()
                 if failing:
                     log.info("heartbeat restored")
                 failing = False
@@ -219,9 +222,7 @@ class Heartbeat:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         if self._kv is not None:
             with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error):
                 await asyncio.wait_for(self._kv.delete(self._key), self._interval)

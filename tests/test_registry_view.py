@@ -4,6 +4,7 @@ reads the entries with batched direct gets. Real nats-server processes, no mocks
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -312,3 +313,34 @@ async def test_a_worker_found_gone_is_forgotten_until_it_announces_itself_again(
         assert view.serves("smollm2") is True
     finally:
         await view.stop()
+
+
+async def test_a_heartbeat_stops_even_when_its_put_ends_in_the_turn_of_the_stop(
+    conn: Connection,
+) -> None:
+    """The stop's cancel lands in the very loop turn the heartbeat's put is answered. On Python
+    3.11 the ``asyncio.wait_for`` around the put then returns the put's result instead of the
+    cancel, and a loop that did not look again beat on, with its stop waiting for it for ever:
+    a SIGTERMed worker streamed on and never exited (CI, the worker hand-over chaos test)."""
+    beat = _beat(conn, "w1", interval=0.05)
+    await beat.start()
+    assert beat._kv is not None
+    real_put = beat._kv.put
+    stopping: list[asyncio.Task[None]] = []
+
+    async def put_then_stop(key: str, value: bytes) -> int:
+        seq = await real_put(key, value)
+        # The stop's first step (its cancel) runs before wait_for sees the put done.
+        stopping.append(asyncio.ensure_future(beat.stop()))
+        return seq
+
+    beat._kv.put = put_then_stop  # type: ignore[method-assign]
+
+    async def stop_began() -> bool:
+        return bool(stopping)
+
+    await eventually(stop_began, timeout=5)
+    done, _ = await asyncio.wait(stopping, timeout=5)
+    assert done, "the heartbeat's stop did not return"
+    assert beat._task is not None and beat._task.done()
+    assert await live_workers(conn) == []  # and it said goodbye

@@ -24,7 +24,6 @@ the server's model list says vLLM owns the model, and other servers start the an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 from collections.abc import AsyncGenerator
@@ -36,6 +35,7 @@ from mesh.backends.base import Capacity, Chunk, Health, engine_saturated, openai
 from mesh.backends.eager_send import EagerRequest
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
+from mesh.tasks import cancel_and_wait, raise_if_cancelled
 from protocol.errors import BackendError, ContextTooLongError, MeshTimeoutError, UnavailableError
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
@@ -133,14 +133,13 @@ class OpenAIHTTPBackend:
     async def _poll_engine(self) -> None:
         while True:
             await asyncio.sleep(self.settings.metrics_interval)
+            raise_if_cancelled()
             if not await self._read_engine_metrics():
                 self.engine = {}  # stale figures would starve the worker: go by slots alone
 
     async def close(self) -> None:
         if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+            await cancel_and_wait([self._poller])
         session, self._session = self._session, None
         if session is not None:
             await session.close()

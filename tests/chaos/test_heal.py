@@ -241,7 +241,7 @@ async def test_a_worker_stopped_with_answers_in_flight_hands_them_over_without_a
     tally.assert_sound()
     assert all(
         o.kind == "correct" and o.restarts == 0 and o.attempts == 2 for o in tally.outcomes
-    ), tally.outcomes
-    assert stopped_in < 10.0, stopped_in  # not the 30 s drain
+    ), (stopped_in, tally.outcomes, cluster.logs())
+    assert stopped_in < 10.0, (stopped_in, cluster.logs())  # not the 30 s drain
     assert max(silences) < 1.0, silences
     await drained(cluster)
