@@ -42,7 +42,7 @@ from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.generate import generate_into
+from mesh.generate import Asked, generate_into
 from mesh.logs import bound, get_logger, log_unknown_fields, trace_id
 from mesh.queue import trace_headers
 from mesh.tasks import TaskSet
@@ -213,20 +213,33 @@ class Handler(ABC):
             return
         with self._serving(delivery, request, scope):
             queued_ms = delivery.queued_ms()
-            publisher = self._publisher(scope, request, fmt)
-            fingerprint = request_fingerprint(request)  # once: a hash of the whole conversation
-            history = await self.takeover.history(request, fingerprint, publisher.subject, attempt)
-            if history is not None and history.done:
-                if await self.takeover.already_done(msg, publisher, history):
-                    await self.ack(msg)
-                return
-            late = too_late(request, history)
-            if late is not None:
-                await self.outcomes.reject(msg, late, attempt)
-                return
-            writer = self._writer(request, fingerprint, history, attempt)
-            release = Release(msg, self.ack)  # the answer is stored: ack
-            await self._generate(delivery, request, publisher, writer, queued_ms, release)
+            # A first delivery asks the engine now: what follows runs while it prefills (a
+            # redelivery first reads what earlier attempts left, to continue from it).
+            asked = None
+            if attempt == 1 and too_late(request, None) is None:
+                asked = Asked(self.backend.generate(request))
+            try:
+                publisher = self._publisher(scope, request, fmt)
+                fingerprint = request_fingerprint(request)  # once: a hash of the conversation
+                history = await self.takeover.history(
+                    request, fingerprint, publisher.subject, attempt
+                )
+                if history is not None and history.done:
+                    if await self.takeover.already_done(msg, publisher, history):
+                        await self.ack(msg)
+                    return
+                late = too_late(request, history)
+                if late is not None:
+                    await self.outcomes.reject(msg, late, attempt)
+                    return
+                writer = self._writer(request, fingerprint, history, attempt)
+                release = Release(msg, self.ack)  # the answer is stored: ack
+                await self._generate(
+                    delivery, request, publisher, writer, queued_ms, release, asked=asked
+                )
+            finally:
+                if asked is not None:
+                    await asked.aclose()  # a no-op once the generation closed it
 
     # -- the steps both paths take -----------------------------------------------------------
     def _admit(self, msg: Msg, request: InferRequest) -> str:
@@ -294,6 +307,7 @@ class Handler(ABC):
         queued_ms: float,
         release: Release,
         renew: Renew | None = None,
+        asked: Asked | None = None,
     ) -> None:
         """Generate the answer, publish its events, store its end, and let the message go
         (``release``), reporting progress meanwhile (and calling ``renew`` with the reports,
@@ -332,7 +346,9 @@ class Handler(ABC):
         self.publishers[address] = publisher
         try:
             await publisher.send(writer.start())
-            gen = await generate_into(self.backend, request, writer, publisher.send_now, self._ws)
+            gen = await generate_into(
+                self.backend, request, writer, publisher.send_now, self._ws, asked=asked
+            )
             timings = gen.timings(since=gen.started, queue_ms=queued_ms)
             end = writer.end(
                 finish_reason=gen.finish_reason,

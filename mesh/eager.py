@@ -11,6 +11,7 @@ measured in ``docs/performance.md``) and a pull request's renewal (:mod:`cloud_n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import types
 from collections.abc import Coroutine, Generator
 from typing import Any
@@ -59,6 +60,19 @@ def start_now(coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
     except BaseException as exc:
         return _raise(exc)
     return _resume(coro, yielded)
+
+
+async def cancel_started(step: Coroutine[Any, Any, Any]) -> None:
+    """Cancel what :func:`start_now` returned, never awaited: throw the cancel in where its first
+    step waits, as a task would, and run its cleanup to the end. How it ends (the cancel, an
+    error, a value) is not wanted: taken here."""
+    try:
+        step.send(None)  # to where it waits (it ends here if its first step ended)
+        yielded = step.throw(asyncio.CancelledError())
+    except BaseException:  # ended: by the cancel, an error or a value
+        return
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await _resume(step, yielded)
 
 
 def run_now(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]], *, name: str) -> None:

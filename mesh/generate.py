@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from mesh.backends.base import Backend, Chunk
 from mesh.config import WorkerSettings
+from mesh.eager import cancel_started, start_now
 from protocol.errors import BackendError
 from protocol.messages import InferRequest, Timings, TokenEvent, Usage
 from protocol.stream import AnswerWriter
@@ -274,6 +275,37 @@ def _stalled(seconds: float | None) -> BackendError:
     return BackendError(f"the engine produced nothing for {seconds:g}s", retryable=True)
 
 
+class Asked:
+    """A generation whose first chunk was asked of the engine already, up to its first wait
+    (an HTTP engine's request is on the wire): a worker asks before it prepares the rest of the
+    answer (its fingerprint, start event, progress reports), which then runs while the engine
+    prefills. Read it as the ``chunks`` of :func:`generate_into`; closing it (which that does)
+    stops the engine's generation, however far it got."""
+
+    def __init__(self, chunks: AsyncGenerator[Chunk, None]) -> None:
+        self.started = time.perf_counter()
+        self._chunks = chunks
+        # The rest of the first step, run by whoever reads the first chunk (no task of its own).
+        self._first: Coroutine[Any, Any, Chunk] | None = start_now(chunks.__anext__())
+
+    def __aiter__(self) -> Asked:
+        return self
+
+    def __anext__(self) -> Awaitable[Chunk]:
+        first = self._first
+        if first is not None:
+            self._first = None
+            return first
+        return self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop the generation (idempotent), however far it got."""
+        first, self._first = self._first, None
+        if first is not None:  # never read: the first step is cancelled where it waits
+            await cancel_started(first)
+        await self._chunks.aclose()
+
+
 @dataclass
 class Generation:
     """What streaming one generation produced (``perf_counter`` times)."""
@@ -305,16 +337,22 @@ async def generate_into(
     settings: WorkerSettings,
     *,
     chunks: AsyncIterator[Chunk] | None = None,
+    asked: Asked | None = None,
 ) -> Generation:
     """Run ``request`` on ``backend``; each coalesced chunk becomes ``writer``'s next token event
     and goes to ``emit``. When ``writer`` resumes an answer, the backend continues its text and
     the usage counts the kept tokens too. Does not send the end. ``chunks``: a generation
     already under way on ``backend`` (e.g. the edge's held first tokens, then the rest), read
-    instead of starting one."""
-    started = time.perf_counter()
+    instead of starting one. ``asked``: this request's generation, asked of ``backend`` already
+    (:class:`Asked`; for an answer that starts from nothing only); its timings count from then."""
+    resume = writer.resume
+    if asked is not None and (resume.seq > 0 or resume.tokens):
+        await asked.aclose()  # asked from nothing, and this answer continues another attempt's
+        asked = None
+    started = time.perf_counter() if asked is None else asked.started
+    chunks = asked or chunks
     first: float | None = None
     final: Chunk | None = None
-    resume = writer.resume
     left = request.max_tokens - resume.tokens
     if resume.seq > 0 and left <= 0:  # the previous attempt generated everything but the end
         usage = Usage(completion_tokens=resume.tokens)
