@@ -37,8 +37,9 @@ from mesh.config import MeshSettings
 from mesh.logs import get_logger
 from protocol.codec import WireFormat, error_event
 from protocol.errors import MeshError
+from protocol.fingerprint import request_fingerprint
 from protocol.messages import InferRequest
-from protocol.stream import AnswerState, AnswerWriter, request_fingerprint
+from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import scope_of
 
 log = get_logger(__name__)

@@ -21,8 +21,8 @@ from mesh.answer_store import AnswerStore
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from protocol.errors import MeshError
+from protocol.fingerprint import request_fingerprint
 from protocol.messages import Answer, ErrorEvent, InferRequest, StartEvent, WireEvent
-from protocol.stream import request_fingerprint
 from protocol.subjects import ANSWERS_STREAM, answer_subject
 
 log = get_logger(__name__)

@@ -54,8 +54,9 @@ from protocol.errors import (
     InvalidRequestError,
     MeshError,
 )
+from protocol.fingerprint import request_fingerprint
 from protocol.messages import InferRequest, StartEvent
-from protocol.stream import AnswerState, AnswerWriter, request_fingerprint
+from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import cloud_node_name, scope_of, token_subject
 
 log = get_logger(__name__)

@@ -60,8 +60,8 @@ from protocol.errors import (
     OverloadedError,
     UnavailableError,
 )
+from protocol.fingerprint import Fingerprints
 from protocol.messages import EndEvent, InferRequest
-from protocol.stream import request_fingerprint
 from protocol.subjects import (
     STATUS_ASK,
     edge_infer_subject,
@@ -346,8 +346,9 @@ class EdgeNode(Lifecycle):
         an id its sender already used joins the first one. Returns the request's record once
         its answer is complete (None when the id was refused as a duplicate).
         """
+        fingerprints = Fingerprints(req)  # the client's request's, and its queued copy's
         try:
-            record, new = self.records.open(scope, req.id, request_fingerprint(req))
+            record, new = self.records.open(scope, req.id, fingerprints.of(req.model))
         except DuplicateRequestError as err:
             self.counts.refused(err)
             with contextlib.suppress(MeshError):
@@ -374,7 +375,7 @@ class EdgeNode(Lifecycle):
                 with self.tracing.span(
                     "mesh.edge.request", trace, **{"mesh.request_id": req.id}
                 ) as span:
-                    await self.paths.answer(req, record, received, trace)
+                    await self.paths.answer(req, record, received, trace, fingerprints)
                     if span is not None and isinstance(record.state.outcome, EndEvent):
                         span.set_attribute("mesh.path", record.state.outcome.path)
                 if not record.done:  # never silence: a path that returned without an outcome

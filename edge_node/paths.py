@@ -29,6 +29,7 @@ from mesh.config import EdgeSettings, WorkerSettings
 from mesh.generate import generate_into
 from mesh.logs import get_logger
 from protocol.errors import DeadlineExceededError, UnknownModelError
+from protocol.fingerprint import Fingerprints
 from protocol.messages import InferRequest, RouteDecision, TokenEvent
 from protocol.stream import AnswerWriter
 
@@ -92,8 +93,10 @@ class Paths:
         record: Record,
         received: float,
         trace: Mapping[str, str] | None,
+        fingerprints: Fingerprints | None = None,
     ) -> None:
-        """Route ``req`` and answer it into ``record`` by its path."""
+        """Route ``req`` and answer it into ``record`` by its path (``fingerprints``: of
+        ``req``, made already)."""
         if req.is_expired():
             raise DeadlineExceededError(
                 "the request's deadline passed before it could start", request_id=req.id
@@ -149,6 +152,7 @@ class Paths:
                         trace,
                         local_fits=local_fits or not last,
                         tried="; ".join(failed) or None,
+                        fingerprints=fingerprints,
                     )
                     await relay.run()
                     return

@@ -40,6 +40,7 @@ from mesh.reader import WATCH_QUIET_S
 from mesh.tasks import raise_if_cancelled
 from mesh.tracing import Tracing
 from protocol.errors import DeadlineExceededError, ErrorCode, MeshError, UnavailableError
+from protocol.fingerprint import Fingerprints
 from protocol.messages import (
     EndEvent,
     ErrorEvent,
@@ -132,8 +133,10 @@ class CloudRelay:
         *,
         local_fits: bool = True,
         tried: str | None = None,
+        fingerprints: Fingerprints | None = None,
     ) -> None:
         self.parts = parts
+        self.fingerprints = fingerprints
         self.req = req
         self.decision = decision
         self.record = record
@@ -203,6 +206,7 @@ class CloudRelay:
             queued,
             scope=parts.scope,
             headers=parts.tracing.inject(self.trace),
+            fingerprints=self.fingerprints,
         )
         try:
             await call.open()

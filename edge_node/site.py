@@ -58,8 +58,9 @@ from protocol.errors import (
     UnavailableError,
     UnknownModelError,
 )
+from protocol.fingerprint import request_fingerprint
 from protocol.messages import Answer, ErrorEvent, InferRequest, RouteDecision, WireEvent
-from protocol.stream import AnswerWriter, request_fingerprint
+from protocol.stream import AnswerWriter
 from protocol.subjects import (
     ANSWERS_STREAM,
     CLAIMS_STREAM,

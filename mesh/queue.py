@@ -32,8 +32,9 @@ from mesh.reader import AnswerReader
 from mesh.repair import store_repair
 from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.errors import MeshTimeoutError, OverloadedError, UnavailableError
+from protocol.fingerprint import Fingerprints, request_fingerprint
 from protocol.messages import EndEvent, InferRequest, TokenEvent
-from protocol.stream import AnswerState, request_fingerprint
+from protocol.stream import AnswerState
 from protocol.subjects import (
     cancel_subject,
     infer_subject,
@@ -193,6 +194,7 @@ class CloudCall(Lifecycle):
         scope: str,
         headers: Mapping[str, str] | None = None,
         pending_limit: int | None = None,
+        fingerprints: Fingerprints | None = None,
     ) -> None:
         self.conn = conn
         self.headers = dict(headers or {})
@@ -208,7 +210,12 @@ class CloudCall(Lifecycle):
         )
         self.scope = scope
         self.subject = token_subject(scope, self.request.id)
-        self.fingerprint = request_fingerprint(self.request)
+        # One serialization of a long conversation, where the caller has one already.
+        self.fingerprint = (
+            fingerprints.of(self.request.model)
+            if fingerprints is not None
+            else request_fingerprint(self.request)
+        )
         self.store = AnswerStore(conn, stream)
         self.ack: api.PubAck | None = None
         self.reader = AnswerReader(

@@ -12,6 +12,7 @@ from protocol.codec import (
     to_exception,
 )
 from protocol.errors import ErrorCode, MeshError
+from protocol.fingerprint import request_fingerprint
 from protocol.messages import (
     PROTOCOL_VERSION,
     Answer,
@@ -29,7 +30,7 @@ from protocol.messages import (
     Usage,
     WireEvent,
 )
-from protocol.stream import AnswerState, AnswerWriter, Resume, Step, request_fingerprint
+from protocol.stream import AnswerState, AnswerWriter, Resume, Step
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -30,8 +30,6 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import zlib
 from dataclasses import dataclass, field
 from typing import Literal
@@ -42,7 +40,6 @@ from protocol.messages import (
     Answer,
     EndEvent,
     ErrorEvent,
-    InferRequest,
     RouteDecision,
     StartEvent,
     Timings,
@@ -52,7 +49,6 @@ from protocol.messages import (
     WireEvent,
     token_event,
 )
-from protocol.subjects import model_token
 
 MAX_HELD = 4096
 """Events a reader holds while it waits for a gap to close; older ones are dropped (a repair
@@ -69,25 +65,6 @@ def starts_over(event: WireEvent, passed_on: int) -> bool:
     start at a position below the ``passed_on`` positions its client has. The SDK then yields a
     ``RestartEvent``, an SSE stream ends in ``incomplete``, and the edge counts a restart."""
     return isinstance(event, StartEvent) and event.seq < passed_on
-
-
-def request_fingerprint(request: InferRequest) -> str:
-    """A short hash of what a request asks (model, conversation, sampling), not of who sent it or
-    how it travels: the same question under the same id has the same fingerprint."""
-    content = {
-        "model": model_token(request.model) if request.model else None,
-        "chat": request.chat(),
-        "max_tokens": request.max_tokens,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "stop": request.stop,
-        "seed": request.seed,
-        "raw": request.raw,
-        "format": request.response_format.model_dump() if request.response_format else None,
-        "logprobs": [request.logprobs, request.top_logprobs],
-    }
-    blob = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)

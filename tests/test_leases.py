@@ -28,8 +28,9 @@ from mesh.nats_server import NatsServer
 from mesh.reader import AnswerReader
 from protocol.codec import decode_event
 from protocol.errors import UnavailableError
+from protocol.fingerprint import request_fingerprint
 from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
-from protocol.stream import AnswerState, request_fingerprint
+from protocol.stream import AnswerState
 from protocol.subjects import (
     ANSWERS_STREAM,
     LEASE_WILDCARD,

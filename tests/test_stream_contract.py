@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from protocol.codec import WireFormat, decode_event, dump_event
 from protocol.errors import ErrorCode, OverloadedError
+from protocol.fingerprint import request_fingerprint
 from protocol.messages import (
     EndEvent,
     ErrorEvent,
@@ -21,7 +22,7 @@ from protocol.messages import (
     Usage,
     WireEvent,
 )
-from protocol.stream import AnswerState, AnswerWriter, Resume, digest_of, request_fingerprint
+from protocol.stream import AnswerState, AnswerWriter, Resume, digest_of
 
 RID = "req1"
 
