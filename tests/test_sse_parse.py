@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from mesh.backends.base import Chunk
-from mesh.backends.openai_http import OpenAIHTTPBackend, _SseLines
+from mesh.backends.openai_http import OpenAIHTTPBackend, _SseLines, parse_event
 from mesh.config import ModelSettings
 from protocol.errors import BackendError
 from protocol.messages import InferRequest
@@ -151,3 +151,31 @@ async def test_an_error_event_mid_stream_is_an_error() -> None:
 async def test_a_malformed_event_is_an_error() -> None:
     with pytest.raises(BackendError, match="malformed event"):
         await _generate(_event("a") + b"data: {not json\n\n")
+
+
+# -- one event's JSON ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "data",
+    [
+        '{"choices":[{"index":0,"delta":{"content":" h\\u00e9llo \\u2028 ✓"},"finish_reason":0}]}',
+        '{"choices":[{"logprobs":{"content":[{"token":"a","logprob":-0.0001,"top_logprobs":[]}]}}]}',
+        '{"usage":{"prompt_tokens":12,"completion_tokens":3},"choices":[]}',
+        '{"a": NaN, "b": -Infinity, "c": Infinity}',  # orjson refuses these: json reads them
+        '{"a": "\\ud800 a lone surrogate"}',
+        '{"a": 1, "a": 2}',
+        "[1.5e300, 0.1, -0.0, 5e-324]",
+        '"[DONE] as a string"',
+    ],
+)
+def test_an_event_reads_as_json_reads_it(data: str) -> None:
+    read, want = parse_event(data), json.loads(data)
+    assert json.dumps(read) == json.dumps(want)  # NaN != NaN: compare their spelling
+    assert type(read) is type(want)
+
+
+@pytest.mark.parametrize("data", ['{"a":', "{not json", "", '{"a": 01}', "[1,]"])
+def test_an_event_json_refuses_is_refused_as_json_refuses_it(data: str) -> None:
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(data)
+    with pytest.raises(json.JSONDecodeError):
+        parse_event(data)
