@@ -332,6 +332,11 @@ class Worker(Lifecycle):
     async def _peers_with_room(self) -> bool:
         """Whether another live worker of this pool announced free slots (the registry): then a
         stopping worker hands its answers over rather than making them wait for its drain."""
+        if not self.conn.connected:
+            # Cut off: nobody could take the answers over from the store now, and the registry
+            # would not answer (nats-py holds the read until it reconnects, or request_timeout).
+            log.info("cut off from NATS: no hand-over; draining")
+            return False
         pool = model_token(self.backend.model)
         try:
             peers = await asyncio.wait_for(

@@ -223,7 +223,9 @@ class Heartbeat:
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_and_wait([self._task])
-        if self._kv is not None:
+        # Cut off, the delete would wait out its interval for an ack that cannot come (the
+        # entry ages out of every view within the TTL instead).
+        if self._kv is not None and self._conn.connected:
             with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error):
                 await asyncio.wait_for(self._kv.delete(self._key), self._interval)
 

@@ -195,7 +195,12 @@ def decode_request(
     # spelled out as \ud800): the error must reach its client even then.
     request_id = _printable(raw["id"]) if isinstance(raw.get("id"), str) else None
     check_nesting(raw, request_id=request_id)
-    unknown = frozenset(_printable(str(k)) for k in raw) - _REQUEST_FIELDS
+    # The usual request names known fields only: one set comparison, no name spelled out.
+    unknown = (
+        frozenset()
+        if raw.keys() <= _REQUEST_FIELDS
+        else frozenset(_printable(str(k)) for k in raw) - _REQUEST_FIELDS
+    )
     if unknown:
         if strict:
             raise InvalidRequestError(

@@ -1,0 +1,99 @@
+"""A worker stopped while its NATS server is gone stops without waiting on that server: no
+registry delete, no peers check left to time out. Its answers in flight get their drain grace
+(the server may come back within it), not the 5 s of a request nobody can answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cloud_node.worker import Worker
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.client import MeshClient
+from mesh.config import ModelSettings
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from protocol.messages import TokenEvent
+from tests.conftest import make_settings
+from tests.helpers import eventually
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[NatsServer]:
+    nats = NatsServer(port=-1, store_dir=str(tmp_path / "store"), ready_timeout=15)
+    await nats.start()
+    try:
+        yield nats
+    finally:
+        await nats.stop()
+
+
+async def _worker(server: NatsServer, grace: float) -> tuple[Worker, Connection]:
+    settings = make_settings(server.url, worker__drain_grace=grace)
+    assert settings.nats.request_timeout >= 5.0  # what a wait on the gone server would cost
+    conn = await Connection(settings.nats, "stopping-worker").connect()
+    backend = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=4, token_delay_ms=50)
+    )
+    worker = Worker(settings, conn, backend)
+    await worker.start()
+    return worker, conn
+
+
+async def _cut_off(server: NatsServer, conn: Connection) -> None:
+    await server.kill()  # kill -9, by PID
+
+    async def cut() -> bool:
+        return not conn.connected
+
+    await eventually(cut, what="the worker to see its server gone")
+
+
+async def test_a_worker_with_no_server_left_stops_at_once(server: NatsServer) -> None:
+    worker, conn = await _worker(server, grace=5.0)
+    try:
+        await _cut_off(server, conn)
+        began = time.monotonic()
+        await asyncio.wait_for(worker.stop(), 10)
+        took = time.monotonic() - began
+    finally:
+        await conn.close()
+    assert took < 0.5, f"stopped in {took:.2f}s with nothing in flight"  # was 1 s: the delete
+
+
+async def test_answers_in_flight_get_their_grace_not_a_wait_on_the_gone_server(
+    server: NatsServer,
+) -> None:
+    grace = 0.5
+    worker, conn = await _worker(server, grace=grace)
+    # A handler cut short looks in the answer store (bounded) before it leaves the delivery.
+    store_wait = min(worker.settings.worker.publish_timeout, 0.2 * worker.settings.stream.ack_wait)
+    client = MeshClient(settings=make_settings(server.url), first_event_timeout=10)
+    await client.start()
+    first = asyncio.Event()
+
+    async def ask() -> None:
+        async for event in client.stream("[tag:stop] count", via="cloud", max_tokens=400):
+            if isinstance(event, TokenEvent):
+                first.set()
+
+    asking = asyncio.ensure_future(ask())
+    try:
+        await asyncio.wait_for(first.wait(), 10)
+        assert worker.handler.inflight
+        await _cut_off(server, conn)
+        began = time.monotonic()
+        await asyncio.wait_for(worker.stop(), 20)
+        took = time.monotonic() - began
+    finally:
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
+        await client.close()
+        await conn.close()
+    # The grace, then the look at the store; the peers check used to wait out the 5 s request
+    # timeout before either.
+    assert took < grace + store_wait + 1.0, f"stopped in {took:.2f}s"
