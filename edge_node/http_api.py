@@ -45,7 +45,14 @@ from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import bound, get_logger
 from mesh.metrics import exposition
 from mesh.queue import trace_headers
-from protocol.codec import WireFormat, check_nesting, error_event, load, to_exception
+from protocol.codec import (
+    WireFormat,
+    check_nesting,
+    compact_json,
+    error_event,
+    load,
+    to_exception,
+)
 from protocol.errors import (
     ErrorCode,
     IncompleteAnswerError,
@@ -167,6 +174,11 @@ class _SSESink:
         self.last_error: ErrorEvent | None = None
 
     async def _send(self, payload: dict[str, Any] | str) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        await self._write(f"data: {data}\n\n".encode())
+
+    async def _write(self, event: bytes) -> None:
+        """One server-sent event, encoded."""
         if self.response is None:
             self.response = web.StreamResponse(
                 headers={
@@ -176,9 +188,8 @@ class _SSESink:
                 }
             )
             await self.response.prepare(self._request)
-        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
         try:
-            await self.response.write(f"data: {data}\n\n".encode())
+            await self.response.write(event)
         except (ConnectionError, RuntimeError) as exc:
             self.closed = True
             raise MeshError(f"HTTP client gone: {type(exc).__name__}") from None
@@ -189,7 +200,10 @@ class _SSESink:
         if isinstance(event, TokenEvent):
             chunk = self._shaper.chunk(event.text, first=self.sent == 0, logprobs=event.logprobs)
             self.sent += 1
-            await self._send(chunk)
+            if event.logprobs is None:  # no floats in it: orjson's compact JSON (compact_json)
+                await self._write(b"data: " + compact_json(chunk) + b"\n\n")
+            else:
+                await self._send(chunk)
         elif isinstance(event, StartEvent):
             if starts_over(event, self.sent):
                 why = event.reason or "a worker stopped"

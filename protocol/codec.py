@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 import msgpack
+import orjson
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from protocol.errors import (
@@ -156,7 +157,19 @@ def dump_token(  # noqa: PLR0917 - the hot path takes plain values, not a model
     data = {"t": "tok", "id": request_id, "seq": seq, "text": text, "attempt": attempt, "n": n}
     if fmt is WireFormat.MSGPACK:
         return _pack(data)
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    return compact_json(data)
+
+
+def compact_json(data: Any) -> bytes:
+    """``json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()``, through orjson
+    (a token's event for a JSON client: 0.13 against 2.6 us). The same bytes for strings,
+    integers, booleans, None, lists and maps with string keys; a float may be spelled otherwise
+    (``1e-5`` for ``1e-05``), and NaN and infinities are null. What orjson refuses (a lone
+    surrogate, an integer beyond 64 bits, a key that is not a string) goes to ``json``."""
+    try:
+        return orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def dump_event(event: BaseModel, fmt: WireFormat) -> bytes:

@@ -10,6 +10,7 @@ import pytest
 from protocol.codec import (
     RequestLimits,
     WireFormat,
+    compact_json,
     decode_event,
     decode_request,
     dump,
@@ -177,6 +178,24 @@ def test_token_fast_path_matches_the_model_encoding() -> None:
     for fmt in (WireFormat.MSGPACK, WireFormat.JSON):
         assert decode_event(dump_token("r", 4, "ü!", 1, fmt)) == event
         assert dump_token("r", 4, "ü!", 1, fmt) == dump(event, fmt)
+
+
+def test_a_token_for_a_json_client_is_spelled_as_json_spells_it() -> None:
+    """compact_json (orjson) writes a token's event byte for byte as json.dumps did: control
+    characters, quotes, backslashes, unicode, line and paragraph separators, a BOM, emoji."""
+    awkward = "".join(chr(i) for i in range(0x80)) + 'é✓\u2028\u2029\ufeff😀"\\'
+    for text in (awkward, "", " plain", "\x7f\x00"):
+        data = {"t": "tok", "id": "r", "seq": 2**40, "text": text, "attempt": 1, "n": 0}
+        spelled = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        assert compact_json(data) == spelled
+        assert dump_token("r", 2**40, text, 1, WireFormat.JSON, 0) == spelled
+
+
+def test_what_orjson_refuses_is_written_by_json() -> None:
+    big = {"n": 2**70, 1: "a key that is not a string"}
+    assert json.loads(compact_json(big)) == {"n": 2**70, "1": "a key that is not a string"}
+    with pytest.raises(UnicodeEncodeError):  # as before: a lone surrogate cannot be sent
+        compact_json({"text": "\ud800"})
 
 
 def test_errors_cross_the_wire_typed() -> None:
