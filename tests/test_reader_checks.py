@@ -217,6 +217,7 @@ async def test_a_reader_cut_off_does_not_spin_and_asks_after_the_worker_once_the
             waits = _Waits(reader)
             await reader.subscribe(SUBJECT)
             await conn.nc.flush()
+            await worker.flush()  # not at once: see tests/test_inline_sub.py
             writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
             await worker.publish(SUBJECT, dump_event(writer.start(), WireFormat.MSGPACK))
             await worker.flush()
@@ -278,6 +279,7 @@ async def test_a_tail_lost_in_a_reconnect_is_fetched_at_once_not_after_a_quiet_s
             reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud")
             await reader.subscribe(SUBJECT)
             await conn.nc.flush()
+            await worker.flush()  # not at once: see tests/test_inline_sub.py
             for event in head:
                 await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
             await worker.flush()
