@@ -125,6 +125,13 @@ class Release:
         return True
 
 
+def store_look_timeout(settings: MeshSettings) -> float:
+    """How long a worker waits on one look in the answer store or its leases while it holds a
+    delivery: ``publish_timeout``, and at most a fifth of ``ack_wait`` (a longer wait would let
+    the delivery lapse to another worker meanwhile)."""
+    return min(settings.worker.publish_timeout, 0.2 * settings.stream.ack_wait)
+
+
 def too_late(request: InferRequest, history: AnswerState | None) -> MeshError | None:
     """The error of a request no worker started before its ``start_by`` (one that an earlier
     attempt started is continued past it)."""
@@ -452,6 +459,5 @@ class Handler(ABC):
     async def _newer_attempt(self, address: str, attempt: int) -> bool:
         """Whether the answer store holds an attempt newer than ``attempt``: another worker took
         the request over (read only after this worker's progress reports lapsed)."""
-        timeout = min(self._ws.publish_timeout, 0.2 * self._stream.ack_wait)
-        events = await self.store.replay(address, timeout=timeout)
+        events = await self.store.replay(address, timeout=store_look_timeout(self.settings))
         return any(isinstance(e, StartEvent) and e.attempt > attempt for e in events)

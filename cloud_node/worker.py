@@ -35,7 +35,7 @@ from cloud_node.orphans import Orphans
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import Settler
 from cloud_node.puller import Puller, nak
-from cloud_node.serve import Parts
+from cloud_node.serve import Parts, store_look_timeout
 from cloud_node.store_service import StoreService
 from cloud_node.takeover import Takeover
 from mesh import __version__, kept
@@ -97,7 +97,7 @@ class Worker(Lifecycle):
         self.leases = Leases(
             conn,
             settings.stream.name,
-            timeout=min(settings.worker.publish_timeout, 0.2 * settings.stream.ack_wait),
+            timeout=store_look_timeout(settings),
             ttl=kept.lease_ttl(settings.stream),
         )
         self.takeover = Takeover(

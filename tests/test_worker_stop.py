@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cloud_node.serve import store_look_timeout
 from cloud_node.worker import Worker
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
@@ -71,7 +72,7 @@ async def test_answers_in_flight_get_their_grace_not_a_wait_on_the_gone_server(
     grace = 0.5
     worker, conn = await _worker(server, grace=grace)
     # A handler cut short looks in the answer store (bounded) before it leaves the delivery.
-    store_wait = min(worker.settings.worker.publish_timeout, 0.2 * worker.settings.stream.ack_wait)
+    store_wait = store_look_timeout(worker.settings)
     client = MeshClient(settings=make_settings(server.url), first_event_timeout=10)
     await client.start()
     first = asyncio.Event()
