@@ -103,12 +103,15 @@ async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once
     """What the `nats` CLI does: JSON in, one JSON reply, no msgpack, no resend of its own."""
     proxy = await TcpProxy(nats_server.port).start()
     edge_settings = _linked(proxy.url)
-    cli = await RawNatsClient().connect(nats_server.url)
+    cli: RawNatsClient | None = None
     try:
         async with (
             Connection(edge_settings.nats, "req-edge") as edge_conn,
             _edge(edge_settings, edge_conn) as edge,
         ):
+            # The CLI connects once the edge's subscriptions are in, or its request can miss
+            # them (see docs/performance.md, the subscription window).
+            cli = await RawNatsClient().connect(nats_server.url)
             body = {"prompt": prompt("req"), "max_tokens": 20, "route": "local"}
             reply = asyncio.create_task(
                 cli.request(
@@ -133,7 +136,8 @@ async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once
             answer = (await asyncio.wait_for(reply, 10)).json()
             assert answer["t"] == "answer" and answer["text"] == expected_text("req", 20), answer
     finally:
-        await cli.close()
+        if cli is not None:
+            await cli.close()
         await proxy.stop()
 
 

@@ -174,6 +174,9 @@ async def test_a_request_that_expires_while_the_loop_is_busy_is_renewed_at_the_l
     watcher = ThreadWatcher(nats_server.url, api, "_INBOX.>")  # pull requests and their ends
     puller = _puller(conn, stream, Slots(), expires=0.3)
     try:
+        # The watcher subscribed just now: a round trip on this connection before its first pull
+        # request, or the watcher can miss it (see docs/performance.md, the subscription window).
+        await conn.nc.flush()
         await puller.start()
 
         async def asked() -> bool:

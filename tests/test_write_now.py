@@ -33,6 +33,9 @@ async def _seen(watcher: ThreadWatcher, count: int) -> None:
 
 async def _warm(conn: Connection, js_stream: tuple[str, str], watcher: ThreadWatcher) -> None:
     """One publish first: the connection's ack inbox is subscribed to on the first."""
+    # The watcher subscribed just now, on a socket of its own: a round trip on this connection
+    # first (see docs/performance.md, the subscription window).
+    await conn.nc.flush()
     await conn.publish_acked(f"{js_stream[1]}.warm", b"w", stream=js_stream[0])
     await _seen(watcher, 1)
     watcher.clear()
