@@ -50,6 +50,8 @@ class Connection(Lifecycle):
         self._write_batch: WriteBatch | None = None
         self._acks: Acks | None = None
         self._closing = False
+        self._dropped = asyncio.Event()
+        """Set when the link drops: a drain at close waits no longer (cleared as it starts)."""
         self.reconnects = 0
         """Reconnects since connect()."""
         self.drops = 0
@@ -183,6 +185,8 @@ class Connection(Lifecycle):
             log.warning("nats error", connection=self.name, error=repr(exc))
 
         async def on_disconnected() -> None:
+            if not client.is_closed:  # the link dropped (not this process closing it)
+                self._dropped.set()
             if self._closing:
                 log.debug("nats connection closed", connection=self.name)
             else:
@@ -206,7 +210,7 @@ class Connection(Lifecycle):
             self.recovery.reconnected()
 
         try:
-            await _first_of(
+            connected = await _first_of(
                 client.connect(
                     **_auth(self.settings),
                     servers=servers,
@@ -222,6 +226,8 @@ class Connection(Lifecycle):
                 nobody_listens,
                 timeout=self.settings.connect_timeout,
             )
+            if not connected:
+                raise ConnectionRefusedError("every server refused the connection")
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(client)
             if nobody_listens.is_set():
@@ -265,7 +271,13 @@ class Connection(Lifecycle):
             await write_batch.close()
         self._closing = True
         try:
-            await asyncio.wait_for(client.drain(), timeout=self.settings.drain_timeout + 1)
+            # Cut off, or cut off while draining, nothing more can reach the server: the close
+            # goes on at once rather than waiting out the drain's timeout (6 s).
+            self._dropped.clear()
+            if not client.is_connected or not await _first_of(
+                client.drain(), self._dropped, timeout=self.settings.drain_timeout + 1
+            ):
+                log.info("closing a connection cut off from its server", connection=self.name)
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
             log.warning("nats drain incomplete", connection=self.name, error=repr(exc))
         finally:
@@ -308,30 +320,29 @@ async def stop_service(service: Service | None, timeout: float) -> None:
         log.warning("micro service not stopped cleanly", error=repr(exc))
 
 
-async def _first_of(
-    connecting: Coroutine[Any, Any, Any], gave_up: asyncio.Event, timeout: float
-) -> None:
-    """Await ``connecting`` for at most ``timeout`` seconds; ConnectionRefusedError as soon as
-    ``gave_up`` is set."""
-    task = asyncio.ensure_future(connecting)
+async def _first_of(work: Coroutine[Any, Any, Any], gave_up: asyncio.Event, timeout: float) -> bool:
+    """Await ``work`` for at most ``timeout`` seconds (then asyncio.TimeoutError); True when it
+    ended, False as soon as ``gave_up`` is set (set already: at once). Either way short of its
+    end, ``work`` is cancelled."""
+    task = asyncio.ensure_future(work)
     waiter = asyncio.ensure_future(gave_up.wait())
     try:
         done, _ = await asyncio.wait(
             {task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
-    except BaseException:  # cancelled: the connect goes too, as under wait_for
+    except BaseException:  # cancelled: the work goes too, as under wait_for
         task.cancel()
         raise
     finally:
         waiter.cancel()
     if task in done:
         task.result()
-        return
+        return True
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     if waiter in done:
-        raise ConnectionRefusedError("every server refused the connection")
+        return False
     raise asyncio.TimeoutError
 
 
@@ -369,8 +380,24 @@ def _auth(settings: NatsSettings) -> dict[str, Any]:
 async def _close_quietly(client: Client) -> None:
     if client.is_closed:
         return
+    await _stop_reconnecting(client)
     with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error, OSError):
         await asyncio.wait_for(client.close(), timeout=2)
+
+
+async def _stop_reconnecting(client: Client) -> None:
+    """End a reconnect attempt in progress before the close. nats-py's close cancels it and
+    waits up to ``reconnect_time_wait`` (0.5 s) for it to end; a cancel that lands as the
+    attempt's connect fails is lost (Python 3.11's ``wait_for`` returns the connect's error
+    instead), the attempt goes on to its next wait, and the close waits all of it. Cancelled
+    here again until it ends (the second cancel finds it waiting). Leans on nats-py's private
+    ``_reconnection_task``; without one, nothing to do."""
+    task = getattr(client, "_reconnection_task", None)
+    for _ in range(5):
+        if not isinstance(task, asyncio.Task) or task.done():
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.01)
 
 
 def _server_url(client: Any) -> str:
