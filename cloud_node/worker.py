@@ -324,7 +324,7 @@ class Worker(Lifecycle):
             if sub is not None:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
-        await stop_service(self._service, self.conn.settings.request_timeout)
+        await stop_service(self.conn, self._service, self.conn.settings.request_timeout)
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             self._page.remove(registry)
         log.info("worker stopped", node_id=self.node_id, **self.counts.snapshot())
@@ -339,7 +339,7 @@ class Worker(Lifecycle):
             return False
         pool = model_token(self.backend.model)
         try:
-            peers = await asyncio.wait_for(
+            peers = await self.conn.while_linked(
                 live_workers(self.conn, pool), self.conn.settings.request_timeout
             )
             if any(info.node_id != self.node_id and info.free > 0 for info in peers):

@@ -254,7 +254,7 @@ class EdgeNode(Lifecycle):
         await self.tasks.close(grace=max(0.0, ends - time.monotonic()))
         if self.site is not None:
             await self.site.stop()
-        await stop_service(self._service, self.conn.settings.request_timeout)
+        await stop_service(self.conn, self._service, self.conn.settings.request_timeout)
         await self.models.close()
         await self.nodes.stop()
         budget = self.budget

@@ -14,7 +14,7 @@ import contextlib
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client
@@ -33,6 +33,8 @@ from mesh.write_batch import WriteBatch
 from protocol.errors import UnauthorizedError, UnavailableError
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 NOT_CONNECTED = "not connected to NATS: call connect() or use 'async with' first"
 
 
@@ -51,7 +53,8 @@ class Connection(Lifecycle):
         self._acks: Acks | None = None
         self._closing = False
         self._dropped = asyncio.Event()
-        """Set when the link drops: a drain at close waits no longer (cleared as it starts)."""
+        """Set while the link is down (from the drop to the reconnect): a wait on the server
+        (:meth:`while_linked`, the drain at close) ends then."""
         self.reconnects = 0
         """Reconnects since connect()."""
         self.drops = 0
@@ -111,6 +114,20 @@ class Connection(Lifecycle):
         if self._js is None:
             raise RuntimeError(NOT_CONNECTED)
         return self._js
+
+    async def while_linked(self, work: Coroutine[Any, Any, T], timeout: float) -> T:
+        """``work``'s result within ``timeout`` seconds (asyncio.TimeoutError past it), or
+        nats-py's ConnectionReconnectingError as soon as the link drops meanwhile, or at once
+        when it is down: what must come back over the link cannot come then. For a stop's steps
+        that ask the server (a registry delete, a look for peers): they go on without it rather
+        than wait out their timeout when the server dies as the node stops."""
+        if not self.connected:
+            work.close()
+            raise nats.errors.ConnectionReconnectingError
+        ended, result = await _first_of(work, self._dropped, timeout)
+        if not ended:
+            raise nats.errors.ConnectionReconnectingError
+        return result  # type: ignore[no-any-return]
 
     @property
     def connected(self) -> bool:
@@ -195,6 +212,7 @@ class Connection(Lifecycle):
                 log.warning("nats disconnected", connection=self.name)
 
         async def on_reconnected() -> None:
+            self._dropped.clear()
             self.reconnects += 1
             again = 0
             if self._acks is not None:  # before the readers' repairs: a request first
@@ -210,7 +228,7 @@ class Connection(Lifecycle):
             self.recovery.reconnected()
 
         try:
-            connected = await _first_of(
+            connected, _ = await _first_of(
                 client.connect(
                     **_auth(self.settings),
                     servers=servers,
@@ -274,9 +292,15 @@ class Connection(Lifecycle):
             # Cut off, or cut off while draining, nothing more can reach the server: the close
             # goes on at once rather than waiting out the drain's timeout (6 s).
             self._dropped.clear()
-            if not client.is_connected or not await _first_of(
-                client.drain(), self._dropped, timeout=self.settings.drain_timeout + 1
-            ):
+            drained = (
+                client.is_connected
+                and (
+                    await _first_of(
+                        client.drain(), self._dropped, timeout=self.settings.drain_timeout + 1
+                    )
+                )[0]
+            )
+            if not drained:
                 log.info("closing a connection cut off from its server", connection=self.name)
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
             log.warning("nats drain incomplete", connection=self.name, error=repr(exc))
@@ -306,24 +330,28 @@ async def request_or_nobody(nc: Client, subject: str, data: bytes, timeout: floa
     return None
 
 
-async def stop_service(service: Service | None, timeout: float) -> None:
+async def stop_service(conn: Connection, service: Service | None, timeout: float) -> None:
     """Stop a NATS micro service within ``timeout`` seconds. nats-py drains each of its
     subscriptions, and a drain waits for the subscription's queued messages with no limit of
     its own: one whose message task ended early (a cancelled handler) would hold a node's
-    shutdown for ever. Past the limit the node goes on stopping; the connection's close
-    removes what is left."""
+    shutdown for ever. Past the limit, or as soon as the link is down (a drain's flush would
+    wait for it), the node goes on stopping; the connection's close removes what is left."""
     if service is None:
         return
     try:
-        await asyncio.wait_for(service.stop(), timeout)
+        await conn.while_linked(service.stop(), timeout)
+    except nats.errors.ConnectionReconnectingError:
+        log.info("micro service left to the connection's close: cut off from NATS")
     except (asyncio.TimeoutError, nats.errors.Error) as exc:
         log.warning("micro service not stopped cleanly", error=repr(exc))
 
 
-async def _first_of(work: Coroutine[Any, Any, Any], gave_up: asyncio.Event, timeout: float) -> bool:
-    """Await ``work`` for at most ``timeout`` seconds (then asyncio.TimeoutError); True when it
-    ended, False as soon as ``gave_up`` is set (set already: at once). Either way short of its
-    end, ``work`` is cancelled."""
+async def _first_of(
+    work: Coroutine[Any, Any, Any], gave_up: asyncio.Event, timeout: float
+) -> tuple[bool, Any]:
+    """Await ``work`` for at most ``timeout`` seconds (then asyncio.TimeoutError): ``(True, its
+    result)`` when it ended, ``(False, None)`` as soon as ``gave_up`` is set (set already: at
+    once). Either way short of its end, ``work`` is cancelled."""
     task = asyncio.ensure_future(work)
     waiter = asyncio.ensure_future(gave_up.wait())
     try:
@@ -336,13 +364,12 @@ async def _first_of(work: Coroutine[Any, Any, Any], gave_up: asyncio.Event, time
     finally:
         waiter.cancel()
     if task in done:
-        task.result()
-        return True
+        return True, task.result()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     if waiter in done:
-        return False
+        return False, None
     raise asyncio.TimeoutError
 
 

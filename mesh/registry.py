@@ -223,11 +223,11 @@ class Heartbeat:
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_and_wait([self._task])
-        # Cut off, the delete would wait out its interval for an ack that cannot come (the
-        # entry ages out of every view within the TTL instead).
-        if self._kv is not None and self._conn.connected:
+        # Cut off, or cut off meanwhile, the delete would wait out its interval for an ack that
+        # cannot come (the entry ages out of every view within the TTL instead).
+        if self._kv is not None:
             with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error):
-                await asyncio.wait_for(self._kv.delete(self._key), self._interval)
+                await self._conn.while_linked(self._kv.delete(self._key), self._interval)
 
 
 async def read_entries(conn: Connection, key_filter: str) -> list[Msg]:

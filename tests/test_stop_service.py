@@ -34,12 +34,12 @@ async def test_a_service_whose_drain_never_ends_holds_nothing_up(conn: Connectio
 
     service = await _stuck_service(conn)
     began = time.monotonic()
-    await stop_service(service, 0.5)
+    await stop_service(conn, service, 0.5)
     assert time.monotonic() - began < 2.0
 
 
 async def test_a_service_stops_as_usual_and_none_is_nothing(conn: Connection) -> None:
     service = await micro.add_service(conn.nc, name="fine", version="0.0.1")
-    await stop_service(service, 5.0)
+    await stop_service(conn, service, 5.0)
     assert service.stopped.is_set()
-    await stop_service(None, 5.0)
+    await stop_service(conn, None, 5.0)

@@ -1,6 +1,8 @@
 """A worker stopped while its NATS server is gone stops without waiting on that server: no
 registry delete, no peers check left to time out. Its answers in flight get their drain grace
-(the server may come back within it), not the 5 s of a request nobody can answer."""
+(the server may come back within it), not the 5 s of a request nobody can answer. The same when
+the server dies as a worker or an edge stops: what the stop asked the server ends when the link
+drops (``Connection.while_linked``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import pytest
 
 from cloud_node.serve import store_look_timeout
 from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.config import ModelSettings
@@ -98,3 +102,44 @@ async def test_answers_in_flight_get_their_grace_not_a_wait_on_the_gone_server(
     # The grace, then the look at the store; the peers check used to wait out the 5 s request
     # timeout before either.
     assert took < grace + store_wait + 1.0, f"stopped in {took:.2f}s"
+
+
+# -- stopped as the server dies: the link drops while the stop asks the server -------------
+
+
+async def test_a_worker_stopped_as_its_server_dies_stops_at_once(server: NatsServer) -> None:
+    worker, conn = await _worker(server, grace=5.0)
+    try:
+        began = time.monotonic()
+        stopping = asyncio.ensure_future(worker.stop())  # connected: it asks the server
+        await server.kill()  # kill -9 meanwhile
+        await asyncio.wait_for(stopping, 10)
+        took = time.monotonic() - began
+    finally:
+        await conn.close()
+    # Was 1.0 s: the registry delete, sent before the link dropped, waited out its interval.
+    assert took < 0.5, f"stopped in {took:.2f}s"
+
+
+async def test_an_edge_stopped_as_its_server_dies_stops_at_once(server: NatsServer) -> None:
+    settings = make_settings(server.url)
+    settings.edge.model.backend = "deterministic"
+    assert settings.nats.request_timeout >= 5.0  # what a wait on the gone server would cost
+    conn = await Connection(settings.nats, "stopping-edge").connect()
+    edge = EdgeNode(settings, conn, DeterministicBackend(settings.edge.model), HeuristicRouter())
+    await edge.start()
+    try:
+        began = time.monotonic()
+        stopping = asyncio.ensure_future(edge.stop())
+        await server.kill()
+        await asyncio.wait_for(stopping, 10)
+        took = time.monotonic() - began
+        closing = time.monotonic()
+        await conn.close()
+        closed = time.monotonic() - closing
+    finally:
+        await conn.close()
+    # Was 5.0 s: the micro service's stop drained its subscriptions, and the drain's flush
+    # waited out the request timeout for a server that was gone.
+    assert took < 0.5, f"stopped in {took:.2f}s"
+    assert closed < 0.5, f"closed in {closed:.2f}s"
