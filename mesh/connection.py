@@ -35,6 +35,7 @@ from protocol.errors import UnauthorizedError, UnavailableError
 log = get_logger(__name__)
 
 T = TypeVar("T")
+
 NOT_CONNECTED = "not connected to NATS: call connect() or use 'async with' first"
 
 

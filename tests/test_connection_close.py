@@ -5,6 +5,7 @@ drain's timeout (6 s), or for a reconnect attempt (0.5 s). A real nats-server, k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -62,10 +63,8 @@ async def test_a_reconnect_attempt_that_loses_a_cancel_is_stopped_all_the_same()
         _reconnection_task: asyncio.Task[None] | None = None
 
     async def attempt() -> None:
-        try:
+        with contextlib.suppress(asyncio.CancelledError):  # the lost cancel
             await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            pass  # the lost cancel
         await asyncio.sleep(10)
 
     client = Client()
