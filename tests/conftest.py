@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,6 +47,17 @@ async def nats_server() -> AsyncIterator[NatsServer]:
     await server.start()
     yield server
     await server.stop()
+
+
+@pytest.fixture
+async def own_server(tmp_path: Path) -> AsyncIterator[NatsServer]:
+    """A nats-server of this test's own, which it may kill (``kill()``: kill -9, by PID)."""
+    server = NatsServer(port=-1, store_dir=str(tmp_path / "store"), ready_timeout=15)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
 
 
 def make_settings(nats_url: str, **overrides: object) -> MeshSettings:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -23,13 +21,8 @@ during the reconnect attempts (every 0.5 s)."""
 
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[NatsServer]:
-    nats = NatsServer(port=-1, store_dir=str(tmp_path / "store"), ready_timeout=15)
-    await nats.start()
-    try:
-        yield nats
-    finally:
-        await nats.stop()
+async def server(own_server: NatsServer) -> NatsServer:
+    return own_server
 
 
 async def test_connections_closed_as_their_server_dies_close_at_once(server: NatsServer) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -28,13 +26,8 @@ from tests.helpers import eventually
 
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[NatsServer]:
-    nats = NatsServer(port=-1, store_dir=str(tmp_path / "store"), ready_timeout=15)
-    await nats.start()
-    try:
-        yield nats
-    finally:
-        await nats.stop()
+async def server(own_server: NatsServer) -> NatsServer:
+    return own_server
 
 
 async def _worker(server: NatsServer, grace: float) -> tuple[Worker, Connection]:
