@@ -51,7 +51,7 @@ from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, wat
 from mesh.registry import Heartbeat, NodeInfo, live_workers
 from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
-from protocol.errors import MeshError, MeshTimeoutError
+from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.subjects import (
     CANCEL_WILDCARD,
     addressed,
@@ -259,7 +259,8 @@ class Worker(Lifecycle):
 
     async def _provision(self) -> None:
         """Idempotent; tried again when JetStream is slow to answer (replicated streams being
-        created on a cluster, by several workers at once, can take longer than one call)."""
+        created on a cluster, by several workers at once, can take longer than one call) or
+        does not answer yet (a 503 from a server that just started)."""
         for attempt in range(1, PROVISION_TRIES + 1):
             try:
                 hub = await provision_hub(
@@ -267,8 +268,11 @@ class Worker(Lifecycle):
                 )
                 self.leases.enabled = hub.leases
                 return
-            except MeshTimeoutError as err:
-                if attempt == PROVISION_TRIES:
+            except (MeshTimeoutError, UnavailableError) as err:
+                # A refusal is final, but for JetStream not answering yet (a 503, retry_after).
+                if attempt == PROVISION_TRIES or (
+                    isinstance(err, UnavailableError) and err.retry_after is None
+                ):
                     raise
                 log.warning("provisioning slow; trying again", error=err.message)
                 await asyncio.sleep(0.5 * attempt)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import nats.errors
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from nats.js.manager import JetStreamManager
 
 from mesh.config import StreamSettings, WorkerSettings
@@ -68,6 +68,23 @@ def consumer_config(settings: StreamSettings, model: str) -> api.ConsumerConfig:
     )
 
 
+NOT_ANSWERING_RETRY_S = 0.5
+"""When to ask JetStream again after a 503 while provisioning."""
+
+
+def refused(what: str, exc: APIError) -> UnavailableError:
+    """A JetStream API error while provisioning ``what``, as a typed error. A 503 means no
+    JetStream answered yet (a server just started or electing a leader; or none enabled for this
+    account): it says so and carries ``retry_after``, which a worker starting up waits on."""
+    if isinstance(exc, ServiceUnavailableError) or exc.code == 503:
+        return UnavailableError(
+            f"JetStream is not answering about {what} (503: starting, electing a leader, or not "
+            "enabled for this account)",
+            retry_after=NOT_ANSWERING_RETRY_S,
+        )
+    return UnavailableError(f"JetStream refused {what}: {exc.description}")
+
+
 async def ensure_config(
     jsm: JetStreamManager,
     wanted: api.StreamConfig,
@@ -95,7 +112,7 @@ async def ensure_config(
     except asyncio.TimeoutError:
         raise MeshTimeoutError(f"JetStream did not answer while provisioning {name}") from None
     except APIError as exc:
-        raise UnavailableError(f"JetStream refused stream {name}: {exc.description}") from None
+        raise refused(f"stream {name}", exc) from None
 
 
 async def ensure_stream(jsm: JetStreamManager, settings: StreamSettings) -> api.StreamInfo:
@@ -137,7 +154,7 @@ async def _per_scope_limit(jsm: JetStreamManager, settings: StreamSettings) -> i
     except asyncio.TimeoutError:
         raise MeshTimeoutError(f"JetStream did not answer about {settings.name}") from None
     except APIError as exc:
-        raise UnavailableError(f"JetStream refused {settings.name}: {exc.description}") from None
+        raise refused(settings.name, exc) from None
     held = max((info.state.subjects or {}).values(), default=0)
     if held > limit:
         log.warning(
@@ -160,9 +177,7 @@ async def ensure_consumer(
     except asyncio.TimeoutError:
         raise MeshTimeoutError("JetStream did not answer while provisioning the consumer") from None
     except APIError as exc:
-        raise UnavailableError(
-            f"JetStream refused consumer for {model}: {exc.description}"
-        ) from None
+        raise refused(f"the consumer for {model}", exc) from None
 
 
 async def provision(jsm: JetStreamManager, settings: StreamSettings, models: list[str]) -> None:

@@ -1,0 +1,53 @@
+"""A worker starting where JetStream does not answer yet (a 503: the server just started, or no
+JetStream for the account) asks again before it gives up, and then says why. A real
+nats-server, started without JetStream."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from nats.js.errors import APIError, ServiceUnavailableError
+
+from cloud_node.worker import PROVISION_TRIES, Worker
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.config import ModelSettings
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.provision import NOT_ANSWERING_RETRY_S, refused
+from protocol.errors import UnavailableError
+from tests.conftest import make_settings
+
+
+def test_a_503_is_told_apart_from_a_refusal() -> None:
+    not_yet = refused("stream MESH_INFER", ServiceUnavailableError())
+    assert not_yet.retry_after == NOT_ANSWERING_RETRY_S
+    assert "not answering" in not_yet.message and "503" in not_yet.message
+    no = refused("stream MESH_INFER", APIError(code=400, description="bad config"))
+    assert no.retry_after is None and no.message.endswith("bad config")
+
+
+async def test_a_worker_asks_a_jetstream_that_does_not_answer_again_then_says_why(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "no-jetstream.conf"
+    config.write_text("listen: 127.0.0.1:-1\n")
+    server = NatsServer(config=str(config), ready_timeout=15)
+    await server.start()
+    try:
+        settings = make_settings(server.url)
+        conn = await Connection(settings.nats, "starting-worker").connect()
+        backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+        began = time.monotonic()
+        try:
+            with pytest.raises(UnavailableError) as raised:
+                await Worker(settings, conn, backend).start()
+        finally:
+            await conn.close()
+        took = time.monotonic() - began
+    finally:
+        await server.stop()
+    assert "not answering" in raised.value.message, raised.value.message
+    # Asked PROVISION_TRIES times, 0.5 s more apart each time (0.5 + 1.0 + 1.5 s).
+    assert took >= sum(0.5 * n for n in range(1, PROVISION_TRIES)) - 0.1, took
