@@ -48,10 +48,11 @@ from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
+from mesh.provision import provisioned
 from mesh.registry import Heartbeat, NodeInfo, live_workers
 from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
-from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
+from protocol.errors import MeshError
 from protocol.subjects import (
     CANCEL_WILDCARD,
     addressed,
@@ -65,7 +66,6 @@ from protocol.subjects import (
 )
 
 log = get_logger(__name__)
-PROVISION_TRIES = 4
 CAPACITY_POLL_S = 0.25
 
 
@@ -258,24 +258,14 @@ class Worker(Lifecycle):
         )
 
     async def _provision(self) -> None:
-        """Idempotent; tried again when JetStream is slow to answer (replicated streams being
-        created on a cluster, by several workers at once, can take longer than one call) or
-        does not answer yet (a 503 from a server that just started)."""
-        for attempt in range(1, PROVISION_TRIES + 1):
-            try:
-                hub = await provision_hub(
-                    self.conn.jsm(), self._stream, [self.backend.model], leases_required=False
-                )
-                self.leases.enabled = hub.leases
-                return
-            except (MeshTimeoutError, UnavailableError) as err:
-                # A refusal is final, but for JetStream not answering yet (a 503, retry_after).
-                if attempt == PROVISION_TRIES or (
-                    isinstance(err, UnavailableError) and err.retry_after is None
-                ):
-                    raise
-                log.warning("provisioning slow; trying again", error=err.message)
-                await asyncio.sleep(0.5 * attempt)
+        """Idempotent; asked again while JetStream answers slowly or not yet
+        (:func:`mesh.provision.provisioned`)."""
+        hub = await provisioned(
+            lambda: provision_hub(
+                self.conn.jsm(), self._stream, [self.backend.model], leases_required=False
+            )
+        )
+        self.leases.enabled = hub.leases
 
     async def _catch_up(self) -> None:
         """After a reconnect, events written to the old socket may be lost: publish again what

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -42,6 +43,7 @@ from mesh import kept
 from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.provision import provisioned
 from mesh.queue import MSG_ID_HEADER, STORE_FULL_CODES
 from mesh.tasks import TaskSet, raise_if_cancelled
 from protocol.codec import (
@@ -116,9 +118,12 @@ class SiteStore:
     async def start(self) -> None:
         jsm = self.conn.site_jsm()
         stream = self.parts.stream
-        await kept.ensure(jsm, kept.outbox_config(stream))
-        await kept.ensure(jsm, kept.kept_config(stream))
-        await kept.ensure(jsm, kept.claims_config(stream))
+        for config in (
+            kept.outbox_config(stream),
+            kept.kept_config(stream),
+            kept.claims_config(stream),
+        ):
+            await provisioned(functools.partial(kept.ensure, jsm, config))
         try:
             await jsm.add_consumer(
                 OUTBOX_STREAM,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 from nats.js import api
@@ -22,6 +23,8 @@ from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
 from protocol.subjects import INFER_WILDCARD, consumer_name, model_infer_filter
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 
 def placement(settings: StreamSettings) -> api.Placement | None:
@@ -83,6 +86,26 @@ def refused(what: str, exc: APIError) -> UnavailableError:
             retry_after=NOT_ANSWERING_RETRY_S,
         )
     return UnavailableError(f"JetStream refused {what}: {exc.description}")
+
+
+PROVISION_TRIES = 4
+"""How many times a node starting up asks JetStream to provision what it needs, 0.5 s more
+apart each time (0.5, 1, 1.5 s), while JetStream answers slowly or not yet."""
+
+
+async def provisioned(step: Callable[[], Awaitable[T]]) -> T:
+    """``step()`` (idempotent provisioning), asked again while JetStream is slow to answer (a
+    timeout: replicated streams created on a cluster, by several workers at once) or does not
+    answer yet (a 503: a server that just started); a refusal raises at once."""
+    for attempt in range(1, PROVISION_TRIES):
+        try:
+            return await step()
+        except (MeshTimeoutError, UnavailableError) as err:
+            if isinstance(err, UnavailableError) and err.retry_after is None:
+                raise
+            log.warning("provisioning slow; trying again", error=err.message)
+            await asyncio.sleep(0.5 * attempt)
+    return await step()
 
 
 async def ensure_config(

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from nats.js.errors import APIError, ServiceUnavailableError
 
-from cloud_node.worker import PROVISION_TRIES, Worker
+from cloud_node.worker import Worker
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.provision import NOT_ANSWERING_RETRY_S, refused
+from mesh.provision import NOT_ANSWERING_RETRY_S, PROVISION_TRIES, refused
 from protocol.errors import UnavailableError
 from tests.conftest import make_settings
 
