@@ -29,6 +29,7 @@ from mesh.js_acks import Acks
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.recovery import Recovery, Step
+from mesh.tasks import first_of
 from mesh.write_batch import WriteBatch
 from protocol.errors import UnauthorizedError, UnavailableError
 
@@ -125,7 +126,7 @@ class Connection(Lifecycle):
         if not self.connected:
             work.close()
             raise nats.errors.ConnectionReconnectingError
-        ended, result = await _first_of(work, self._dropped, timeout)
+        ended, result = await first_of(work, self._dropped, timeout)
         if not ended:
             raise nats.errors.ConnectionReconnectingError
         return result  # type: ignore[no-any-return]
@@ -229,7 +230,7 @@ class Connection(Lifecycle):
             self.recovery.reconnected()
 
         try:
-            connected, _ = await _first_of(
+            connected, _ = await first_of(
                 client.connect(
                     **_auth(self.settings),
                     servers=servers,
@@ -296,7 +297,7 @@ class Connection(Lifecycle):
             drained = (
                 client.is_connected
                 and (
-                    await _first_of(
+                    await first_of(
                         client.drain(), self._dropped, timeout=self.settings.drain_timeout + 1
                     )
                 )[0]
@@ -345,33 +346,6 @@ async def stop_service(conn: Connection, service: Service | None, timeout: float
         log.info("micro service left to the connection's close: cut off from NATS")
     except (asyncio.TimeoutError, nats.errors.Error) as exc:
         log.warning("micro service not stopped cleanly", error=repr(exc))
-
-
-async def _first_of(
-    work: Coroutine[Any, Any, Any], gave_up: asyncio.Event, timeout: float
-) -> tuple[bool, Any]:
-    """Await ``work`` for at most ``timeout`` seconds (then asyncio.TimeoutError): ``(True, its
-    result)`` when it ended, ``(False, None)`` as soon as ``gave_up`` is set (set already: at
-    once). Either way short of its end, ``work`` is cancelled."""
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(gave_up.wait())
-    try:
-        done, _ = await asyncio.wait(
-            {task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-    except BaseException:  # cancelled: the work goes too, as under wait_for
-        task.cancel()
-        raise
-    finally:
-        waiter.cancel()
-    if task in done:
-        return True, task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    if waiter in done:
-        return False, None
-    raise asyncio.TimeoutError
 
 
 def _reason(exc: ssl.SSLError) -> str:

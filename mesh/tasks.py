@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -34,6 +35,33 @@ async def cancel_and_wait(
         names = sorted(t.get_name() if isinstance(t, asyncio.Task) else repr(t) for t in left)
         log.warning("tasks did not end when cancelled", tasks=names, waited_s=timeout)
     return not left
+
+
+async def first_of(
+    work: Coroutine[Any, Any, Any], gave_up: asyncio.Event, timeout: float | None = None
+) -> tuple[bool, Any]:
+    """Await ``work`` for at most ``timeout`` seconds (None: no limit; then asyncio.TimeoutError):
+    ``(True, its result)`` when it ended, ``(False, None)`` as soon as ``gave_up`` is set (set
+    already: at once). Either way short of its end, ``work`` is cancelled."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(gave_up.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    except BaseException:  # cancelled: the work goes too, as under wait_for
+        task.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if task in done:
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    if waiter in done:
+        return False, None
+    raise asyncio.TimeoutError
 
 
 def raise_if_cancelled() -> None:

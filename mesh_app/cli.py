@@ -23,11 +23,12 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from mesh import heap
 from mesh.config import MeshSettings, describe_settings
+from mesh.tasks import first_of
 from mesh_app.args import ENGINE_EXTRAS
 from mesh_app.args import build_parser as _parser
 from mesh_app.args import require_extra as _require
@@ -151,17 +152,32 @@ def _run(factory: Callable[[], Awaitable[int]]) -> int:
         return 130
 
 
-async def _until_signal() -> None:
-    heap.settle()  # once the node serves: mesh.heap
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
+class _Stop:
+    """SIGINT and SIGTERM, from when a process may take work (enter it then): each asks for an
+    ordered stop, in which its nodes drain what they took. Before that the defaults stand: the
+    process ends at once, with nothing taken to lose and no model load to wait out."""
+
+    def __init__(self) -> None:
+        self._asked = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def __enter__(self) -> _Stop:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+            self._loop.add_signal_handler(sig, self._asked.set)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.remove_signal_handler(sig)
+
+    async def unless_asked(self, work: Coroutine[Any, Any, Any]) -> bool:
+        """Await a step of the start; False, the step cancelled, when a stop is asked first."""
+        ended, _ = await first_of(work, self._asked)
+        return bool(ended)
+
+    async def wait(self) -> None:
+        heap.settle()  # once the node serves: mesh.heap
+        await self._asked.wait()
 
 
 async def _up(settings: MeshSettings) -> int:
@@ -176,7 +192,8 @@ async def _up(settings: MeshSettings) -> int:
             print(f"  Prometheus metrics ({nodes}): {where}", flush=True)
         print(f'  try: mesh ask --nats-url {mesh.nats_url} "What is 2+2?"', flush=True)
         print("  Ctrl-C stops everything", flush=True)
-        await _until_signal()
+        with _Stop() as stop:
+            await stop.wait()
         print("stopping...", flush=True)
     print("stopped", flush=True)
     return 0
@@ -285,8 +302,10 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
                 from edge_node.node import EdgeNode
                 from edge_node.routing import create_router
 
-                async with EdgeNode(settings, conn, backend, create_router(settings.edge.router)):
-                    await _until_signal()
+                router = create_router(settings.edge.router)
+                with _Stop() as stop:  # its start takes requests before it ends
+                    async with EdgeNode(settings, conn, backend, router):
+                        await stop.wait()
     finally:
         await backend.close()
         exposition.stop()
@@ -295,21 +314,24 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
 
 async def _serve_workers(settings: MeshSettings, conn: Connection, backend: Backend) -> None:
     """One worker per model the engine serves (``worker.also_serve``), on one connection;
-    started in order, stopped in reverse."""
+    started in order, stopped in reverse. A stop asked while a later engine starts leaves that
+    start and stops, in order, the workers that serve."""
     from cloud_node.worker import Worker
     from mesh.backends import create_backend
     from mesh.provision import served_models
 
-    async with contextlib.AsyncExitStack() as stack:
-        for index, worker in enumerate(served_models(settings.worker)):
-            engine = backend
-            if index:
-                engine = create_backend(worker.model)
-                await engine.start()
-                stack.push_async_callback(engine.close)
-            mine = settings.model_copy(update={"worker": worker})
-            await stack.enter_async_context(Worker(mine, conn, engine))
-        await _until_signal()
+    with _Stop() as stop:
+        async with contextlib.AsyncExitStack() as stack:
+            for index, worker in enumerate(served_models(settings.worker)):
+                engine = backend
+                if index:
+                    engine = create_backend(worker.model)
+                    stack.push_async_callback(engine.close)
+                    if not await stop.unless_asked(engine.start()):
+                        break
+                mine = settings.model_copy(update={"worker": worker})
+                await stack.enter_async_context(Worker(mine, conn, engine))
+            await stop.wait()
 
 
 async def _status(settings: MeshSettings, as_json: bool) -> int:
@@ -324,13 +346,16 @@ async def _status(settings: MeshSettings, as_json: bool) -> int:
 
 async def _provision(settings: MeshSettings, models: list[str] | None) -> int:
     """Everything the hub's workers use, so that workers under least-privilege credentials find
-    it in place: the queue and its consumers, the answer store, kept answers, leases."""
+    it in place: the queue and its consumers, the answer store, kept answers, leases. Asked
+    again, as a worker's start does, while JetStream does not answer yet."""
     from mesh.connection import Connection
     from mesh.hub import provision_hub
+    from mesh.provision import provisioned
 
     names = models or [settings.worker.model.name]
     async with Connection(settings.nats, "mesh-provision") as conn:
-        hub = await provision_hub(conn.jsm(), settings.stream, names)
+        # A server that just started may not answer its JetStream API yet: asked again.
+        hub = await provisioned(lambda: provision_hub(conn.jsm(), settings.stream, names))
     print(f"streams ready: {', '.join(hub.streams)}; consumers for: {', '.join(names)}")
     return 0
 

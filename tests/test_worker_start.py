@@ -4,6 +4,8 @@ nats-server, started without JetStream."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from pathlib import Path
 
@@ -50,4 +52,30 @@ async def test_a_worker_asks_a_jetstream_that_does_not_answer_again_then_says_wh
         await server.stop()
     assert "not answering" in raised.value.message, raised.value.message
     # Asked PROVISION_TRIES times, 0.5 s more apart each time (0.5 + 1.0 + 1.5 s).
+    assert took >= sum(0.5 * n for n in range(1, PROVISION_TRIES)) - 0.1, took
+
+
+async def test_mesh_provision_asks_again_too_then_says_why(tmp_path: Path) -> None:
+    """The operator's ``mesh provision`` (run just after the server, as a deployment script
+    does) goes through the same retry as a worker's start; before, its first 503 ended it."""
+    config = tmp_path / "no-jetstream.conf"
+    config.write_text("listen: 127.0.0.1:-1\n")
+    async with NatsServer(config=str(config), ready_timeout=15) as server:
+        began = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "mesh_app.cli",
+            "provision",
+            "--nats-url",
+            server.url,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _out, err = await asyncio.wait_for(proc.communicate(), 60)
+        took = time.monotonic() - began
+    assert proc.returncode == 1
+    said = err.decode()
+    assert "not answering" in said and "503" in said, said[-2000:]
+    assert said.count("provisioning slow; trying again") == PROVISION_TRIES - 1, said[-2000:]
     assert took >= sum(0.5 * n for n in range(1, PROVISION_TRIES)) - 0.1, took
