@@ -42,6 +42,7 @@ from mesh.provision import ServedModels
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
 from mesh.repair import Repair, SourceGone
+from mesh.write_now import write_queued
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
@@ -280,6 +281,7 @@ class MeshClient(Lifecycle):
                     reply=inbox,
                     headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
                 )
+                write_queued(nc)  # a burst leaves in groups (mesh.write_now)
             except nats.errors.Error as exc:  # closed, or its reconnect buffer is full
                 raise UnavailableError(
                     f"cannot send to edge {self.edge_id!r}: {type(exc).__name__}",

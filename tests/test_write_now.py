@@ -1,6 +1,6 @@
-"""mesh.write_now, through ``Connection.publish_acked``, against a real nats-server: a burst of
-request publishes leaves in groups while the publisher's loop is still busy; a few publishes wait
-for the loop's turn, written together."""
+"""mesh.write_now, through ``Connection.publish_acked`` and the SDK's requests to an edge, against
+a real nats-server: a burst of request publishes leaves in groups while the publisher's loop is
+still busy; a few publishes wait for the loop's turn, written together."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from mesh.client import MeshClient
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.write_now import GROUP
+from protocol.subjects import edge_infer_subject
+from tests.conftest import make_settings
 from tests.helpers import ThreadWatcher, eventually
 
 
@@ -79,3 +82,36 @@ async def test_fewer_than_a_group_go_together_at_the_loops_turn(
     await _warm(conn, js_stream, watcher)
     arrived, freed = await _burst_while_busy(conn, js_stream, watcher, 3)
     assert min(arrived) > freed  # written once, by nats-py's flusher, when the loop came round
+
+
+async def test_a_burst_of_sdk_requests_to_an_edge_leaves_in_groups(
+    nats_server: NatsServer, conn: Connection
+) -> None:
+    """The SDK's request to an edge is a core NATS publish (its subscription to the answer's
+    inbox goes with it): a burst of them leaves in groups as well, while the client's loop is
+    still busy with the rest of its burst."""
+    settings = make_settings(nats_server.url)
+    watcher = ThreadWatcher(nats_server.url, edge_infer_subject(settings.edge.edge_id))
+    try:
+        async with MeshClient(settings=settings, connection=conn) as client:
+            await conn.nc.flush()  # a round trip after the watcher subscribed
+            freed: list[float] = []
+
+            def busy() -> None:
+                time.sleep(0.3)
+                freed.append(time.monotonic())
+
+            asks = [
+                asyncio.create_task(anext(client.stream(f"[tag:g{i}] hi", max_tokens=2)))
+                for i in range(GROUP)
+            ]
+            asyncio.get_running_loop().call_soon(busy)
+            await _seen(watcher, GROUP)
+            for ask in asks:
+                ask.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+    finally:
+        watcher.close()
+    early = [at for at in watcher.arrived if at < freed[0]]
+    # Each request is two messages (its inbox's SUB, its PUB): a group holds GROUP / 2.
+    assert len(early) >= GROUP // 2, "the burst waited for the busy loop before it was written"
