@@ -1,6 +1,6 @@
-"""A worker starting where JetStream does not answer yet (a 503: the server just started, or no
-JetStream for the account) asks again before it gives up, and then says why. A real
-nats-server, started without JetStream."""
+"""Starting where JetStream does not answer yet (a 503: the server just started, or no JetStream
+for the account): a worker, `mesh provision` and an edge site's streams ask again before they
+give up, and then say why. A real nats-server, started without JetStream."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 from nats.js.errors import APIError, ServiceUnavailableError
 
 from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import ModelSettings
 from mesh.connection import Connection
@@ -78,4 +80,26 @@ async def test_mesh_provision_asks_again_too_then_says_why(tmp_path: Path) -> No
     said = err.decode()
     assert "not answering" in said and "503" in said, said[-2000:]
     assert said.count("provisioning slow; trying again") == PROVISION_TRIES - 1, said[-2000:]
+    assert took >= sum(0.5 * n for n in range(1, PROVISION_TRIES)) - 0.1, took
+
+
+async def test_an_edge_site_asks_its_leaf_again_then_says_why(tmp_path: Path) -> None:
+    """An edge on a site (``hub_domain``) keeps requests that can wait in its leaf server's own
+    JetStream: a leaf server that does not answer yet gets the same tries before the edge's
+    start fails, saying why (before, the first 503 ended it)."""
+    config = tmp_path / "no-jetstream.conf"
+    config.write_text("listen: 127.0.0.1:-1\n")
+    async with NatsServer(config=str(config), ready_timeout=15) as server:
+        settings = make_settings(server.url, nats__hub_domain="hub")
+        conn = await Connection(settings.nats, "starting-edge").connect()
+        model = DeterministicBackend(settings.edge.model)
+        edge = EdgeNode(settings, conn, model, HeuristicRouter())
+        began = time.monotonic()
+        try:
+            with pytest.raises(UnavailableError) as raised:
+                await edge.start()
+        finally:
+            await conn.close()
+        took = time.monotonic() - began
+    assert "not answering" in raised.value.message, raised.value.message
     assert took >= sum(0.5 * n for n in range(1, PROVISION_TRIES)) - 0.1, took
