@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from mesh import heap
 from mesh.config import MeshSettings, describe_settings
+from mesh.logs import get_logger
 from mesh.tasks import first_of
 from mesh_app.args import ENGINE_EXTRAS
 from mesh_app.args import build_parser as _parser
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from mesh.backends.base import Backend
     from mesh.connection import Connection
 
+log = get_logger(__name__)
 DEMO_PROMPTS = (
     "Say hello to a new user in one short sentence.",
     "A train leaves at 3:15 pm and travels 240 km at 80 km/h. Explain step by step when it "
@@ -153,9 +156,11 @@ def _run(factory: Callable[[], Awaitable[int]]) -> int:
 
 
 class _Stop:
-    """SIGINT and SIGTERM, from when a process may take work (enter it then): each asks for an
-    ordered stop, in which its nodes drain what they took. Before that the defaults stand: the
-    process ends at once, with nothing taken to lose and no model load to wait out."""
+    """SIGINT and SIGTERM, from when a process may take work (enter it then): the first asks for
+    an ordered stop, in which its nodes drain what they took; a second, while that runs, ends
+    the process at once (an operator who will not wait; a supervisor's SIGKILL would too).
+    Before that the defaults stand: the process ends at once, with nothing taken to lose and no
+    model load to wait out."""
 
     def __init__(self) -> None:
         self._asked = asyncio.Event()
@@ -163,8 +168,18 @@ class _Stop:
 
     def __enter__(self) -> _Stop:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self._loop.add_signal_handler(sig, self._asked.set)
+            self._loop.add_signal_handler(sig, self._signalled, sig)
         return self
+
+    def _signalled(self, sig: signal.Signals) -> None:
+        if not self._asked.is_set():
+            self._asked.set()
+            log.warning("stopping in order; signal again to stop at once", signal=sig.name)
+            return
+        log.warning("stopping at once", signal=sig.name)
+        self._loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
 
     def __exit__(self, *_exc: object) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,8 +1,8 @@
-"""A worker process asked to stop while it is still starting stops in order. Here its second
-model's engine (``worker.also_serve``) does not answer its start yet while the first model's
-worker already serves: a SIGTERM then leaves that start, lets the serving worker finish what it
-took, and the process exits 0. Before, the signal's default action ended the process at once
-(exit -15), in the middle of the answer it was streaming."""
+"""How a `mesh worker` takes SIGTERM. Asked while it is still starting (its second model's engine
+does not answer its start yet, ``worker.also_serve``, while the first model's worker already
+serves), it leaves that start, lets the serving worker finish what it took, and exits 0; before,
+the signal's default action ended the process at once (exit -15), in the middle of the answer it
+was streaming. Asked again while its ordered stop runs, it ends at once."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from mesh.client import MeshClient
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.status import collect_status
-from mesh.testing.chaos import MeshProcess
+from mesh.testing.chaos import MeshProcess, wait_for_worker, worker_env
 from mesh.testing.openai_server import DeterministicServer
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
 from tests.helpers import eventually
@@ -97,3 +97,34 @@ async def test_a_stop_asked_while_a_second_engine_starts_lets_the_first_finish(
     assert code == 0, f"exit {code}: not an ordered stop"
     # The answer's 1.6 s, then the ordered stop; not the 30 s the held start could take.
     assert stopped_in < 8, f"stopped {stopped_in:.1f} s after the signal"
+
+
+async def test_a_second_signal_during_the_ordered_stop_ends_the_process_at_once(
+    settings: MeshSettings, conn: Connection, tmp_path: Path
+) -> None:
+    env = {**worker_env(settings.nats.url or "", "patient", token_ms=50)}
+    env["MESH_WORKER_DRAIN_GRACE"] = "30"  # the answer in flight would hold the stop that long
+    proc = await MeshProcess("worker", "patient", env, tmp_path / "worker.log").start()
+    try:
+        await wait_for_worker(conn, "patient", process=proc)
+        async with MeshClient(settings=settings, connection=conn) as sdk:
+            stream = sdk.stream("[tag:p] count", via="cloud", max_tokens=400)  # 20 s of tokens
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    break
+            os.kill(proc.pid, signal.SIGTERM)
+
+            async def stopping() -> bool:
+                return any("signal again" in line.get("event", "") for line in proc.log_lines())
+
+            await eventually(stopping, timeout=10, what="the worker to begin its ordered stop")
+            assert proc.proc is not None and proc.proc.returncode is None  # it drains
+            os.kill(proc.pid, signal.SIGTERM)
+            asked_again = time.monotonic()
+            code = await asyncio.wait_for(proc.proc.wait(), 10)
+            took = time.monotonic() - asked_again
+            await stream.aclose()
+    finally:
+        await proc.stop()
+    assert code == -signal.SIGTERM
+    assert took < 2, f"exited {took:.1f} s after the second signal"
