@@ -317,10 +317,13 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
                 from edge_node.node import EdgeNode
                 from edge_node.routing import create_router
 
-                router = create_router(settings.edge.router)
+                edge = EdgeNode(settings, conn, backend, create_router(settings.edge.router))
                 with _Stop() as stop:  # its start takes requests before it ends
-                    async with EdgeNode(settings, conn, backend, router):
-                        await stop.wait()
+                    if await stop.unless_asked(edge.start()):
+                        try:
+                            await stop.wait()
+                        finally:
+                            await edge.stop()
     finally:
         await backend.close()
         exposition.stop()
@@ -329,8 +332,9 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
 
 async def _serve_workers(settings: MeshSettings, conn: Connection, backend: Backend) -> None:
     """One worker per model the engine serves (``worker.also_serve``), on one connection;
-    started in order, stopped in reverse. A stop asked while a later engine starts leaves that
-    start and stops, in order, the workers that serve."""
+    started in order, stopped in reverse. A stop asked while one starts (its engine, or its
+    provisioning, which can take seconds while JetStream does not answer) leaves that start, as
+    a killed process would, and stops the workers that serve in order."""
     from cloud_node.worker import Worker
     from mesh.backends import create_backend
     from mesh.provision import served_models
@@ -344,8 +348,10 @@ async def _serve_workers(settings: MeshSettings, conn: Connection, backend: Back
                     stack.push_async_callback(engine.close)
                     if not await stop.unless_asked(engine.start()):
                         break
-                mine = settings.model_copy(update={"worker": worker})
-                await stack.enter_async_context(Worker(mine, conn, engine))
+                node = Worker(settings.model_copy(update={"worker": worker}), conn, engine)
+                if not await stop.unless_asked(node.start()):
+                    break
+                stack.push_async_callback(node.stop)
             await stop.wait()
 
 

@@ -1,8 +1,12 @@
-"""How a `mesh worker` takes SIGTERM. Asked while it is still starting (its second model's engine
-does not answer its start yet, ``worker.also_serve``, while the first model's worker already
-serves), it leaves that start, lets the serving worker finish what it took, and exits 0; before,
-the signal's default action ended the process at once (exit -15), in the middle of the answer it
-was streaming. Asked again while its ordered stop runs, it ends at once."""
+"""How `mesh worker` and `mesh edge` take SIGTERM while they start and while they stop.
+
+- Asked while a worker of two models is still starting (its second model's engine does not
+  answer its start yet, ``worker.also_serve``, while the first model's worker already serves),
+  it leaves that start, lets the serving worker finish what it took, and exits 0. Before, the
+  signal's default action ended the process at once (exit -15), mid-answer.
+- Asked while a start waits on a JetStream that does not answer yet, the start ends there
+  (exit 0 at once), not when its tries run out (3 s, then exit 1).
+- Asked again while the ordered stop runs, the process ends at once."""
 
 from __future__ import annotations
 
@@ -12,14 +16,16 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 from mesh.backends.deterministic import Script
 from mesh.client import MeshClient
 from mesh.config import MeshSettings
 from mesh.connection import Connection
+from mesh.nats_server import NatsServer
 from mesh.status import collect_status
-from mesh.testing.chaos import MeshProcess, wait_for_worker, worker_env
+from mesh.testing.chaos import MeshProcess, edge_env, wait_for_worker, worker_env
 from mesh.testing.openai_server import DeterministicServer
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
 from tests.helpers import eventually
@@ -128,3 +134,37 @@ async def test_a_second_signal_during_the_ordered_stop_ends_the_process_at_once(
         await proc.stop()
     assert code == -signal.SIGTERM
     assert took < 2, f"exited {took:.1f} s after the second signal"
+
+
+@pytest.mark.parametrize("role", ["worker", "edge"])
+async def test_a_stop_asked_while_the_start_waits_on_jetstream_ends_it_at_once(
+    role: str, tmp_path: Path
+) -> None:
+    """A worker provisioning the hub, or an edge its site's streams, where JetStream does not
+    answer yet asks again for seconds (``mesh.provision.provisioned``); a stop asked meanwhile
+    ends the start there (nothing was taken yet), not once the tries run out."""
+    config = tmp_path / "no-jetstream.conf"
+    config.write_text("listen: 127.0.0.1:-1\n")
+    async with NatsServer(config=str(config), ready_timeout=15) as server:
+        if role == "worker":
+            env = worker_env(server.url, "early")
+        else:
+            env = {**edge_env(server.url, "early"), "MESH_NATS_HUB_DOMAIN": "hub"}
+        proc = await MeshProcess(role, "early", env, tmp_path / f"{role}.log").start()
+        try:
+
+            async def retrying() -> bool:
+                return any(
+                    "provisioning slow" in line.get("event", "") for line in proc.log_lines()
+                )
+
+            await eventually(retrying, timeout=20, what=f"the {role} to retry its provisioning")
+            os.kill(proc.pid, signal.SIGTERM)
+            asked = time.monotonic()
+            assert proc.proc is not None
+            code = await asyncio.wait_for(proc.proc.wait(), 15)
+            took = time.monotonic() - asked
+        finally:
+            await proc.stop()
+    assert code == 0, f"exit {code}"
+    assert took < 1, f"exited {took:.2f} s after the signal (the tries take 3 s)"
