@@ -50,6 +50,16 @@ async def nats_server() -> AsyncIterator[NatsServer]:
 
 
 @pytest.fixture
+async def server_without_jetstream(tmp_path: Path) -> AsyncIterator[NatsServer]:
+    """A nats-server with JetStream off: its JetStream API answers 503 (no responders), as a
+    server that has just started may."""
+    config = tmp_path / "no-jetstream.conf"
+    config.write_text("listen: 127.0.0.1:-1\n")
+    async with NatsServer(config=str(config), ready_timeout=15) as server:
+        yield server
+
+
+@pytest.fixture
 async def own_server(tmp_path: Path) -> AsyncIterator[NatsServer]:
     """A nats-server of this test's own, which it may kill (``kill()``: kill -9, by PID)."""
     server = NatsServer(port=-1, store_dir=str(tmp_path / "store"), ready_timeout=15)

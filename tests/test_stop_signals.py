@@ -138,33 +138,29 @@ async def test_a_second_signal_during_the_ordered_stop_ends_the_process_at_once(
 
 @pytest.mark.parametrize("role", ["worker", "edge"])
 async def test_a_stop_asked_while_the_start_waits_on_jetstream_ends_it_at_once(
-    role: str, tmp_path: Path
+    role: str, server_without_jetstream: NatsServer, tmp_path: Path
 ) -> None:
     """A worker provisioning the hub, or an edge its site's streams, where JetStream does not
     answer yet asks again for seconds (``mesh.provision.provisioned``); a stop asked meanwhile
     ends the start there (nothing was taken yet), not once the tries run out."""
-    config = tmp_path / "no-jetstream.conf"
-    config.write_text("listen: 127.0.0.1:-1\n")
-    async with NatsServer(config=str(config), ready_timeout=15) as server:
-        if role == "worker":
-            env = worker_env(server.url, "early")
-        else:
-            env = {**edge_env(server.url, "early"), "MESH_NATS_HUB_DOMAIN": "hub"}
-        proc = await MeshProcess(role, "early", env, tmp_path / f"{role}.log").start()
-        try:
+    server = server_without_jetstream
+    if role == "worker":
+        env = worker_env(server.url, "early")
+    else:
+        env = {**edge_env(server.url, "early"), "MESH_NATS_HUB_DOMAIN": "hub"}
+    proc = await MeshProcess(role, "early", env, tmp_path / f"{role}.log").start()
+    try:
 
-            async def retrying() -> bool:
-                return any(
-                    "provisioning slow" in line.get("event", "") for line in proc.log_lines()
-                )
+        async def retrying() -> bool:
+            return any("provisioning slow" in line.get("event", "") for line in proc.log_lines())
 
-            await eventually(retrying, timeout=20, what=f"the {role} to retry its provisioning")
-            os.kill(proc.pid, signal.SIGTERM)
-            asked = time.monotonic()
-            assert proc.proc is not None
-            code = await asyncio.wait_for(proc.proc.wait(), 15)
-            took = time.monotonic() - asked
-        finally:
-            await proc.stop()
+        await eventually(retrying, timeout=20, what=f"the {role} to retry its provisioning")
+        os.kill(proc.pid, signal.SIGTERM)
+        asked = time.monotonic()
+        assert proc.proc is not None
+        code = await asyncio.wait_for(proc.proc.wait(), 15)
+        took = time.monotonic() - asked
+    finally:
+        await proc.stop()
     assert code == 0, f"exit {code}"
     assert took < 1, f"exited {took:.2f} s after the signal (the tries take 3 s)"

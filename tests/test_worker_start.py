@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from nats.js.errors import APIError, ServiceUnavailableError
@@ -23,6 +22,9 @@ from mesh.provision import NOT_ANSWERING_RETRY_S, PROVISION_TRIES, refused
 from protocol.errors import UnavailableError
 from tests.conftest import make_settings
 
+TRIES_TAKE_S = sum(0.5 * n for n in range(1, PROVISION_TRIES))
+"""The waits between PROVISION_TRIES asks, 0.5 s more apart each time (0.5 + 1.0 + 1.5 s)."""
+
 
 def test_a_503_is_told_apart_from_a_refusal() -> None:
     not_yet = refused("stream MESH_INFER", ServiceUnavailableError())
@@ -33,73 +35,64 @@ def test_a_503_is_told_apart_from_a_refusal() -> None:
 
 
 async def test_a_worker_asks_a_jetstream_that_does_not_answer_again_then_says_why(
-    tmp_path: Path,
+    server_without_jetstream: NatsServer,
 ) -> None:
-    config = tmp_path / "no-jetstream.conf"
-    config.write_text("listen: 127.0.0.1:-1\n")
-    server = NatsServer(config=str(config), ready_timeout=15)
-    await server.start()
+    settings = make_settings(server_without_jetstream.url)
+    conn = await Connection(settings.nats, "starting-worker").connect()
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    began = time.monotonic()
     try:
-        settings = make_settings(server.url)
-        conn = await Connection(settings.nats, "starting-worker").connect()
-        backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
-        began = time.monotonic()
-        try:
-            with pytest.raises(UnavailableError) as raised:
-                await Worker(settings, conn, backend).start()
-        finally:
-            await conn.close()
-        took = time.monotonic() - began
+        with pytest.raises(UnavailableError) as raised:
+            await Worker(settings, conn, backend).start()
     finally:
-        await server.stop()
+        await conn.close()
+    took = time.monotonic() - began
     assert "not answering" in raised.value.message, raised.value.message
-    # Asked PROVISION_TRIES times, 0.5 s more apart each time (0.5 + 1.0 + 1.5 s).
-    assert took >= sum(0.5 * n for n in range(1, PROVISION_TRIES)) - 0.1, took
+    assert took >= TRIES_TAKE_S - 0.1, took
 
 
-async def test_mesh_provision_asks_again_too_then_says_why(tmp_path: Path) -> None:
+async def test_mesh_provision_asks_again_too_then_says_why(
+    server_without_jetstream: NatsServer,
+) -> None:
     """The operator's ``mesh provision`` (run just after the server, as a deployment script
     does) goes through the same retry as a worker's start; before, its first 503 ended it."""
-    config = tmp_path / "no-jetstream.conf"
-    config.write_text("listen: 127.0.0.1:-1\n")
-    async with NatsServer(config=str(config), ready_timeout=15) as server:
-        began = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "mesh_app.cli",
-            "provision",
-            "--nats-url",
-            server.url,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        _out, err = await asyncio.wait_for(proc.communicate(), 60)
-        took = time.monotonic() - began
+    began = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mesh_app.cli",
+        "provision",
+        "--nats-url",
+        server_without_jetstream.url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _out, err = await asyncio.wait_for(proc.communicate(), 60)
+    took = time.monotonic() - began
     assert proc.returncode == 1
     said = err.decode()
     assert "not answering" in said and "503" in said, said[-2000:]
     assert said.count("provisioning slow; trying again") == PROVISION_TRIES - 1, said[-2000:]
-    assert took >= sum(0.5 * n for n in range(1, PROVISION_TRIES)) - 0.1, took
+    assert took >= TRIES_TAKE_S - 0.1, took
 
 
-async def test_an_edge_site_asks_its_leaf_again_then_says_why(tmp_path: Path) -> None:
+async def test_an_edge_site_asks_its_leaf_again_then_says_why(
+    server_without_jetstream: NatsServer,
+) -> None:
     """An edge on a site (``hub_domain``) keeps requests that can wait in its leaf server's own
     JetStream: a leaf server that does not answer yet gets the same tries before the edge's
     start fails, saying why (before, the first 503 ended it)."""
-    config = tmp_path / "no-jetstream.conf"
-    config.write_text("listen: 127.0.0.1:-1\n")
-    async with NatsServer(config=str(config), ready_timeout=15) as server:
-        settings = make_settings(server.url, nats__hub_domain="hub")
-        conn = await Connection(settings.nats, "starting-edge").connect()
-        model = DeterministicBackend(settings.edge.model)
-        edge = EdgeNode(settings, conn, model, HeuristicRouter())
-        began = time.monotonic()
-        try:
-            with pytest.raises(UnavailableError) as raised:
-                await edge.start()
-        finally:
-            await conn.close()
-        took = time.monotonic() - began
+    settings = make_settings(server_without_jetstream.url, nats__hub_domain="hub")
+    conn = await Connection(settings.nats, "starting-edge").connect()
+    model = DeterministicBackend(settings.edge.model)
+    edge = EdgeNode(settings, conn, model, HeuristicRouter())
+    began = time.monotonic()
+    try:
+        with pytest.raises(UnavailableError) as raised:
+            await edge.start()
+    finally:
+        await edge.nodes.stop()  # started before the site; a failed start leaves it to us
+        await conn.close()
+    took = time.monotonic() - began
     assert "not answering" in raised.value.message, raised.value.message
-    assert took >= sum(0.5 * n for n in range(1, PROVISION_TRIES)) - 0.1, took
+    assert took >= TRIES_TAKE_S - 0.1, took
