@@ -294,14 +294,11 @@ class Connection(Lifecycle):
             # Cut off, or cut off while draining, nothing more can reach the server: the close
             # goes on at once rather than waiting out the drain's timeout (6 s).
             self._dropped.clear()
-            drained = (
-                client.is_connected
-                and (
-                    await first_of(
-                        client.drain(), self._dropped, timeout=self.settings.drain_timeout + 1
-                    )
-                )[0]
-            )
+            drained = False
+            if client.is_connected:
+                drained, _ = await first_of(
+                    client.drain(), self._dropped, timeout=self.settings.drain_timeout + 1
+                )
             if not drained:
                 log.info("closing a connection cut off from its server", connection=self.name)
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
