@@ -46,6 +46,7 @@ from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, edge_env, wait_for_edge, wait_for_worker
+from mesh_app.bench.bare import MIDDLE_SUBJECT, bare, bare_process
 from mesh_app.bench.common import (
     Timed,
     bench_mesh,
@@ -55,7 +56,6 @@ from mesh_app.bench.common import (
     split_by_length,
     timed_stream,
 )
-from mesh_app.bench.paths import MIDDLE_SUBJECT, _bare_relay, bare
 
 PROMPT = "[tag:b] benchmark"
 HERE = str(Path(__file__).resolve().parents[1])
@@ -137,7 +137,7 @@ async def run(
                 "A": ClientProcess(url, "cloud", tree),
                 "B": ClientProcess(url, "cloud", here),
             }
-            await stack.enter_async_context(_bare_relay("--bare", url, mesh.backend_url))
+            await stack.enter_async_context(bare_process("--bare", url, mesh.backend_url))
             for c in clients.values():
                 stack.push_async_callback(c.stop)
             pids = {name: await c.start() for name, c in clients.items()}
@@ -161,9 +161,9 @@ async def run(
                 await wait_for_worker(conn, "bench-worker-a", process=other)
             else:
                 await wait_for_edge(conn, "edge-a")
-        floor_pid = await stack.enter_async_context(_bare_relay("--bare", url, mesh.backend_url))
+        floor_pid = await stack.enter_async_context(bare_process("--bare", url, mesh.backend_url))
         if role == "edge":
-            floor_pid = await stack.enter_async_context(_bare_relay("--middle", url))
+            floor_pid = await stack.enter_async_context(bare_process("--middle", url))
         client = await stack.enter_async_context(
             MeshClient(settings=mesh.settings, first_event_timeout=60, idle_timeout=60)
         )

@@ -272,7 +272,7 @@ async def worker(conn: Connection, settings: MeshSettings, tokens: int) -> float
 async def bare_relay(conn: Connection, settings: MeshSettings, tokens: int) -> float:
     import aiohttp
 
-    from mesh_app.bench.paths import _deltas
+    from mesh_app.bench.bare import deltas as _deltas
 
     url, stop = await _engine(settings)
     nc = conn.nc

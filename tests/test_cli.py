@@ -192,6 +192,11 @@ async def test_bench_paths_compares_every_path_on_complete_answers() -> None:
         assert set(cpu) == set(paths.PROCESSES) and all(v >= 0 for v in cpu.values()), cpu
     text = paths.render(results)
     assert "bare relay" in text and "over the bare relay" in text
+    # the cloud path beside the broker alone: a relay behind a JetStream work queue
+    assert "bare queue" in text and "; over the bare queue: via cloud" in text
+    assert rows["via cloud"]["over_queue_ttft_p50_ms"] == (
+        rows["via cloud"]["ttft_p50_ms"] - rows["bare queue"]["ttft_p50_ms"]
+    )
     assert "CPU per request, 5-token answers" in text
     assert "CPU split" not in text  # one length: nothing to split
 

@@ -9,6 +9,10 @@ a benchmark backend, not a model: 50 ms prefill, 50 tokens/s per stream by defau
 - bare relay: the floor for any relay over NATS on this machine, not an alternative: a
   request on a core subject to a bare nats-py process that calls the same server and publishes
   each token to the reply inbox. No queue, no store, no checks: what the hops alone cost.
+- bare queue: the bare relay taking its requests from a JetStream work queue instead (the client
+  awaits the store's ack, the relay pulls one at a time from a pull consumer and acks once the
+  answer is out): the floor for any relay with a durable queue in front, what the broker alone
+  adds to "via cloud" (its CPU is the "bare relay" column, in its own turn).
 - bare middle: the bare relay behind a bare nats-py process that receives each of its messages
   and publishes it again to the client: the floor for a hop in the middle, what an edge is
   (its CPU is the "bare middle" column).
@@ -28,22 +32,15 @@ runs minutes apart do not.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import json
 import os
-import sys
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import nats
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
 from mesh.client import MeshClient
+from mesh_app.bench.bare import MIDDLE_SUBJECT, bare, bare_process, deltas
 from mesh_app.bench.common import (
     Timed,
     bench_mesh,
@@ -54,11 +51,9 @@ from mesh_app.bench.common import (
     timed_stream,
 )
 
-PATHS = ("direct", "bare relay", "bare middle", "via cloud", "via edge")
+PATHS = ("direct", "bare relay", "bare queue", "bare middle", "via cloud", "via edge")
 PROCESSES = ("bench", "nats-server", "worker", "edge", "bare relay", "bare middle")
 """Whose CPU is read: ``bench`` is this process, which runs every path's clients."""
-BARE_SUBJECT = "bench.bare.request"
-MIDDLE_SUBJECT = "bench.middle.request"
 SPLIT_ROWS = (
     # (row, the path, whose CPU; its floor: the path, whose CPU)
     ("worker, via cloud", "via cloud", "worker", "bare relay", "bare relay"),
@@ -68,6 +63,8 @@ SPLIT_ROWS = (
     ("SDK, via edge", "via edge", "bench", "bare middle", "bench"),
     ("nats-server, via cloud", "via cloud", "nats-server", "bare relay", "nats-server"),
     ("nats-server, via edge", "via edge", "nats-server", "bare middle", "nats-server"),
+    ("bare relay, via a queue", "bare queue", "bare relay", "bare relay", "bare relay"),
+    ("nats-server, bare queue", "bare queue", "nats-server", "bare relay", "nats-server"),
 )
 """What ``--split`` sets beside what: each mesh process on its path against the same role's
 bare process on the floor's path (the bench process is the SDK's clients on the mesh paths and
@@ -86,99 +83,11 @@ async def direct(session: aiohttp.ClientSession, url: str, prompt: str, tokens: 
     got = 0
     async with session.post(f"{url}/chat/completions", json=body) as resp:
         async for raw in resp.content:
-            for _text in _deltas(raw):
+            for _text in deltas(raw):
                 first = first or time.perf_counter()
                 got += 1
     done = time.perf_counter()
     return Timed(ttft=(first or done) - began, total=done - began, tokens=got)
-
-
-def _deltas(line: bytes) -> list[str]:
-    """The content deltas of one SSE line of a chat completion stream."""
-    line = line.strip()
-    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-        return []
-    choices = json.loads(line[6:]).get("choices") or []
-    return [text for c in choices if (text := (c.get("delta") or {}).get("content"))]
-
-
-async def bare(nc: NATS, prompt: str, tokens: int, subject: str = BARE_SUBJECT) -> Timed:
-    """One request through the bare relay (or the bare middle in front of it, on its
-    ``subject``): tokens on the reply inbox, an empty message last."""
-    arrived: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def on_msg(msg: Msg) -> None:
-        arrived.put_nowait(msg.data)
-
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=on_msg)
-    began = time.perf_counter()
-    first: float | None = None
-    got = 0
-    try:
-        body = json.dumps({"prompt": prompt, "max_tokens": tokens}).encode()
-        await nc.publish(subject, body, reply=inbox)
-        while await asyncio.wait_for(arrived.get(), 60):
-            first = first or time.perf_counter()
-            got += 1
-    finally:
-        await sub.unsubscribe()
-    done = time.perf_counter()
-    return Timed(ttft=(first or done) - began, total=done - began, tokens=got)
-
-
-async def _serve_bare(nats_url: str, backend_url: str) -> None:
-    """The bare relay process (``python -m mesh_app.bench.paths --bare URL BACKEND``)."""
-    nc = await nats.connect(nats_url)
-    running: set[asyncio.Task[None]] = set()
-    async with aiohttp.ClientSession() as session:
-
-        async def handle(msg: Msg) -> None:
-            ask = json.loads(msg.data)
-            body = {
-                "model": "smollm2",
-                "messages": [{"role": "user", "content": ask["prompt"]}],
-                "max_tokens": ask["max_tokens"],
-                "stream": True,
-            }
-            async with session.post(f"{backend_url}/chat/completions", json=body) as resp:
-                async for raw in resp.content:
-                    for text in _deltas(raw):
-                        await nc.publish(msg.reply, text.encode())
-            await nc.publish(msg.reply, b"")
-
-        async def on_msg(msg: Msg) -> None:
-            task = asyncio.create_task(handle(msg))
-            running.add(task)
-            task.add_done_callback(running.discard)
-
-        await nc.subscribe(BARE_SUBJECT, queue="bare", cb=on_msg)
-        await nc.flush()
-        print("ready", flush=True)
-        await asyncio.Event().wait()
-
-
-async def _serve_middle(nats_url: str) -> None:
-    """The bare middle process (``python -m mesh_app.bench.paths --middle URL``): each request
-    goes on to the bare relay; each message coming back is published again to its client."""
-    nc = await nats.connect(nats_url)
-
-    async def on_request(msg: Msg) -> None:
-        client = msg.reply
-
-        async def on_back(back: Msg) -> None:
-            await nc.publish(client, back.data)
-            if not back.data:
-                await sub.unsubscribe()
-
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, cb=on_back)
-        await nc.publish(BARE_SUBJECT, msg.data, reply=inbox)
-
-    await nc.subscribe(MIDDLE_SUBJECT, queue="middle", cb=on_request)
-    await nc.flush()
-    print("ready", flush=True)
-    await asyncio.Event().wait()
 
 
 async def run(
@@ -195,8 +104,8 @@ async def run(
     lengths = (tokens,) if split is None or split == tokens else (tokens, split)
     async with (
         bench_mesh(prefill_ms=prefill_ms, token_ms=token_ms, slots=max(concurrency)) as mesh,
-        _bare_relay("--bare", mesh.server.url, mesh.backend_url) as bare_pid,
-        _bare_relay("--middle", mesh.server.url) as middle_pid,
+        bare_process("--bare", mesh.server.url, mesh.backend_url) as bare_pid,
+        bare_process("--middle", mesh.server.url) as middle_pid,
         MeshClient(settings=mesh.settings, first_event_timeout=60, idle_timeout=60) as client,
         aiohttp.ClientSession() as session,
     ):
@@ -219,6 +128,8 @@ async def run(
                 return await direct(session, mesh.backend_url, prompt, length)
             if path == "bare relay":
                 return await bare(nc, prompt, length)
+            if path == "bare queue":
+                return await bare(nc, prompt, length, queued=True)
             if path == "bare middle":
                 return await bare(nc, prompt, length, MIDDLE_SUBJECT)
             if path == "via cloud":
@@ -292,22 +203,6 @@ def split_cpu(
     return out
 
 
-@contextlib.asynccontextmanager
-async def _bare_relay(*args: str) -> AsyncIterator[int]:
-    """This module run as a bare process (``--bare`` or ``--middle`` and their arguments)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "mesh_app.bench.paths", *args, stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        assert proc.stdout is not None
-        await asyncio.wait_for(proc.stdout.readline(), 30)
-        yield proc.pid
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-
-
 def _summarize(samples: dict[str, list[Timed]], tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     base = samples["direct"]
@@ -325,10 +220,17 @@ def _summarize(samples: dict[str, list[Timed]], tokens: int) -> dict[str, Any]:
         out[path]["added_ttft_p50_ms"] = out[path]["ttft_p50_ms"] - out["direct"]["ttft_p50_ms"]
         out[path]["added_ttft_p99_ms"] = out[path]["ttft_p99_ms"] - out["direct"]["ttft_p99_ms"]
         out[path]["added_total_p50_ms"] = out[path]["total_p50_ms"] - out["direct"]["total_p50_ms"]
-    for path in ("via cloud", "via edge"):
+    for path in ("bare queue", "via cloud", "via edge"):
         floor = out["bare relay"]
         out[path]["over_bare_ttft_p50_ms"] = out[path]["ttft_p50_ms"] - floor["ttft_p50_ms"]
         out[path]["over_bare_ttft_p99_ms"] = out[path]["ttft_p99_ms"] - floor["ttft_p99_ms"]
+    queue = out["bare queue"]
+    out["via cloud"]["over_queue_ttft_p50_ms"] = (
+        out["via cloud"]["ttft_p50_ms"] - queue["ttft_p50_ms"]
+    )
+    out["via cloud"]["over_queue_ttft_p99_ms"] = (
+        out["via cloud"]["ttft_p99_ms"] - queue["ttft_p99_ms"]
+    )
     out["direct"]["n_base"] = len(base)
     return out
 
@@ -362,15 +264,7 @@ def render(results: dict[str, Any]) -> str:
         f"paths: deterministic backend, {b['prefill_ms']:g} ms prefill, "
         f"{1000 / b['token_ms']:g} tokens/s per stream; milliseconds"
     )
-    notes = [
-        f"{streams} stream(s), over the bare relay (TTFT p50 / p99): "
-        + ", ".join(
-            f"{path} {by_path[path]['over_bare_ttft_p50_ms']:+.2f} / "
-            f"{by_path[path]['over_bare_ttft_p99_ms']:+.2f}"
-            for path in ("via cloud", "via edge")
-        )
-        for streams, by_path in _runs(results)
-    ]
+    notes = [_over_floors(streams, by_path) for streams, by_path in _runs(results)]
     cpu_rows = [
         [
             streams,
@@ -408,18 +302,30 @@ def render(results: dict[str, Any]) -> str:
     )
 
 
+def _over_floors(streams: str, by_path: dict[str, Any], what: str = "") -> str:
+    """One line of TTFT differences: each queued or mesh path over the bare relay, and the
+    cloud path over the bare queue (what the mesh adds to the broker alone)."""
+
+    def over(path: str, floor: str) -> str:
+        r = by_path[path]
+        return (
+            f"{path} {r[f'over_{floor}_ttft_p50_ms']:+.2f} / {r[f'over_{floor}_ttft_p99_ms']:+.2f}"
+        )
+
+    return (
+        f"{streams} stream(s), {what}over the bare relay (TTFT p50 / p99): "
+        + ", ".join(over(path, "bare") for path in ("bare queue", "via cloud", "via edge"))
+        + f"; over the bare queue: {over('via cloud', 'queue')}"
+    )
+
+
 def _render_split(results: dict[str, Any]) -> str:
     """The second length's TTFT over the bare relay, and the split table (``--split``)."""
     if "per_token" not in results:
         return ""
     short, long = results["tokens"], results["split_tokens"]
     notes = [
-        f"{streams} stream(s), {long}-token answers, over the bare relay (TTFT p50 / p99): "
-        + ", ".join(
-            f"{path} {by_path[path]['over_bare_ttft_p50_ms']:+.2f} / "
-            f"{by_path[path]['over_bare_ttft_p99_ms']:+.2f}"
-            for path in ("via cloud", "via edge")
-        )
+        _over_floors(streams, by_path, f"{long}-token answers, ")
         for streams, by_path in results["at_split"].items()
     ]
     rows = [
@@ -446,12 +352,3 @@ def _render_split(results: dict[str, Any]) -> str:
             rows,
         )
     )
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    role = parser.add_mutually_exclusive_group(required=True)
-    role.add_argument("--bare", nargs=2, metavar=("NATS_URL", "BACKEND_URL"))
-    role.add_argument("--middle", metavar="NATS_URL")
-    args = parser.parse_args()
-    asyncio.run(_serve_bare(*args.bare) if args.bare else _serve_middle(args.middle))

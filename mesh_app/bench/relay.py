@@ -29,6 +29,7 @@ from mesh.client import MeshClient
 from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, Server, wait_for_worker
+from mesh_app.bench.bare import bare, bare_process
 from mesh_app.bench.common import (
     Timed,
     bench_worker_env,
@@ -37,7 +38,6 @@ from mesh_app.bench.common import (
     table,
     timed_stream,
 )
-from mesh_app.bench.paths import _bare_relay, bare
 from protocol.codec import WireFormat, dump_token
 
 
@@ -206,7 +206,7 @@ async def _http_side_by_side(
         worker = await MeshProcess("worker", name, env, tmp / f"{name}.log").start()
         try:
             async with (
-                _bare_relay("--bare", server.url, url) as relay_pid,
+                bare_process("--bare", server.url, url) as relay_pid,
                 Connection(settings.nats, "relay-probe") as conn,
             ):
                 await wait_for_worker(conn, name)
