@@ -188,6 +188,22 @@ class EdgeNode(Lifecycle):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        """Open the edge: the registry view, a site's streams, the NATS intake, the HTTP API.
+        A start that fails (or is cancelled) undoes what it started before its error goes on:
+        the intake closes, a request it took already ends in a typed error, the registry view
+        stops. Nothing is left running, nor answering for this edge."""
+        try:
+            await self._start()
+        except BaseException:
+            log.warning("edge start failed; undoing what it started", edge_id=self.edge_id)
+            self.accepting = False
+            try:
+                await self._close(grace=0.0)
+            except Exception:  # the start's own error is the one to raise
+                log.exception("undoing the edge's start failed")
+            raise
+
+    async def _start(self) -> None:
         nc = self.conn.nc
         try:
             await self.nodes.start()
@@ -243,7 +259,13 @@ class EdgeNode(Lifecycle):
         if not self.accepting:
             return
         self.accepting = False
-        ends = time.monotonic() + (self._es.drain_grace if grace is None else grace)
+        await self._close(self._es.drain_grace if grace is None else grace)
+        log.info("edge stopped", edge_id=self.edge_id, **self.stats.snapshot())
+
+    async def _close(self, grace: float) -> None:
+        """Close whatever of the edge is open (all of it after a start, part of it after a
+        start that failed), in order; requests in flight get ``grace`` seconds."""
+        ends = time.monotonic() + grace
         if self._status_sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._status_sub.unsubscribe()
@@ -262,7 +284,6 @@ class EdgeNode(Lifecycle):
             budget.save()  # the decisions since the last periodic save
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.remove(registry)
-        log.info("edge stopped", edge_id=self.edge_id, **self.stats.snapshot())
 
     def _workers_alive(self) -> int:
         return len(self.nodes.live())

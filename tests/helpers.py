@@ -12,9 +12,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
+import nats.errors
 from aiohttp import web
 
 from mesh.config import MeshSettings
@@ -33,6 +35,21 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def tasks_now(conn: Connection) -> set[asyncio.Task[Any]]:
+    """The tasks running now, for :func:`still_running` to compare with later. nats-py answers
+    every request of a connection through one subscription (a task), started by its first
+    request: started here, it is not taken for something left behind."""
+    with contextlib.suppress(nats.errors.NoRespondersError):
+        await conn.nc.request(f"nobody.{id(conn)}", b"", timeout=5)
+    return set(asyncio.all_tasks())
+
+
+def still_running(before: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
+    """The tasks started since ``before`` (:func:`tasks_now`) that still run, the caller's own
+    excepted."""
+    return {t for t in asyncio.all_tasks() - before if not t.done()} - {asyncio.current_task()}
 
 
 async def queue_state(

@@ -21,6 +21,7 @@ from mesh.nats_server import NatsServer
 from mesh.provision import NOT_ANSWERING_RETRY_S, PROVISION_TRIES, refused
 from protocol.errors import UnavailableError
 from tests.conftest import make_settings
+from tests.helpers import eventually, still_running, tasks_now
 
 TRIES_TAKE_S = sum(0.5 * n for n in range(1, PROVISION_TRIES))
 """The waits between PROVISION_TRIES asks, 0.5 s more apart each time (0.5 + 1.0 + 1.5 s)."""
@@ -87,12 +88,17 @@ async def test_an_edge_site_asks_its_leaf_again_then_says_why(
     model = DeterministicBackend(settings.edge.model)
     edge = EdgeNode(settings, conn, model, HeuristicRouter())
     began = time.monotonic()
+    before = await tasks_now(conn)
     try:
         with pytest.raises(UnavailableError) as raised:
             await edge.start()
+        took = time.monotonic() - began
+
+        async def undone() -> bool:  # the registry view, started before the site, stopped
+            return not still_running(before)
+
+        await eventually(undone, what=f"the failed start's tasks to end: {still_running(before)}")
     finally:
-        await edge.nodes.stop()  # started before the site; a failed start leaves it to us
         await conn.close()
-    took = time.monotonic() - began
     assert "not answering" in raised.value.message, raised.value.message
     assert took >= TRIES_TAKE_S - 0.1, took

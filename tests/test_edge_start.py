@@ -1,0 +1,69 @@
+"""An edge whose start fails undoes what it started before the error goes on: nobody answers for
+it on NATS any more (a client hears "no responders" at once instead of waiting on an edge that
+is not there), and nothing of it keeps running in the process."""
+
+from __future__ import annotations
+
+import socket
+
+import nats.errors
+import pytest
+
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.config import MeshSettings
+from mesh.connection import Connection
+from protocol.subjects import edge_infer_subject, edge_resend_subject
+from tests.helpers import eventually, still_running, tasks_now
+
+
+async def test_an_edge_whose_http_port_is_taken_leaves_nothing_open(
+    settings: MeshSettings,
+) -> None:
+    """The HTTP API starts last, after the NATS intake opened: its port taken, the start fails
+    with the OS's error, and the intake it had opened is closed again."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings.edge.http_host = "127.0.0.1"
+        settings.edge.http_port = taken.getsockname()[1]
+        settings.edge.model.backend = "deterministic"
+        conn = await Connection(settings.nats, "edge-port-taken").connect()
+        try:
+            before = await tasks_now(conn)
+            model = DeterministicBackend(settings.edge.model)
+            edge = EdgeNode(settings, conn, model, HeuristicRouter())
+            with pytest.raises(OSError):
+                await edge.start()
+            assert not edge.accepting
+            edge_id = settings.edge.edge_id
+            for subject in (edge_infer_subject(edge_id), edge_resend_subject(edge_id)):
+                with pytest.raises(nats.errors.NoRespondersError):
+                    await conn.nc.request(subject, b"{}", timeout=5)
+
+            async def stopped() -> bool:
+                return not still_running(before)
+
+            await eventually(
+                stopped, what=f"the failed start's tasks to end: {still_running(before)}"
+            )
+        finally:
+            await conn.close()
+
+
+async def test_a_started_edge_answers_on_the_subjects_the_failed_one_left(
+    settings: MeshSettings,
+) -> None:
+    """The check above can fail: an edge that started answers there (a request it cannot
+    read, with its typed error)."""
+    settings.edge.model.backend = "deterministic"
+    conn = await Connection(settings.nats, "edge-started").connect()
+    edge = EdgeNode(settings, conn, DeterministicBackend(settings.edge.model), HeuristicRouter())
+    try:
+        await edge.start()
+        reply = await conn.nc.request(edge_infer_subject(settings.edge.edge_id), b"{}", timeout=5)
+        assert b"invalid_request" in reply.data, reply.data
+    finally:
+        await edge.stop()
+        await conn.close()
