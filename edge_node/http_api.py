@@ -43,7 +43,7 @@ from edge_node.parts import EdgeCounts, Serve
 from edge_node.served import CloudModels
 from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import bound, get_logger
-from mesh.metrics import exposition
+from mesh.metrics import cannot_listen, exposition
 from mesh.queue import trace_headers
 from protocol.codec import (
     WireFormat,
@@ -293,7 +293,12 @@ class EdgeHTTP:
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise cannot_listen(
+                "the edge's HTTP API", self.host, self.port, exc, "MESH_EDGE_HTTP_PORT"
+            ) from exc
         server = site._server
         if self.port == 0 and server is not None and server.sockets:  # type: ignore[attr-defined]
             self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]

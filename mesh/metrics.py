@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 import time
 from collections import Counter as Tally
@@ -39,6 +40,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from protocol.errors import UnavailableError
 
 if TYPE_CHECKING:
     from mesh.generate import Generation
@@ -375,9 +378,18 @@ class Exposition:
     def text(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:  # noqa: S104 - a scrape target
-        """Serve ``/metrics`` on ``port`` (0: any free port); returns the port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(
+        self,
+        port: int,
+        host: str = "0.0.0.0",  # noqa: S104 - a scrape target
+        setting: str = "metrics_port",
+    ) -> int:
+        """Serve ``/metrics`` on ``port`` (0: any free port); returns the port. A port that
+        cannot be had raises :class:`UnavailableError`, naming ``setting`` (what sets it)."""
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise cannot_listen("the metrics page", host, port, exc, setting) from exc
         bound = int(server.server_address[1])
         self._servers[bound] = server
         return bound
@@ -390,6 +402,16 @@ class Exposition:
             if server is not None:
                 server.shutdown()
                 server.server_close()  # frees the port at once, for the next `mesh up`
+
+
+def cannot_listen(what: str, host: str, port: int, exc: OSError, setting: str) -> UnavailableError:
+    """The typed error of a server socket that cannot be had (a port taken, an address this
+    host does not have), naming the setting to change (``<role>.<setting>``, ``MESH_...``)."""
+    why = os.strerror(exc.errno) if exc.errno else str(exc)
+    return UnavailableError(
+        f"{what} cannot listen on {host}:{port}: {why} (set another port with {setting}, or -1 "
+        "to turn it off)"
+    )
 
 
 exposition = Exposition()

@@ -308,7 +308,8 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
     backend = create_backend(model_settings)
     await backend.start()
     if metrics_port >= 0:
-        print(f"Prometheus metrics on port {exposition.serve(metrics_port)}", flush=True)
+        port = exposition.serve(metrics_port, setting=f"MESH_{role.upper()}_METRICS_PORT")
+        print(f"Prometheus metrics on port {port}", flush=True)
     try:
         async with Connection(settings.nats, f"mesh-{role}") as conn:
             if role == "worker":

@@ -76,7 +76,9 @@ class LocalMesh(Lifecycle):
             self.worker_page = Exposition()
             self.worker_metrics_port = self.worker_page.serve(settings.worker.metrics_port)
         if settings.edge.metrics_port >= 0:
-            self.edge_metrics_port = exposition.serve(settings.edge.metrics_port)
+            self.edge_metrics_port = exposition.serve(
+                settings.edge.metrics_port, setting="MESH_EDGE_METRICS_PORT"
+            )
         self.worker = Worker(settings, self.conn, worker_backend, metrics_page=self.worker_page)
         await self.worker.start()
         self.edge = EdgeNode(settings, self.conn, edge_backend, create_router(settings.edge.router))

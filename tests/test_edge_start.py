@@ -14,6 +14,8 @@ from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
+from mesh.metrics import exposition
+from protocol.errors import UnavailableError
 from protocol.subjects import edge_infer_subject, edge_resend_subject
 from tests.helpers import eventually, still_running, tasks_now
 
@@ -21,8 +23,8 @@ from tests.helpers import eventually, still_running, tasks_now
 async def test_an_edge_whose_http_port_is_taken_leaves_nothing_open(
     settings: MeshSettings,
 ) -> None:
-    """The HTTP API starts last, after the NATS intake opened: its port taken, the start fails
-    with the OS's error, and the intake it had opened is closed again."""
+    """The HTTP API starts last, after the NATS intake opened: its port taken, the start fails,
+    saying so and what sets the port, and the intake it had opened is closed again."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -34,8 +36,12 @@ async def test_an_edge_whose_http_port_is_taken_leaves_nothing_open(
             before = await tasks_now(conn)
             model = DeterministicBackend(settings.edge.model)
             edge = EdgeNode(settings, conn, model, HeuristicRouter())
-            with pytest.raises(OSError):
+            with pytest.raises(UnavailableError) as raised:
                 await edge.start()
+            port = settings.edge.http_port
+            said = raised.value.message
+            assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in said, said
+            assert "MESH_EDGE_HTTP_PORT" in said, said
             assert not edge.accepting
             edge_id = settings.edge.edge_id
             for subject in (edge_infer_subject(edge_id), edge_resend_subject(edge_id)):
@@ -67,3 +73,17 @@ async def test_a_started_edge_answers_on_the_subjects_the_failed_one_left(
     finally:
         await edge.stop()
         await conn.close()
+
+
+def test_a_metrics_port_taken_is_said_plainly() -> None:
+    """``mesh worker`` and ``mesh edge`` serve their metrics page before the node starts: a port
+    taken there is the same typed error, naming what sets it (not the socket's traceback)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UnavailableError) as raised:
+            exposition.serve(port, host="127.0.0.1", setting="MESH_WORKER_METRICS_PORT")
+    said = raised.value.message
+    assert f"metrics page cannot listen on 127.0.0.1:{port}" in said, said
+    assert "MESH_WORKER_METRICS_PORT" in said, said
