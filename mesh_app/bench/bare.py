@@ -3,9 +3,9 @@ bare nats-py processes doing the least a relay can do, as anyone would write the
 
 - the bare relay (``--bare NATS_URL BACKEND_URL``): a request on a core subject, the engine called
   over HTTP, each token published to the reply inbox, an empty message last;
-- the same process takes requests from a JetStream work queue too (the bare queue): one pull
-  request waiting per loop of :data:`QUEUE_PULLERS`, the reply inbox in a header, the message
-  acked once the answer is out;
+- the same process takes requests from a JetStream work queue too (the bare queue), as nats-py's
+  JetStream API is plainly used: :data:`QUEUE_PULLERS` loops, each ``fetch``ing one message at
+  a time, the reply inbox in a header, the message acked once the answer is out;
 - the bare middle (``--middle NATS_URL``): each request on to the bare relay, each message coming
   back published again to its client.
 

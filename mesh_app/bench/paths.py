@@ -9,10 +9,12 @@ a benchmark backend, not a model: 50 ms prefill, 50 tokens/s per stream by defau
 - bare relay: the floor for any relay over NATS on this machine, not an alternative: a
   request on a core subject to a bare nats-py process that calls the same server and publishes
   each token to the reply inbox. No queue, no store, no checks: what the hops alone cost.
-- bare queue: the bare relay taking its requests from a JetStream work queue instead (the client
-  awaits the store's ack, the relay pulls one at a time from a pull consumer and acks once the
-  answer is out): the floor for any relay with a durable queue in front, what the broker alone
-  adds to "via cloud" (its CPU is the "bare relay" column, in its own turn).
+- bare queue: the bare relay taking its requests from a JetStream work queue instead, written
+  plainly with nats-py's JetStream API (the client awaits ``js.publish``'s ack, the relay
+  ``fetch``es one message at a time and acks once the answer is out): what the broker alone
+  adds to a lone request "via cloud". Not a floor under load: at 32 streams the worker's pulls
+  (batched, renewed in its read loop) have read faster than it. Its CPU is the "bare relay"
+  column, in its own turn.
 - bare middle: the bare relay behind a bare nats-py process that receives each of its messages
   and publishes it again to the client: the floor for a hop in the middle, what an edge is
   (its CPU is the "bare middle" column).
