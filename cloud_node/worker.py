@@ -205,21 +205,36 @@ class Worker(Lifecycle):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        """Provision the hub, subscribe, announce this worker, and pull. A start that fails (or
+        is cancelled) undoes what it started before its error goes on: its subscriptions and
+        service close, nothing of it keeps running or answers for it."""
+        try:
+            await self._start()
+        except BaseException:
+            log.warning("worker start failed; undoing what it started", node_id=self.node_id)
+            try:
+                await self.stop()
+            except Exception:  # the start's own error is the one to raise
+                log.exception("undoing the worker's start failed")
+            raise
+
+    async def _start(self) -> None:
         await self._provision()
         nc = self.conn.nc
-        self._subs = [
-            await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel),
-            await nc.subscribe(worker_cancels(self.node_id), cb=self._on_cancel),
-            # One worker of the pool answers each request whose last delivery died with its
-            # worker: the consumer gives up on it, and JetStream says so in this advisory.
+        subs = self._subs = []  # each as it is made: an undone start closes those it has
+        subs.append(await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel))
+        subs.append(await nc.subscribe(worker_cancels(self.node_id), cb=self._on_cancel))
+        # One worker of the pool answers each request whose last delivery died with its
+        # worker: the consumer gives up on it, and JetStream says so in this advisory.
+        subs.append(
             await nc.subscribe(
                 f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self._stream.name}.{self.consumer}",
                 queue=f"mesh-advisories-{model_token(self.backend.model)}",
                 cb=self.outcomes.on_max_deliveries,
-            ),
-            *await self.orphans.subscribe(),
-            *await self.store_service.subscribe(),
-        ]
+            )
+        )
+        subs += await self.orphans.subscribe()
+        subs += await self.store_service.subscribe()
         self._service = await micro.add_service(
             nc,
             name="mesh-worker",

@@ -1,6 +1,7 @@
 """Starting where JetStream does not answer yet (a 503: the server just started, or no JetStream
 for the account): a worker, `mesh provision` and an edge site's streams ask again before they
-give up, and then say why. A real nats-server, started without JetStream."""
+give up, and then say why. A real nats-server, started without JetStream. And a worker's start
+that fails further on undoes what it started."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import sys
 import time
 
+import nats.errors
 import pytest
 from nats.js.errors import APIError, ServiceUnavailableError
 
@@ -15,11 +17,13 @@ from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
-from mesh.config import ModelSettings
+from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import NOT_ANSWERING_RETRY_S, PROVISION_TRIES, refused
-from protocol.errors import UnavailableError
+from mesh.registry import Heartbeat
+from protocol.errors import MeshTimeoutError, UnavailableError
+from protocol.subjects import worker_status_subject
 from tests.conftest import make_settings
 from tests.helpers import eventually, still_running, tasks_now
 
@@ -102,3 +106,43 @@ async def test_an_edge_site_asks_its_leaf_again_then_says_why(
         await conn.close()
     assert "not answering" in raised.value.message, raised.value.message
     assert took >= TRIES_TAKE_S - 0.1, took
+
+
+async def test_a_worker_whose_start_fails_undoes_what_it_started(
+    settings: MeshSettings, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that cannot announce itself in the registry (the announcement fails here, as it
+    does when the registry's stream does not answer for three request timeouts) has subscribed
+    and opened its micro service by then: its failed start closes them again, so nobody answers
+    for a worker that is not there, and nothing of it keeps running."""
+
+    async def cannot_announce(_heartbeat: Heartbeat) -> None:
+        raise MeshTimeoutError("cannot announce this node (the test's fault)")
+
+    monkeypatch.setattr(Heartbeat, "start", cannot_announce)
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    before = await tasks_now(conn)
+    worker = Worker(settings, conn, backend)
+    with pytest.raises(MeshTimeoutError):
+        await worker.start()
+    with pytest.raises(nats.errors.NoRespondersError):
+        await conn.nc.request(worker_status_subject(worker.node_id), b"", timeout=5)
+
+    async def undone() -> bool:
+        return not still_running(before)
+
+    await eventually(undone, what=f"the failed start's tasks to end: {still_running(before)}")
+
+
+async def test_a_started_worker_answers_where_the_failed_one_left_nothing(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """The check above can fail: a worker that started answers on its status subject."""
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    worker = Worker(settings, conn, backend)
+    await worker.start()
+    try:
+        reply = await conn.nc.request(worker_status_subject(worker.node_id), b"", timeout=5)
+        assert reply.data
+    finally:
+        await worker.stop()
