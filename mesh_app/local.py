@@ -74,7 +74,9 @@ class LocalMesh(Lifecycle):
         # Ports before nodes: a port in use fails `mesh up` before anything answers requests.
         if settings.worker.metrics_port >= 0:
             self.worker_page = Exposition()
-            self.worker_metrics_port = self.worker_page.serve(settings.worker.metrics_port)
+            self.worker_metrics_port = self.worker_page.serve(
+                settings.worker.metrics_port, setting="MESH_WORKER_METRICS_PORT"
+            )
         if settings.edge.metrics_port >= 0:
             self.edge_metrics_port = exposition.serve(
                 settings.edge.metrics_port, setting="MESH_EDGE_METRICS_PORT"

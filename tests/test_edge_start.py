@@ -15,6 +15,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.metrics import exposition
+from mesh_app.local import LocalMesh
 from protocol.errors import UnavailableError
 from protocol.subjects import edge_infer_subject, edge_resend_subject
 from tests.helpers import eventually, still_running, tasks_now
@@ -87,3 +88,21 @@ def test_a_metrics_port_taken_is_said_plainly() -> None:
     said = raised.value.message
     assert f"metrics page cannot listen on 127.0.0.1:{port}" in said, said
     assert "MESH_WORKER_METRICS_PORT" in said, said
+
+
+async def test_mesh_up_with_a_port_taken_says_which_and_leaves_nothing(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """`mesh up` serves the worker's metrics page before its nodes start: that port taken, its
+    start fails naming the setting, and undoes what it started (its connection, its engines)."""
+    settings.worker.model.backend = "deterministic"
+    settings.edge.model.backend = "deterministic"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings.worker.metrics_port = taken.getsockname()[1]
+        mesh = LocalMesh(settings)
+        with pytest.raises(UnavailableError) as raised:
+            await mesh.start()
+    assert "MESH_WORKER_METRICS_PORT" in raised.value.message, raised.value.message
+    assert mesh.conn is None and mesh.worker is None and mesh.edge is None
