@@ -44,7 +44,7 @@ from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection, stop_service
 from mesh.hub import provision_hub
-from mesh.lifecycle import Lifecycle
+from mesh.lifecycle import Lifecycle, start_or_undo
 from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
@@ -208,15 +208,7 @@ class Worker(Lifecycle):
         """Provision the hub, subscribe, announce this worker, and pull. A start that fails (or
         is cancelled) undoes what it started before its error goes on: its subscriptions and
         service close, nothing of it keeps running or answers for it."""
-        try:
-            await self._start()
-        except BaseException:
-            log.warning("worker start failed; undoing what it started", node_id=self.node_id)
-            try:
-                await self.stop()
-            except Exception:  # the start's own error is the one to raise
-                log.exception("undoing the worker's start failed")
-            raise
+        await start_or_undo(self._start(), self.stop, "worker", node_id=self.node_id)
 
     async def _start(self) -> None:
         await self._provision()

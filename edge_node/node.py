@@ -44,7 +44,7 @@ from edge_node.site import SiteParts, SiteStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection, stop_service
-from mesh.lifecycle import Lifecycle
+from mesh.lifecycle import Lifecycle, start_or_undo
 from mesh.logs import bound, get_logger, trace_id
 from mesh.loop_lag import LoopLag
 from mesh.metrics import NatsMetrics, exposition, watch_gc
@@ -192,16 +192,11 @@ class EdgeNode(Lifecycle):
         A start that fails (or is cancelled) undoes what it started before its error goes on:
         the intake closes, a request it took already ends in a typed error, the registry view
         stops. Nothing is left running, nor answering for this edge."""
-        try:
-            await self._start()
-        except BaseException:
-            log.warning("edge start failed; undoing what it started", edge_id=self.edge_id)
-            self.accepting = False
-            try:
-                await self._close(grace=0.0)
-            except Exception:  # the start's own error is the one to raise
-                log.exception("undoing the edge's start failed")
-            raise
+        await start_or_undo(self._start(), self._undo_start, "edge", edge_id=self.edge_id)
+
+    async def _undo_start(self) -> None:
+        self.accepting = False
+        await self._close(grace=0.0)
 
     async def _start(self) -> None:
         nc = self.conn.nc
