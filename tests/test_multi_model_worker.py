@@ -60,8 +60,10 @@ async def test_one_worker_process_serves_two_pools(
     try:
 
         async def both_pools_live() -> bool:
-            status = await collect_status(conn, settings)
-            return {"smollm2", "small"} <= set(status["pools"])
+            # A pool shows once its consumer is provisioned, before its worker announces
+            # itself: wait for a live worker in each, not for the pool alone.
+            pools = (await collect_status(conn, settings))["pools"]
+            return all(pools.get(model, {}).get("workers") for model in ("smollm2", "small"))
 
         await eventually(both_pools_live, timeout=20, what="both pools to announce themselves")
         status = await collect_status(conn, settings)
