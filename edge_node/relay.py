@@ -304,6 +304,11 @@ class CloudRelay:
                 )
             live = parts.nodes.is_live(worker, model)
             lost = call.lost_worker == worker  # the server says its connection is gone
+            if live is False and not lost and now - reader.last_event < WATCH_QUIET_S:
+                # Its answer moved within the last quarter second: the worker is at work,
+                # whatever the registry (late, or cut off from its announcements) says. Once
+                # the answer goes quiet, the reader's watch asks the worker itself.
+                live, gone_since = None, None
             if live is False or lost:
                 if gone_since is None:
                     gone_since = now

@@ -1,0 +1,74 @@
+"""An edge relaying a cloud answer judges its worker by the answer itself while it flows: the
+registry's word (a worker not seen within ``node_ttl``) counts only once the answer goes quiet.
+Workers and the edge run in this process on the deterministic backend, against a real
+nats-server."""
+
+from __future__ import annotations
+
+import pytest
+
+from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
+from mesh.backends.deterministic import DeterministicBackend, Script
+from mesh.client import MeshClient
+from mesh.config import MeshSettings, ModelSettings
+from mesh.connection import Connection
+from mesh.provision import provision
+from protocol.messages import EndEvent, RestartEvent, TokenEvent
+from tests.helpers import eventually
+
+PROMPT = "[tag:lv] count"
+TOKENS = 200
+
+
+def deterministic(token_ms: float) -> DeterministicBackend:
+    return DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=4, token_delay_ms=token_ms)
+    )
+
+
+async def test_an_answer_that_flows_is_not_given_up_when_the_registry_loses_its_worker(
+    settings: MeshSettings, conn: Connection, client: MeshClient
+) -> None:
+    # The edge gives a worker the registry no longer shows ack_wait + fetch_timeout +
+    # cloud_first_token_timeout (2.5 s here) for another to continue its answer. This worker's
+    # announcements stop mid-answer (its registry entry deleted, as when its heartbeats cannot
+    # get through), but its tokens keep coming for 4 s: the answer is continuing, and it must
+    # end as the cloud's, whole, not be given up and answered again locally.
+    settings.stream.ack_wait = 1.0
+    settings.edge.cloud_first_token_timeout = 1.0
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    wsettings = settings.model_copy(deep=True)
+    wsettings.worker.node_id = "lv-worker"
+    wconn = await Connection(wsettings.nats, "lv-worker").connect()
+    worker = Worker(wsettings, wconn, deterministic(token_ms=20))
+    await worker.start()
+    edge = EdgeNode(settings, conn, deterministic(token_ms=1), HeuristicRouter())
+    await edge.start()
+    try:
+
+        async def seen(live: bool) -> bool:
+            return edge.nodes.is_live("lv-worker", "smollm2") is live
+
+        await eventually(lambda: seen(True), what="the edge sees the worker")
+        events: list[TokenEvent | RestartEvent | EndEvent] = []
+        async for event in client.stream(PROMPT, route="cloud", max_tokens=TOKENS):
+            events.append(event)
+            if len(events) == 3:
+                await worker._heartbeat.stop()  # its registry entry goes; its answer goes on
+                await eventually(lambda: seen(False), what="the edge's view loses the worker")
+        end = events[-1]
+        assert isinstance(end, EndEvent)
+        assert end.path == "cloud" and end.fallback is None, end
+        assert end.served_by == "cloud:lv-worker"
+        assert not any(isinstance(e, RestartEvent) for e in events)
+        text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+        assert text == Script(tag="lv").answer(TOKENS)
+    finally:
+        await edge.stop()
+        await worker.stop()
+        await wconn.close()
+
+
+pytestmark = pytest.mark.timeout(60)
