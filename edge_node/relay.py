@@ -67,6 +67,10 @@ FALLBACK_CODES = {
     ErrorCode.INCOMPLETE.value,
 }
 _TICK_S = 0.25
+"""How often a relay looks at its answer's worker while the answer waits (queued, before its
+first token, quiet): the registry's word on it, the deadlines."""
+_FLOWING_TICK_S = 1.0
+"""The same while tokens flow: nothing is due then (see :meth:`CloudRelay._follow`)."""
 
 
 class Fallback(Exception):
@@ -250,7 +254,10 @@ class CloudRelay:
                     request_id=self.req.id,
                 )
             moving = False  # a token came this turn: the worker is there and generating
-            events = await reader.next(min(_TICK_S, hard_end - now))
+            # While the answer flows nothing here is due: when it goes quiet, the reader's watch
+            # asks the worker and wakes this loop with the verdict. The tick is a backstop then.
+            flowing = state.positions > 0 and now - reader.last_event < WATCH_QUIET_S
+            events = await reader.next(min(_FLOWING_TICK_S if flowing else _TICK_S, hard_end - now))
             if reader.passed != taken:  # tokens went on meanwhile, from the callback (take)
                 # Not "moving": the reader may have learned, later in the same wait, that the
                 # worker stopped or stalled; the checks below see it this turn, not next.

@@ -5,6 +5,8 @@ nats-server."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cloud_node.worker import Worker
@@ -15,6 +17,7 @@ from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.provision import provision
+from mesh.reader import AnswerReader
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
 from tests.helpers import eventually
 
@@ -69,6 +72,34 @@ async def test_an_answer_that_flows_is_not_given_up_when_the_registry_loses_its_
         await edge.stop()
         await worker.stop()
         await wconn.close()
+
+
+async def test_a_relay_does_not_look_at_its_worker_while_the_answer_flows(
+    settings: MeshSettings, conn: Connection, client: MeshClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each look (the relay's reader waking it) is CPU an edge spends per answer in flight, 32 or
+    # 128 at a time. While tokens flow nothing is due; a 3-second answer is looked at a few times
+    # (its start, its end, a backstop each second), not every quarter second.
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    looks: list[float] = []
+    read = AnswerReader.next
+
+    async def counted(reader: AnswerReader, timeout: float) -> list[object]:
+        if reader.what == "the cloud":
+            looks.append(time.monotonic())
+        return await read(reader, timeout)  # type: ignore[return-value]
+
+    monkeypatch.setattr(AnswerReader, "next", counted)
+    async with (
+        Worker(settings, conn, deterministic(token_ms=20)),
+        EdgeNode(settings, conn, deterministic(token_ms=1), HeuristicRouter()),
+    ):
+        began = time.monotonic()
+        answer = await client.complete(PROMPT, route="cloud", max_tokens=150)
+        took = time.monotonic() - began
+    assert answer.path == "cloud" and answer.text == Script(tag="lv").answer(150)
+    assert took >= 2.9  # 150 tokens, 20 ms apart
+    assert len(looks) <= 8, [round(t - began, 2) for t in looks]  # every 0.25 s: 13 or more
 
 
 pytestmark = pytest.mark.timeout(60)
