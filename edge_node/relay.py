@@ -266,7 +266,10 @@ class CloudRelay:
             for event in events:
                 if isinstance(event, StartEvent):
                     worker = worker_of(event.node) or event.node
-                    first_token_by = clock() + first_token_wait if self.local_fits else None
+                    # A worker that continues the answer reads what it keeps of it too (about
+                    # three characters a token, as the prompt's estimate counts).
+                    kept = len(state.text()) // 3 / es.cloud_prefill_rate if event.seq else 0.0
+                    first_token_by = clock() + first_token_wait + kept if self.local_fits else None
                     gone_since = None
                 elif isinstance(event, TokenEvent):
                     first_token_by = None

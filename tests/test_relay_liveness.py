@@ -5,20 +5,23 @@ nats-server."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncGenerator
 
 import pytest
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
+from mesh.backends.base import Chunk
 from mesh.backends.deterministic import DeterministicBackend, Script
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.provision import provision
 from mesh.reader import AnswerReader
-from protocol.messages import EndEvent, RestartEvent, TokenEvent
+from protocol.messages import EndEvent, InferRequest, RestartEvent, TokenEvent
 from tests.helpers import eventually
 
 PROMPT = "[tag:lv] count"
@@ -100,6 +103,65 @@ async def test_a_relay_does_not_look_at_its_worker_while_the_answer_flows(
     assert answer.path == "cloud" and answer.text == Script(tag="lv").answer(150)
     assert took >= 2.9  # 150 tokens, 20 ms apart
     assert len(looks) <= 8, [round(t - began, 2) for t in looks]  # every 0.25 s: 13 or more
+
+
+class SlowToContinue(DeterministicBackend):
+    """Reads what it continues at 20 ms a kept token before its next one, as an engine reads a
+    long prompt."""
+
+    async def generate(
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
+        if prefix_tokens:
+            await asyncio.sleep(prefix_tokens * 0.02)
+        async for chunk in super().generate(request, prefix=prefix, prefix_tokens=prefix_tokens):
+            yield chunk
+
+
+async def test_a_continued_answer_is_given_the_time_to_read_what_it_continues(
+    settings: MeshSettings, conn: Connection, client: MeshClient
+) -> None:
+    # An edge waits for a worker's first token for cloud_first_token_timeout plus the prompt's
+    # tokens at cloud_prefill_rate. A worker that continues an answer another one began reads
+    # the prompt and the answer so far: 60 kept tokens at 50 a second take 1.2 s here, past the
+    # 0.9 s a fresh start of this prompt gets. The continuation must not be given up for a
+    # local answer that starts over.
+    settings.stream.ack_wait = 1.0
+    settings.edge.cloud_first_token_timeout = 0.5
+    settings.edge.cloud_prefill_rate = 50.0
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    workers: list[tuple[Worker, Connection]] = []
+
+    async def start_worker(name: str) -> None:
+        own = settings.model_copy(deep=True)
+        own.worker.node_id = name
+        wconn = await Connection(own.nats, name).connect()
+        worker = Worker(own, wconn, SlowToContinue(deterministic(token_ms=10).settings))
+        await worker.start()
+        workers.append((worker, wconn))
+
+    await start_worker("doomed")
+    edge = EdgeNode(settings, conn, deterministic(token_ms=1), HeuristicRouter())
+    await edge.start()
+    try:
+        events: list[TokenEvent | RestartEvent | EndEvent] = []
+        async for event in client.stream(PROMPT, route="cloud", max_tokens=120):
+            events.append(event)
+            if len(events) == 60 and len(workers) == 1:
+                await workers[0][1].nc.close()  # dies mid-answer
+                await start_worker("survivor")
+        end = events[-1]
+        assert isinstance(end, EndEvent)
+        assert end.path == "cloud" and end.fallback is None, end
+        assert end.served_by == "cloud:survivor" and end.attempt == 2
+        assert not any(isinstance(e, RestartEvent) for e in events)
+        text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+        assert text == Script(tag="lv").answer(120)
+    finally:
+        await edge.stop()
+        for worker, wconn in workers:
+            await worker.stop()
+            await wconn.close()
 
 
 pytestmark = pytest.mark.timeout(60)
