@@ -312,13 +312,15 @@ class CloudRelay:
                     f"worker {worker} produced no token within {first_token_wait:.1f}s",
                     "no_first_token",
                 )
+            if state.positions > 0 and now - reader.last_event < WATCH_QUIET_S:
+                # The answer moved within the last quarter second: its worker is at work,
+                # whatever the registry (late, or cut off from its announcements) or a verdict
+                # from before (a link that dropped and came back, an engine that paused) says.
+                # Once it goes quiet, the reader's watch asks the worker again.
+                gone_since = None
+                continue
             live = parts.nodes.is_live(worker, model)
             lost = call.lost_worker == worker  # the server says its connection is gone
-            if live is False and not lost and now - reader.last_event < WATCH_QUIET_S:
-                # Its answer moved within the last quarter second: the worker is at work,
-                # whatever the registry (late, or cut off from its announcements) says. Once
-                # the answer goes quiet, the reader's watch asks the worker itself.
-                live, gone_since = None, None
             if live is False or lost:
                 if gone_since is None:
                     gone_since = now

@@ -262,24 +262,23 @@ class CloudCall(Lifecycle):
         node = worker_of(state.node)
         if node is None:
             return
-        if (node, state.attempt) in self._reported:
-            return
         nc = self.conn.nc
         try:
             word = await self._ask_alive(node, state)
-            with contextlib.suppress(ValueError, AttributeError):
-                if json.loads(word.data).get("stalled"):
-                    self.stalled_worker = node
-            return
         except nats.errors.NoRespondersError:
             gone = True
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             gone = False  # standing still, or merely busy: a live worker tells them apart
         except nats.errors.Error:
             return  # our own link is down: nothing proven
+        else:
+            self._answered(node, word)
+            return
         if gone:
             self.lost_worker = node
             log.warning("the worker answering is gone", worker=node, request_id=self.request.id)
+        if (node, state.attempt) in self._reported:
+            return  # the live workers heard of it already
         reply = None
         for _try in range(ORPHAN_TRIES):
             try:
@@ -309,6 +308,19 @@ class CloudCall(Lifecycle):
         if gone or verdict.startswith("handed back"):
             self._reported.add((node, state.attempt))  # once per attempt
         log.info("takeover asked", worker=node, verdict=verdict, request_id=self.request.id)
+
+    def _answered(self, node: str, word: Msg) -> None:
+        """Worker ``node`` answered the watch: whatever was said of it before (gone: its link
+        dropped and came back; standing still: its engine moved again) holds no longer."""
+        stalled = False
+        with contextlib.suppress(ValueError, AttributeError):
+            stalled = bool(json.loads(word.data).get("stalled"))
+        if stalled:
+            self.stalled_worker = node
+        elif self.stalled_worker == node:
+            self.stalled_worker = None
+        if self.lost_worker == node:
+            self.lost_worker, self.no_worker_left = None, False
 
     async def resend_missing(self, state: AnswerState) -> None:
         """A repair left a gap: the answer store does not hold the missing events (they went out

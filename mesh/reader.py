@@ -189,6 +189,7 @@ class AnswerReader:
                 self._repair_at = time.monotonic()
         elif self._buffer or not self._passed(msg):
             self._buffer.append(msg)
+            self.last_event = time.monotonic()  # not quiet, even before it is read
         else:
             return
         self._wake()

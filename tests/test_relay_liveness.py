@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 
+import nats.errors
 import pytest
 
 from cloud_node.worker import Worker
@@ -20,6 +21,7 @@ from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.provision import provision
+from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
 from protocol.messages import EndEvent, InferRequest, RestartEvent, TokenEvent
 from tests.helpers import eventually
@@ -162,6 +164,56 @@ async def test_a_continued_answer_is_given_the_time_to_read_what_it_continues(
         for worker, wconn in workers:
             await worker.stop()
             await wconn.close()
+
+
+class PausesOnce(DeterministicBackend):
+    """Stands still for 0.6 s after its 20th token, then goes on, as an engine does while it
+    takes in other work."""
+
+    async def generate(
+        self, request: InferRequest, *, prefix: str = "", prefix_tokens: int = 0
+    ) -> AsyncGenerator[Chunk, None]:
+        produced = 0
+        async for chunk in super().generate(request, prefix=prefix, prefix_tokens=prefix_tokens):
+            yield chunk
+            produced += 1
+            if produced == 20:
+                await asyncio.sleep(0.6)
+
+
+async def test_an_answer_that_flows_again_outlives_a_verdict_from_its_quiet_spell(
+    settings: MeshSettings, conn: Connection, client: MeshClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # While the engine stands still, the reader's watch asks the worker whether it is there,
+    # and hears "no responders" once (its link dropped for a moment, as when its server
+    # restarts). The worker is back at once and the answer flows again: the verdict from the
+    # quiet spell must not outlive it, and give the answer up after the takeover wait (2.5 s
+    # here) while its tokens still come.
+    settings.stream.ack_wait = 1.0
+    settings.edge.cloud_first_token_timeout = 1.0
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    asked = CloudCall._ask_alive
+    calls: list[str] = []
+
+    async def unreachable_once(call: CloudCall, node: str, state: object) -> object:
+        calls.append(node)
+        if len(calls) == 1:
+            raise nats.errors.NoRespondersError
+        return await asked(call, node, state)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CloudCall, "_ask_alive", unreachable_once)
+    async with (
+        Worker(settings, conn, PausesOnce(deterministic(token_ms=20).settings)),
+        EdgeNode(settings, conn, deterministic(token_ms=1), HeuristicRouter()),
+    ):
+        events = [e async for e in client.stream(PROMPT, route="cloud", max_tokens=TOKENS)]
+    assert calls, "the answer never went quiet: nothing was asked"
+    end = events[-1]
+    assert isinstance(end, EndEvent)
+    assert end.path == "cloud" and end.fallback is None and end.attempt == 1, end
+    assert not any(isinstance(e, RestartEvent) for e in events)
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    assert text == Script(tag="lv").answer(TOKENS)
 
 
 pytestmark = pytest.mark.timeout(60)
