@@ -330,18 +330,22 @@ class MeshClient(Lifecycle):
         An edge nobody answers for (the server says so twice: :func:`request_or_nobody`) is
         away: its link is down, or it died, and what it relayed with it. The repair tries again
         (the edge keeps its answers while its link is down); once nobody has answered for it for
-        ``edge_gone_after``, the answer ends typed, not in the idle timeout's silence."""
+        ``edge_gone_after``, the answer ends typed, not in the idle timeout's silence. Events of
+        the answer that came in between show the edge was back: its next absence is timed anew.
+        """
         away_since: float | None = None
+        away_at = (0, 0)  # where the answer stood then (attempt, positions)
 
         async def repair(state: AnswerState) -> list[WireEvent]:
-            nonlocal away_since
+            nonlocal away_since, away_at
             payload = {"id": request_id, "inbox": inbox, "attempt": state.attempt}
             payload["seq"] = state.positions
             reply = await self._ask_edge(edge_resend_subject(self.edge_id), payload)
             begun = state.started or bool(state.held)
             if reply is None:
                 now = time.monotonic()
-                away_since = away_since or now
+                if away_since is None or away_at != (state.attempt, state.positions):
+                    away_since, away_at = now, (state.attempt, state.positions)
                 if now - away_since < self.edge_gone_after:
                     raise UnavailableError(f"edge {self.edge_id!r} is not reachable")
                 why = f"nobody has answered for edge {self.edge_id!r} for {now - away_since:.0f}s"
