@@ -35,7 +35,7 @@ from edge_node.served import CloudModels, RegistryView
 from mesh.config import EdgeSettings, StreamSettings, WorkerSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from mesh.queue import CloudCall, new_cancel_key
+from mesh.queue import ALIVE_WAIT_S, CloudCall, new_cancel_key
 from mesh.reader import WATCH_QUIET_S
 from mesh.tasks import raise_if_cancelled
 from mesh.tracing import Tracing
@@ -71,6 +71,9 @@ _TICK_S = 0.25
 first token, quiet): the registry's word on it, the deadlines."""
 _FLOWING_TICK_S = 1.0
 """The same while tokens flow: nothing is due then (see :meth:`CloudRelay._follow`)."""
+_HELD_WORD_S = 2 * WATCH_QUIET_S + ALIVE_WAIT_S
+"""How long a worker's word that it holds the request stands: the watch asks again each
+quarter second of quiet, and waits ALIVE_WAIT_S for it."""
 
 
 class Fallback(Exception):
@@ -321,6 +324,11 @@ class CloudRelay:
                 continue
             live = parts.nodes.is_live(worker, model)
             lost = call.lost_worker == worker  # the server says its connection is gone
+            if live is False and not lost and call.held_by(worker, _HELD_WORD_S):
+                # It said just now that it holds the request (in its prefill, or finishing
+                # it as it stops): the registry (it left it, or its announcements are late)
+                # does not count over the worker's own word.
+                live, gone_since = None, None
             if live is False or lost:
                 if gone_since is None:
                     gone_since = now

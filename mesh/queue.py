@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import time
 from collections.abc import Mapping
 
 import msgpack
@@ -235,6 +236,9 @@ class CloudCall(Lifecycle):
         self.stalled_worker: str | None = None
         """The worker that said its engine stands still on this answer (no progress at all for
         its ``report_stall_after``): alive, but the answer will not go on there."""
+        self.holding: tuple[str, float] | None = None
+        """The worker that last told the watch it holds the request, and when
+        (``time.monotonic()``): its own word on it, beside the registry's."""
         self._reported: set[tuple[str, int]] = set()
 
     async def open(self) -> CloudCall:
@@ -312,15 +316,27 @@ class CloudCall(Lifecycle):
     def _answered(self, node: str, word: Msg) -> None:
         """Worker ``node`` answered the watch: whatever was said of it before (gone: its link
         dropped and came back; standing still: its engine moved again) holds no longer."""
-        stalled = False
-        with contextlib.suppress(ValueError, AttributeError):
-            stalled = bool(json.loads(word.data).get("stalled"))
+        said: dict[str, object] = {}
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            said = dict(json.loads(word.data))
+        stalled = bool(said.get("stalled"))
+        if said.get("held"):
+            self.holding = (node, time.monotonic())
         if stalled:
             self.stalled_worker = node
         elif self.stalled_worker == node:
             self.stalled_worker = None
         if self.lost_worker == node:
             self.lost_worker, self.no_worker_left = None, False
+
+    def held_by(self, node: str, within: float) -> bool:
+        """Whether worker ``node`` told the watch, within the last ``within`` seconds, that it
+        holds the request."""
+        return (
+            self.holding is not None
+            and self.holding[0] == node
+            and time.monotonic() - self.holding[1] < within
+        )
 
     async def resend_missing(self, state: AnswerState) -> None:
         """A repair left a gap: the answer store does not hold the missing events (they went out

@@ -216,4 +216,41 @@ async def test_an_answer_that_flows_again_outlives_a_verdict_from_its_quiet_spel
     assert text == Script(tag="lv").answer(TOKENS)
 
 
+async def test_a_worker_that_says_it_holds_the_request_is_waited_for_over_the_registry(
+    settings: MeshSettings, conn: Connection, client: MeshClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker reads a long prompt (1.5 s before its first token); its registry entry goes
+    # (as when it leaves the registry first on its way out, or its announcements are late)
+    # while it tells the reader's watch that it holds the request. The edge must wait for its
+    # answer, not fall back at once to a local one for a worker that "stopped".
+    await provision(conn.jsm(), settings.stream, ["smollm2"])
+    said: list[str] = []
+    answered = CloudCall._answered
+
+    def spied(call: CloudCall, node: str, word: object) -> None:
+        said.append(node)
+        answered(call, node, word)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CloudCall, "_answered", spied)
+    slow = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=4, prefill_delay_ms=1500, token_delay_ms=5)
+    )
+    worker = Worker(settings, conn, slow)
+    await worker.start()
+    try:
+        async with EdgeNode(settings, conn, deterministic(token_ms=1), HeuristicRouter()):
+            answer = asyncio.create_task(client.complete(PROMPT, route="cloud", max_tokens=20))
+
+            async def asked() -> bool:
+                return bool(said)
+
+            await eventually(asked, what="the watch asks the worker during its prefill")
+            await worker._heartbeat.stop()  # its registry entry goes
+            done = await answer
+    finally:
+        await worker.stop()
+    assert done.path == "cloud" and done.end.fallback is None, done.end
+    assert done.text == Script(tag="lv").answer(20)
+
+
 pytestmark = pytest.mark.timeout(60)
