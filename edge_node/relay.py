@@ -13,10 +13,17 @@ it:
   for the model: within ``node_ttl`` of the last one dying, or sooner, once the server says
   nobody listens for the workers it shows (:meth:`CloudModels.ask_workers`, from a quarter
   second unstarted);
-- started: no first token within ``cloud_first_token_timeout`` (a hung engine);
-- the serving worker is gone from the registry: at once if it had passed on nothing yet; else
-  after waiting for another worker to continue the answer (``ack_wait`` plus a margin);
+- started: no first token within ``cloud_first_token_timeout`` (a hung engine), plus the prompt
+  (and for a continuation the answer kept so far) at ``cloud_prefill_rate``;
+- the serving worker is gone (the server says nobody listens for it, or the registry lost it
+  and it has not said lately that it holds the request): at once if it had passed on nothing
+  yet; else after waiting for another worker to continue the answer (``ack_wait`` plus a
+  margin);
 - nothing at all from a live worker for ``cloud_idle_timeout``.
+
+None of it while the answer moves: tokens that came within the last quarter second outweigh
+the registry and any verdict from before. A quiet answer brings the reader's watch, which asks
+the worker itself and wakes the relay with what it heard.
 
 While the edge's own link is down it judges nothing (it cannot see the cloud); after it comes
 back, the reader first catches up on what it missed. The request's deadline bounds all of it:
