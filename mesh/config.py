@@ -362,8 +362,7 @@ class EdgeSettings(_Section):
     withdraws the request and answers locally (a hung engine)."""
     cloud_prefill_rate: float = Field(default=500.0, gt=0)
     """Prompt tokens per second a working cloud engine prefills at least: the first-token wait
-    grows by prompt tokens / this rate (for a worker continuing an answer, by the answer kept
-    so far too)."""
+    grows by prompt tokens (and a continuation's kept answer) / this rate."""
     cloud_min_budget: float = Field(default=2.0, ge=0)
     """A request whose deadline leaves less than this many seconds is answered locally."""
     cloud_idle_timeout: float = Field(default=15.0, gt=0)
