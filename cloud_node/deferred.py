@@ -159,7 +159,8 @@ class DeferrableHandler(Handler):
                 log.info("answer already kept; acking without generating")
                 await self.ack(msg)
                 return
-            late = too_late(request, history)
+            # An unread store is no proof that nothing started (see Handler.serve).
+            late = None if found is Unread.STORE else too_late(request, history)
             if late is not None:
                 await self._refuse(msg, scope, request, late, attempt)
                 return

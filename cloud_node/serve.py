@@ -236,7 +236,10 @@ class Handler(ABC):
                     if await self.takeover.already_done(msg, publisher, history):
                         await self.ack(msg)
                     return
-                late = too_late(request, history)
+                # Past its start_by a request nobody started is refused; one whose earlier
+                # attempts the store could not tell is started over (it may be mid-answer).
+                unread = history is None and attempt > 1 and self.store.enabled
+                late = None if unread else too_late(request, history)
                 if late is not None:
                     await self.outcomes.reject(msg, late, attempt)
                     return

@@ -21,7 +21,7 @@ from mesh.provision import provision
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
 from protocol.codec import decode_event
-from protocol.errors import MaxDeliveriesError
+from protocol.errors import MaxDeliveriesError, UnavailableError
 from protocol.messages import EndEvent, InferRequest, StartEvent, TokenEvent, WireEvent
 from tests.helpers import eventually, queue_drained, stat_reaches
 
@@ -106,6 +106,50 @@ async def test_a_started_request_is_continued_after_its_start_by(
         assert isinstance(end, EndEvent) and end.attempt == 2
         assert call.reader.state.text() == Script(tag="ap").answer(60)
         assert time.time() > request.start_by  # type: ignore[operator]
+    finally:
+        await stop_all(workers)
+
+
+async def test_a_started_request_past_its_start_by_starts_over_when_the_store_cannot_be_read(
+    fast: MeshSettings, conn: Connection
+) -> None:
+    # The worker that takes over cannot read what the first attempt left (the store is away for
+    # a moment). "Cannot read" is not "nothing started": the answer, begun before its start_by,
+    # starts over rather than ending in deadline_exceeded with its deadline far off.
+    workers = [await worker_on_own_connection(fast, "doomed")]
+    doomed_conn = workers[0][1]
+    request = InferRequest(
+        prompt=PROMPT, model="smollm2", max_tokens=60, stream=True, start_by=time.time() + 0.15
+    )
+    events: list[object] = []
+    second_start = 0.0
+
+    async def survivor_cannot_read_the_store() -> None:
+        worker, _wconn = await worker_on_own_connection(fast, "survivor")
+        workers.append((worker, _wconn))
+
+        async def away(*_args: object) -> None:
+            raise UnavailableError("the answer store is away")
+
+        worker.takeover.read = away  # type: ignore[method-assign]
+
+    try:
+        async with CloudCall(conn, fast.stream, request, scope="tests") as call:
+            while not call.reader.state.done:
+                for event in await call.reader.next(10):
+                    events.append(event)
+                    if isinstance(event, StartEvent) and event.attempt == 2:
+                        second_start = time.time()
+                    if isinstance(event, TokenEvent) and event.seq == 3 and len(workers) == 1:
+                        await doomed_conn.nc.close()
+                        await survivor_cannot_read_the_store()
+        starts = [e for e in events if isinstance(e, StartEvent)]
+        assert [s.attempt for s in starts] == [1, 2]
+        assert starts[1].seq == 0  # it could not know what to continue: it started over
+        end = events[-1]
+        assert isinstance(end, EndEvent) and end.attempt == 2, end
+        assert call.reader.state.text() == Script(tag="ap").answer(60)
+        assert second_start > request.start_by  # type: ignore[operator]  # taken over past it
     finally:
         await stop_all(workers)
 
