@@ -35,9 +35,13 @@ from nats.js.errors import APIError, NotFoundError
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from protocol.errors import MeshError
 from protocol.subjects import LEASES_STREAM, lease_subject
 
 log = get_logger(__name__)
+RESTORE_FIRST_S = 0.5
+RESTORE_MAX_S = 30.0
+"""Backoff of :meth:`Leases.restore`: its first pause, and its longest."""
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code when the subject's last sequence is not the one expected."""
@@ -82,6 +86,23 @@ class Leases:
         self.ttl = ttl
         self.enabled = True
         self._off_until = 0.0
+
+    async def restore(self, ensure: Callable[[], Awaitable[None]]) -> None:
+        """The lease stream could not be had when the hub was provisioned (an election,
+        JetStream slow or not answering yet, or credentials that do not allow it): requests
+        that can wait are served without leases meanwhile. ``ensure()`` (idempotent) is asked
+        again, with backoff, until the stream is in place; then leases are on again."""
+        pause = RESTORE_FIRST_S
+        while not self.enabled:
+            await asyncio.sleep(pause)
+            try:
+                await ensure()
+            except (MeshError, nats.errors.Error, APIError, asyncio.TimeoutError) as exc:
+                log.debug("lease stream still unavailable", error=repr(exc))
+                pause = min(pause * 2, RESTORE_MAX_S)
+            else:
+                self.enabled = True
+                log.info("lease stream in place: requests that can wait have leases again")
 
     def _available(self) -> bool:
         return self.enabled and time.monotonic() >= self._off_until

@@ -154,6 +154,7 @@ class Worker(Lifecycle):
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
         self._lag_task: asyncio.Task[Any] | None = None
+        self._leases_back: asyncio.Task[Any] | None = None
         self._undo_reconnect: Any = None
         self._heartbeat = Heartbeat(
             conn, self.node_info, self._stream.heartbeat, self._stream.node_ttl, self._stream
@@ -273,6 +274,13 @@ class Worker(Lifecycle):
             )
         )
         self.leases.enabled = hub.leases
+        back = self._leases_back
+        if not hub.leases and (back is None or back.done()):  # until it is: Leases.restore
+            config = kept.leases_config(self._stream)
+            self._leases_back = self._tasks.supervise(
+                lambda: self.leases.restore(lambda: kept.ensure(self.conn.jsm(), config)),
+                name="leases",
+            )
 
     async def _catch_up(self) -> None:
         """After a reconnect, events written to the old socket may be lost: publish again what
@@ -307,8 +315,7 @@ class Worker(Lifecycle):
             self._undo_reconnect()
         await self._heartbeat.stop()  # edges stop counting on us before intake stops
         await self._puller.stop()  # no new work; late deliveries are handed back at once
-        if self._loop_task is not None:
-            await cancel_and_wait([self._loop_task])
+        await cancel_and_wait([t for t in (self._loop_task, self._leases_back) if t is not None])
         grace = self._ws.drain_grace
         if self.handler.inflight and self._ws.hand_over and await self._peers_with_room():
             grace = 0.0  # another worker continues each answer from the store, at once
@@ -371,6 +378,7 @@ class Worker(Lifecycle):
             "health": "restoring" if self.conn.restoring else "ok",
             "restoring": self.conn.restoring,
             "handed_back": self.orphans.handed_back,
+            "leases": self.leases.enabled,  # off: the lease stream is being asked for again
             # Late by tens of ms, its tokens reach clients that much late: it cannot keep up.
             **self.loop_lag.stats(),
             **self.counts.snapshot(),

@@ -18,6 +18,7 @@ from nats.js import api
 
 from cloud_node.lease import Lease
 from cloud_node.worker import Worker
+from mesh import kept
 from mesh.answer_store import ensure_answer_stream
 from mesh.backends.base import Chunk
 from mesh.backends.deterministic import DeterministicBackend
@@ -27,7 +28,7 @@ from mesh.hub import provision_hub
 from mesh.nats_server import NatsServer
 from mesh.reader import AnswerReader
 from protocol.codec import decode_event
-from protocol.errors import UnavailableError
+from protocol.errors import MeshTimeoutError, UnavailableError
 from protocol.fingerprint import request_fingerprint
 from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
 from protocol.stream import AnswerState
@@ -517,3 +518,36 @@ async def test_a_whole_answer_stored_before_its_worker_died_is_kept_not_max_deli
                         await _acked_and_kept_whole(conn, settings, "died-1", 20, "advisory")
             finally:
                 await dying_conn.close()
+
+
+async def test_a_lease_stream_that_could_not_be_had_at_start_is_asked_for_until_it_is(
+    settings: MeshSettings, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # JetStream does not answer in time for the lease stream when the worker starts (an election,
+    # several workers provisioning at once): it starts without leases, and must not stay so.
+    ensure = kept.ensure
+    refused: list[str] = []
+
+    async def slow_for_leases(jsm: object, config: api.StreamConfig) -> None:
+        if config.name == LEASES_STREAM and not refused:
+            refused.append(str(config.name))
+            raise MeshTimeoutError("JetStream did not answer while provisioning the leases")
+        await ensure(jsm, config)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kept, "ensure", slow_for_leases)
+    rid = "leases-back-1"
+    first, second = _backend(), _backend()
+    async with (
+        _worker(settings, conn, "lease-c", first) as c,
+        _worker(settings, conn, "lease-d", second) as d,
+    ):
+        assert refused, "the lease stream was never refused"
+
+        async def leased() -> bool:
+            return bool(c.status()["leases"] and d.status()["leases"])
+
+        await eventually(leased, what="both workers have leases again")
+        await _queue_copy(conn, settings, rid, "1")
+        await _queue_copy(conn, settings, rid, "2")
+        await _acked_and_kept_whole(conn, settings, rid, 20, "both copies acked")
+        assert first.started + second.started == 1  # one generation, not two
