@@ -31,8 +31,11 @@ class Takeover:
         node: str,
         continues: bool,
         counts: WorkerCounts,
+        timeout: float | None = None,
     ) -> None:
         self.store = store
+        self.timeout = timeout
+        """Longest wait on one read of the store (None: the connection's request timeout)."""
         self.node = node
         """This worker, as events name it (``cloud:<node_id>``)."""
         self.continues = continues
@@ -45,7 +48,7 @@ class Takeover:
         no store). Raises :class:`MeshError` when it cannot be read."""
         if not self.store.enabled:
             return None
-        events = await self.store.replay(subject)
+        events = await self.store.replay(subject, timeout=self.timeout)
         state = AnswerState(request_id, fingerprint=fingerprint)
         state.feed_all(events)
         return state

@@ -105,6 +105,7 @@ class Worker(Lifecycle):
             node=cloud_node_name(self.node_id),
             continues=backend.continues,
             counts=self.counts,
+            timeout=store_look_timeout(settings),  # it holds the delivery meanwhile
         )
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker

@@ -21,7 +21,7 @@ from mesh.provision import provision
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
 from protocol.codec import decode_event
-from protocol.errors import MaxDeliveriesError, UnavailableError
+from protocol.errors import MaxDeliveriesError, MeshTimeoutError, UnavailableError
 from protocol.messages import EndEvent, InferRequest, StartEvent, TokenEvent, WireEvent
 from tests.helpers import eventually, queue_drained, stat_reaches
 
@@ -150,6 +150,61 @@ async def test_a_started_request_past_its_start_by_starts_over_when_the_store_ca
         assert isinstance(end, EndEvent) and end.attempt == 2, end
         assert call.reader.state.text() == Script(tag="ap").answer(60)
         assert second_start > request.start_by  # type: ignore[operator]  # taken over past it
+    finally:
+        await stop_all(workers)
+
+
+class SlowOnce:
+    """An answer store whose first read waits as long as the reader lets it, then fails (its
+    server does not answer); everything else as the store it stands in front of."""
+
+    def __init__(self, store: AnswerStore, default_wait: float) -> None:
+        self._store = store
+        self._default_wait = default_wait
+        self.waited: list[float] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def replay(self, subject: str, timeout: float | None = None) -> list[WireEvent]:
+        if self.waited:
+            return await self._store.replay(subject, timeout=timeout)
+        self.waited.append(self._default_wait if timeout is None else timeout)
+        await asyncio.sleep(self.waited[0])
+        raise MeshTimeoutError("the answer store did not answer")
+
+
+async def test_a_slow_store_does_not_hold_a_taken_over_delivery_past_its_ack_wait(
+    fast: MeshSettings, conn: Connection
+) -> None:
+    # The worker taking over reads what the first attempt left; the store is slow to answer.
+    # It holds the delivery meanwhile, with no progress report yet: a read that waited the
+    # connection's request timeout (5 s, past ack_wait's 1 s here) let JetStream hand the
+    # request out again meanwhile. A read gives up at a fifth of ack_wait, and the answer
+    # starts over at once.
+    workers = [await worker_on_own_connection(fast, "doomed")]
+    doomed_conn = workers[0][1]
+    request = InferRequest(prompt=PROMPT, model="smollm2", max_tokens=60, stream=True)
+    events: list[object] = []
+    store: SlowOnce | None = None
+    survivor: Worker | None = None
+    try:
+        async with CloudCall(conn, fast.stream, request, scope="tests") as call:
+            while not call.reader.state.done:
+                for event in await call.reader.next(10):
+                    events.append(event)
+                    if isinstance(event, TokenEvent) and event.seq == 3 and survivor is None:
+                        await doomed_conn.nc.close()
+                        survivor, wconn = await worker_on_own_connection(fast, "survivor")
+                        workers.append((survivor, wconn))
+                        store = SlowOnce(survivor.takeover.store, fast.nats.request_timeout)
+                        survivor.takeover.store = store  # type: ignore[assignment]
+        assert survivor is not None and store is not None
+        assert store.waited == [0.2], store.waited  # it gave up at a fifth of ack_wait
+        end = events[-1]
+        assert isinstance(end, EndEvent) and end.attempt == 2, end  # one takeover
+        assert call.reader.state.text() == Script(tag="ap").answer(60)
+        assert survivor.stats.fetched == 1, survivor.stats
     finally:
         await stop_all(workers)
 
