@@ -150,8 +150,8 @@ async def test_a_continued_answer_is_given_the_time_to_read_what_it_continues(
         async for event in client.stream(PROMPT, route="cloud", max_tokens=120):
             events.append(event)
             if len(events) == 60 and len(workers) == 1:
+                await start_worker("survivor")  # up before the watch asks who can continue
                 await workers[0][1].nc.close()  # dies mid-answer
-                await start_worker("survivor")
         end = events[-1]
         assert isinstance(end, EndEvent)
         assert end.path == "cloud" and end.fallback is None, end
