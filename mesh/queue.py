@@ -278,7 +278,7 @@ class CloudCall(Lifecycle):
         else:
             self._answered(node, word)
             return
-        if gone:
+        if gone and self.lost_worker != node:
             self.lost_worker = node
             log.warning("the worker answering is gone", worker=node, request_id=self.request.id)
         if (node, state.attempt) in self._reported:
