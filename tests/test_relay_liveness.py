@@ -155,7 +155,8 @@ async def test_a_continued_answer_is_given_the_time_to_read_what_it_continues(
         end = events[-1]
         assert isinstance(end, EndEvent)
         assert end.path == "cloud" and end.fallback is None, end
-        assert end.served_by == "cloud:survivor" and end.attempt == 2
+        # Continued (attempt 2; a loaded machine may hand it on once more, to the survivor too).
+        assert end.served_by == "cloud:survivor" and end.attempt >= 2
         assert not any(isinstance(e, RestartEvent) for e in events)
         text = "".join(e.text for e in events if isinstance(e, TokenEvent))
         assert text == Script(tag="lv").answer(120)
