@@ -193,8 +193,10 @@ class Leases:
         return Lease(held.subject, copy, fingerprint, written)
 
     async def refresh(self, lease: Lease) -> bool:
-        """Extend ``lease``; False when it was lost (it lapsed, or was taken over)."""
-        if not self._available():
+        """Extend ``lease``; False when it was lost (it lapsed, or was taken over). Tried at each
+        report even while new claims keep away from a store that did not answer: a lease not
+        refreshed lapses, and another copy of its request may take it."""
+        if not self.enabled:
             return True
         written = await self._write(lease.subject, lease.copy, lease.fingerprint, lease.seq)
         if written is CHANGED:

@@ -16,7 +16,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js import api
 
-from cloud_node.lease import Lease
+from cloud_node.lease import Lease, Leases
 from cloud_node.worker import Worker
 from mesh import kept
 from mesh.answer_store import ensure_answer_stream
@@ -55,10 +55,12 @@ def _backend() -> DeterministicBackend:
     )
 
 
-async def _queue_copy(conn: Connection, settings: MeshSettings, rid: str, copy: str) -> int:
+async def _queue_copy(
+    conn: Connection, settings: MeshSettings, rid: str, copy: str, tokens: int = TOKENS
+) -> int:
     """One queued copy of the request (its queue sequence); a message id of its own, as a retry
     past the dedupe window gets (within the window JetStream itself drops the second)."""
-    body = {"id": rid, "prompt": "[tag:q] go", "max_tokens": TOKENS, "deferrable": True}
+    body = {"id": rid, "prompt": "[tag:q] go", "max_tokens": tokens, "deferrable": True}
     ack = await conn.js.publish(
         infer_subject(MODEL, SCOPE),
         json.dumps(body).encode(),
@@ -77,12 +79,18 @@ async def _queue_live(conn: Connection, settings: MeshSettings, rid: str, prompt
 
 
 async def _acked_and_kept_whole(
-    conn: Connection, settings: MeshSettings, rid: str, timeout: float, what: str
+    conn: Connection,
+    settings: MeshSettings,
+    rid: str,
+    timeout: float,
+    what: str,
+    *,
+    tokens: int = TOKENS,
 ) -> None:
     """Wait until every queued copy is acked; the kept answer is then the whole text."""
     await eventually(lambda: queue_drained(conn, settings, MODEL), timeout, what)
     answer = await _kept(conn, rid)
-    assert answer is not None and answer.text == EXPECTED
+    assert answer is not None and answer.text == "".join(f" q{i}" for i in range(tokens))
 
 
 async def _kept(conn: Connection, rid: str) -> Answer | None:
@@ -551,3 +559,47 @@ async def test_a_lease_stream_that_could_not_be_had_at_start_is_asked_for_until_
         await _queue_copy(conn, settings, rid, "2")
         await _acked_and_kept_whole(conn, settings, rid, 20, "both copies acked")
         assert first.started + second.started == 1  # one generation, not two
+
+
+async def test_a_lease_write_that_fails_once_does_not_let_the_lease_lapse(
+    settings: MeshSettings, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One refresh of a lease is not written (the store did not answer in time, once). The worker
+    # keeps new claims away from the store for a lease's lifetime; its held leases must still
+    # be refreshed at the next reports, or they lapse, and a second copy of the request arriving
+    # then is generated too.
+    settings.stream.ack_wait = 1.0  # leases last 2 s; refreshed every 0.5 s with the reports
+    writes: list[str] = []
+    write = Leases._write
+
+    async def fails_once(leases: Leases, subject: str, copy: int, fp: str, expect: int) -> object:
+        writes.append(subject)
+        if len(writes) == 2:  # the first refresh after the claim
+            leases._trouble("lease not written", TimeoutError())
+            return None
+        return await write(leases, subject, copy, fp, expect)
+
+    monkeypatch.setattr(Leases, "_write", fails_once)
+    rid = "refresh-1"
+    first, second = _slow_backend(), _slow_backend()
+    async with (
+        _worker(settings, conn, "lease-e", first),
+        _worker(settings, conn, "lease-f", second),
+    ):
+        await _queue_copy(conn, settings, rid, "1", tokens=40)
+
+        async def refresh_failed() -> bool:
+            return len(writes) >= 2
+
+        await eventually(refresh_failed, what="a refresh not written")
+        await asyncio.sleep(kept.lease_ttl(settings.stream) + 0.3)  # past the unrefreshed lease
+        await _queue_copy(conn, settings, rid, "2", tokens=40)
+        await _acked_and_kept_whole(conn, settings, rid, 20, "both copies acked", tokens=40)
+        assert first.started + second.started == 1  # one generation, not two
+
+
+def _slow_backend() -> DeterministicBackend:
+    # 40 tokens at 100 ms: 4 s of generation, twice a lease's lifetime at ack_wait 1 s.
+    return DeterministicBackend(
+        ModelSettings(backend="deterministic", name=MODEL, slots=2, token_delay_ms=100)
+    )
