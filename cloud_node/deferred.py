@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from enum import Enum
 
 from nats.aio.msg import Msg
 
@@ -33,6 +32,7 @@ from cloud_node.lease import OTHER_COPY, Holding, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.serve import Ack, Delivery, Handler, Parts, Release, too_late
+from cloud_node.takeover import Unread
 from mesh.config import MeshSettings
 from mesh.logs import get_logger
 from protocol.codec import WireFormat, error_event
@@ -45,13 +45,6 @@ from protocol.subjects import scope_of
 log = get_logger(__name__)
 KeepAnswer = Callable[[Msg, str, InferRequest, AnswerPublisher], Awaitable[bool]]
 """Keeps a finished answer for its site, or hands the message back (False)."""
-
-
-class Unread(Enum):
-    """What a copy finds when the answer store cannot be read: another queued copy may have
-    begun the answer, unseen."""
-
-    STORE = "the answer store could not be read"
 
 
 def unseen_attempt() -> int:
@@ -159,8 +152,7 @@ class DeferrableHandler(Handler):
                 log.info("answer already kept; acking without generating")
                 await self.ack(msg)
                 return
-            # An unread store is no proof that nothing started (see Handler.serve).
-            late = None if found is Unread.STORE else too_late(request, history)
+            late = too_late(request, found)
             if late is not None:
                 await self._refuse(msg, scope, request, late, attempt)
                 return

@@ -37,7 +37,7 @@ from cloud_node.counts import WorkerCounts
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive, LoopStalls, Renew
 from cloud_node.publisher import AnswerPublisher, Settler
-from cloud_node.takeover import Takeover
+from cloud_node.takeover import Takeover, Unread
 from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -132,9 +132,12 @@ def store_look_timeout(settings: MeshSettings) -> float:
     return min(settings.worker.publish_timeout, 0.2 * settings.stream.ack_wait)
 
 
-def too_late(request: InferRequest, history: AnswerState | None) -> MeshError | None:
+def too_late(request: InferRequest, history: AnswerState | Unread | None) -> MeshError | None:
     """The error of a request no worker started before its ``start_by`` (one that an earlier
-    attempt started is continued past it)."""
+    attempt started is continued past it). A store that could not be read is no proof that
+    nothing started: such a request is started over, not refused."""
+    if history is Unread.STORE:
+        return None
     started_before = history is not None and history.started
     if started_before or not request.past_start_by():
         return None
@@ -229,17 +232,15 @@ class Handler(ABC):
             try:
                 publisher = self._publisher(scope, request, fmt)
                 fingerprint = request_fingerprint(request)  # once: a hash of the conversation
-                history = await self.takeover.history(
+                found = await self.takeover.history(
                     request, fingerprint, publisher.subject, attempt
                 )
+                history = None if found is Unread.STORE else found
                 if history is not None and history.done:
                     if await self.takeover.already_done(msg, publisher, history):
                         await self.ack(msg)
                     return
-                # Past its start_by a request nobody started is refused; one whose earlier
-                # attempts the store could not tell is started over (it may be mid-answer).
-                unread = history is None and attempt > 1 and self.store.enabled
-                late = None if unread else too_late(request, history)
+                late = too_late(request, found)
                 if late is not None:
                     await self.outcomes.reject(msg, late, attempt)
                     return

@@ -8,6 +8,7 @@ rule too (:mod:`cloud_node.deferred`: a second copy looks on its first delivery)
 from __future__ import annotations
 
 import contextlib
+from enum import Enum
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -21,6 +22,13 @@ from protocol.messages import ErrorEvent, InferRequest
 from protocol.stream import AnswerState, AnswerWriter, Resume
 
 log = get_logger(__name__)
+
+
+class Unread(Enum):
+    """What a delivery finds when the answer store cannot be read: an earlier attempt, or
+    another queued copy, may have begun the answer, unseen."""
+
+    STORE = "the answer store could not be read"
 
 
 class Takeover:
@@ -55,16 +63,17 @@ class Takeover:
 
     async def history(
         self, request: InferRequest, fingerprint: str, subject: str, attempt: int
-    ) -> AnswerState | None:
-        """What earlier attempts left, for a redelivery (None on a first delivery, or when the
-        store cannot be read: then the answer starts over)."""
+    ) -> AnswerState | Unread | None:
+        """What earlier attempts left, for a redelivery (None on a first delivery or without a
+        store; :attr:`Unread.STORE` when the store cannot be read: then the answer starts
+        over)."""
         if attempt == 1:
             return None
         try:
             return await self.read(request.id, fingerprint, subject)
         except MeshError as err:
             log.warning("cannot read the answer store; starting over", error=err.message)
-            return None
+            return Unread.STORE
 
     def writer(self, request: InferRequest, history: AnswerState, attempt: int) -> AnswerWriter:
         """The writer of a delivery that takes over a started answer: it continues from the
