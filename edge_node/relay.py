@@ -43,7 +43,7 @@ from mesh.config import EdgeSettings, StreamSettings, WorkerSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.queue import ALIVE_WAIT_S, CloudCall, new_cancel_key
-from mesh.reader import WATCH_QUIET_S
+from mesh.reader import WATCH_QUIET_S, AnswerReader
 from mesh.tasks import raise_if_cancelled
 from mesh.tracing import Tracing
 from protocol.errors import DeadlineExceededError, ErrorCode, MeshError, UnavailableError
@@ -92,6 +92,12 @@ class Fallback(Exception):
         super().__init__(reason)
         self.reason = reason
         self.kind = kind
+
+
+def _quiet(reader: AnswerReader, now: float) -> bool:
+    """Whether nothing of the answer came for the watch's quiet spell (``WATCH_QUIET_S``) up to
+    ``now`` (``time.monotonic()``): the spell after which the reader asks its worker."""
+    return now - reader.last_event >= WATCH_QUIET_S
 
 
 def with_id(event: WireEvent, request_id: str) -> WireEvent:
@@ -266,7 +272,7 @@ class CloudRelay:
             moving = False  # a token came this turn: the worker is there and generating
             # While the answer flows nothing here is due: when it goes quiet, the reader's watch
             # asks the worker and wakes this loop with the verdict. The tick is a backstop then.
-            flowing = state.positions > 0 and now - reader.last_event < WATCH_QUIET_S
+            flowing = state.positions > 0 and not _quiet(reader, now)
             events = await reader.next(min(_FLOWING_TICK_S if flowing else _TICK_S, hard_end - now))
             if reader.passed != taken:  # tokens went on meanwhile, from the callback (take)
                 # Not "moving": the reader may have learned, later in the same wait, that the
@@ -311,7 +317,7 @@ class CloudRelay:
                     raise self._give_up(
                         f"no worker started it within {start_timeout:g}s", "not_started"
                     )
-                if now - reader.last_event >= WATCH_QUIET_S:
+                if _quiet(reader, now):
                     parts.models.ask_workers(model)  # is the fleet the registry shows there?
                 no_worker = parts.models.no_live_worker(model)
                 if no_worker is not None:
@@ -322,7 +328,7 @@ class CloudRelay:
                     f"worker {worker} produced no token within {first_token_wait:.1f}s",
                     "no_first_token",
                 )
-            if state.positions > 0 and now - reader.last_event < WATCH_QUIET_S:
+            if state.positions > 0 and not _quiet(reader, now):
                 # The answer moved within the last quarter second: its worker is at work,
                 # whatever the registry (late, or cut off from its announcements) or a verdict
                 # from before (a link that dropped and came back, an engine that paused) says.
