@@ -80,10 +80,10 @@ class NatsSettings(_Section):
     """Reconnect attempts before giving up; -1 tries forever."""
     drain_timeout: float = Field(default=5.0, gt=0)
     """Seconds to drain subscriptions and flush on shutdown."""
-    write_gap_ms: float = Field(default=4.0, ge=0, le=100)
+    write_gap_ms: float | None = Field(default=None, ge=0, le=100)
     """Answer events after the first few are written together, at most once per this many ms
-    while busy (under the 5 ms coalescing linger: one stream alone does not wait); after a quiet
-    spell one goes at once (0: when the loop comes round). Saves CPU here, in server and readers."""
+    while busy; after a quiet spell one goes at once (0: when the loop comes round). Unset: 4 ms
+    for a worker, 1 ms elsewhere (:data:`mesh.write_batch.SOURCE_GAP_MS` says why)."""
     local_port: int = Field(default=4222, ge=-1, le=65535)
     """Port of the nats-server that `mesh up` starts (-1 picks a free one)."""
     store_dir: str | None = None

@@ -30,7 +30,7 @@ from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.recovery import Recovery, Step
 from mesh.tasks import first_of
-from mesh.write_batch import WriteBatch
+from mesh.write_batch import WriteBatch, gap_s
 from protocol.errors import UnauthorizedError, UnavailableError
 
 log = get_logger(__name__)
@@ -43,12 +43,17 @@ NOT_CONNECTED = "not connected to NATS: call connect() or use 'async with' first
 class Connection(Lifecycle):
     """An open NATS connection; ``nc``/``js``/``jsm`` raise a clear error before ``connect()``."""
 
-    def __init__(self, settings: NatsSettings, name: str, *, patient: bool = True) -> None:
+    def __init__(
+        self, settings: NatsSettings, name: str, *, patient: bool = True, source: bool = False
+    ) -> None:
         """``patient=False`` (one-shot commands): give up as soon as every server has refused
-        the connection once, instead of trying again until ``connect_timeout``."""
+        the connection once, instead of trying again until ``connect_timeout``. ``source``: it
+        publishes answers as their engines make them (a worker's), and its write batch waits
+        longer between writes unless ``write_gap_ms`` is set (:func:`mesh.write_batch.gap_s`)."""
         self.settings = settings
         self.name = name
         self.patient = patient
+        self.source = source
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._write_batch: WriteBatch | None = None
@@ -271,7 +276,9 @@ class Connection(Lifecycle):
                 "running? `mesh up` starts a local one"
             ) from None
         self._nc = client
-        self._write_batch = WriteBatch(client, self.settings.write_gap_ms / 1000)
+        self._write_batch = WriteBatch(
+            client, gap_s(self.settings.write_gap_ms, source=self.source)
+        )
         self._acks = Acks(client)
         self._js = client.jetstream(
             timeout=self.settings.request_timeout, domain=self.settings.hub_domain

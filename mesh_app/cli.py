@@ -311,7 +311,7 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
         port = exposition.serve(metrics_port, setting=f"MESH_{role.upper()}_METRICS_PORT")
         print(f"Prometheus metrics on port {port}", flush=True)
     try:
-        async with Connection(settings.nats, f"mesh-{role}") as conn:
+        async with Connection(settings.nats, f"mesh-{role}", source=role == "worker") as conn:
             if role == "worker":
                 await _serve_workers(settings, conn, backend)
             else:

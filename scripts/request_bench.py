@@ -118,7 +118,7 @@ async def mesh(path: str, settings: MeshSettings, requests: int, tokens: int, c:
 
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(_slow_timers())
-        wconn = await stack.enter_async_context(Connection(settings.nats, "worker"))
+        wconn = await stack.enter_async_context(Connection(settings.nats, "worker", source=True))
         econn = await stack.enter_async_context(Connection(settings.nats, "edge"))
         backend = DeterministicBackend(settings.worker.model)
         worker = await stack.enter_async_context(Worker(settings, wconn, backend))

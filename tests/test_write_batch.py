@@ -315,3 +315,24 @@ async def test_a_header_block_is_written_as_nats_py_writes_those_headers(
     finally:
         await nc.close()
         await reader.close()
+
+
+async def test_a_workers_connection_waits_longer_between_writes_than_an_edges(
+    nats_server: NatsServer,
+) -> None:
+    """A worker's tokens come from many streams, each in a loop turn of its own: its connection
+    writes at most every 4 ms while busy. An edge relays what it reads (1 ms). The setting,
+    when given, is both's."""
+    settings = make_settings(nats_server.url)
+    assert settings.nats.write_gap_ms is None
+    async with (
+        Connection(settings.nats, "worker", source=True) as worker,
+        Connection(settings.nats, "edge") as edge,
+    ):
+        assert (worker.write_batch.gap, edge.write_batch.gap) == (0.004, 0.001)
+    given = make_settings(nats_server.url, nats__write_gap_ms=0)
+    async with (
+        Connection(given.nats, "worker", source=True) as worker,
+        Connection(given.nats, "edge") as edge,
+    ):
+        assert (worker.write_batch.gap, edge.write_batch.gap) == (0.0, 0.0)
