@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mesh.client import MeshClient
-from mesh_app.bench.common import bench_mesh, cpu_seconds
+from mesh_app.bench.common import bench_mesh, cpu_seconds, pct
 from protocol.messages import EndEvent, TokenEvent
 
 ENV = "MESH_NATS_WRITE_GAP_MS"
@@ -50,11 +50,6 @@ class Figures:
         self.ttft.clear()
         self.total.clear()
         self.between.clear()
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
 
 
 async def one(client: MeshClient, prompt: str, tokens: int, seen: Figures, kw: Any) -> None:
@@ -105,11 +100,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "answers": answered,
         "gap_ms": args.gap_ms,
         "worker_gap_ms": args.worker_gap_ms,
-        "ttft_ms": {"p50": quantile(seen.ttft, 0.5), "p99": quantile(seen.ttft, 0.99)},
+        "ttft_ms": {"p50": pct(seen.ttft, 0.5), "p99": pct(seen.ttft, 0.99)},
         "between_tokens_ms": {
-            q: quantile(seen.between, f) for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+            q: pct(seen.between, f) for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
         },
-        "total_ms": {"p50": quantile(seen.total, 0.5), "p99": quantile(seen.total, 0.99)},
+        "total_ms": {"p50": pct(seen.total, 0.5), "p99": pct(seen.total, 0.99)},
         "cpu_ms_per_request": {
             name: (after[name] - before[name]) * 1000 / max(1, answered) for name in after
         },
