@@ -48,10 +48,10 @@ SCOPE = "site-x"
 TOKENS = 30
 
 
-def _backend() -> DeterministicBackend:
+def _backend(token_delay_ms: int = 40) -> DeterministicBackend:
     # 30 tokens at 40 ms: 1.2 s of generation, long enough for a second copy to arrive.
     return DeterministicBackend(
-        ModelSettings(backend="deterministic", name=MODEL, slots=2, token_delay_ms=40)
+        ModelSettings(backend="deterministic", name=MODEL, slots=2, token_delay_ms=token_delay_ms)
     )
 
 
@@ -581,7 +581,8 @@ async def test_a_lease_write_that_fails_once_does_not_let_the_lease_lapse(
 
     monkeypatch.setattr(Leases, "_write", fails_once)
     rid = "refresh-1"
-    first, second = _slow_backend(), _slow_backend()
+    # 40 tokens at 100 ms: 4 s of generation, twice a lease's lifetime at ack_wait 1 s.
+    first, second = _backend(token_delay_ms=100), _backend(token_delay_ms=100)
     async with (
         _worker(settings, conn, "lease-e", first),
         _worker(settings, conn, "lease-f", second),
@@ -596,10 +597,3 @@ async def test_a_lease_write_that_fails_once_does_not_let_the_lease_lapse(
         await _queue_copy(conn, settings, rid, "2", tokens=40)
         await _acked_and_kept_whole(conn, settings, rid, 20, "both copies acked", tokens=40)
         assert first.started + second.started == 1  # one generation, not two
-
-
-def _slow_backend() -> DeterministicBackend:
-    # 40 tokens at 100 ms: 4 s of generation, twice a lease's lifetime at ack_wait 1 s.
-    return DeterministicBackend(
-        ModelSettings(backend="deterministic", name=MODEL, slots=2, token_delay_ms=100)
-    )
