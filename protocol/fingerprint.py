@@ -58,9 +58,13 @@ class Fingerprints:
         return hashed.hexdigest()
 
 
+_ENCODER = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+"""What ``json.dumps`` with these options builds on every call, built once."""
+
+
 def _json(value: Any) -> str:
     """The one JSON spelling every fingerprint hashes (its parts too: they must join up)."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(value)
 
 
 def _utf8(text: str) -> bytes:

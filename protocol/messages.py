@@ -13,8 +13,8 @@ rules every reader applies. A non-streaming edge request gets a single ``answer`
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -39,7 +39,9 @@ Path = Literal["local", "cloud"]
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """128 random bits as 32 hex digits, as ``uuid.uuid4().hex`` spells them (without its version
+    digits, which nothing reads): a sixth of the time, with no UUID object made on the way."""
+    return os.urandom(16).hex()
 
 
 def unicode_text(value: Any) -> Any:
