@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import itertools
 import json
 import secrets
 import time
@@ -37,6 +36,7 @@ from pydantic import ValidationError
 
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection, request_or_nobody
+from mesh.inline_sub import Inboxes
 from mesh.lifecycle import Lifecycle
 from mesh.provision import ServedModels
 from mesh.queue import CloudCall
@@ -138,19 +138,18 @@ class MeshClient(Lifecycle):
         self._is_served = ServedModels(self.conn.jsm, self.settings.stream, no_for=0.0)
         """Whether a worker pool serves a model (a no is never remembered: the caller may be
         deploying the pool)."""
-        self._scope = ""
-        self._inboxes = itertools.count()
+        self._inboxes: Inboxes | None = None
 
     async def connect(self) -> MeshClient:
         if self._own_conn:
             await self.conn.connect()
         return self
 
-    def _inbox(self) -> str:
-        """A new reply inbox under this client's own prefix: the edge scopes ids to it."""
-        if not self._scope:
-            self._scope = self.conn.nc.new_inbox()
-        return f"{self._scope}.{next(self._inboxes)}"
+    def _replies(self) -> Inboxes:
+        """This client's reply inboxes, under a prefix of its own: the edge scopes ids to it."""
+        if self._inboxes is None:
+            self._inboxes = Inboxes(self.conn.nc.new_inbox())
+        return self._inboxes
 
     async def close(self) -> None:
         if self._own_conn:
@@ -269,8 +268,8 @@ class MeshClient(Lifecycle):
         return hmac.new(self._secret, request_id.encode(), hashlib.sha256).hexdigest()[:32]
 
     async def _via_edge(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
-        nc = self.conn.nc
-        inbox = self._inbox()
+        nc, inboxes = self.conn.nc, self._replies()
+        inbox = inboxes.new()
         payload = dump(request, WireFormat.MSGPACK)
 
         async def send() -> None:
@@ -297,7 +296,7 @@ class MeshClient(Lifecycle):
             unserved=send,  # an edge restarting: it subscribes again within a moment
             unserved_for=min(EDGE_RESTART_S, self.first_event_timeout),
         )
-        await reader.subscribe(inbox)
+        await reader.subscribe(inbox, inboxes)
         finished = False
         try:
             await send()

@@ -18,6 +18,8 @@ delivery, order, unsubscribe, drain and reconnects still hold with the installed
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import weakref
 from collections.abc import Callable
 
@@ -75,3 +77,52 @@ async def subscribe_inline(
     sub._pending_queue = _Inline(sub, handler)  # type: ignore[assignment]
     sub._message_iterator = None  # never iterated; it and the subscription refer to each other
     return sub
+
+
+class Inboxes:
+    """Reply inboxes ``<prefix>.<n>``, all read through one inline subscription to
+    ``<prefix>.*``: a request waits on an inbox of its own without a subscription and an
+    unsubscription of its own (two protocol lines, the client's bookkeeping for both, and the
+    server's interest changes), as nats-py's ``request`` does for its replies. A message for an
+    inbox nobody listens on any more is dropped, as the server would have dropped it."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._count = itertools.count()
+        self._handlers: dict[str, Handler] = {}
+        self._nc: Client | None = None
+        self._subscribing = asyncio.Lock()
+
+    def new(self) -> str:
+        """A fresh inbox under the prefix."""
+        return f"{self.prefix}.{next(self._count)}"
+
+    async def listen(self, nc: Client, inbox: str, handler: Handler) -> Listening:
+        """Call ``handler`` (in ``nc``'s read loop) for each message to ``inbox`` until the
+        returned listening is unsubscribed. The first inbox subscribes to them all (again, for
+        a new client)."""
+        if self._nc is not nc:
+            async with self._subscribing:
+                if self._nc is not nc:
+                    await subscribe_inline(nc, f"{self.prefix}.*", self._on_msg)
+                    self._nc = nc
+        self._handlers[inbox] = handler
+        return Listening(self._handlers, inbox)
+
+    def _on_msg(self, msg: Msg) -> None:
+        handler = self._handlers.get(msg.subject)
+        if handler is not None:
+            handler(msg)
+
+
+class Listening:
+    """One inbox's place in :class:`Inboxes`; unsubscribed as a subscription is."""
+
+    __slots__ = ("_handlers", "inbox")
+
+    def __init__(self, handlers: dict[str, Handler], inbox: str) -> None:
+        self._handlers = handlers
+        self.inbox = inbox
+
+    async def unsubscribe(self) -> None:
+        self._handlers.pop(self.inbox, None)

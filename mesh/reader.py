@@ -17,13 +17,11 @@ A repair for a worker's events reads the answer store; a repair for an edge's ev
 edge to send again what the reader lacks. When a repair leaves a gap (the store never got the
 missing event: it went out as the store's leader died), the reader asks the worker generating
 the answer to send it again (*resend*), if it was given a way to. The reader never passes on a
-gap: it waits for the repair, and its caller decides, on its own deadlines, when waiting is
-over.
+gap: it waits for the repair; its caller decides, on its own deadlines, when waiting is over.
 
-Repairs, and the checks on the answer's generator (*watch*, *resend*), run beside the reading,
-each at most once at a time: they wait on other processes and servers (a worker moving between
-servers in a rolling restart answers a check late, a store read waits out an election), and
-in-order tokens that come meanwhile go on at once.
+Repairs and the checks on the answer's generator (*watch*, *resend*) run beside the reading, each
+at most once at a time: they wait on other processes (a worker moving between servers answers
+late, a store read waits out an election); in-order tokens that come meanwhile go on at once.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 
 from mesh.connection import Connection
-from mesh.inline_sub import subscribe_inline
+from mesh.inline_sub import Inboxes, Listening, subscribe_inline
 from mesh.logs import get_logger
 from mesh.repair import Repair, SourceGone, Watch
 from mesh.tasks import raise_if_cancelled
@@ -66,8 +64,7 @@ class Passer(Protocol):
         """Pass these tokens on (in order, none seen before); never waits."""
 
     def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
-        """Pass on the answer's next token, given by its fields (no logprobs): what
-        :meth:`take` does with one, with no event built for it (the hot path)."""
+        """:meth:`take` for the answer's next token, by its fields (no logprobs, no event)."""
 
 
 _QUIET_FIRST_S = 1.0
@@ -75,9 +72,9 @@ _QUIET_MAX_S = 8.0
 _GAP_RETRY_FIRST_S = 0.2
 _UNSERVED_FIRST_S = 0.05
 WATCH_QUIET_S = 0.25
-"""After this long with nothing from a started answer, the reader checks on its generator
-(then again each time as long): a round trip when it is alive, a takeover when it is dead.
-Token gaps are tens of milliseconds; a prefill or a busy worker costs a few round trips."""
+"""After this long with nothing from a started answer, the reader checks on its generator (then
+again each time as long): a round trip when it lives, a takeover when it died. Token gaps are
+tens of milliseconds; a prefill or a busy worker costs a few round trips."""
 OFFLINE_LOOK_S = 0.05
 """While the connection is down, how often a reader whose watch is due looks whether it is back
 (the watch asks only over a live link). It used to wake every millisecond, for each answer in
@@ -85,9 +82,8 @@ flight, all through a cut (``tests/test_reader_checks.py``)."""
 
 
 class AnswerReader:
-    """Reads one subject. Messages go from a subscription callback into a bounded buffer of the
-    reader's own (nats-py's ``next_msg`` costs a task per message); beyond ``pending_limit``
-    messages the reader drops them, as NATS does for a slow consumer, and fetches them again."""
+    """Reads one subject into a bounded buffer of its own (``next_msg`` costs a task a message):
+    beyond ``pending_limit`` it drops messages, as NATS does a slow consumer's, and refetches."""
 
     def __init__(
         self,
@@ -111,7 +107,7 @@ class AnswerReader:
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0  # the current wait's (see _wait)
-        self._sub: Subscription | None = None
+        self._sub: Subscription | Listening | None = None
         self._losses = conn.losses
         self._unlisten: Callable[[], None] | None = None
         self._repair_at: float | None = None
@@ -149,11 +145,15 @@ class AnswerReader:
         does not decode) goes the usual way, through :meth:`next`, in order."""
         self._passer = passer
 
-    async def subscribe(self, subject: str) -> None:
-        """Start receiving ``subject`` (before anything is published to it). Raises
-        :class:`UnavailableError` when the connection cannot take a subscription now."""
+    async def subscribe(self, subject: str, inboxes: Inboxes | None = None) -> None:
+        """Start receiving ``subject`` (one of ``inboxes``, if given) before anything is
+        published to it. Raises :class:`UnavailableError` when the connection cannot."""
         try:
-            self._sub = await subscribe_inline(self.conn.nc, subject, self._on_msg)
+            nc, on_msg = self.conn.nc, self._on_msg
+            if inboxes is None:
+                self._sub = await subscribe_inline(nc, subject, on_msg)
+            else:
+                self._sub = await inboxes.listen(nc, subject, on_msg)
         except nats.errors.Error as exc:
             raise UnavailableError(
                 f"cannot read {self.what}: the NATS connection is {type(exc).__name__}"

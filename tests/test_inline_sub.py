@@ -11,7 +11,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from mesh.inline_sub import subscribe_inline
+from mesh.inline_sub import Inboxes, subscribe_inline
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import Server
 
@@ -142,3 +142,39 @@ async def test_the_subscription_delivers_again_after_the_server_restarts(tmp_pat
     finally:
         await nc.close()
         await server.stop()
+
+
+async def test_reply_inboxes_share_one_subscription_and_each_gets_its_own_messages(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    pub = await nats.connect(nats_server.url)
+    try:
+        inboxes = Inboxes(nc.new_inbox())
+        subs_before = len(nc._subs)
+        got = [Got() for _ in range(3)]
+        names = [inboxes.new() for _ in got]
+        listening = [await inboxes.listen(nc, n, g.take) for n, g in zip(names, got, strict=True)]
+        assert len(set(names)) == 3 and all(n.startswith(inboxes.prefix + ".") for n in names)
+        assert len(nc._subs) == subs_before + 1  # one wildcard, not one per inbox
+        await nc.flush()
+        for round_ in range(2):
+            for i, name in enumerate(names):
+                await pub.publish(name, f"{i}-{round_}".encode())
+            await pub.flush()
+            if round_ == 0:
+                for g in got:
+                    await g.reach(1)
+                await listening[1].unsubscribe()  # the second inbox is done with
+        await got[2].reach(2)
+        await got[0].reach(2)
+        assert got[0] == [b"0-0", b"0-1"]
+        assert got[1] == [b"1-0"]  # nothing after it stopped listening, nor elsewhere
+        assert got[2] == [b"2-0", b"2-1"]
+        await pub.publish(f"{inboxes.prefix}.unknown", b"stray")  # nobody's: dropped
+        await pub.flush()
+        await nc.flush()
+        assert [len(g) for g in got] == [2, 1, 2]
+    finally:
+        await pub.close()
+        await nc.close()
