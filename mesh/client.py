@@ -69,6 +69,7 @@ from protocol.messages import (
     StartEvent,
     TokenEvent,
     WireEvent,
+    new_request_id,
 )
 from protocol.stream import AnswerState, starts_over
 from protocol.subjects import (
@@ -198,6 +199,10 @@ class MeshClient(Lifecycle):
         whoever knows the request's ``cancel_key`` (this client's own by default: pass one of
         yours to fetch after a restart).
         """
+        if via == "cloud":  # built with what the queue needs: no copy of it after
+            request_id = new_request_id() if request_id is None else request_id
+            model = self.settings.edge.cloud_model if model is None else model
+            cancel_key = self._cancel_key(request_id) if cancel_key is None else cancel_key
         request = self.build_request(
             prompt,
             messages=messages,
@@ -380,9 +385,9 @@ class MeshClient(Lifecycle):
         model = request.model or self.settings.edge.cloud_model
         if not await self._is_served(model):
             raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=request.id)
-        request = request.model_copy(
-            update={"model": model, "cancel_key": self._cancel_key(request.id)}
-        )
+        if request.model != model or request.cancel_key is None:
+            key = request.cancel_key or self._cancel_key(request.id)
+            request = request.model_copy(update={"model": model, "cancel_key": key})
         finished = False
         async with CloudCall(
             self.conn,

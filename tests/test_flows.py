@@ -200,6 +200,35 @@ async def test_cancel_stops_cloud_generation_and_acks(
     assert worker.stats.completed == 0
 
 
+async def test_a_cancel_key_given_via_the_cloud_is_the_one_that_cancels(
+    worker: Worker, client: MeshClient, conn: Connection, settings: MeshSettings
+) -> None:
+    # The caller's own key (another process of its may cancel with it), not one the SDK makes.
+    from mesh.queue import cancel_payload
+    from protocol.subjects import DEFAULT_SCOPE, cancel_subject
+
+    async def read() -> None:
+        received = 0
+        async for event in client.stream(
+            COMPLEX,
+            via="cloud",
+            max_tokens=2000,
+            temperature=0.7,
+            request_id="ownkey1",
+            cancel_key="the-callers-own-key",
+        ):
+            if isinstance(event, TokenEvent):
+                received += 1
+                if received == 3:  # from elsewhere, as another process of the caller's would
+                    subject = cancel_subject(settings.nats.scope_or(DEFAULT_SCOPE), "ownkey1")
+                    await conn.nc.publish(subject, cancel_payload("the-callers-own-key"))
+
+    with pytest.raises(CancelledByClientError):
+        await read()
+    await stat_reaches(worker.stats, "cancelled", 1)
+    assert worker.stats.completed == 0
+
+
 async def test_cancel_before_start_is_honoured(
     settings: MeshSettings, conn: Connection, worker_backend: object, client: MeshClient
 ) -> None:
