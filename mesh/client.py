@@ -153,6 +153,8 @@ class MeshClient(Lifecycle):
         return self._inboxes
 
     async def close(self) -> None:
+        if self._inboxes is not None:  # its prefix stays: the edge scopes this client's ids to it
+            await self._inboxes.close()
         if self._own_conn:
             await self.conn.close()
 

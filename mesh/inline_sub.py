@@ -19,10 +19,12 @@ delivery, order, unsubscribe, drain and reconnects still hold with the installed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import weakref
 from collections.abc import Callable
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -91,6 +93,7 @@ class Inboxes:
         self._count = itertools.count()
         self._handlers: dict[str, Handler] = {}
         self._nc: Client | None = None
+        self._sub: Subscription | None = None
         self._subscribing = asyncio.Lock()
 
     def new(self) -> str:
@@ -104,10 +107,18 @@ class Inboxes:
         if self._nc is not nc:
             async with self._subscribing:
                 if self._nc is not nc:
-                    await subscribe_inline(nc, f"{self.prefix}.*", self._on_msg)
+                    self._sub = await subscribe_inline(nc, f"{self.prefix}.*", self._on_msg)
                     self._nc = nc
         self._handlers[inbox] = handler
         return Listening(self._handlers, inbox)
+
+    async def close(self) -> None:
+        """Unsubscribe (a client that shares its connection leaves no subscription behind)."""
+        sub, self._sub, self._nc = self._sub, None, None
+        self._handlers.clear()
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     def _on_msg(self, msg: Msg) -> None:
         handler = self._handlers.get(msg.subject)

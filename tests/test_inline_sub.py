@@ -175,6 +175,8 @@ async def test_reply_inboxes_share_one_subscription_and_each_gets_its_own_messag
         await pub.flush()
         await nc.flush()
         assert [len(g) for g in got] == [2, 1, 2]
+        await inboxes.close()  # a client sharing its connection leaves no subscription behind
+        assert len(nc._subs) == subs_before
     finally:
         await pub.close()
         await nc.close()
