@@ -15,12 +15,10 @@ answer's first token at the ``local`` TTFT, but that token would be the local mo
 
 from __future__ import annotations
 
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from mesh_app.bench.common import pct, table
+from mesh_app.bench.common import bench_dir, pct, table
 
 PROMPTS = (
     "Say hello to a new user.",
@@ -42,7 +40,7 @@ async def run(*, rounds: int = 12, window: int = 8, tokens: int = 24) -> dict[st
     from mesh.testing.chaos import Server
     from protocol.messages import TokenEvent
 
-    tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-cascade-"))
+    tmp = bench_dir("mesh-bench-cascade-")
     server = Server(tmp / "store")
     await server.start()
     base = load_settings({("nats", "url"): server.url, ("edge", "http_port"): -1}, environ={})

@@ -4,9 +4,11 @@ real processes in front of the deterministic server."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -20,6 +22,14 @@ from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, Server, edge_env, wait_for_edge, wait_for_worker
 from protocol.messages import EndEvent, TokenEvent
+
+
+def bench_dir(prefix: str) -> Path:
+    """A new temporary directory for a bench's stores and logs, removed when the process exits
+    (a run of ``mesh bench`` left every one behind: tens of megabytes each)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def pct(values: list[float], q: float) -> float:
@@ -155,7 +165,7 @@ async def bench_mesh(
     *, prefill_ms: float, token_ms: float, slots: int, worker_env: dict[str, str] | None = None
 ) -> AsyncIterator[BenchMesh]:
     """Everything as separate processes, as deployed; the bench process only runs clients."""
-    tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
+    tmp = bench_dir("mesh-bench-")
     server = Server(tmp / "store")
     await server.start()
     processes: list[MeshProcess] = []

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -49,7 +48,7 @@ from mesh.testing.chaos import (
     wait_for_worker,
     worker_env,
 )
-from mesh_app.bench.common import pct, table
+from mesh_app.bench.common import bench_dir, pct, table
 
 ROUNDS = 5
 """Faults of each kind; each round asks REQUESTS answers (half via an edge)."""
@@ -256,7 +255,7 @@ def _wait(outcome: Outcome, struck: float) -> float | None:
 
 
 async def run(rounds: int = ROUNDS) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="bench-failover-"))
+    tmp = bench_dir("bench-failover-")
     results: dict[str, Any] = {"rounds": rounds, "requests": REQUESTS, "tokens": TOKENS}
     for fault in FAULTS:
         waits: dict[str, list[float]] = {"sdk": [], "edge": []}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from mesh.client import MeshClient
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import JsCluster, MeshProcess, Server, wait_for_worker, worker_env
-from mesh_app.bench.common import Timed, cpu_seconds, pct, table, timed_stream
+from mesh_app.bench.common import Timed, bench_dir, cpu_seconds, pct, table, timed_stream
 
 WORKERS = 4
 SLOTS = 128
@@ -168,7 +167,7 @@ async def run(
         "prefill_ms": PREFILL_MS,
     }
     for topology in TOPOLOGIES:
-        tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-fleet-"))
+        tmp = bench_dir("mesh-bench-fleet-")
         async with _fleet(topology, tmp, workers) as (
             settings,
             pids,

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from mesh.client import MeshClient
@@ -20,7 +18,7 @@ from mesh.config import load_settings
 from mesh.connection import Connection
 from mesh.models import resolve_model_path
 from mesh.testing.chaos import MeshProcess, Server, wait_for_edge, wait_for_worker
-from mesh_app.bench.common import table
+from mesh_app.bench.common import bench_dir, table
 from protocol.messages import EndEvent, TokenEvent
 
 PROMPTS = (
@@ -71,7 +69,7 @@ async def run(*, rounds: int = 6, tokens: int = 64, threads: int = 1) -> dict[st
     from llama_cpp import Llama
 
     path = resolve_model_path(None)
-    tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-model-"))
+    tmp = bench_dir("mesh-bench-model-")
     server = Server(tmp / "store")
     await server.start()
     common = {

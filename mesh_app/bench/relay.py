@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ from mesh.testing.chaos import MeshProcess, Server, wait_for_worker
 from mesh_app.bench.bare import bare, bare_process
 from mesh_app.bench.common import (
     Timed,
+    bench_dir,
     bench_worker_env,
     cpu_seconds,
     openai_backend,
@@ -263,7 +263,7 @@ HTTP_FLOOR = "bare relay, HTTP backend (aiohttp SSE -> nats-py)"
 
 
 async def run(*, streams: int = 4, tokens: int = 4000, rounds: int = 30) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-relay-"))
+    tmp = bench_dir("mesh-bench-relay-")
     server = Server(tmp / "store")
     await server.start()
     results: dict[str, Any] = {"streams": streams, "tokens": tokens}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from mesh.config import ModelSettings, load_settings
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, Server, wait_for_worker
 from mesh.testing.hf_model import hf_from_gguf
-from mesh_app.bench.common import Timed, pct, table, timed_stream
+from mesh_app.bench.common import Timed, bench_dir, pct, table, timed_stream
 from protocol.messages import InferRequest
 
 TOPICS = (
@@ -84,7 +83,7 @@ async def run(
     explicit = os.environ.get("MESH_BENCH_VLLM_MODEL")
     path = Path(explicit) if explicit else await asyncio.to_thread(hf_from_gguf)
     slots = max(concurrency) * 2
-    tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-vllm-"))
+    tmp = bench_dir("mesh-bench-vllm-")
     server = Server(tmp / "store")
     await server.start()
     worker = MeshProcess(
