@@ -14,6 +14,11 @@ edge (unset: each role's default, :mod:`mesh.write_batch`); the figures of the w
     python scripts/burst_bench.py --worker-gap-ms 1 --gap-ms 1
     python scripts/burst_bench.py
 
+``--window-ms W`` also reads each process's CPU time (``/proc/<pid>/task/*/schedstat``, in
+nanoseconds, every thread: nats-server is Go) at each counted burst's start and ``W`` ms after,
+and prints the mean a burst spends there: the CPU the processes compete for while a burst's
+requests make their way to the engine (``docs/performance.md``, issue 25's seventeenth stop).
+
 Read one run with care: on a shared 2-core machine a run's figures move by 10% and more.
 """
 
@@ -68,6 +73,49 @@ async def one(client: MeshClient, prompt: str, tokens: int, seen: Figures, kw: A
     seen.between.extend((b - a) * 1000 for a, b in itertools.pairwise(times))
 
 
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of process ``pid`` so far, in nanoseconds (finer than ``/proc``'s
+    10 ms ticks); 0 for a thread gone meanwhile."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+class Window:
+    """Each process's CPU in the first ``ms`` of every burst it is asked to watch."""
+
+    def __init__(self, ms: float, pids: dict[str, int]) -> None:
+        self.ms = ms
+        self.pids = pids
+        self.spent = dict.fromkeys(pids, 0.0)
+        self.read_at: list[float] = []
+
+    def watch(self) -> None:
+        """From now (a burst's start) to ``ms`` later, read when the loop gets there."""
+        began = time.perf_counter()
+        first = {name: cpu_ns(pid) for name, pid in self.pids.items()}
+
+        def read() -> None:
+            self.read_at.append((time.perf_counter() - began) * 1000)
+            for name, pid in self.pids.items():
+                self.spent[name] += (cpu_ns(pid) - first[name]) / 1e6
+
+        asyncio.get_running_loop().call_later(self.ms / 1000, read)
+
+    def figures(self) -> dict[str, Any]:
+        bursts = max(1, len(self.read_at))
+        return {
+            "ms": self.ms,
+            "bursts": len(self.read_at),
+            "read_at_ms_p50": pct(self.read_at, 0.5) if self.read_at else None,
+            "cpu_ms_per_burst": {name: ms / bursts for name, ms in self.spent.items()},
+        }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.gap_ms is not None:
         os.environ[ENV] = str(args.gap_ms)  # the edge's (its process inherits this environment)
@@ -80,18 +128,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     ):
         kw = {"route": "cloud"} if args.via == "edge" else {"via": "cloud"}
 
-        async def bursts(count: int) -> None:
+        pids = {"edge": mesh.edge.pid, "worker": mesh.worker.pid, "server": mesh.server.pid}
+        watched = {name: pid for name, pid in pids.items() if pid is not None}
+        window = Window(args.window_ms, {**watched, "sdk": os.getpid()}) if args.window_ms else None
+
+        async def bursts(count: int, watched: Window | None = None) -> None:
             for burst in range(count // args.streams):
                 prompts = (f"burst {burst} request {i}" for i in range(args.streams))
+                if watched is not None:
+                    watched.watch()
                 await asyncio.gather(*(one(client, p, args.tokens, seen, kw) for p in prompts))
                 await asyncio.sleep(0.02)
 
         await bursts(args.warmup)
         seen.clear()
-        pids = {"edge": mesh.edge.pid, "worker": mesh.worker.pid, "server": mesh.server.pid}
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         before["sdk"] = cpu_seconds()
-        await bursts(args.requests)
+        await bursts(args.requests, window)
         after = {name: cpu_seconds(pid) for name, pid in pids.items()}
         after["sdk"] = cpu_seconds()
     answered = len(seen.ttft)
@@ -108,6 +161,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_ms_per_request": {
             name: (after[name] - before[name]) * 1000 / max(1, answered) for name in after
         },
+        "window": window.figures() if window is not None else None,
     }
 
 
@@ -122,6 +176,9 @@ def main() -> None:
     parser.add_argument("--token-ms", type=float, default=20.0)
     parser.add_argument("--gap-ms", type=float, default=None, help="the edge's write gap")
     parser.add_argument("--worker-gap-ms", type=float, default=None, help="the worker's")
+    parser.add_argument(
+        "--window-ms", type=float, default=None, help="also each process's CPU in a burst's start"
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     figures = asyncio.run(run(args))
@@ -139,6 +196,13 @@ def main() -> None:
     )
     print(f"  whole answer p50 {total['p50']:.1f} ms, p99 {total['p99']:.1f}")
     print("  CPU a request (ms): " + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu.items()))
+    window = figures["window"]
+    if window is not None:
+        spent = ", ".join(f"{n} {ms:.2f}" for n, ms in window["cpu_ms_per_burst"].items())
+        print(
+            f"  CPU in a burst's first {window['ms']:g} ms (ms, mean of {window['bursts']} "
+            f"bursts, read at {window['read_at_ms_p50']:.1f} ms p50): {spent}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
 

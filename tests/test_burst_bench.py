@@ -18,7 +18,7 @@ def test_burst_bench_times_whole_answers_and_counts_each_processs_cpu(tmp_path: 
         "burst_bench.py",
         *("--streams", "4", "--requests", "8", "--warmup", "4", "--tokens", "3"),
         *("--prefill-ms", "5", "--token-ms", "2", "--worker-gap-ms", "4", "--gap-ms", "1"),
-        *("--json", str(out)),
+        *("--window-ms", "20", "--json", str(out)),
     )
     assert run.returncode == 0, run.stderr[-2000:]
     figures = json.loads(out.read_text())
@@ -30,3 +30,9 @@ def test_burst_bench_times_whole_answers_and_counts_each_processs_cpu(tmp_path: 
     assert set(figures["cpu_ms_per_request"]) == {"edge", "worker", "server", "sdk"}
     assert figures["cpu_ms_per_request"]["sdk"] > 0
     assert "TTFT p50" in run.stdout and "CPU a request (ms): edge" in run.stdout
+    window = figures["window"]  # each counted burst's first 20 ms, read there
+    assert (window["ms"], window["bursts"]) == (20.0, 2)
+    assert window["read_at_ms_p50"] >= 20
+    assert set(window["cpu_ms_per_burst"]) == {"edge", "worker", "server", "sdk"}
+    assert all(ms > 0 for ms in window["cpu_ms_per_burst"].values())  # a burst costs each one
+    assert "CPU in a burst's first 20 ms" in run.stdout
