@@ -201,15 +201,17 @@ class MeshClient(Lifecycle):
         whoever knows the request's ``cancel_key`` (this client's own by default: pass one of
         yours to fetch after a restart).
         """
-        if via == "cloud":  # built with what the queue needs: no copy of it after
+        # Built once with what it needs, no copy after: via the cloud its model, and a cancel key
+        # (what proves it is ours, asked again) via the cloud or when it can wait.
+        pool = self.settings.edge.cloud_model if model is None else model
+        if (via == "cloud" or deferrable) and cancel_key is None:
             request_id = new_request_id() if request_id is None else request_id
-            model = self.settings.edge.cloud_model if model is None else model
-            cancel_key = self._cancel_key(request_id) if cancel_key is None else cancel_key
+            cancel_key = self._cancel_key(request_id)
         request = self.build_request(
             prompt,
             messages=messages,
             route=route,
-            model=model,
+            model=pool if via == "cloud" else model,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -222,9 +224,7 @@ class MeshClient(Lifecycle):
             deferrable=deferrable or None,
             cancel_key=cancel_key,
         )
-        if deferrable and request.cancel_key is None:  # what proves it is ours, asked again
-            request = request.model_copy(update={"cancel_key": self._cancel_key(request.id)})
-        source = self._via_cloud(request) if via == "cloud" else self._via_edge(request)
+        source = self._via_cloud(request, pool) if via == "cloud" else self._via_edge(request)
         async with contextlib.aclosing(source):
             async for event in source:
                 yield event
@@ -383,13 +383,12 @@ class MeshClient(Lifecycle):
         except (nats.errors.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(f"resend failed: {type(exc).__name__}") from None
 
-    async def _via_cloud(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
-        model = request.model or self.settings.edge.cloud_model
+    async def _via_cloud(
+        self, request: InferRequest, model: str
+    ) -> AsyncGenerator[StreamItem, None]:
+        """``request`` as :meth:`stream` built it: for ``model``, under its cancel key."""
         if not await self._is_served(model):
             raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=request.id)
-        if request.model != model or request.cancel_key is None:
-            key = request.cancel_key or self._cancel_key(request.id)
-            request = request.model_copy(update={"model": model, "cancel_key": key})
         finished = False
         async with CloudCall(
             self.conn,
