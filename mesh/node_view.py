@@ -201,7 +201,13 @@ class NodeView:
         token = model_token(model)
         if not self.ready or (self.pool is not None and token != self.pool):
             return None
-        return any(token in {model_token(m) for m in info.models} for info in self.live())
+        now = time.monotonic()  # as live() reads it, without a list and a set per node
+        return any(
+            info.role == "worker"
+            and now - seen < self._ttl
+            and any(model_token(m) == token for m in info.models)
+            for info, seen in self._nodes.values()
+        )
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None:
         """Whether the worker ``node_id`` (serving ``model``) announced itself within
