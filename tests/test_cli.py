@@ -197,6 +197,11 @@ async def test_bench_paths_compares_every_path_on_complete_answers() -> None:
     assert rows["via cloud"]["over_queue_ttft_p50_ms"] == (
         rows["via cloud"]["ttft_p50_ms"] - rows["bare queue"]["ttft_p50_ms"]
     )
+    # the edge path beside the same hops done bare: a middle in front of that queue
+    assert "; over the bare queued middle: via edge" in text
+    assert rows["via edge"]["over_chain_ttft_p50_ms"] == (
+        rows["via edge"]["ttft_p50_ms"] - rows["bare queued middle"]["ttft_p50_ms"]
+    )
     assert "CPU per request, 5-token answers" in text
     assert "CPU split" not in text  # one length: nothing to split
 

@@ -7,7 +7,9 @@ bare nats-py processes doing the least a relay can do, as anyone would write the
   JetStream API is plainly used: :data:`QUEUE_PULLERS` loops, each ``fetch``ing one message at
   a time, the reply inbox in a header, the message acked once the answer is out;
 - the bare middle (``--middle NATS_URL``): each request on to the bare relay, each message coming
-  back published again to its client.
+  back published again to its client; on :data:`QUEUED_MIDDLE_SUBJECT` it hands each request to
+  the bare queue instead (``js.publish``, its ack awaited), the shape of a request an edge
+  escalates: client -> middle -> work queue -> relay -> middle -> client.
 
 Run as ``python -m mesh_app.bench.bare``; :func:`bare_process` starts one and yields its pid.
 """
@@ -34,6 +36,7 @@ from mesh_app.bench.common import Timed
 
 BARE_SUBJECT = "bench.bare.request"
 MIDDLE_SUBJECT = "bench.middle.request"
+QUEUED_MIDDLE_SUBJECT = "bench.middle.queued"
 QUEUE_STREAM = "BENCH_BARE_QUEUE"
 QUEUE_SUBJECT = "bench.queue.request"
 QUEUE_REPLY = "Bench-Reply"
@@ -141,12 +144,13 @@ async def _serve_bare(nats_url: str, backend_url: str) -> None:
 
 async def _serve_middle(nats_url: str) -> None:
     """The bare middle process (``python -m mesh_app.bench.bare --middle URL``): each request
-    goes on to the bare relay; each message coming back is published again to its client."""
+    goes on to the bare relay (to its work queue, on :data:`QUEUED_MIDDLE_SUBJECT`); each message
+    coming back is published again to its client."""
     nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    running: set[asyncio.Task[None]] = set()
 
-    async def on_request(msg: Msg) -> None:
-        client = msg.reply
-
+    async def relay_back(client: str, data: bytes, *, queued: bool) -> None:
         async def on_back(back: Msg) -> None:
             await nc.publish(client, back.data)
             if not back.data:
@@ -154,9 +158,22 @@ async def _serve_middle(nats_url: str) -> None:
 
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox, cb=on_back)
-        await nc.publish(BARE_SUBJECT, msg.data, reply=inbox)
+        if queued:
+            await js.publish(QUEUE_SUBJECT, data, headers={QUEUE_REPLY: inbox})
+        else:
+            await nc.publish(BARE_SUBJECT, data, reply=inbox)
+
+    async def on_request(msg: Msg) -> None:
+        await relay_back(msg.reply, msg.data, queued=False)
+
+    async def on_queued(msg: Msg) -> None:
+        # A task each: a callback awaiting the store's ack would hold up the requests behind it.
+        task = asyncio.create_task(relay_back(msg.reply, msg.data, queued=True))
+        running.add(task)
+        task.add_done_callback(running.discard)
 
     await nc.subscribe(MIDDLE_SUBJECT, queue="middle", cb=on_request)
+    await nc.subscribe(QUEUED_MIDDLE_SUBJECT, queue="middle", cb=on_queued)
     await nc.flush()
     print("ready", flush=True)
     await asyncio.Event().wait()

@@ -18,6 +18,10 @@ a benchmark backend, not a model: 50 ms prefill, 50 tokens/s per stream by defau
 - bare middle: the bare relay behind a bare nats-py process that receives each of its messages
   and publishes it again to the client: the floor for a hop in the middle, what an edge is
   (its CPU is the "bare middle" column).
+- bare queued middle: the bare middle handing each request to the bare queue instead (its ack
+  awaited, a task per request): the bare paths composed in the shape of a request an edge
+  escalates, the floor "via edge" is set beside (the middle's CPU in the "bare middle" column,
+  the relay's in "bare relay").
 
 At each concurrency the paths take turns, round after round, so they see the same load. Each
 process's CPU time is read (``/proc``) around each path's turn, so that every path gets the CPU
@@ -42,7 +46,7 @@ from typing import Any
 import aiohttp
 
 from mesh.client import MeshClient
-from mesh_app.bench.bare import MIDDLE_SUBJECT, bare, bare_process, deltas
+from mesh_app.bench.bare import MIDDLE_SUBJECT, QUEUED_MIDDLE_SUBJECT, bare, bare_process, deltas
 from mesh_app.bench.common import (
     Timed,
     bench_mesh,
@@ -53,7 +57,15 @@ from mesh_app.bench.common import (
     timed_stream,
 )
 
-PATHS = ("direct", "bare relay", "bare queue", "bare middle", "via cloud", "via edge")
+PATHS = (
+    "direct",
+    "bare relay",
+    "bare queue",
+    "bare middle",
+    "bare queued middle",
+    "via cloud",
+    "via edge",
+)
 PROCESSES = ("bench", "nats-server", "worker", "edge", "bare relay", "bare middle")
 """Whose CPU is read: ``bench`` is this process, which runs every path's clients."""
 SPLIT_ROWS = (
@@ -134,6 +146,8 @@ async def run(
                 return await bare(nc, prompt, length, queued=True)
             if path == "bare middle":
                 return await bare(nc, prompt, length, MIDDLE_SUBJECT)
+            if path == "bare queued middle":
+                return await bare(nc, prompt, length, QUEUED_MIDDLE_SUBJECT)
             if path == "via cloud":
                 return await timed_stream(client, prompt, via="cloud", max_tokens=length)
             return await timed_stream(client, prompt, route="cloud", max_tokens=length)
@@ -222,7 +236,7 @@ def _summarize(samples: dict[str, list[Timed]], tokens: int) -> dict[str, Any]:
         out[path]["added_ttft_p50_ms"] = out[path]["ttft_p50_ms"] - out["direct"]["ttft_p50_ms"]
         out[path]["added_ttft_p99_ms"] = out[path]["ttft_p99_ms"] - out["direct"]["ttft_p99_ms"]
         out[path]["added_total_p50_ms"] = out[path]["total_p50_ms"] - out["direct"]["total_p50_ms"]
-    for path in ("bare queue", "via cloud", "via edge"):
+    for path in ("bare queue", "bare queued middle", "via cloud", "via edge"):
         floor = out["bare relay"]
         out[path]["over_bare_ttft_p50_ms"] = out[path]["ttft_p50_ms"] - floor["ttft_p50_ms"]
         out[path]["over_bare_ttft_p99_ms"] = out[path]["ttft_p99_ms"] - floor["ttft_p99_ms"]
@@ -232,6 +246,13 @@ def _summarize(samples: dict[str, list[Timed]], tokens: int) -> dict[str, Any]:
     )
     out["via cloud"]["over_queue_ttft_p99_ms"] = (
         out["via cloud"]["ttft_p99_ms"] - queue["ttft_p99_ms"]
+    )
+    chain = out["bare queued middle"]
+    out["via edge"]["over_chain_ttft_p50_ms"] = (
+        out["via edge"]["ttft_p50_ms"] - chain["ttft_p50_ms"]
+    )
+    out["via edge"]["over_chain_ttft_p99_ms"] = (
+        out["via edge"]["ttft_p99_ms"] - chain["ttft_p99_ms"]
     )
     out["direct"]["n_base"] = len(base)
     return out
@@ -305,8 +326,9 @@ def render(results: dict[str, Any]) -> str:
 
 
 def _over_floors(streams: str, by_path: dict[str, Any], what: str = "") -> str:
-    """One line of TTFT differences: each queued or mesh path over the bare relay, and the
-    cloud path over the bare queue (what the mesh adds to the broker alone)."""
+    """One line of TTFT differences: each queued or mesh path over the bare relay, the cloud
+    path over the bare queue (what the mesh adds to the broker alone) and the edge path over the
+    bare queued middle (what it adds to the same hops done bare)."""
 
     def over(path: str, floor: str) -> str:
         r = by_path[path]
@@ -316,8 +338,12 @@ def _over_floors(streams: str, by_path: dict[str, Any], what: str = "") -> str:
 
     return (
         f"{streams} stream(s), {what}over the bare relay (TTFT p50 / p99): "
-        + ", ".join(over(path, "bare") for path in ("bare queue", "via cloud", "via edge"))
+        + ", ".join(
+            over(path, "bare")
+            for path in ("bare queue", "bare queued middle", "via cloud", "via edge")
+        )
         + f"; over the bare queue: {over('via cloud', 'queue')}"
+        + f"; over the bare queued middle: {over('via edge', 'chain')}"
     )
 
 
