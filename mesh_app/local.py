@@ -16,6 +16,7 @@ so that one scrape of `mesh up` sees everything. Both nodes share one NATS conne
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
@@ -23,7 +24,7 @@ from edge_node.routing import create_router
 from mesh.backends import Backend, create_backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.lifecycle import Lifecycle
+from mesh.lifecycle import Lifecycle, start_or_undo
 from mesh.logs import get_logger
 from mesh.metrics import Exposition, exposition
 from mesh.nats_server import NatsServer
@@ -49,11 +50,8 @@ class LocalMesh(Lifecycle):
         return self.settings.nats.url or ""
 
     async def start(self) -> LocalMesh:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
+        # A start that fails stops what it started; the start's error is the one raised.
+        await start_or_undo(self._start(), self.stop, "local mesh")
         return self
 
     async def _start(self) -> None:
@@ -88,20 +86,23 @@ class LocalMesh(Lifecycle):
         log.info("local mesh up", nats_url=self.nats_url, edge_subject=self.edge.subject)
 
     async def stop(self) -> None:
-        if self.edge is not None:
-            await self.edge.stop()
-        if self.worker is not None:
-            await self.worker.stop()
-        if self.worker_page is not None:
-            self.worker_page.stop()
-        if self.edge_metrics_port is not None:
-            exposition.stop(self.edge_metrics_port)
+        """In order; a step that fails is logged and the next one still runs, so that a node
+        that failed to stop leaves no connection, engine or nats-server behind."""
+        edge, worker, page, port = self.edge, self.worker, self.worker_page, self.edge_metrics_port
+        if edge is not None:
+            await _step("edge", edge.stop)
+        if worker is not None:
+            await _step("worker", worker.stop)
+        if page is not None:
+            await _step("worker metrics page", page.stop)
+        if port is not None:
+            await _step("edge metrics page", lambda: exposition.stop(port))
         for backend in self._backends:
-            await backend.close()
+            await _step("engine", backend.close)
         if self.conn is not None:
-            await self.conn.close()
+            await _step("connection", self.conn.close)
         if self.server is not None:
-            await self.server.stop()
+            await _step("nats-server", self.server.stop)
         self.edge = self.worker = self.conn = self.server = None
         self._backends = []
         self.worker_page = self.worker_metrics_port = self.edge_metrics_port = None
@@ -118,3 +119,12 @@ class LocalMesh(Lifecycle):
         if self.worker_metrics_port is not None:
             pages.append(("worker", f"port {self.worker_metrics_port}"))
         return pages
+
+
+async def _step(what: str, step: Callable[[], Awaitable[None] | None]) -> None:
+    try:
+        done = step()
+        if done is not None:
+            await done
+    except Exception:
+        log.exception("stopping the local mesh: a step failed; going on", step=what)

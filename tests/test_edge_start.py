@@ -106,3 +106,35 @@ async def test_mesh_up_with_a_port_taken_says_which_and_leaves_nothing(
             await mesh.start()
     assert "MESH_WORKER_METRICS_PORT" in raised.value.message, raised.value.message
     assert mesh.conn is None and mesh.worker is None and mesh.edge is None
+
+
+async def test_mesh_up_whose_undo_fails_too_raises_the_start_error_and_stops_the_rest(
+    settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of the undo that fails (an engine that cannot close) neither hides why the start
+    failed nor leaves the steps after it undone: the connection is closed all the same."""
+    settings.worker.model.backend = "deterministic"
+    settings.edge.model.backend = "deterministic"
+
+    async def cannot_close(self: DeterministicBackend) -> None:
+        raise RuntimeError("engine would not close")
+
+    closed: list[Connection] = []
+    close = Connection.close
+
+    async def recorded(self: Connection) -> None:
+        closed.append(self)
+        await close(self)
+
+    monkeypatch.setattr(DeterministicBackend, "close", cannot_close)
+    monkeypatch.setattr(Connection, "close", recorded)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings.worker.metrics_port = taken.getsockname()[1]
+        mesh = LocalMesh(settings)
+        with pytest.raises(UnavailableError) as raised:
+            await mesh.start()
+    assert "MESH_WORKER_METRICS_PORT" in raised.value.message, raised.value.message
+    assert len(closed) == 1 and not closed[0].connected
+    assert mesh.conn is None and mesh.worker is None and mesh.edge is None
