@@ -95,16 +95,7 @@ async def test_mesh_up_with_a_port_taken_says_which_and_leaves_nothing(
 ) -> None:
     """`mesh up` serves the worker's metrics page before its nodes start: that port taken, its
     start fails naming the setting, and undoes what it started (its connection, its engines)."""
-    settings.worker.model.backend = "deterministic"
-    settings.edge.model.backend = "deterministic"
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        settings.worker.metrics_port = taken.getsockname()[1]
-        mesh = LocalMesh(settings)
-        with pytest.raises(UnavailableError) as raised:
-            await mesh.start()
-    assert "MESH_WORKER_METRICS_PORT" in raised.value.message, raised.value.message
+    mesh = await _started_with_the_worker_port_taken(settings)
     assert mesh.conn is None and mesh.worker is None and mesh.edge is None
 
 
@@ -113,8 +104,6 @@ async def test_mesh_up_whose_undo_fails_too_raises_the_start_error_and_stops_the
 ) -> None:
     """A step of the undo that fails (an engine that cannot close) neither hides why the start
     failed nor leaves the steps after it undone: the connection is closed all the same."""
-    settings.worker.model.backend = "deterministic"
-    settings.edge.model.backend = "deterministic"
 
     async def cannot_close(self: DeterministicBackend) -> None:
         raise RuntimeError("engine would not close")
@@ -128,6 +117,16 @@ async def test_mesh_up_whose_undo_fails_too_raises_the_start_error_and_stops_the
 
     monkeypatch.setattr(DeterministicBackend, "close", cannot_close)
     monkeypatch.setattr(Connection, "close", recorded)
+    mesh = await _started_with_the_worker_port_taken(settings)
+    assert len(closed) == 1 and not closed[0].connected
+    assert mesh.conn is None and mesh.worker is None and mesh.edge is None
+
+
+async def _started_with_the_worker_port_taken(settings: MeshSettings) -> LocalMesh:
+    """A `mesh up` (deterministic engines) whose worker metrics port is taken: its start fails,
+    naming the setting."""
+    settings.worker.model.backend = "deterministic"
+    settings.edge.model.backend = "deterministic"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -136,5 +135,4 @@ async def test_mesh_up_whose_undo_fails_too_raises_the_start_error_and_stops_the
         with pytest.raises(UnavailableError) as raised:
             await mesh.start()
     assert "MESH_WORKER_METRICS_PORT" in raised.value.message, raised.value.message
-    assert len(closed) == 1 and not closed[0].connected
-    assert mesh.conn is None and mesh.worker is None and mesh.edge is None
+    return mesh
