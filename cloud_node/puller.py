@@ -42,6 +42,11 @@ log = get_logger(__name__)
 MAX_REQUESTS = 8
 """Pull requests one worker keeps outstanding at most (the consumer's max_waiting is shared)."""
 HEARTBEAT = "100"
+EXPIRY_MARGIN_S = 0.1
+"""After a request's expiry, how long before the puller counts it over without the status
+that says so (lost with a link): the server's expiry runs from when it read the request."""
+LINGER_S = 5.0
+"""How long the subscription of a request counted over that way stays, for a late delivery."""
 
 
 class Puller:
@@ -61,8 +66,14 @@ class Puller:
         self._free = free_slots
         self._total = total_slots
         self._deliver = deliver
+        self._expires = expires
         self._expires_ns = int(expires * 1_000_000_000)
         self._owed: dict[int, int] = {}
+        self._ends: dict[int, float] = {}
+        """When each request is over for sure (``loop.time()``): its expiry, from when it was
+        asked, plus :data:`EXPIRY_MARGIN_S`."""
+        self._lingering: dict[int, float] = {}
+        """Requests given up at their expiry, their subscriptions kept until then."""
         self._subs: dict[int, Subscription] = {}
         self._next = 0
         self._stopped = True
@@ -86,9 +97,13 @@ class Puller:
             await task
 
     def forget(self) -> None:
-        """After a reconnect: the requests may have gone with the old connection (their
-        subscriptions were restored, and a late delivery is still taken)."""
-        self._owed.clear()
+        """After a reconnect: give up the requests whose expiry passed meanwhile (the status
+        that ended each may have been lost with the link). Those still within their expiry are
+        kept: nats-py subscribed to them again, and after a short cut the server still holds
+        them; asked for again, they would be served beside the new ones (8 slots, a 0.5 s cut,
+        60 s expiries: 16 of a burst of 16 delivered). One a restarted server lost is given
+        up at its expiry, by the next top-up (the worker's tick)."""
+        self._give_up_expired()
 
     async def top_up(self, *, whole: bool = False) -> None:
         """Ask for as many messages as there are free slots not yet covered by a request.
@@ -102,6 +117,7 @@ class Puller:
         here), when one request's round trip would have served it all."""
         if self._stopped:
             return
+        self._give_up_expired()
         free = self._free()
         want = free - self.outstanding
         if want <= 0 or len(self._owed) >= MAX_REQUESTS:
@@ -115,6 +131,7 @@ class Puller:
         nc = self.conn.nc
         inbox = nc.new_inbox()
         self._owed[token] = want
+        self._ends[token] = asyncio.get_running_loop().time() + self._expires + EXPIRY_MARGIN_S
 
         def on_msg(msg: Msg) -> None:
             self._on_msg(token, msg)
@@ -124,8 +141,7 @@ class Puller:
             request = {"batch": want, "expires": self._expires_ns}
             await nc.publish(self._api, json.dumps(request).encode(), reply=inbox)
         except nats.errors.Error as exc:  # disconnected: the tick tries again
-            self._owed.pop(token, None)
-            self._later_close(token)
+            self._end(token)
             log.warning("pull request not sent", error=repr(exc))
 
     def _on_msg(self, token: int, msg: Msg) -> None:
@@ -137,8 +153,7 @@ class Puller:
             # The request is over (expired, or the consumer could not serve it): what it still
             # owed goes back to the pool. After an error the worker's tick asks again, not this
             # callback, so a consumer that keeps refusing cannot spin us.
-            self._owed.pop(token, None)
-            self._later_close(token)
+            self._end(token)
             if status in ("404", "408"):
                 self._renew()
             else:
@@ -148,8 +163,7 @@ class Puller:
         owed = self._owed.get(token)
         filled = owed is not None and owed <= 1
         if filled:
-            del self._owed[token]
-            self._later_close(token)  # filled: JetStream sends nothing more for it
+            self._end(token)  # filled: JetStream sends nothing more for it
         elif owed is not None:
             self._owed[token] = owed - 1
         if self._stopped:
@@ -164,6 +178,28 @@ class Puller:
         may be waiting in the stream for it."""
         run_now(self.top_up(), self._renewing, name="pull")
         write_queued(self.conn.nc, at_least=1)
+
+    def _end(self, token: int) -> None:
+        """Request ``token`` is over: what it still owed goes back to the pool."""
+        self._owed.pop(token, None)
+        self._ends.pop(token, None)
+        self._lingering.pop(token, None)
+        self._later_close(token)
+
+    def _give_up_expired(self) -> None:
+        """Requests past their expiry with no status to say so: what they owed goes back to
+        the pool. Each one's subscription stays for :data:`LINGER_S`, for a delivery still on
+        its way (one asked while the link was down reached the server late, and expires late):
+        a message is never sent where nobody reads it."""
+        now = asyncio.get_running_loop().time()
+        for token, end in list(self._ends.items()):
+            if end <= now:
+                self._owed.pop(token, None)
+                del self._ends[token]
+                self._lingering[token] = now + LINGER_S
+        for token, until in list(self._lingering.items()):
+            if until <= now:
+                self._end(token)
 
     def _later_close(self, token: int) -> None:
         """Unsubscribe outside the read loop (nats-py is in the middle of the message)."""

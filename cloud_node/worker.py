@@ -288,7 +288,7 @@ class Worker(Lifecycle):
         the store lacks of every answer in flight, so readers' gaps close now, not at the
         answer's end."""
         self.handler.recheck()  # another worker may have been handed what we held
-        self._puller.forget()  # pull requests may have gone with the old connection
+        self._puller.forget()  # pull requests that expired while the link was down
         await self._puller.top_up()
         publishers = list(self.handler.publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)

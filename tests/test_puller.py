@@ -18,6 +18,8 @@ from nats.js.errors import NotFoundError
 from cloud_node.puller import Puller
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
+from mesh.testing.proxy import TcpProxy
+from tests.conftest import make_settings
 from tests.helpers import ThreadWatcher, eventually
 
 pytestmark = pytest.mark.asyncio
@@ -213,3 +215,76 @@ async def test_a_request_that_expires_while_the_loop_is_busy_is_renewed_at_the_l
     finally:
         await puller.stop()
         watcher.close()
+
+
+@contextlib.asynccontextmanager
+async def _cut_link(nats_server: NatsServer) -> AsyncIterator[tuple[TcpProxy, Connection]]:
+    """A worker's connection through a link that can be cut; it reconnects in 0.1 s."""
+    proxy = await TcpProxy(nats_server.port).start()
+    linked = make_settings(proxy.url)
+    linked.nats.reconnect_wait = 0.1
+    try:
+        async with Connection(linked.nats, "cut-worker") as cut:
+            yield proxy, cut
+    finally:
+        await proxy.stop()
+
+
+async def _cut_and_back(proxy: TcpProxy, cut: Connection, puller: Puller, seconds: float) -> None:
+    """Cut the link for ``seconds``; once it is back, the worker's reconnect step."""
+    before = cut.reconnects
+    proxy.cut(seconds)
+
+    async def back() -> bool:
+        return cut.reconnects > before
+
+    await eventually(back, what="the link back")
+    puller.forget()
+    await puller.top_up()
+    await cut.nc.flush()
+
+
+async def test_a_pull_request_that_outlives_a_short_cut_is_not_asked_for_twice(
+    nats_server: NatsServer, conn: Connection, queue: tuple[str, str]
+) -> None:
+    """A cut shorter than the pull requests' expiry: the server still holds them when the link
+    is back, and nats-py subscribed to them again. They still count, so a burst after the
+    reconnect fills the free slots only, not twice as many (before: 16 of 16 to 8 slots), and
+    the rest waits in the stream for the slots that free up."""
+    stream, subject = queue
+    slots = Slots()
+    async with _cut_link(nats_server) as (proxy, cut):
+        puller = _puller(cut, stream, slots, LONG)
+        await puller.start()
+        await cut.nc.flush()
+        await _cut_and_back(proxy, cut, puller, 0.5)
+        await _burst(conn, subject, 2 * SLOTS)
+        jsm = conn.jsm()
+
+        async def slots_filled_and_the_rest_waiting() -> bool:
+            info = await jsm.consumer_info(stream, "w")
+            return len(slots.delivered) == SLOTS and info.num_pending == SLOTS
+
+        await eventually(slots_filled_and_the_rest_waiting, what="8 delivered, 8 waiting")
+        await _end_answers(puller, slots, SLOTS)
+        await slots.wait_for(2 * SLOTS)
+        await puller.stop()
+
+
+async def test_pull_requests_that_expired_during_a_cut_are_asked_for_again_at_once(
+    nats_server: NatsServer, conn: Connection, queue: tuple[str, str]
+) -> None:
+    """A cut longer than the pull requests' expiry: the status that ended them was lost with
+    the link, and they are counted over once the link is back, so the free slots are covered
+    again at once, not left empty."""
+    stream, subject = queue
+    slots = Slots()
+    async with _cut_link(nats_server) as (proxy, cut):
+        puller = _puller(cut, stream, slots, 0.3)
+        await puller.start()
+        await cut.nc.flush()
+        await _cut_and_back(proxy, cut, puller, 0.8)
+        assert puller.outstanding == SLOTS  # asked again, all of them
+        await _burst(conn, subject, SLOTS)
+        await slots.wait_for(SLOTS, timeout=5)
+        await puller.stop()
