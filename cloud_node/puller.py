@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
+from urllib.parse import ParseResult
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -74,6 +75,8 @@ class Puller:
         asked, plus :data:`EXPIRY_MARGIN_S`."""
         self._lingering: dict[int, float] = {}
         """Requests given up at their expiry, their subscriptions kept until then."""
+        self._server: ParseResult | None = None
+        """The server the last request was asked of."""
         self._subs: dict[int, Subscription] = {}
         self._next = 0
         self._stopped = True
@@ -98,12 +101,14 @@ class Puller:
 
     def forget(self) -> None:
         """After a reconnect: give up the requests whose expiry passed meanwhile (the status
-        that ended each may have been lost with the link). Those still within their expiry are
-        kept: nats-py subscribed to them again, and after a short cut the server still holds
-        them; asked for again, they would be served beside the new ones (8 slots, a 0.5 s cut,
-        60 s expiries: 16 of a burst of 16 delivered). One a restarted server lost is given
-        up at its expiry, by the next top-up (the worker's tick)."""
-        self._give_up_expired()
+        that ended each may have been lost with the link), or all of them when the link came
+        back to another server (they may have gone with the one they were asked of). Back at
+        the same server, those still within their expiry are kept: nats-py subscribed to them
+        again, and after a short cut the server still holds them; asked for again, they would
+        be served beside the new ones (8 slots, a 0.5 s cut, 60 s expiries: 16 of a burst of 16
+        delivered). One a restarted server lost is given up at its expiry, by the next top-up
+        (the worker's tick)."""
+        self._give_up_expired(everything=self.conn.nc.connected_url != self._server)
 
     async def top_up(self, *, whole: bool = False) -> None:
         """Ask for as many messages as there are free slots not yet covered by a request.
@@ -126,11 +131,14 @@ class Puller:
         busy = free < total
         if not whole and busy and self._owed and want < max(1, total // 4):
             return
+        nc = self.conn.nc
+        if not nc.is_connected:
+            return  # asked once the link is back (the worker's reconnect step, its tick)
         self._next += 1
         token = self._next
-        nc = self.conn.nc
         inbox = nc.new_inbox()
         self._owed[token] = want
+        self._server = nc.connected_url
         self._ends[token] = asyncio.get_running_loop().time() + self._expires + EXPIRY_MARGIN_S
 
         def on_msg(msg: Msg) -> None:
@@ -186,14 +194,15 @@ class Puller:
         self._lingering.pop(token, None)
         self._later_close(token)
 
-    def _give_up_expired(self) -> None:
-        """Requests past their expiry with no status to say so: what they owed goes back to
-        the pool. Each one's subscription stays for :data:`LINGER_S`, for a delivery still on
-        its way (one asked while the link was down reached the server late, and expires late):
-        a message is never sent where nobody reads it."""
+    def _give_up_expired(self, *, everything: bool = False) -> None:
+        """Requests past their expiry with no status to say so (``everything``: all of
+        them): what they owed goes back to the pool. Each one's subscription stays for
+        :data:`LINGER_S`, for a delivery still on its way (one asked while the link was down
+        reached the server late, and expires late): a message is never sent where nobody reads
+        it."""
         now = asyncio.get_running_loop().time()
         for token, end in list(self._ends.items()):
-            if end <= now:
+            if end <= now or everything:
                 self._owed.pop(token, None)
                 del self._ends[token]
                 self._lingering[token] = now + LINGER_S
