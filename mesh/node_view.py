@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import nats.errors
@@ -190,23 +191,22 @@ class NodeView:
         )
 
     def live(self, role: str = "worker") -> list[NodeInfo]:
+        return list(self._alive(role))
+
+    def _alive(self, role: str) -> Iterator[NodeInfo]:
+        """The nodes of ``role`` heard from within ``ttl``, one at a time."""
         now = time.monotonic()
-        return [
-            info
-            for info, seen in self._nodes.values()
-            if info.role == role and now - seen < self._ttl
-        ]
+        for info, seen in self._nodes.values():
+            if info.role == role and now - seen < self._ttl:
+                yield info
 
     def serves(self, model: str) -> bool | None:
         token = model_token(model)
         if not self.ready or (self.pool is not None and token != self.pool):
             return None
-        now = time.monotonic()  # as live() reads it, without a list and a set per node
+        # Stops at the first worker that serves it: no list of nodes, no set per node.
         return any(
-            info.role == "worker"
-            and now - seen < self._ttl
-            and any(model_token(m) == token for m in info.models)
-            for info, seen in self._nodes.values()
+            any(model_token(m) == token for m in info.models) for info in self._alive("worker")
         )
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None:
