@@ -81,6 +81,19 @@ async def subscribe_inline(
     return sub
 
 
+def make_inline(sub: Subscription, handler: Handler) -> None:
+    """Turn a subscription made by someone else with a callback (a micro service's endpoint)
+    into an inline one: its task stops, and ``handler`` takes each message in the read loop
+    from now on, those already waiting first, in order."""
+    waiting = sub._pending_queue
+    sub._stop_processing()  # cancels the task that waits on the queue (none is handled there)
+    inline = _Inline(sub, handler)
+    sub._pending_queue = inline  # type: ignore[assignment]
+    sub._message_iterator = None
+    while not waiting.empty():
+        inline.put_nowait(waiting.get_nowait())
+
+
 class Inboxes:
     """Reply inboxes ``<prefix>.<n>``, all read through one inline subscription to
     ``<prefix>.*``: a request waits on an inbox of its own without a subscription and an

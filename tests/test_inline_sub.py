@@ -11,7 +11,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from mesh.inline_sub import Inboxes, subscribe_inline
+from mesh.inline_sub import Inboxes, make_inline, subscribe_inline
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import Server
 
@@ -72,6 +72,42 @@ async def test_messages_reach_the_handler_in_order_from_the_read_loop(
         await nc.close()
         if pub is not None:
             await pub.close()
+
+
+async def test_a_callback_subscription_made_inline_hands_on_what_waits_in_its_queue_in_order(
+    nats_server: NatsServer,
+) -> None:
+    """``make_inline`` (the edge's ``infer`` endpoint, which nats-py's micro service subscribes
+    with a callback): the callback's task stops, the messages queued behind it reach the handler
+    first, in order, and every later one from the read loop."""
+    nc = await nats.connect(nats_server.url)
+    got, in_callback = Got(), Got()
+    held = asyncio.Event()
+
+    async def callback(msg: Msg) -> None:
+        in_callback.take(msg)
+        await held.wait()  # holds the subscription's task: the rest queue up behind it
+
+    try:
+        sub = await nc.subscribe("inline.made", cb=callback)
+        for i in range(20):
+            await nc.publish("inline.made", str(i).encode())
+        await in_callback.reach(1)
+        await nc.flush()  # the server sent all 20 back before it answered the PING
+        assert sub.pending_msgs == 19
+        task = sub._wait_for_msgs_task
+        make_inline(sub, got.take)
+        assert got == [str(i).encode() for i in range(1, 20)]
+        for i in range(20, 40):
+            await nc.publish("inline.made", str(i).encode())
+        await got.reach(39)
+        assert got == [str(i).encode() for i in range(1, 40)]
+        assert in_callback == [b"0"]
+        assert task is not None and task.done()  # it ends when cancelled
+        assert sub.pending_msgs == 0 and sub.pending_bytes == 0
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
 
 
 async def test_a_handler_that_raises_loses_that_message_only(nats_server: NatsServer) -> None:
