@@ -364,7 +364,7 @@ class EdgeNode(Lifecycle):
         """
         fingerprints = Fingerprints(req)  # the client's request's, and its queued copy's
         try:
-            record, new = self.records.open(scope, req.id, fingerprints.of(req.model))
+            record, new = self.records.open(scope, req.id, fingerprints.lazily(req.model))
         except DuplicateRequestError as err:
             self.counts.refused(err)
             with contextlib.suppress(MeshError):

@@ -200,7 +200,8 @@ def _event(item: Logged) -> WireEvent:
 class Record:
     scope: str
     client_id: str
-    fingerprint: str
+    fingerprint_of: Callable[[], str]
+    """The request's fingerprint, worked out when a request under the same id asks for it."""
     state: AnswerState
     log: list[Logged] = field(default_factory=list)
     """What was passed on, in order (see :data:`Logged`)."""
@@ -337,12 +338,15 @@ class Records:
         self._expire()
         return self._records.get((scope, client_id))
 
-    def open(self, scope: str, client_id: str, fingerprint: str) -> tuple[Record, bool]:
+    def open(
+        self, scope: str, client_id: str, fingerprint: Callable[[], str]
+    ) -> tuple[Record, bool]:
         """The record for this request, and whether it is new. Raises
-        :class:`DuplicateRequestError` when the id is taken by other content in this scope."""
+        :class:`DuplicateRequestError` when the id is taken by other content in this scope
+        (``fingerprint`` gives the request's: called only then, for each of the two)."""
         existing = self.get(scope, client_id)
         if existing is not None:
-            if existing.fingerprint != fingerprint:
+            if existing.fingerprint_of() != fingerprint():
                 raise DuplicateRequestError(
                     f"request id {client_id!r} is in use by a different request of yours; "
                     "use a new id",
@@ -363,6 +367,10 @@ class Records:
         key = (record.scope, record.client_id)
         if self._records.get(key) is not record:
             return
+        # Worked out now, after the answer: a finished record keeps its fingerprint, not the
+        # request it would be made from.
+        fingerprint = record.fingerprint_of()
+        record.fingerprint_of = lambda: fingerprint
         record.finished_at = time.monotonic()
         self._finished[key] = record.finished_at
         self._expire()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import time
@@ -211,17 +212,19 @@ class CloudCall(Lifecycle):
         )
         self.scope = scope
         self.subject = token_subject(scope, self.request.id)
-        # One serialization of a long conversation, where the caller has one already.
-        self.fingerprint = (
-            fingerprints.of(self.request.model)
+        # One serialization of a long conversation, where the caller has one already; worked
+        # out when the answer's start comes, not before the request leaves.
+        queued = self.request
+        fingerprint = (
+            fingerprints.lazily(queued.model)
             if fingerprints is not None
-            else request_fingerprint(self.request)
+            else functools.partial(request_fingerprint, queued)
         )
         self.store = AnswerStore(conn, stream)
         self.ack: api.PubAck | None = None
         self.reader = AnswerReader(
             conn,
-            AnswerState(self.request.id, fingerprint=self.fingerprint),
+            AnswerState(queued.id, fingerprint=fingerprint),
             store_repair(self.store.replay, self.subject),
             what="the cloud",
             pending_limit=pending_limit,

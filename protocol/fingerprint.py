@@ -4,8 +4,10 @@ tell the same question under the same id from another one."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from protocol.messages import InferRequest
@@ -43,19 +45,37 @@ class Fingerprints:
     175 us a fingerprint here); for one fingerprint :func:`request_fingerprint` is the faster."""
 
     def __init__(self, request: InferRequest) -> None:
-        blob = _json(_asks(request))
-        # The keys are sorted: "model" goes right before "raw". The last ',"raw":' is that key:
-        # only strings (quotes escaped), numbers and nulls follow it.
-        at = blob.rindex(',"raw":')
-        self._head = hashlib.blake2b(_utf8(blob[:at] + ',"model":'), digest_size=8)
-        self._tail = _utf8(blob[at:])
+        self._request: InferRequest | None = request
+        self._head = hashlib.blake2b(digest_size=8)
+        self._tail = b""
+        self._of: dict[str | None, str] = {}
 
     def of(self, model: str | None) -> str:
-        """The fingerprint of the request under ``model`` (None: under none)."""
+        """The fingerprint of the request under ``model`` (None: under none). The first call
+        serializes and hashes the request; each model's fingerprint is kept."""
+        found = self._of.get(model)
+        if found is not None:
+            return found
+        if self._request is not None:
+            blob = _json(_asks(self._request))
+            self._request = None
+            # The keys are sorted: "model" goes right before "raw". The last ',"raw":' is that
+            # key: only strings (quotes escaped), numbers and nulls follow it.
+            at = blob.rindex(',"raw":')
+            self._head = hashlib.blake2b(_utf8(blob[:at] + ',"model":'), digest_size=8)
+            self._tail = _utf8(blob[at:])
         hashed = self._head.copy()  # the conversation is hashed once, whatever the model
         hashed.update(_utf8(_json(model_token(model) if model else None)))
         hashed.update(self._tail)
-        return hashed.hexdigest()
+        fingerprint: str = hashed.hexdigest()
+        self._of[model] = fingerprint
+        return fingerprint
+
+    def lazily(self, model: str | None) -> Callable[[], str]:
+        """:meth:`of` ``model``, worked out when first called: a fingerprint that is compared
+        only when something else turns up under the same id (an edge's record) or when the
+        answer's ``start`` comes (``AnswerState``) is then not made on the way to the engine."""
+        return functools.partial(self.of, model)
 
 
 _ENCODER = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))

@@ -31,6 +31,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -184,13 +185,19 @@ class AnswerState:
 
     ``fingerprint``: the fingerprint of the request this reader sent, when it knows it; a
     ``start`` for another request under the same id ends the answer in a ``duplicate`` error.
+    Given as a function, it is worked out when the first ``start`` comes: while the engine
+    prefills, not on the way to it.
     """
 
     def __init__(
-        self, request_id: str, *, fingerprint: str | None = None, max_held: int = MAX_HELD
+        self,
+        request_id: str,
+        *,
+        fingerprint: str | Callable[[], str] | None = None,
+        max_held: int = MAX_HELD,
     ) -> None:
         self.request_id = request_id
-        self.fingerprint = fingerprint
+        self._fingerprint = fingerprint
         self.attempt = 0
         """The current attempt; 0 until the first ``start``."""
         self.node = ""
@@ -379,8 +386,15 @@ class AnswerState:
         if logprobs is not None:
             self._logprobs[position] = logprobs
 
+    @property
+    def fingerprint(self) -> str | None:
+        fingerprint = self._fingerprint
+        if callable(fingerprint):
+            fingerprint = self._fingerprint = fingerprint()
+        return fingerprint
+
     def _start(self, event: StartEvent, out: list[WireEvent]) -> None:
-        if self.fingerprint and event.req and event.req != self.fingerprint:
+        if event.req and self._fingerprint and event.req != self.fingerprint:
             out.extend(
                 self.fail(
                     DuplicateRequestError(

@@ -5,8 +5,12 @@ a full collection (which stops the event loop) does not grow with the answers ke
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+
+import pytest
 
 from edge_node.records import Records
+from protocol.errors import DuplicateRequestError
 from protocol.messages import EndEvent, StartEvent, TokenEvent, TokenLogprob, Usage, token_event
 
 
@@ -27,7 +31,7 @@ def answer(request_id: str, tokens: int) -> list[object]:
 
 async def test_a_kept_answer_replays_whole_and_its_tokens_are_not_tracked() -> None:
     records = Records(replay_window=60)
-    record, new = records.open("scope", "r1", "fp")
+    record, new = records.open("scope", "r1", lambda: "fp")
     assert new
     events = answer("r1", 50)
     await record.emit(events[:20])
@@ -48,7 +52,7 @@ async def test_a_kept_answer_replays_whole_and_its_tokens_are_not_tracked() -> N
 
 async def test_a_token_with_logprobs_is_kept_as_it_came() -> None:
     records = Records(replay_window=60)
-    record, _ = records.open("scope", "r2", "fp")
+    record, _ = records.open("scope", "r2", lambda: "fp")
     with_logprobs = TokenEvent(
         id="r2", seq=0, text=" a", attempt=1, logprobs=[TokenLogprob(token=" a", logprob=-0.1)]
     )
@@ -57,3 +61,29 @@ async def test_a_token_with_logprobs_is_kept_as_it_came() -> None:
     await record.attach(late)
     assert late.events[1] == with_logprobs
     assert late.events[1].logprobs[0].logprob == -0.1  # type: ignore[attr-defined]
+
+
+def test_a_records_fingerprint_is_made_only_when_its_id_comes_again_or_it_ends() -> None:
+    """An edge opens a record without its request's fingerprint (made on the way to the engine
+    before); a request under the same id asks for both, and a finished record keeps its own."""
+    made: list[str] = []
+
+    def fingerprint(value: str) -> Callable[[], str]:
+        def make() -> str:
+            made.append(value)
+            return value
+
+        return make
+
+    records = Records(replay_window=60)
+    first, new = records.open("scope", "r3", fingerprint("a"))
+    assert new and made == []
+    same, new = records.open("scope", "r3", fingerprint("a"))
+    assert same is first and not new and made == ["a", "a"]
+    with pytest.raises(DuplicateRequestError):
+        records.open("scope", "r3", fingerprint("b"))
+    records.finished(first)
+    made.clear()
+    with pytest.raises(DuplicateRequestError):
+        records.open("scope", "r3", fingerprint("c"))
+    assert made == ["c"]  # the finished record's own was kept, not made again

@@ -191,6 +191,30 @@ def test_another_requests_content_under_the_same_id_is_a_duplicate_error() -> No
     assert len(out) == 1 and isinstance(out[0], ErrorEvent) and out[0].code == "duplicate"
 
 
+def test_a_fingerprint_given_as_a_function_is_worked_out_once_when_the_start_comes() -> None:
+    """A reader's own fingerprint, given lazily (an edge's queued copy, the SDK via the cloud),
+    is made when the answer's start comes, not before the request leaves, and only once."""
+    asked: list[str] = []
+
+    def mine() -> str:
+        asked.append("mine")
+        return request_fingerprint(InferRequest(id=RID, prompt="mine", model="m"))
+
+    theirs = request_fingerprint(InferRequest(id=RID, prompt="theirs", model="m"))
+    state = AnswerState(RID, fingerprint=mine)
+    assert asked == []
+    out = state.feed_all([AnswerWriter(RID, fingerprint=theirs).start()]).out
+    assert asked == ["mine"]
+    assert len(out) == 1 and isinstance(out[0], ErrorEvent) and out[0].code == "duplicate"
+
+    writer = AnswerWriter(RID, fingerprint=mine())
+    asked.clear()
+    state = AnswerState(RID, fingerprint=mine)
+    out = state.feed_all([writer.start(), writer.token("my text"), writer.token(" more")]).out
+    assert [getattr(e, "text", None) for e in out] == [None, "my text", " more"]
+    assert state.fingerprint == writer.fingerprint and asked == ["mine"]
+
+
 def test_held_events_are_bounded() -> None:
     writer = AnswerWriter(RID)
     state = AnswerState(RID, max_held=8)
