@@ -4,8 +4,7 @@ Each handler checks what a client may ask (its own reply inbox, its own records)
 request to the edge's entry point (:meth:`EdgeNode.serve`, given as :attr:`IntakeParts.serve`);
 it returns at once, since nats-py runs one subscription's callbacks one at a time. ``infer``'s
 runs in the connection's read loop (:func:`mesh.inline_sub.make_inline`): each request reaches a
-task of its own one hop sooner than through the subscription's task (edge CPU a request at 32
-streams -0.16 ms, docs/performance.md).
+task of its own without a wake-up of the subscription's task on the way.
 
 ``$SRV.STATS.mesh-edge`` counts, per endpoint, the typed errors it answered (``num_errors``,
 ``last_error``). nats-py's micro counts an error only when a handler raises; the edge answers
