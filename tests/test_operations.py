@@ -248,6 +248,13 @@ async def test_micro_stats_count_each_endpoints_typed_errors(
     await eventually(counted, timeout=5, what="the infer endpoint's 4 errors")
     infer, answer = endpoints["infer"], endpoints["answer"]
     assert infer["num_requests"] == 5
+    assert int(str(infer["processing_time"])) > 0  # the read loop's hand-off, timed as micro does
+    # Taken in the read loop (mesh.inline_sub.make_inline): a nats-py that moved the micro
+    # service's private parts would leave the endpoint on its callback, and fail here.
+    infer_endpoint = ops_edge.intake._infer
+    assert infer_endpoint is not None and infer_endpoint._subscription is not None
+    assert infer_endpoint._subscription._pending_queue.empty()
+    assert type(infer_endpoint._subscription._pending_queue).__name__ == "_Inline"
     assert str(infer["last_error"]).startswith("404:unknown_model: ")
     assert answer["num_requests"] == 1 and answer["num_errors"] == 1
     assert str(answer["last_error"]).startswith("503:unavailable: ")
