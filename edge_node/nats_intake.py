@@ -74,9 +74,20 @@ from protocol.subjects import (
 log = get_logger(__name__)
 
 
+_ENDPOINT_PARTS = ("_num_requests", "_num_errors", "_last_error", "_processing_time")
+_SUBSCRIPTION_PARTS = ("_pending_queue", "_stop_processing", "_message_iterator", "_pending_size")
+"""The private parts of nats-py's micro endpoint and subscription the read-loop intake uses."""
+
+
 async def _send_quietly(sink: NatsSink, event: ErrorEvent) -> None:
     with contextlib.suppress(MeshError):
         await sink.send(event)
+
+
+async def _respond_error(request: Request, exc: Exception) -> None:
+    if request._msg.reply:
+        with contextlib.suppress(nats.errors.Error, ValueError):
+            await request.respond_error("500", repr(exc)[:500])
 
 
 def reply_of(request: Request) -> str:
@@ -147,6 +158,9 @@ class NatsIntake:
         self.errors = {name: EndpointErrors() for name in ("infer", "cancel", "resend", "answer")}
         self.service: EdgeService | None = None
         self._infer: Endpoint | None = None
+        self._refusals = TaskSet("edge-refusals")
+        """Refusals sent from the read loop: apart from the requests (``parts.tasks``), so
+        that they neither count toward the concurrency limit nor are cancelled with them."""
 
     async def start(self, metadata: dict[str, str]) -> EdgeService:
         """The micro service ``mesh-edge`` and its endpoints (``metadata``: the service keeps
@@ -174,14 +188,21 @@ class NatsIntake:
         # Requests are taken in the read loop, not in the subscription's task: one task hop
         # less for each (private parts of nats-py's micro service: where an upgrade moved
         # them, the endpoint keeps its callback; tests/test_operations.py reads its stats).
-        self._infer = next(
+        infer = next(
             (e for e in getattr(service, "_endpoints", ()) if getattr(e, "_name", "") == "infer"),
             None,
         )
-        sub = getattr(self._infer, "_subscription", None)
-        if sub is not None and hasattr(self._infer, "_processing_time"):
-            make_inline(sub, self._on_infer)
+        sub = getattr(infer, "_subscription", None)
+        if all(hasattr(infer, name) for name in _ENDPOINT_PARTS) and all(
+            hasattr(sub, name) for name in _SUBSCRIPTION_PARTS
+        ):
+            self._infer = infer
+            make_inline(sub, self._on_infer)  # type: ignore[arg-type]
         return service
+
+    async def close(self, timeout: float) -> None:
+        """Once the endpoints stopped: the refusals still being sent get ``timeout`` seconds."""
+        await self._refusals.close(grace=timeout)
 
     async def resync(self) -> None:
         """After the edge's link came back (a recovery step, :meth:`Connection.on_reconnect`).
@@ -232,8 +253,16 @@ class NatsIntake:
         """In the read loop: one message to the ``infer`` endpoint, counted as the micro
         service counts a request."""
         began = time.perf_counter_ns()
-        self.take(Request(msg))
+        request = Request(msg)
         endpoint = self._infer
+        try:
+            self.take(request)
+        except Exception as exc:  # answered as nats-py's micro service answers a raising handler
+            log.exception("request intake failed", subject=msg.subject)
+            if endpoint is not None:
+                endpoint._num_errors += 1
+                endpoint._last_error = repr(exc)  # type: ignore[assignment]
+            self._refusals.spawn(_respond_error(request, exc), name="edge-intake-failure")
         if endpoint is not None:
             endpoint._num_requests += 1
             endpoint._processing_time += time.perf_counter_ns() - began
@@ -259,7 +288,7 @@ class NatsIntake:
             self.parts.counts.refused(error)
             fmt = sniff(request.data, request.headers).reply_format
             sink = self._sink(reply, "", fmt, streaming=False)
-            self.parts.tasks.spawn(_send_quietly(sink, error_event(error)), name="edge-refusal")
+            self._refusals.spawn(_send_quietly(sink, error_event(error)), name="edge-refusal")
             return
         self.parts.tasks.spawn(self._serve(request, reply), name="edge-request")
 

@@ -272,6 +272,7 @@ class EdgeNode(Lifecycle):
         if self.site is not None:
             await self.site.stop()
         await stop_service(self.conn, self._service, self.conn.settings.request_timeout)
+        await self.intake.close(timeout=1.0)
         await self.models.close()
         await self.nodes.stop()
         budget = self.budget

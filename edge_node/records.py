@@ -367,13 +367,13 @@ class Records:
         key = (record.scope, record.client_id)
         if self._records.get(key) is not record:
             return
+        record.finished_at = time.monotonic()
+        self._finished[key] = record.finished_at
+        self._expire()
         # Worked out now, after the answer: a finished record keeps its fingerprint, not the
         # request it would be made from.
         fingerprint = record.fingerprint_of()
         record.fingerprint_of = lambda: fingerprint
-        record.finished_at = time.monotonic()
-        self._finished[key] = record.finished_at
-        self._expire()
 
     def _expire(self) -> None:
         """Forget finished records past the window, and the oldest finished ones beyond the

@@ -58,12 +58,12 @@ class Fingerprints:
             return found
         if self._request is not None:
             blob = _json(_asks(self._request))
-            self._request = None
             # The keys are sorted: "model" goes right before "raw". The last ',"raw":' is that
             # key: only strings (quotes escaped), numbers and nulls follow it.
             at = blob.rindex(',"raw":')
             self._head = hashlib.blake2b(_utf8(blob[:at] + ',"model":'), digest_size=8)
             self._tail = _utf8(blob[at:])
+            self._request = None  # hashed: the request itself is not kept
         hashed = self._head.copy()  # the conversation is hashed once, whatever the model
         hashed.update(_utf8(_json(model_token(model) if model else None)))
         hashed.update(self._tail)

@@ -128,7 +128,7 @@ async def edge(conn: Connection, settings: MeshSettings, tokens: int) -> float:
         counts=EdgeCounts(),
     )
     request = InferRequest(prompt="chain", max_tokens=tokens, stream=True, model="smollm2")
-    record, _ = Records(60).open("client", request.id, "fingerprint")
+    record, _ = Records(60).open("client", request.id, lambda: "fingerprint")
     sink = NatsSink(conn, "_INBOX.chain.x", request.id, WireFormat.MSGPACK, streaming=True)
     record.sinks.append(sink)
     relay = CloudRelay(

@@ -1,0 +1,96 @@
+"""The edge's NATS intake, taken in the connection's read loop (``edge_node.nats_intake``): a
+request it cannot take is refused with a typed error, never left without a reply, whether the
+edge is full or stopping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.config import MeshSettings, ModelSettings
+from mesh.connection import Connection
+from tests.helpers import eventually
+
+HANG = b'{"prompt": "[hang] hold the only slot", "route": "local"}'
+ASK = b'{"prompt": "hi", "route": "local", "max_tokens": 2}'
+
+
+def error_of(data: bytes) -> tuple[str, str]:
+    event = json.loads(data)
+    assert event["t"] == "err", event
+    return event["code"], event["message"]
+
+
+async def test_requests_over_the_limit_and_while_stopping_get_a_typed_refusal(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    settings.edge.http_port = -1
+    settings.edge.max_concurrent = 1
+    edge = EdgeNode(
+        settings,
+        conn,
+        DeterministicBackend(ModelSettings(backend="deterministic", slots=4)),
+        HeuristicRouter(),
+    )
+    await edge.start()
+    try:
+        held = asyncio.create_task(conn.nc.request(edge.subject, HANG, timeout=30))
+
+        async def holding() -> bool:
+            return len(edge.tasks) == 1
+
+        await eventually(holding, what="the hanging request in flight")
+        refused = await asyncio.gather(
+            *(conn.nc.request(edge.subject, ASK, timeout=5) for _ in range(8))
+        )
+        assert [error_of(r.data) for r in refused] == [
+            ("overloaded", "edge is at its concurrency limit")
+        ] * 8
+        assert len(edge.tasks) == 1  # the refusals never counted toward the limit
+
+        stopping = asyncio.create_task(edge.stop(grace=1.0))  # the hung request holds it 1 s
+
+        async def not_accepting() -> bool:
+            return not edge.accepting
+
+        await eventually(not_accepting, what="the edge stopping")
+        late = await conn.nc.request(edge.subject, ASK, timeout=5)
+        assert error_of(late.data) == ("overloaded", "edge is stopping")
+        await stopping
+        code, _message = error_of((await held).data)
+        assert code == "unavailable"  # the hung request, cut off by the stop: told so
+    finally:
+        await edge.stop(grace=0)
+
+
+async def test_an_intake_that_fails_answers_an_error_as_a_micro_service_would(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """A bug in the read-loop intake (here: made to raise) still answers its client, with the
+    500 nats-py's micro service sends for a handler that raises, and counts it in the stats."""
+    settings.edge.http_port = -1
+    edge = EdgeNode(
+        settings,
+        conn,
+        DeterministicBackend(ModelSettings(backend="deterministic", slots=4)),
+        HeuristicRouter(),
+    )
+    await edge.start()
+    try:
+
+        def broken(_request: object) -> None:
+            raise RuntimeError("a bug in the intake")
+
+        edge.intake.take = broken  # type: ignore[method-assign]
+        reply = await conn.nc.request(edge.subject, ASK, timeout=5)
+        assert reply.headers is not None
+        assert reply.headers["Nats-Service-Error-Code"] == "500"
+        assert "a bug in the intake" in reply.headers["Nats-Service-Error"]
+        assert edge.intake.service is not None
+        infer = next(e for e in edge.intake.service.stats().endpoints if e.name == "infer")
+        assert (infer.num_requests, infer.num_errors) == (1, 1)
+    finally:
+        await edge.stop(grace=0)
