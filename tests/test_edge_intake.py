@@ -18,6 +18,14 @@ HANG = b'{"prompt": "[hang] hold the only slot", "route": "local"}'
 ASK = b'{"prompt": "hi", "route": "local", "max_tokens": 2}'
 
 
+async def started_edge(settings: MeshSettings, conn: Connection) -> EdgeNode:
+    settings.edge.http_port = -1
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=4))
+    edge = EdgeNode(settings, conn, backend, HeuristicRouter())
+    await edge.start()
+    return edge
+
+
 def error_of(data: bytes) -> tuple[str, str]:
     event = json.loads(data)
     assert event["t"] == "err", event
@@ -27,15 +35,8 @@ def error_of(data: bytes) -> tuple[str, str]:
 async def test_requests_over_the_limit_and_while_stopping_get_a_typed_refusal(
     settings: MeshSettings, conn: Connection
 ) -> None:
-    settings.edge.http_port = -1
     settings.edge.max_concurrent = 1
-    edge = EdgeNode(
-        settings,
-        conn,
-        DeterministicBackend(ModelSettings(backend="deterministic", slots=4)),
-        HeuristicRouter(),
-    )
-    await edge.start()
+    edge = await started_edge(settings, conn)
     try:
         held = asyncio.create_task(conn.nc.request(edge.subject, HANG, timeout=30))
 
@@ -71,14 +72,7 @@ async def test_an_intake_that_fails_answers_an_error_as_a_micro_service_would(
 ) -> None:
     """A bug in the read-loop intake (here: made to raise) still answers its client, with the
     500 nats-py's micro service sends for a handler that raises, and counts it in the stats."""
-    settings.edge.http_port = -1
-    edge = EdgeNode(
-        settings,
-        conn,
-        DeterministicBackend(ModelSettings(backend="deterministic", slots=4)),
-        HeuristicRouter(),
-    )
-    await edge.start()
+    edge = await started_edge(settings, conn)
     try:
 
         def broken(_request: object) -> None:
