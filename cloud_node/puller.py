@@ -68,7 +68,6 @@ class Puller:
         self._total = total_slots
         self._deliver = deliver
         self._expires = expires
-        self._expires_ns = int(expires * 1_000_000_000)
         self._owed: dict[int, int] = {}
         self._ends: dict[int, float] = {}
         """When each request is over for sure (``loop.time()``): its expiry, from when it was
@@ -146,7 +145,7 @@ class Puller:
 
         try:
             self._subs[token] = await subscribe_inline(nc, inbox, on_msg)
-            request = {"batch": want, "expires": self._expires_ns}
+            request = {"batch": want, "expires": int(self._expires * 1_000_000_000)}
             await nc.publish(self._api, json.dumps(request).encode(), reply=inbox)
         except nats.errors.Error as exc:  # disconnected: the tick tries again
             self._end(token)

@@ -16,6 +16,7 @@ Only ``infer`` carries the edge's counters as its ``data``: they are about its r
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -85,7 +86,7 @@ async def _send_quietly(sink: NatsSink, event: ErrorEvent) -> None:
 
 
 async def _respond_error(request: Request, exc: Exception) -> None:
-    if request._msg.reply:
+    if reply_of(request):
         with contextlib.suppress(nats.errors.Error, ValueError):
             await request.respond_error("500", repr(exc)[:500])
 
@@ -158,6 +159,7 @@ class NatsIntake:
         self.errors = {name: EndpointErrors() for name in ("infer", "cancel", "resend", "answer")}
         self.service: EdgeService | None = None
         self._infer: Endpoint | None = None
+        """The ``infer`` endpoint, once its requests are taken in the read loop."""
         self._refusals = TaskSet("edge-refusals")
         """Refusals sent from the read loop: apart from the requests (``parts.tasks``), so
         that they neither count toward the concurrency limit nor are cancelled with them."""
@@ -197,7 +199,7 @@ class NatsIntake:
             hasattr(sub, name) for name in _SUBSCRIPTION_PARTS
         ):
             self._infer = infer
-            make_inline(sub, self._on_infer)  # type: ignore[arg-type]
+            make_inline(sub, functools.partial(self._on_infer, infer))  # type: ignore[arg-type]
         return service
 
     async def close(self, timeout: float) -> None:
@@ -249,24 +251,21 @@ class NatsIntake:
         subscription's task): only until :meth:`start` makes the subscription inline."""
         self.take(request)
 
-    def _on_infer(self, msg: Msg) -> None:
+    def _on_infer(self, endpoint: Endpoint, msg: Msg) -> None:
         """In the read loop: one message to the ``infer`` endpoint, counted as the micro
         service counts a request."""
         began = time.perf_counter_ns()
         request = Request(msg)
-        endpoint = self._infer
         try:
             self.take(request)
         except Exception as exc:  # answered as nats-py's micro service answers a raising handler
             log.exception("request intake failed", subject=msg.subject)
-            if endpoint is not None:
-                endpoint._num_errors += 1
-                endpoint._last_error = repr(exc)  # type: ignore[assignment]
+            endpoint._num_errors += 1
+            endpoint._last_error = repr(exc)  # type: ignore[assignment]
             self._refusals.spawn(_respond_error(request, exc), name="edge-intake-failure")
-        if endpoint is not None:
-            endpoint._num_requests += 1
-            endpoint._processing_time += time.perf_counter_ns() - began
-            endpoint._average_processing_time = endpoint._processing_time // endpoint._num_requests
+        endpoint._num_requests += 1
+        endpoint._processing_time += time.perf_counter_ns() - began
+        endpoint._average_processing_time = endpoint._processing_time // endpoint._num_requests
 
     def take(self, request: Request) -> None:
         """Check what a request may ask, and hand it to a task of its own at once (this runs

@@ -76,8 +76,7 @@ async def subscribe_inline(
     """Subscribe to ``subject`` with ``handler`` called for each message in the read loop. The
     subscription behaves like any other for unsubscribe, drain and reconnects."""
     sub = await nc.subscribe(subject, queue=queue)  # no callback: nats-py starts no task
-    sub._pending_queue = _Inline(sub, handler)  # type: ignore[assignment]
-    sub._message_iterator = None  # never iterated; it and the subscription refer to each other
+    _install(sub, handler)
     return sub
 
 
@@ -87,11 +86,17 @@ def make_inline(sub: Subscription, handler: Handler) -> None:
     from now on, those already waiting first, in order."""
     waiting = sub._pending_queue
     sub._stop_processing()  # cancels the task that waits on the queue (none is handled there)
-    inline = _Inline(sub, handler)
-    sub._pending_queue = inline  # type: ignore[assignment]
-    sub._message_iterator = None
+    inline = _install(sub, handler)
     while not waiting.empty():
         inline.put_nowait(waiting.get_nowait())
+
+
+def _install(sub: Subscription, handler: Handler) -> _Inline:
+    """Put ``handler`` in the place of ``sub``'s pending queue."""
+    inline = _Inline(sub, handler)
+    sub._pending_queue = inline  # type: ignore[assignment]
+    sub._message_iterator = None  # never iterated; it and the subscription refer to each other
+    return inline
 
 
 class Inboxes:
