@@ -40,7 +40,8 @@ from edge_node.relay import RelayParts
 from edge_node.report import canonical_line, observe
 from edge_node.router import CloudBudget, Router, budget_of
 from edge_node.served import CloudModels
-from edge_node.site import SiteParts, SiteStore
+from edge_node.site import SiteStore
+from edge_node.site_links import SiteParts
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection, stop_service

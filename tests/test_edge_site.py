@@ -231,17 +231,17 @@ async def test_an_offline_site_holds_requests_that_can_wait_and_loses_none(
                 await eventually(
                     functools.partial(_held, edge, i + 1), timeout=10, what=f"{i + 1} held"
                 )
-            assert edge.site.forwarded == 1  # only the warm-up went out
+            assert edge.site.links.forwarded == 1  # only the warm-up went out
             started_before = topology.backend.started
 
             # The uplink comes back: everything held flows to the hub, in order.
             uplink.restore()
             await eventually(lambda: _forwarded(edge, 11), timeout=30, what="held forwarded")
-            assert list(edge.site.forward_order)[1:] == ids
+            assert list(edge.site.links.forward_order)[1:] == ids
             # ... and the link drops again at once, while the worker is still answering: those
             # answers wait on the hub, and the site collects them when the link returns.
             uplink.cut(2)
-            collected_in_outage = edge.site.collected
+            collected_in_outage = edge.site.links.collected
             answers = await asyncio.wait_for(asyncio.gather(*waits), timeout=60)
             for i, answer in enumerate(answers):
                 assert answer.path == "cloud" and answer.text == expected_text(f"h{i}", 20)
@@ -251,7 +251,7 @@ async def test_an_offline_site_holds_requests_that_can_wait_and_loses_none(
                 assert (await client.answer(rid)).text == expected_text(f"h{i}", 20)
         generated = topology.backend.started - started_before
         print(
-            f"\nheld 10, forwarded {edge.site.forwarded - 1}, answered {len(answers)}, "
+            f"\nheld 10, forwarded {edge.site.links.forwarded - 1}, answered {len(answers)}, "
             f"generated {generated}, lost 0, duplicated {generated - len(ids)}"
         )
         assert generated == len(ids)  # no request was generated twice
@@ -264,7 +264,7 @@ async def _held(edge: EdgeNode, n: int) -> bool:
 
 async def _forwarded(edge: EdgeNode, n: int) -> bool:
     assert edge.site is not None
-    return edge.site.forwarded >= n
+    return edge.site.links.forwarded >= n
 
 
 @pytest.mark.chaos

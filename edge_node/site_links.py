@@ -1,0 +1,260 @@
+"""An edge site's links to the hub: the forwarder and the collector (see :mod:`edge_node.site`).
+
+The *forwarder* takes the site's outbox one held request at a time, in order, and publishes each
+to the hub's work queue through the leaf link; only after the hub's ack does it ack the outbox
+copy, and while the uplink is down it keeps the request and tries again. A request the hub
+refuses for good is answered with a typed error kept at the site. The *collector* reads the
+site's answers through a durable hub consumer filtered to its own scope, writes each into the
+site's ``MESH_KEPT`` and only then acks it on the hub. A flap at any point means a retry, never
+a loss or a second copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import APIError
+
+from edge_node.lanes import lane_secret
+from edge_node.served import CloudModels
+from mesh import kept
+from mesh.config import EdgeSettings, StreamSettings
+from mesh.connection import Connection
+from mesh.logs import get_logger
+from mesh.queue import MSG_ID_HEADER, STORE_FULL_CODES
+from mesh.tasks import TaskSet, raise_if_cancelled
+from protocol.codec import WireFormat, dump, error_event
+from protocol.errors import UnavailableError
+from protocol.subjects import (
+    ANSWERS_STREAM,
+    KEPT_STREAM,
+    OUTBOX_STREAM,
+    infer_subject,
+    kept_subject,
+    site_consumer,
+)
+
+log = get_logger(__name__)
+FORWARDER = "forwarder"
+RETRY_S = 1.0
+"""Pause between tries while the uplink is down."""
+OUTBOX_ACK_WAIT_S = 30.0
+HELD_ID_HEADER = "Mesh-Id"
+"""A held request's id (its outbox message id also carries its fingerprint)."""
+
+
+@dataclass(frozen=True)
+class SiteParts:
+    """What the site uses of the edge."""
+
+    conn: Connection
+    edge_id: str
+    scope: str
+    creds_file: str | None
+    """The site's credentials (a secret of its own is drawn from them)."""
+    edge: EdgeSettings
+    stream: StreamSettings
+    models: CloudModels
+    """Whether a worker pool serves a model."""
+
+
+class SiteLinks:
+    """The forwarder and the collector, each a supervised loop that retries until it is back."""
+
+    def __init__(self, parts: SiteParts) -> None:
+        self.parts = parts
+        self.conn = parts.conn
+        self.scope = parts.scope
+        self._tasks = TaskSet("edge-site")
+        self._pulls: list[Any] = []
+        self.forwarded = 0
+        self.collected = 0
+        self.forward_order: deque[str] = deque(maxlen=1000)
+        """Ids of the latest forwarded requests, in the order they reached the hub."""
+        self._lane_secret = lane_secret(parts.creds_file)
+
+    async def start(self) -> None:
+        """The outbox's forwarder consumer, then both loops (the streams exist already)."""
+        try:
+            await self.conn.site_jsm().add_consumer(
+                OUTBOX_STREAM,
+                api.ConsumerConfig(
+                    durable_name=FORWARDER,
+                    ack_policy=api.AckPolicy.EXPLICIT,
+                    ack_wait=OUTBOX_ACK_WAIT_S,
+                    max_ack_pending=1,  # one at a time: forwarded in the order held
+                    max_deliver=-1,
+                ),
+            )
+        except (APIError, asyncio.TimeoutError) as exc:
+            raise UnavailableError(f"the site cannot hold requests: {exc!r}") from None
+        self._tasks.supervise(self._forward_loop, name="site-forward")
+        self._tasks.supervise(self._collect_loop, name="site-collect")
+
+    async def stop(self) -> None:
+        await self._tasks.close()
+        for psub in self._pulls:  # else the connection's drain waits on them
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await psub.unsubscribe()
+        self._pulls.clear()
+
+    # -- forwarder -----------------------------------------------------------------------------
+    async def _forward_loop(self) -> None:
+        psub = await self.conn.site_js().pull_subscribe_bind(FORWARDER, stream=OUTBOX_STREAM)
+        self._pulls.append(psub)
+        while True:
+            raise_if_cancelled()  # one the fetch's wait_for swallowed (Python 3.11)
+            try:
+                msgs = await psub.fetch(1, timeout=5.0)
+            except nats.errors.TimeoutError:
+                continue
+            for msg in msgs:
+                try:
+                    await self._forward(msg)
+                except asyncio.CancelledError:
+                    # Stopping: hand it back now, so the next forwarder need not wait ack_wait.
+                    with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(msg.nak()), 1.0)
+                    raise
+
+    def _queue_id(self, scope: str, request_id: str) -> str:
+        """The held request's message id in the hub's queue: ``<scope>.<id>``, so that a
+        repeat of its forward (or the same id held again, whatever its content) is dropped
+        there, then a tag only this site can make. JetStream drops a publish whose id it has
+        seen, whoever sent it, and a sender may put any id on a message in its own lane: with
+        ``<scope>.<id>`` alone, another site knowing an id could keep this site's request out
+        of the queue. The tag comes from the site's credentials (none on an open server, where
+        nothing keeps senders apart anyway)."""
+        if self._lane_secret is None:
+            return f"{scope}.{request_id}"
+        tag = hmac.new(self._lane_secret, request_id.encode(), hashlib.sha256).hexdigest()
+        return f"{scope}.{request_id}.{tag[:16]}"
+
+    async def _forward(self, msg: Msg) -> None:
+        """Publish one held request to the hub's queue, retrying until the hub acks it; then
+        let the outbox copy go."""
+        model, scope = _outbox_parts(msg.subject)
+        headers = {
+            k: v for k, v in (msg.headers or {}).items() if k not in (MSG_ID_HEADER, HELD_ID_HEADER)
+        }
+        headers[MSG_ID_HEADER] = self._queue_id(scope, _held_id(msg))
+        last_progress = time.monotonic()
+        while True:
+            try:
+                await self.conn.publish_acked(
+                    infer_subject(model, scope),
+                    msg.data,
+                    stream=self.parts.stream.name,
+                    headers=headers,
+                    timeout=self.conn.settings.request_timeout,
+                )
+                break
+            except APIError as exc:
+                if not _queue_full(exc):
+                    await self._refused(msg, f"the hub refused it: {exc.description}")
+                    return  # for good: answered with a typed error, not held forever
+                log.debug("forward refused for now; holding on", error=repr(exc))
+            except (asyncio.TimeoutError, nats.errors.Error) as exc:
+                log.debug("forward failed; holding on", error=repr(exc))
+            await asyncio.sleep(RETRY_S)
+            if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.in_progress()
+                last_progress = time.monotonic()
+        self.forwarded += 1
+        self.forward_order.append(_held_id(msg))
+        with contextlib.suppress(nats.errors.Error):
+            await msg.ack_sync(timeout=self.conn.settings.request_timeout)
+        log.info("held request forwarded", request_id=_held_id(msg))
+
+    async def _refused(self, msg: Msg, reason: str) -> None:
+        """A held request the hub will never take: keep a typed error as its answer (so its
+        client hears it, now or when it asks again) and let the outbox go on."""
+        request_id = _held_id(msg)
+        fingerprint = (msg.headers or {}).get(MSG_ID_HEADER, "").rpartition(".")[2]
+        error = error_event(UnavailableError(reason, request_id=request_id), request_id)
+        try:
+            await self.conn.publish_acked(
+                kept_subject(request_id),
+                dump(error, WireFormat.MSGPACK),
+                stream=KEPT_STREAM,
+                headers={MSG_ID_HEADER: request_id, kept.FINGERPRINT_HEADER: fingerprint},
+            )
+        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            log.warning("refused request not answered; retrying later", error=repr(exc))
+            return  # not acked: redelivered after ack_wait
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await msg.ack_sync(timeout=self.conn.settings.request_timeout)
+        log.warning("held request refused by the hub", request_id=request_id, reason=reason)
+
+    # -- collector -----------------------------------------------------------------------------
+    async def _collect_loop(self) -> None:
+        consumer = site_consumer(self.scope)
+        psub = None
+        while psub is None:
+            try:
+                # The consumer is a worker's to create, before it keeps this site's first
+                # answer; an edge under credentials may only look it up and pull from it.
+                await self.conn.jsm().consumer_info(ANSWERS_STREAM, consumer)
+                psub = await self.conn.js.pull_subscribe_bind(consumer, stream=ANSWERS_STREAM)
+                self._pulls.append(psub)
+            except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
+                log.debug("answers not collectable yet", error=repr(exc))
+                await asyncio.sleep(RETRY_S)
+        while True:
+            raise_if_cancelled()
+            try:
+                msgs = await psub.fetch(16, timeout=5.0)
+            except nats.errors.TimeoutError:
+                continue
+            except nats.errors.Error as exc:  # the uplink is down: no responders
+                log.debug("collect failed", error=repr(exc))
+                await asyncio.sleep(RETRY_S)
+                continue
+            for msg in msgs:
+                await self._collect(msg)
+
+    async def _collect(self, msg: Msg) -> None:
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        try:
+            fingerprint = (msg.headers or {}).get(kept.FINGERPRINT_HEADER, "")
+            await self.conn.publish_acked(
+                kept_subject(request_id),
+                msg.data,
+                stream=KEPT_STREAM,
+                headers={MSG_ID_HEADER: request_id, kept.FINGERPRINT_HEADER: fingerprint},
+            )
+        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            log.warning("answer not kept at the site; the hub redelivers it", error=repr(exc))
+            return
+        self.collected += 1
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await msg.ack()
+        log.info("answer collected", request_id=request_id)
+
+
+def _queue_full(exc: APIError) -> bool:
+    """The hub's queue is full for now (the request waits), not refusing it for good."""
+    text = str(exc.description or "").lower()
+    full = exc.err_code in STORE_FULL_CODES
+    return full or "maximum messages" in text or "maximum bytes" in text
+
+
+def _outbox_parts(subject: str) -> tuple[str, str]:
+    """(model, scope) of ``mesh.v1.outbox.<model>.<scope>``."""
+    parts = subject.split(".")
+    return parts[3], parts[4]
+
+
+def _held_id(msg: Msg) -> str:
+    return (msg.headers or {}).get(HELD_ID_HEADER, "")
