@@ -15,7 +15,8 @@ The edge daemon talks only to its site's leaf-node nats-server, which runs JetSt
    site's ``MESH_KEPT`` (message id = the request id), and only then
    acks it on the hub. A flap at any point means a retry, never a loss or a second copy.
 5. The client's request waits for its answer in ``MESH_KEPT`` until its deadline; past that (or
-   after a disconnect) it asks again by id (``mesh.v1.edge.<edge>.answer``).
+   after a disconnect) it asks again by id (``mesh.v1.edge.<edge>.answer``). The deadline bounds
+   the holding too: a site whose JetStream stops answering ends the request at its deadline.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import functools
 import hmac
 import json
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import nats.errors
 from nats.js.errors import APIError, NotFoundError
@@ -38,6 +40,7 @@ from mesh import kept
 from mesh.logs import get_logger
 from mesh.provision import provisioned
 from mesh.queue import MSG_ID_HEADER
+from mesh.tasks import raise_if_cancelled
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
@@ -46,6 +49,7 @@ from protocol.codec import (
     to_exception,
 )
 from protocol.errors import (
+    DeadlineExceededError,
     DuplicateRequestError,
     MeshError,
     UnavailableError,
@@ -64,6 +68,7 @@ from protocol.subjects import (
 )
 
 log = get_logger(__name__)
+T = TypeVar("T")
 SERVED_CHECK_S = 1.0
 """How long a request that can wait waits to learn whether its model has a pool at all."""
 
@@ -100,15 +105,11 @@ class SiteStore:
     # -- a request ---------------------------------------------------------------------------
     async def relay(self, req: InferRequest, decision: RouteDecision, record: Record) -> None:
         """Hold ``req``, then pass its kept answer on when it comes (or a typed error saying it
-        is still held when the client's wait ends first)."""
+        is still held when the client's wait ends first). The request's deadline bounds every
+        read and write of the site's JetStream here, not only the wait: a site that stopped
+        answering ends the request at its deadline, not each read's timeout later."""
         es = self.parts.edge
         model = req.model or es.cloud_model
-        try:
-            served = await asyncio.wait_for(self.parts.models.deployed(model), SERVED_CHECK_S)
-        except asyncio.TimeoutError:
-            served = True  # the hub is out of reach: hold it (an unknown model ends at deadline)
-        if not served:
-            raise UnknownModelError(f"no worker pool serves {model!r}", request_id=req.id)
         queued = req.model_copy(
             update={
                 "model": model,
@@ -122,12 +123,20 @@ class SiteStore:
         )
         wait_until = req.deadline if req.deadline is not None else time.time() + es.request_timeout
         fingerprint = request_fingerprint(queued)
+        held = asyncio.Event()
         sub = await self.conn.nc.subscribe(kept_subject(req.id))
         try:
-            found = await self.kept_with_fingerprint(req.id)
+            found = await _by(wait_until, self._held_or_kept(queued, fingerprint, req, held))
             if found is None:
-                await self.hold(queued, model, fingerprint, claim_key=req.cancel_key)
                 found = await self._wait(sub, wait_until)
+        except asyncio.TimeoutError:
+            raise_if_cancelled()
+            if not held.is_set():
+                raise DeadlineExceededError(
+                    "the request's deadline passed before the edge site could hold it",
+                    request_id=req.id,
+                ) from None
+            found = None  # held: told so below, as a wait that ended first
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
@@ -144,7 +153,17 @@ class SiteStore:
                 request_id=req.id,
                 retry_after=30.0,
             )
-        if not await self._claimed(req.id, fingerprint, req.cancel_key):
+        try:
+            claimed = await _by(wait_until, self._claimed(req.id, fingerprint, req.cancel_key))
+        except asyncio.TimeoutError:
+            raise_if_cancelled()
+            raise UnavailableError(
+                "the answer is kept at the edge site but its claim could not be read before the "
+                "deadline; ask again later by id",
+                request_id=req.id,
+                retry_after=1.0,
+            ) from None
+        if not claimed:
             # Kept for another sender (another app, another client's key) asking the same.
             raise DuplicateRequestError(
                 f"request id {req.id!r} is in use at this site by another sender",
@@ -152,12 +171,35 @@ class SiteStore:
             )
         await emit_outcome(record, outcome)
 
+    async def _held_or_kept(
+        self, queued: InferRequest, fingerprint: str, req: InferRequest, held: asyncio.Event
+    ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
+        """The answer kept already, or None once ``queued`` is held (``held`` set then)."""
+        model = queued.model or ""
+        try:
+            served = await asyncio.wait_for(self.parts.models.deployed(model), SERVED_CHECK_S)
+        except asyncio.TimeoutError:
+            raise_if_cancelled()
+            served = True  # the hub is out of reach: hold it (an unknown model ends at deadline)
+        if not served:
+            raise UnknownModelError(f"no worker pool serves {model!r}", request_id=req.id)
+        found = await self.kept_with_fingerprint(req.id)
+        if found is None:
+            await self.hold(queued, model, fingerprint, claim_key=req.cancel_key, held=held)
+        return found
+
     async def hold(
-        self, req: InferRequest, model: str, fingerprint: str, *, claim_key: str | None = None
+        self,
+        req: InferRequest,
+        model: str,
+        fingerprint: str,
+        *,
+        claim_key: str | None = None,
+        held: asyncio.Event | None = None,
     ) -> None:
         """Into the outbox, once per (id, content): the same request sent again is held once;
         another under its id is held too, and told ``duplicate`` when the first one's answer
-        comes."""
+        comes. ``held`` is set once the outbox has it."""
         try:
             ack = await self.conn.publish_acked(
                 outbox_subject(model, self.scope),
@@ -173,12 +215,23 @@ class SiteStore:
             raise UnavailableError(
                 f"the site could not hold the request: {type(exc).__name__}", request_id=req.id
             ) from None
+        if held is not None:
+            held.set()
         log.info("request held at the site", request_id=req.id, duplicate=ack.duplicate)
         claim = {"fp": fingerprint, "key": key_hash(claim_key)}
-        with contextlib.suppress(APIError):  # held before under this id: the first claim stays
+        try:
             await self.conn.publish_acked(
                 claim_subject(req.id), json.dumps(claim).encode(), stream=CLAIMS_STREAM
             )
+        except APIError:
+            pass  # held before under this id: the first claim stays
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError(
+                f"held at the edge site, but its claim was not written ({type(exc).__name__}): "
+                "ask again later by id",
+                request_id=req.id,
+                retry_after=30.0,
+            ) from None
 
     async def kept(self, request_id: str) -> Answer | ErrorEvent | None:
         """The kept answer of ``request_id`` at this site, if it came."""
@@ -253,6 +306,11 @@ def _outcome(data: bytes) -> Answer | ErrorEvent | None:
     except MeshError:
         return None
     return event if isinstance(event, (Answer, ErrorEvent)) else None
+
+
+async def _by(until: float, work: Awaitable[T]) -> T:
+    """``work``, given until ``until`` (Unix seconds): past it, ``asyncio.TimeoutError``."""
+    return await asyncio.wait_for(work, max(0.0, until - time.time()))
 
 
 async def emit_outcome(record: Record, outcome: Answer | ErrorEvent) -> None:

@@ -26,7 +26,7 @@ from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.queue import MSG_ID_HEADER
-from mesh.testing.chaos import expected_text
+from mesh.testing.chaos import expected_text, paused
 from mesh.testing.proxy import TcpProxy
 from mesh_app.creds import Minted, mint
 from protocol.errors import DuplicateRequestError, MeshError, UnavailableError
@@ -137,7 +137,9 @@ async def topology(tmp_path: Path, certs: Certs) -> AsyncIterator[Topology]:  # 
 
 
 @contextlib.asynccontextmanager
-async def running_mesh(topo: Topology, *, http: bool = False) -> AsyncIterator[None]:
+async def running_mesh(
+    topo: Topology, *, http: bool = False, edge_timeout: float | None = None
+) -> AsyncIterator[None]:
     # A one-slot worker taking 150 ms per answer: answers keep landing for a while.
     worker_settings = topo.hub_settings("worker-w1", MESH_WORKER_MODEL_PREFILL_DELAY_MS="150")
     async with contextlib.AsyncExitStack() as stack:
@@ -149,6 +151,8 @@ async def running_mesh(topo: Topology, *, http: bool = False) -> AsyncIterator[N
             settings = topo.site_settings(site)
             if http:
                 settings.edge.http_port = 0
+            if edge_timeout is not None:  # a request without a deadline of its own gets this
+                settings.edge.request_timeout = edge_timeout
             econn = await stack.enter_async_context(Connection(settings.nats, f"edge-{site}"))
             local = DeterministicBackend(settings.edge.model)
             topo.edges[site] = await stack.enter_async_context(
@@ -499,3 +503,54 @@ async def test_another_site_cannot_keep_a_held_request_out_of_the_hubs_queue(
             )
     assert answer.text == expected_text("b", 6)
     assert answer.end.served_by.startswith("cloud:")
+
+
+async def test_a_site_that_stops_answering_ends_a_request_that_can_wait_at_its_deadline(
+    topology: Topology,
+) -> None:
+    """The site's leaf nats-server frozen (SIGSTOP by its PID) when a request that can wait comes
+    in over HTTP: each read of the site's JetStream would wait out its own timeout (1 s for the
+    served check, then 2 s for the kept answer here), but the request's deadline (the edge's
+    request timeout, 1.5 s) bounds them all: a typed `deadline_exceeded` at 1.5 s, not an
+    error 3 s in. Once the leaf runs again, the same request sent again is held and answered."""
+    import aiohttp
+
+    site = "site-a"
+    key = next(
+        key
+        for key, app in parse_keys((topology.minted.out / f"api-keys-{site}").read_text()).items()
+        if app == "kiosk"
+    )
+    body = {
+        "messages": [{"role": "user", "content": "[tag:f] plan the quarter"}],
+        "max_tokens": 5,
+        "service_tier": "flex",
+    }
+    headers = {
+        "X-Request-Id": "frozen-1",
+        "X-Mesh-Route": "cloud",
+        "Authorization": f"Bearer {key}",
+    }
+    async with running_mesh(topology, http=True, edge_timeout=1.5):
+        edge, leaf = topology.edges[site], topology.leaves[site]
+        assert edge.http is not None and leaf.pid is not None
+        async with aiohttp.ClientSession(edge.http.url) as web:
+            with paused(leaf.pid):
+                began = time.monotonic()
+                async with web.post("/v1/chat/completions", json=body, headers=headers) as resp:
+                    refused = await resp.json()
+                took = time.monotonic() - began
+            assert resp.status == 504, refused
+            assert refused["error"]["code"] == "deadline_exceeded"
+            assert 1.4 < took < 2.2, took
+
+            async def answered() -> bool:
+                async with web.post("/v1/chat/completions", json=body, headers=headers) as resp:
+                    reply = await resp.json()
+                if resp.status != 200:  # held, its answer not come yet: asked again by id
+                    assert resp.status == 503 and reply["error"]["code"] == "unavailable", reply
+                    return False
+                assert reply["choices"][0]["message"]["content"] == expected_text("f", 5)
+                return True
+
+            await eventually(answered, timeout=30, what="the request held and answered")
