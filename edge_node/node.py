@@ -40,7 +40,7 @@ from edge_node.relay import RelayParts
 from edge_node.report import canonical_line, observe
 from edge_node.router import CloudBudget, Router, budget_of
 from edge_node.served import CloudModels
-from edge_node.site import SiteStore
+from edge_node.site import SiteStore, still_held
 from edge_node.site_links import SiteParts
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -55,6 +55,7 @@ from mesh.tracing import Tracing
 from protocol.codec import error_event
 from protocol.errors import (
     CancelledByClientError,
+    DeadlineExceededError,
     DuplicateRequestError,
     ErrorCode,
     MeshError,
@@ -349,6 +350,19 @@ class EdgeNode(Lifecycle):
             await asyncio.sleep(1.0)
 
     # -- answering ------------------------------------------------------------------------
+    async def _past_deadline(self, record: Record, request_id: str) -> None:
+        """End a request whose deadline passed first (one its site holds: ask again by id)."""
+        err = (
+            still_held(request_id)
+            if record.held
+            else DeadlineExceededError(
+                "the request's deadline passed before its answer ended", request_id=request_id
+            )
+        )
+        self.stats.inc(f"error.{err.code.value}")
+        log.info("request past its deadline", code=err.code.value)
+        await record.fail(err)
+
     async def serve(
         self,
         req: InferRequest,
@@ -384,6 +398,9 @@ class EdgeNode(Lifecycle):
             return record
         record.sinks.append(sink)
         record.task = asyncio.current_task()
+        record.expire_at(
+            req.deadline if req.deadline is not None else time.time() + self._es.request_timeout
+        )
         received = time.perf_counter() if received is None else received
         traced = trace_id((trace or {}).get("traceparent"))
         with bound(
@@ -402,6 +419,9 @@ class EdgeNode(Lifecycle):
                         MeshError("the edge lost track of the answer", code=ErrorCode.INTERNAL)
                     )
             except asyncio.CancelledError:
+                if record.expired:  # its deadline passed
+                    await self._past_deadline(record, req.id)
+                    return record
                 if self.accepting:  # the client's cancel
                     log.info("request cancelled by client")
                     self.stats.inc("cancelled")
@@ -421,6 +441,7 @@ class EdgeNode(Lifecycle):
                 log.exception("request crashed")
                 await record.fail(MeshError("edge failure", code=ErrorCode.INTERNAL))
             finally:
+                record.disarm()
                 record.task = None
                 self.records.finished(record)
                 canonical_line(record, received, streaming=sink.streaming)

@@ -44,6 +44,8 @@ SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 MAX_RECORDS = 10_000
 MAX_SINKS = 16
 """Readers one request in flight may have (its sender's re-sends joined to it)."""
+EXPIRY_AGAIN_S = 0.25
+"""How often an expired request's task is cancelled again while it has not ended."""
 
 
 class Sink(Protocol):
@@ -210,10 +212,37 @@ class Record:
     finished_at: float | None = None
     restarts: int = 0
     """Times the answer passed on had to start over."""
+    expired: bool = False
+    """Its deadline passed before its answer ended: its task was cancelled (:meth:`expire_at`)."""
+    held: bool = False
+    """An edge site holds the request: past its deadline its client asks again by id."""
+    _expiry: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
 
     @property
     def done(self) -> bool:
         return self.state.done
+
+    def expire_at(self, deadline: float) -> None:
+        """Cancel :attr:`task` at ``deadline`` (Unix seconds) unless the answer ended by then:
+        one bound for every path, whatever it awaits (a local slot, a generation, a store that
+        stopped answering, a client that stopped reading). Each cancel is made again every
+        ``EXPIRY_AGAIN_S`` until the task ends, in case one was swallowed."""
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.call_at(loop.time() + max(0.0, deadline - time.time()), self._expire)
+
+    def _expire(self) -> None:
+        task = self.task
+        if task is None or task.done() or self.done:
+            return
+        self.expired = True
+        task.cancel()
+        self._expiry = asyncio.get_running_loop().call_later(EXPIRY_AGAIN_S, self._expire)
+
+    def disarm(self) -> None:
+        """The task ended: no cancel for it any more."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     async def emit(self, events: list[WireEvent]) -> None:
         """Pass events on to every sink, in order (a sink that fails is skipped, logged)."""

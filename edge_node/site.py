@@ -123,15 +123,14 @@ class SiteStore:
         )
         wait_until = req.deadline if req.deadline is not None else time.time() + es.request_timeout
         fingerprint = request_fingerprint(queued)
-        held = asyncio.Event()
         sub = await self.conn.nc.subscribe(kept_subject(req.id))
         try:
-            found = await _by(wait_until, self._held_or_kept(queued, fingerprint, req, held))
+            found = await _by(wait_until, self._held_or_kept(queued, fingerprint, req, record))
             if found is None:
                 found = await self._wait(sub, wait_until)
         except asyncio.TimeoutError:
             raise_if_cancelled()
-            if not held.is_set():
+            if not record.held:
                 raise DeadlineExceededError(
                     "the request's deadline passed before the edge site could hold it",
                     request_id=req.id,
@@ -147,12 +146,7 @@ class SiteStore:
                 request_id=req.id,
             )
         if outcome is None:
-            raise UnavailableError(
-                "held at the edge site until the cloud answers (the uplink may be down); ask "
-                "again later by id",
-                request_id=req.id,
-                retry_after=30.0,
-            )
+            raise still_held(req.id)
         try:
             claimed = await _by(wait_until, self._claimed(req.id, fingerprint, req.cancel_key))
         except asyncio.TimeoutError:
@@ -172,9 +166,9 @@ class SiteStore:
         await emit_outcome(record, outcome)
 
     async def _held_or_kept(
-        self, queued: InferRequest, fingerprint: str, req: InferRequest, held: asyncio.Event
+        self, queued: InferRequest, fingerprint: str, req: InferRequest, record: Record
     ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
-        """The answer kept already, or None once ``queued`` is held (``held`` set then)."""
+        """The answer kept already, or None once ``queued`` is held (``record.held`` then)."""
         model = queued.model or ""
         try:
             served = await asyncio.wait_for(self.parts.models.deployed(model), SERVED_CHECK_S)
@@ -185,7 +179,7 @@ class SiteStore:
             raise UnknownModelError(f"no worker pool serves {model!r}", request_id=req.id)
         found = await self.kept_with_fingerprint(req.id)
         if found is None:
-            await self.hold(queued, model, fingerprint, claim_key=req.cancel_key, held=held)
+            await self.hold(queued, model, fingerprint, claim_key=req.cancel_key, record=record)
         return found
 
     async def hold(
@@ -195,11 +189,11 @@ class SiteStore:
         fingerprint: str,
         *,
         claim_key: str | None = None,
-        held: asyncio.Event | None = None,
+        record: Record | None = None,
     ) -> None:
         """Into the outbox, once per (id, content): the same request sent again is held once;
         another under its id is held too, and told ``duplicate`` when the first one's answer
-        comes. ``held`` is set once the outbox has it."""
+        comes. ``record`` is marked held once the outbox has it."""
         try:
             ack = await self.conn.publish_acked(
                 outbox_subject(model, self.scope),
@@ -215,8 +209,8 @@ class SiteStore:
             raise UnavailableError(
                 f"the site could not hold the request: {type(exc).__name__}", request_id=req.id
             ) from None
-        if held is not None:
-            held.set()
+        if record is not None:
+            record.held = True
         log.info("request held at the site", request_id=req.id, duplicate=ack.duplicate)
         claim = {"fp": fingerprint, "key": key_hash(claim_key)}
         try:
@@ -306,6 +300,16 @@ def _outcome(data: bytes) -> Answer | ErrorEvent | None:
     except MeshError:
         return None
     return event if isinstance(event, (Answer, ErrorEvent)) else None
+
+
+def still_held(request_id: str) -> UnavailableError:
+    """What the client of a request its site holds hears when its wait ends first."""
+    return UnavailableError(
+        "held at the edge site until the cloud answers (the uplink may be down); ask again "
+        "later by id",
+        request_id=request_id,
+        retry_after=30.0,
+    )
 
 
 async def _by(until: float, work: Awaitable[T]) -> T:

@@ -1,0 +1,93 @@
+"""A request's deadline bounds its whole stay at an edge, whatever path it takes: a local answer
+that would run past it, a wait for a local slot, a cloud call. Past it the client gets one typed
+``deadline_exceeded`` at the deadline (the tokens it had stay what they were), not a complete
+answer seconds later and not silence. One bound in one place (``Record.expire_at``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.client import MeshClient
+from mesh.config import MeshSettings, ModelSettings
+from mesh.connection import Connection
+from protocol.errors import DeadlineExceededError
+from protocol.messages import TokenEvent
+from tests.helpers import eventually
+
+LATE_S = 0.5
+"""How far past its deadline a request may end here (a loaded 2-core machine)."""
+
+
+async def started_edge(settings: MeshSettings, conn: Connection, **model: float) -> EdgeNode:
+    settings.edge.http_port = -1
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=1, **model))
+    edge = EdgeNode(settings, conn, backend, HeuristicRouter())
+    await edge.start()
+    return edge
+
+
+async def test_a_local_answer_that_would_outrun_its_deadline_ends_in_a_typed_error_at_it(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """200 tokens at 20 ms each take 4 s; the deadline is 1 s away. The client gets the tokens
+    made by then, in order, and then ``deadline_exceeded``; then the edge answers the next
+    request in full (the slot was given back)."""
+    edge = await started_edge(settings, conn, token_delay_ms=20)
+    try:
+        async with MeshClient(settings=settings) as client:
+            tokens: list[TokenEvent] = []
+            deadline = time.time() + 1.0
+
+            async def read() -> None:
+                async for event in client.stream(
+                    "[tag:d] a long story", route="local", max_tokens=200, deadline=deadline
+                ):
+                    if isinstance(event, TokenEvent):
+                        tokens.append(event)
+
+            with pytest.raises(DeadlineExceededError):
+                await read()
+            late = time.time() - deadline
+            assert -0.05 < late < LATE_S, late
+            assert 0 < len(tokens) < 200
+            assert [t.seq for t in tokens] == list(range(len(tokens)))
+            assert edge.stats.get("error.deadline_exceeded") == 1
+            after = await client.complete("[tag:e] short", route="local", max_tokens=3)
+            assert after.path == "local" and after.end.usage.completion_tokens == 3
+    finally:
+        await edge.stop(grace=0)
+
+
+async def test_a_request_waiting_for_a_local_slot_ends_at_its_deadline(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """The only local slot is held by an answer that never ends; a request that must answer
+    locally, sent as the ``nats`` CLI sends (JSON, a reply subject), waits for the slot until its
+    deadline and is then told so, instead of waiting on."""
+    edge = await started_edge(settings, conn)
+    try:
+        hung = asyncio.create_task(
+            conn.nc.request(edge.subject, b'{"prompt": "[hang] hold it", "route": "local"}', 30)
+        )
+
+        async def holding() -> bool:
+            return len(edge.tasks) == 1
+
+        await eventually(holding, what="the hung request holding the slot")
+        deadline = time.time() + 1.0
+        body = {"prompt": "hi", "route": "local", "max_tokens": 2, "deadline": deadline}
+        reply = await conn.nc.request(edge.subject, json.dumps(body).encode(), timeout=5)
+        late = time.time() - deadline
+        event = json.loads(reply.data)
+        assert (event["t"], event["code"]) == ("err", "deadline_exceeded"), event
+        assert -0.05 < late < LATE_S, late
+        hung.cancel()
+    finally:
+        await edge.stop(grace=0)
