@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -52,6 +53,7 @@ from protocol.codec import (
     to_exception,
 )
 from protocol.errors import (
+    DeadlineExceededError,
     IncompleteAnswerError,
     MeshError,
     MeshTimeoutError,
@@ -85,6 +87,8 @@ StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
 """How long a request the edge was not subscribed for is sent again (an edge daemon restarting)
 before the client says nobody serves it."""
+_CLOCK_SLACK_S = 0.001
+"""A wait that ends this near the deadline ended at it (timers run a little early or late)."""
 EDGE_GONE_AFTER_S = 10.0
 """How long an edge nobody answers for may be away mid-request, by default (see MeshClient)."""
 
@@ -307,11 +311,11 @@ class MeshClient(Lifecycle):
         finished = False
         try:
             await send()
-            async for event in self._read(reader):
+            async for event in self._read(reader, request.deadline):
                 finished = isinstance(event, EndEvent)
                 yield event
             finished = True
-        except MeshTimeoutError:
+        except (MeshTimeoutError, DeadlineExceededError):
             raise  # the edge may still be at it: the finally cancels
         except MeshError:
             finished = True  # the edge answered with an error: nothing left to cancel
@@ -398,29 +402,39 @@ class MeshClient(Lifecycle):
             pending_limit=self._pending_limit,
         ) as call:
             try:
-                async for event in self._read(call.reader):
+                async for event in self._read(call.reader, request.deadline):
                     finished = isinstance(event, EndEvent)
                     yield event
             except MeshError as err:
-                finished = not isinstance(err, MeshTimeoutError)
+                finished = not isinstance(err, (MeshTimeoutError, DeadlineExceededError))
                 raise
             finally:
                 if not finished:
                     await call.withdraw()
 
-    async def _read(self, reader: AnswerReader) -> AsyncGenerator[StreamItem, None]:
+    async def _read(
+        self, reader: AnswerReader, deadline: float | None
+    ) -> AsyncGenerator[StreamItem, None]:
         """The user-facing events of a reader: tokens, restarts, the end; errors raised.
 
         ``first_event_timeout`` runs until the first token or outcome (a ``start`` does not
-        count: it only says who works on it); ``idle_timeout`` between later events.
+        count: it only says who works on it); ``idle_timeout`` between later events. The
+        request's ``deadline`` (Unix seconds) bounds it all: past it, ``deadline_exceeded``,
+        whoever was answering (a worker generating on, an edge gone away, nobody).
         """
         clock = asyncio.get_running_loop().time
+        ends_at = math.inf if deadline is None else clock() + (deadline - time.time())
         limit = self.first_event_timeout
         wait_until = clock() + limit
         passed_on = 0
         while True:
-            out = await reader.next(max(0.0, wait_until - clock()))
+            out = await reader.next(max(0.0, min(wait_until, ends_at) - clock()))
             if not out:
+                if clock() >= ends_at - _CLOCK_SLACK_S:
+                    raise DeadlineExceededError(
+                        "the request's deadline passed before its answer ended",
+                        request_id=reader.state.request_id,
+                    )
                 raise MeshTimeoutError(
                     f"no event from {reader.what} within {limit:g}s "
                     f"(waiting for {reader.state.missing()})"

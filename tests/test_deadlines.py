@@ -1,7 +1,8 @@
-"""A request's deadline bounds its whole stay at an edge, whatever path it takes: a local answer
-that would run past it, a wait for a local slot, a cloud call. Past it the client gets one typed
-``deadline_exceeded`` at the deadline (the tokens it had stay what they were), not a complete
-answer seconds later and not silence. One bound in one place (``Record.expire_at``)."""
+"""A request's deadline bounds it, whatever path it takes: at an edge (a local answer that would
+run past it, a wait for a local slot, a cloud call: one bound in one place, ``Record.expire_at``)
+and in the SDK (a worker generating on, an edge nobody answers for). Past it the client gets
+one typed ``deadline_exceeded`` at the deadline (the tokens it had stay what they were), not a
+complete answer seconds later and not silence."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 
 import pytest
 
+from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
@@ -19,7 +21,7 @@ from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from protocol.errors import DeadlineExceededError
 from protocol.messages import TokenEvent
-from tests.helpers import eventually
+from tests.helpers import eventually, queue_drained, stat_reaches
 
 LATE_S = 0.5
 """How far past its deadline a request may end here (a loaded 2-core machine)."""
@@ -91,3 +93,38 @@ async def test_a_request_waiting_for_a_local_slot_ends_at_its_deadline(
         hung.cancel()
     finally:
         await edge.stop(grace=0)
+
+
+async def test_the_sdk_via_the_cloud_ends_at_the_deadline_and_the_worker_stops(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """A worker would take 4 s over the answer; the deadline is 1 s away. The SDK raises
+    ``deadline_exceeded`` at it and withdraws the request: the worker stops generating and acks
+    it, completing nothing."""
+    backend = DeterministicBackend(
+        ModelSettings(backend="deterministic", name=settings.worker.model.name, token_delay_ms=20)
+    )
+    async with Worker(settings, conn, backend) as worker, MeshClient(settings=settings) as client:
+        deadline = time.time() + 1.0
+        with pytest.raises(DeadlineExceededError):
+            await client.complete(
+                "[tag:c] a long story", via="cloud", max_tokens=200, deadline=deadline
+            )
+        late = time.time() - deadline
+        assert -0.05 < late < LATE_S, late
+        await stat_reaches(worker.stats, "cancelled", 1)
+        await eventually(lambda: queue_drained(conn, settings), what="the request acked")
+        assert worker.stats.completed == 0
+
+
+async def test_the_sdk_via_an_edge_nobody_serves_ends_at_the_deadline(
+    settings: MeshSettings,
+) -> None:
+    """No edge listens under the id the client asks: it sends again for a while (an edge may be
+    restarting), but not past the request's deadline."""
+    async with MeshClient(settings=settings, edge_id="nobody-here") as client:
+        deadline = time.time() + 1.0
+        with pytest.raises(DeadlineExceededError):
+            await client.complete("hi", max_tokens=2, deadline=deadline)
+        late = time.time() - deadline
+        assert -0.05 < late < LATE_S, late
