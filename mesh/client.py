@@ -29,7 +29,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -43,6 +43,7 @@ from mesh.provision import ServedModels
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
 from mesh.repair import Repair, SourceGone
+from mesh.tasks import raise_if_cancelled
 from mesh.write_now import write_queued
 from protocol.codec import (
     CONTENT_TYPE,
@@ -87,6 +88,7 @@ StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
 """How long a request the edge was not subscribed for is sent again (an edge daemon restarting)
 before the client says nobody serves it."""
+T = TypeVar("T")
 _CLOCK_SLACK_S = 0.001
 """A wait that ends this near the deadline ended at it (timers run a little early or late)."""
 EDGE_GONE_AFTER_S = 10.0
@@ -391,18 +393,21 @@ class MeshClient(Lifecycle):
         self, request: InferRequest, model: str
     ) -> AsyncGenerator[StreamItem, None]:
         """``request`` as :meth:`stream` built it: for ``model``, under its cancel key."""
-        if not await self._is_served(model):
+        deadline = request.deadline
+        if not await _within(deadline, self._is_served(model), request.id):
             raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=request.id)
         finished = False
-        async with CloudCall(
+        call = CloudCall(
             self.conn,
             self.settings.stream,
             request,
             scope=self.settings.nats.scope_or(DEFAULT_SCOPE),
             pending_limit=self._pending_limit,
-        ) as call:
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            await _within(deadline, stack.enter_async_context(call), request.id)
             try:
-                async for event in self._read(call.reader, request.deadline):
+                async for event in self._read(call.reader, deadline):
                     finished = isinstance(event, EndEvent)
                     yield event
             except MeshError as err:
@@ -464,6 +469,22 @@ class MeshClient(Lifecycle):
 
     start = connect
     stop = close
+
+
+async def _within(deadline: float | None, work: Awaitable[T], request_id: str) -> T:
+    """``work``, given until ``deadline`` (Unix seconds; None: its own timeouts only); past it,
+    ``deadline_exceeded`` (a JetStream that does not answer takes its whole timeout)."""
+    if deadline is None:
+        return await work
+    try:
+        return await asyncio.wait_for(work, max(0.0, deadline - time.time()))
+    except asyncio.TimeoutError:
+        raise_if_cancelled()
+        if time.time() < deadline - _CLOCK_SLACK_S:
+            raise  # the work's own timeout, not the deadline
+        raise DeadlineExceededError(
+            "the request's deadline passed before it was queued", request_id=request_id
+        ) from None
 
 
 def _knows(reply: Msg) -> bool:

@@ -11,6 +11,7 @@ import json
 import time
 
 import pytest
+from nats.aio.msg import Msg
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
@@ -19,8 +20,9 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.testing.proxy import TcpProxy
 from protocol.errors import DeadlineExceededError
-from protocol.messages import TokenEvent
 from tests.helpers import eventually, queue_drained, stat_reaches
 
 LATE_S = 0.5
@@ -38,31 +40,36 @@ async def started_edge(settings: MeshSettings, conn: Connection, **model: float)
 async def test_a_local_answer_that_would_outrun_its_deadline_ends_in_a_typed_error_at_it(
     settings: MeshSettings, conn: Connection
 ) -> None:
-    """200 tokens at 20 ms each take 4 s; the deadline is 1 s away. The client gets the tokens
-    made by then, in order, and then ``deadline_exceeded``; then the edge answers the next
-    request in full (the slot was given back)."""
+    """200 tokens at 20 ms each take 4 s; the deadline is 1 s away. A client streaming as the
+    ``nats`` CLI would (JSON, its own inbox, so nothing of the SDK's own bound plays a part) gets
+    the tokens made by then, in order, then ``deadline_exceeded`` from the edge at the deadline;
+    then the edge answers the next request in full (the slot was given back)."""
     edge = await started_edge(settings, conn, token_delay_ms=20)
     try:
+        inbox = conn.nc.new_inbox()
+        events: asyncio.Queue[dict[str, object]] = asyncio.Queue()
+
+        async def got(msg: Msg) -> None:
+            await events.put(json.loads(msg.data))
+
+        sub = await conn.nc.subscribe(inbox, cb=got)
+        deadline = time.time() + 1.0
+        body = {"prompt": "[tag:d] a long story", "route": "local", "max_tokens": 200}
+        body |= {"stream": True, "deadline": deadline}
+        await conn.nc.publish(edge.subject, json.dumps(body).encode(), reply=inbox)
+        tokens: list[int] = []
+        while (event := await asyncio.wait_for(events.get(), 5))["t"] in ("start", "tok"):
+            if event["t"] == "tok":
+                tokens.append(int(event["seq"]))  # type: ignore[call-overload]
+        late = time.time() - deadline
+        assert (event["t"], event["code"]) == ("err", "deadline_exceeded"), event
+        assert -0.05 < late < LATE_S, late
+        assert 0 < len(tokens) < 200 and tokens == list(range(len(tokens)))
+        assert edge.stats.get("error.deadline_exceeded") == 1
+        await sub.unsubscribe()
         async with MeshClient(settings=settings) as client:
-            tokens: list[TokenEvent] = []
-            deadline = time.time() + 1.0
-
-            async def read() -> None:
-                async for event in client.stream(
-                    "[tag:d] a long story", route="local", max_tokens=200, deadline=deadline
-                ):
-                    if isinstance(event, TokenEvent):
-                        tokens.append(event)
-
-            with pytest.raises(DeadlineExceededError):
-                await read()
-            late = time.time() - deadline
-            assert -0.05 < late < LATE_S, late
-            assert 0 < len(tokens) < 200
-            assert [t.seq for t in tokens] == list(range(len(tokens)))
-            assert edge.stats.get("error.deadline_exceeded") == 1
             after = await client.complete("[tag:e] short", route="local", max_tokens=3)
-            assert after.path == "local" and after.end.usage.completion_tokens == 3
+        assert after.path == "local" and after.end.usage.completion_tokens == 3
     finally:
         await edge.stop(grace=0)
 
@@ -128,3 +135,26 @@ async def test_the_sdk_via_an_edge_nobody_serves_ends_at_the_deadline(
             await client.complete("hi", max_tokens=2, deadline=deadline)
         late = time.time() - deadline
         assert -0.05 < late < LATE_S, late
+
+
+async def test_the_sdk_via_the_cloud_ends_at_the_deadline_when_jetstream_does_not_answer(
+    nats_server: NatsServer,
+) -> None:
+    """The client's link starts swallowing what it sends (a half-open link: no error, no reply),
+    so the queue's ack never comes: each JetStream call would wait out its own timeout (5 s),
+    but the request ends at its 1 s deadline."""
+    from tests.conftest import make_settings
+
+    proxy = await TcpProxy(nats_server.port).start()
+    try:
+        settings = make_settings(proxy.url)
+        async with MeshClient(settings=settings) as client:
+            proxy.swallow()
+            deadline = time.time() + 1.0
+            with pytest.raises(DeadlineExceededError):
+                await client.complete("hi", via="cloud", max_tokens=2, deadline=deadline)
+            late = time.time() - deadline
+            assert -0.05 < late < LATE_S, late
+            assert proxy.swallowed, "nothing was swallowed: the test proves nothing"
+    finally:
+        await proxy.stop()
