@@ -45,7 +45,7 @@ from mesh.connection import Connection
 from mesh.generate import Asked, generate_into
 from mesh.logs import bound, get_logger, log_unknown_fields, trace_id
 from mesh.queue import trace_headers
-from mesh.tasks import TaskSet
+from mesh.tasks import CancelAt, TaskSet
 from mesh.tracing import Tracing
 from protocol.codec import WireFormat, decode_request
 from protocol.errors import (
@@ -356,11 +356,16 @@ class Handler(ABC):
             return not last and await keepalive.taken_over()
 
         self.publishers[address] = publisher
+        # Past its deadline its reader gave up (an edge, the SDK): a client that queued it
+        # directly is told, and the engine stops.
+        expiry = CancelAt(generating, request.deadline) if request.deadline is not None else None
         try:
             await publisher.send(writer.start())
             gen = await generate_into(
                 self.backend, request, writer, publisher.send_now, self._ws, asked=asked
             )
+            if expiry is not None:  # generated in time: its end goes out, whatever the clock says
+                expiry.stop()
             timings = gen.timings(since=gen.started, queue_ms=queued_ms)
             end = writer.end(
                 finish_reason=gen.finish_reason,
@@ -389,6 +394,14 @@ class Handler(ABC):
                 stored=stored,
             )
         except asyncio.CancelledError:
+            if expiry is not None and expiry.expired:  # ended typed, like a failure
+                past = DeadlineExceededError(
+                    "the request's deadline passed before its answer ended", request_id=request.id
+                )
+                await self.outcomes.failed(
+                    msg, publisher, writer, past, attempt, keep=release.failed
+                )
+                return
             if self.cancels.cancels(address, request):
                 self.counts.outcome("cancelled")
                 log.info("request cancelled by client")
@@ -420,6 +433,8 @@ class Handler(ABC):
             crash = MeshError(f"worker failure: {type(exc).__name__}", retryable=True)
             await self.outcomes.failed(msg, publisher, writer, crash, attempt, keep=release.failed)
         finally:
+            if expiry is not None:
+                expiry.stop()
             keepalive.stop()
             self.publishers.pop(address, None)
             self.keepalives.pop(address, None)

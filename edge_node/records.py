@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.tasks import CancelAt
 from mesh.write_batch import CONTENT_TYPE_BLOCKS, Headers
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event, dump_token
 from protocol.errors import DuplicateRequestError, MeshError, OverloadedError, status_of
@@ -212,11 +213,9 @@ class Record:
     finished_at: float | None = None
     restarts: int = 0
     """Times the answer passed on had to start over."""
-    expired: bool = False
-    """Its deadline passed before its answer ended: its task was cancelled (:meth:`expire_at`)."""
     held: bool = False
     """An edge site holds the request: past its deadline its client asks again by id."""
-    _expiry: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
+    _expiry: CancelAt | None = field(default=None, init=False, repr=False)
 
     @property
     def done(self) -> bool:
@@ -225,24 +224,19 @@ class Record:
     def expire_at(self, deadline: float) -> None:
         """Cancel :attr:`task` at ``deadline`` (Unix seconds) unless the answer ended by then:
         one bound for every path, whatever it awaits (a local slot, a generation, a store that
-        stopped answering, a client that stopped reading). Each cancel is made again every
-        ``EXPIRY_AGAIN_S`` until the task ends, in case one was swallowed."""
-        loop = asyncio.get_running_loop()
-        self._expiry = loop.call_at(loop.time() + max(0.0, deadline - time.time()), self._expire)
+        stopped answering)."""
+        assert self.task is not None
+        self._expiry = CancelAt(self.task, deadline, unless=lambda: self.done, again=EXPIRY_AGAIN_S)
 
-    def _expire(self) -> None:
-        task = self.task
-        if task is None or task.done() or self.done:
-            return
-        self.expired = True
-        task.cancel()
-        self._expiry = asyncio.get_running_loop().call_later(EXPIRY_AGAIN_S, self._expire)
+    @property
+    def expired(self) -> bool:
+        """Its deadline passed before its answer ended: its task was cancelled for it."""
+        return self._expiry is not None and self._expiry.expired
 
     def disarm(self) -> None:
         """The task ended: no cancel for it any more."""
         if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
+            self._expiry.stop()
 
     async def emit(self, events: list[WireEvent]) -> None:
         """Pass events on to every sink, in order (a sink that fails is skipped, logged)."""

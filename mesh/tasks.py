@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -150,3 +151,43 @@ class TaskSet:
         if grace > 0:
             await self.wait(grace)
         await cancel_and_wait(set(self._tasks))
+
+
+class CancelAt:
+    """Cancels ``task`` once ``deadline`` (Unix seconds) passes, unless :meth:`stop` came first
+    or ``unless()`` says its work is ending already; with ``again``, once more every ``again``
+    seconds while it still runs (a cancel some await swallowed). :attr:`expired` tells the
+    task's handler of ``CancelledError`` that the deadline, not a caller, cancelled it."""
+
+    __slots__ = ("_again", "_handle", "_task", "_unless", "expired")
+
+    def __init__(
+        self,
+        task: asyncio.Task[Any],
+        deadline: float,
+        *,
+        unless: Callable[[], bool] | None = None,
+        again: float | None = None,
+    ) -> None:
+        self._task = task
+        self._unless = unless
+        self._again = again
+        self.expired = False
+        loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = loop.call_at(
+            loop.time() + deadline - time.time(), self._expire
+        )
+
+    def _expire(self) -> None:
+        self._handle = None
+        if self._task.done() or (self._unless is not None and self._unless()):
+            return
+        self.expired = True
+        self._task.cancel()
+        if self._again is not None:
+            self._handle = asyncio.get_running_loop().call_later(self._again, self._expire)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

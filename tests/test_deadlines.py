@@ -23,6 +23,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.proxy import TcpProxy
 from protocol.errors import DeadlineExceededError
+from protocol.messages import TokenEvent
 from tests.helpers import eventually, queue_drained, stat_reaches
 
 LATE_S = 0.5
@@ -106,8 +107,8 @@ async def test_the_sdk_via_the_cloud_ends_at_the_deadline_and_the_worker_stops(
     settings: MeshSettings, conn: Connection
 ) -> None:
     """A worker would take 4 s over the answer; the deadline is 1 s away. The SDK raises
-    ``deadline_exceeded`` at it and withdraws the request: the worker stops generating and acks
-    it, completing nothing."""
+    ``deadline_exceeded`` at it and withdraws the request: the worker stops generating and lets
+    it go, completing nothing."""
     backend = DeterministicBackend(
         ModelSettings(backend="deterministic", name=settings.worker.model.name, token_delay_ms=20)
     )
@@ -119,7 +120,11 @@ async def test_the_sdk_via_the_cloud_ends_at_the_deadline_and_the_worker_stops(
             )
         late = time.time() - deadline
         assert -0.05 < late < LATE_S, late
-        await stat_reaches(worker.stats, "cancelled", 1)
+
+        async def stopped() -> bool:  # told by the SDK's withdraw, or by its own clock first
+            return worker.stats.cancelled + worker.stats.failed == 1
+
+        await eventually(stopped, what="the worker to stop the answer")
         await eventually(lambda: queue_drained(conn, settings), what="the request acked")
         assert worker.stats.completed == 0
 
@@ -158,3 +163,43 @@ async def test_the_sdk_via_the_cloud_ends_at_the_deadline_when_jetstream_does_no
             assert proxy.swallowed, "nothing was swallowed: the test proves nothing"
     finally:
         await proxy.stop()
+
+
+async def test_a_worker_stops_an_answer_at_its_deadline_for_a_client_that_queued_it_directly(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """A request queued straight into the work queue (nothing of an edge's or the SDK's bound
+    in play), whose answer would take 4 s with a 1 s deadline: the worker stops the engine at
+    the deadline, publishes ``deadline_exceeded`` after the tokens so far, and lets the message
+    go; nothing is completed."""
+    from mesh.queue import CloudCall
+    from protocol.messages import EndEvent, ErrorEvent, InferRequest
+    from protocol.subjects import DEFAULT_SCOPE
+
+    backend = DeterministicBackend(
+        ModelSettings(backend="deterministic", name=settings.worker.model.name, token_delay_ms=20)
+    )
+    deadline = time.time() + 1.0
+    request = InferRequest(
+        prompt="[tag:q] a long story",
+        max_tokens=200,
+        model=settings.worker.model.name,
+        deadline=deadline,
+    )
+    scope = settings.nats.scope_or(DEFAULT_SCOPE)
+    async with (
+        Worker(settings, conn, backend) as worker,
+        CloudCall(conn, settings.stream, request, scope=scope) as call,
+    ):
+        seen: list[object] = []
+        while not any(isinstance(e, (EndEvent, ErrorEvent)) for e in seen):
+            seen += await call.reader.next(5.0)
+        late = time.time() - deadline
+        outcome = seen[-1]
+        assert isinstance(outcome, ErrorEvent) and outcome.code == "deadline_exceeded", outcome
+        assert -0.05 < late < LATE_S, late
+        tokens = [e for e in seen if isinstance(e, TokenEvent)]
+        assert 0 < len(tokens) < 200
+        await stat_reaches(worker.stats, "failed", 1)
+        await eventually(lambda: queue_drained(conn, settings), what="the request let go")
+        assert worker.stats.completed == 0
