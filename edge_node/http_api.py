@@ -26,6 +26,7 @@ site refuses it (:meth:`EdgeHTTP._parse`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -45,6 +46,7 @@ from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import bound, get_logger
 from mesh.metrics import cannot_listen, exposition
 from mesh.queue import trace_headers
+from mesh.tasks import raise_if_cancelled
 from protocol.codec import (
     WireFormat,
     check_nesting,
@@ -74,6 +76,10 @@ from protocol.stream import AnswerState, starts_over
 from protocol.subjects import is_token
 
 log = get_logger(__name__)
+CLIENT_STALL_S = 10.0
+"""How long a streaming client's full socket may hold an event back before the client is taken
+for gone (it stopped reading): the connection is closed and the request cancelled, so that it
+does not hold its place at the edge for as long as the client keeps the connection open."""
 ROUTES = (
     "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, "
     "GET /health, GET /ready and GET /metrics"
@@ -188,11 +194,23 @@ class _SSESink:
                 }
             )
             await self.response.prepare(self._request)
+        transport = self._request.transport
         try:
-            await self.response.write(event)
+            if transport is not None and transport.get_write_buffer_size():
+                # The client's socket is full: it reads slower than the answer comes, or not at
+                # all. The write waits for it, but not for ever.
+                await asyncio.wait_for(self.response.write(event), CLIENT_STALL_S)
+            else:
+                await self.response.write(event)
         except (ConnectionError, RuntimeError) as exc:
             self.closed = True
             raise MeshError(f"HTTP client gone: {type(exc).__name__}") from None
+        except asyncio.TimeoutError:
+            raise_if_cancelled()
+            self.closed = True
+            if transport is not None:
+                transport.abort()  # aiohttp cancels the handler: the request is cancelled
+            raise MeshError(f"HTTP client stopped reading for {CLIENT_STALL_S:g}s") from None
 
     async def send(self, event: WireEvent) -> None:
         if self.closed:
