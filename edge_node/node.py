@@ -350,13 +350,14 @@ class EdgeNode(Lifecycle):
             await asyncio.sleep(1.0)
 
     # -- answering ------------------------------------------------------------------------
-    async def _past_deadline(self, record: Record, request_id: str) -> None:
-        """End a request whose deadline passed first (one its site holds: ask again by id)."""
+    async def _past_deadline(self, record: Record, req: InferRequest) -> None:
+        """End a request whose deadline passed first (see :func:`still_held` for one its site
+        holds)."""
         err = (
-            still_held(request_id)
+            still_held(req)
             if record.held
             else DeadlineExceededError(
-                "the request's deadline passed before its answer ended", request_id=request_id
+                "the request's deadline passed before its answer ended", request_id=req.id
             )
         )
         self.stats.inc(f"error.{err.code.value}")
@@ -420,7 +421,7 @@ class EdgeNode(Lifecycle):
                     )
             except asyncio.CancelledError:
                 if record.expired:  # its deadline passed
-                    await self._past_deadline(record, req.id)
+                    await self._past_deadline(record, req)
                     return record
                 if self.accepting:  # the client's cancel
                     log.info("request cancelled by client")

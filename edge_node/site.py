@@ -146,7 +146,7 @@ class SiteStore:
                 request_id=req.id,
             )
         if outcome is None:
-            raise still_held(req.id)
+            raise still_held(req)
         try:
             claimed = await _by(wait_until, self._claimed(req.id, fingerprint, req.cancel_key))
         except asyncio.TimeoutError:
@@ -302,12 +302,18 @@ def _outcome(data: bytes) -> Answer | ErrorEvent | None:
     return event if isinstance(event, (Answer, ErrorEvent)) else None
 
 
-def still_held(request_id: str) -> UnavailableError:
-    """What the client of a request its site holds hears when its wait ends first."""
+def still_held(req: InferRequest) -> MeshError:
+    """What the client of a request its site holds hears when its wait ends first: ask again
+    later by id; or, when the wait was the request's own deadline, that it is over (no worker
+    starts a request past its deadline, nor goes on with one)."""
+    if req.deadline is not None:
+        return DeadlineExceededError(
+            "the request's deadline passed while it was held at the edge site", request_id=req.id
+        )
     return UnavailableError(
         "held at the edge site until the cloud answers (the uplink may be down); ask again "
         "later by id",
-        request_id=request_id,
+        request_id=req.id,
         retry_after=30.0,
     )
 

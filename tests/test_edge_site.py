@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -554,3 +555,48 @@ async def test_a_site_that_stops_answering_ends_a_request_that_can_wait_at_its_d
                 return True
 
             await eventually(answered, timeout=30, what="the request held and answered")
+
+
+@pytest.mark.chaos
+async def test_a_held_request_whose_deadline_passes_is_over_not_asked_for_again(
+    topology: Topology,
+) -> None:
+    """The uplink is down; a request that can wait, with a deadline 1.5 s away, is held. At its
+    deadline its client hears ``deadline_exceeded``, not "held, ask again later": no worker
+    starts a request past its deadline. When the link returns, the hub refuses it so, and that
+    is what asking by id gets, once it is kept; nothing is generated for it."""
+    from protocol.errors import DeadlineExceededError
+
+    site = "site-a"
+    async with running_mesh(topology):
+        edge = topology.edges[site]
+        assert topology.backend is not None
+
+        async def cloud_gone() -> bool:
+            return edge.nodes.serves("smollm2") is False
+
+        topology.uplinks[site].cut(3600)
+        await eventually(cloud_gone, timeout=15, what="the edge to see the cloud gone")
+        async with MeshClient(settings=topology.site_settings(site, "client")) as client:
+            deadline = time.time() + 1.5
+            body = {"id": "past-1", "prompt": "[tag:p] x", "route": "cloud", "max_tokens": 5}
+            body |= {"deferrable": True, "deadline": deadline}
+            # As the nats CLI sends it (JSON, one reply): the edge's word, not the SDK's clock.
+            reply = await client.conn.nc.request(edge.subject, json.dumps(body).encode(), 5)
+            event = json.loads(reply.data)
+            assert (event["t"], event["code"]) == ("err", "deadline_exceeded"), event
+            assert time.time() - deadline < 0.5
+            generated = topology.backend.started
+            topology.uplinks[site].restore()
+
+            async def kept_as_past_its_deadline() -> bool:
+                try:
+                    await client.answer("past-1")
+                except DeadlineExceededError:
+                    return True
+                except UnavailableError:  # not kept yet
+                    return False
+                raise AssertionError("answered past its deadline")
+
+            await eventually(kept_as_past_its_deadline, timeout=30, what="the kept refusal")
+            assert topology.backend.started == generated
