@@ -45,7 +45,7 @@ from mesh.connection import Connection
 from mesh.generate import Asked, generate_into
 from mesh.logs import bound, get_logger, log_unknown_fields, trace_id
 from mesh.queue import trace_headers
-from mesh.tasks import CancelAt, TaskSet
+from mesh.tasks import CancelAt, TaskSet, answered_cancel
 from mesh.tracing import Tracing
 from protocol.codec import WireFormat, decode_request
 from protocol.errors import (
@@ -395,6 +395,10 @@ class Handler(ABC):
             )
         except asyncio.CancelledError:
             if expiry is not None and expiry.expired:  # ended typed, like a failure
+                answered_cancel()
+                if keepalive.stopped or await lapsed():  # its holder now ends it
+                    self.counts.outcome("superseded")
+                    return
                 past = DeadlineExceededError(
                     "the request's deadline passed before its answer ended", request_id=request.id
                 )

@@ -27,6 +27,7 @@ site refuses it (:meth:`EdgeHTTP._parse`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -194,23 +195,34 @@ class _SSESink:
                 }
             )
             await self.response.prepare(self._request)
-        transport = self._request.transport
         try:
-            if transport is not None and transport.get_write_buffer_size():
-                # The client's socket is full: it reads slower than the answer comes, or not at
-                # all. The write waits for it, but not for ever.
-                await asyncio.wait_for(self.response.write(event), CLIENT_STALL_S)
-            else:
-                await self.response.write(event)
+            await self._patiently(self.response.write(event))
         except (ConnectionError, RuntimeError) as exc:
             self.closed = True
             raise MeshError(f"HTTP client gone: {type(exc).__name__}") from None
+
+    async def _patiently(self, write: Awaitable[None]) -> None:
+        """A write, waited for while the client reads, however slowly; when its socket is full
+        and stays full for ``CLIENT_STALL_S``, the client is taken for gone (it stopped reading):
+        the connection is closed, and aiohttp cancels the request's handler."""
+        transport = self._request.transport
+        if transport is None or not transport.get_write_buffer_size():
+            await write  # the socket takes it: nothing to time (the hot path)
+            return
+        try:
+            await asyncio.wait_for(write, CLIENT_STALL_S)
         except asyncio.TimeoutError:
             raise_if_cancelled()
             self.closed = True
-            if transport is not None:
-                transport.abort()  # aiohttp cancels the handler: the request is cancelled
+            transport.abort()
             raise MeshError(f"HTTP client stopped reading for {CLIENT_STALL_S:g}s") from None
+
+    async def finish(self) -> None:
+        """The stream's end, written with the same patience as its events (aiohttp's own
+        ``write_eof`` waits for a full socket without end)."""
+        if self.response is not None:
+            with contextlib.suppress(MeshError, ConnectionError, RuntimeError):
+                await self._patiently(self.response.write_eof())
 
     async def send(self, event: WireEvent) -> None:
         if self.closed:
@@ -391,6 +403,7 @@ class EdgeHTTP:
                 if sink.response is None:
                     error = to_exception(sink.last_error) if sink.last_error else None
                     return error_response(error or MeshError("no answer was produced"))
+                await sink.finish()
                 return sink.response
             collected = _CollectSink(req.id)
             await self.parts.serve(req, collected, scope=scope, received=received, trace=trace)

@@ -40,7 +40,7 @@ from edge_node.relay import RelayParts
 from edge_node.report import canonical_line, observe
 from edge_node.router import CloudBudget, Router, budget_of
 from edge_node.served import CloudModels
-from edge_node.site import SiteStore, still_held
+from edge_node.site import SiteStore, wait_ended
 from edge_node.site_links import SiteParts
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -50,7 +50,7 @@ from mesh.logs import bound, get_logger, trace_id
 from mesh.loop_lag import LoopLag
 from mesh.metrics import NatsMetrics, exposition, watch_gc
 from mesh.node_view import NodeView
-from mesh.tasks import TaskSet, raise_if_cancelled
+from mesh.tasks import TaskSet, answered_cancel, raise_if_cancelled
 from mesh.tracing import Tracing
 from protocol.codec import error_event
 from protocol.errors import (
@@ -351,11 +351,11 @@ class EdgeNode(Lifecycle):
 
     # -- answering ------------------------------------------------------------------------
     async def _past_deadline(self, record: Record, req: InferRequest) -> None:
-        """End a request whose deadline passed first (see :func:`still_held` for one its site
-        holds)."""
+        """End a request whose deadline passed first (see :func:`wait_ended` for one that can
+        wait at the edge's site)."""
         err = (
-            still_held(req)
-            if record.held
+            wait_ended(req, held=record.held)
+            if record.deferred
             else DeadlineExceededError(
                 "the request's deadline passed before its answer ended", request_id=req.id
             )
@@ -421,9 +421,11 @@ class EdgeNode(Lifecycle):
                     )
             except asyncio.CancelledError:
                 if record.expired:  # its deadline passed
+                    answered_cancel()
                     await self._past_deadline(record, req)
                     return record
                 if self.accepting:  # the client's cancel
+                    answered_cancel()
                     log.info("request cancelled by client")
                     self.stats.inc("cancelled")
                     await record.fail(CancelledByClientError("cancelled", request_id=req.id))

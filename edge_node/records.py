@@ -45,7 +45,7 @@ SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 MAX_RECORDS = 10_000
 MAX_SINKS = 16
 """Readers one request in flight may have (its sender's re-sends joined to it)."""
-EXPIRY_AGAIN_S = 0.25
+EXPIRY_AGAIN_S = 1.0
 """How often an expired request's task is cancelled again while it has not ended."""
 
 
@@ -213,8 +213,10 @@ class Record:
     finished_at: float | None = None
     restarts: int = 0
     """Times the answer passed on had to start over."""
+    deferred: bool = False
+    """It waits for the cloud at the edge's site (:func:`edge_node.site.wait_ended`)."""
     held: bool = False
-    """An edge site holds the request: past its deadline its client asks again by id."""
+    """The site's outbox holds it."""
     _expiry: CancelAt | None = field(default=None, init=False, repr=False)
 
     @property

@@ -123,6 +123,7 @@ class SiteStore:
         )
         wait_until = req.deadline if req.deadline is not None else time.time() + es.request_timeout
         fingerprint = request_fingerprint(queued)
+        record.deferred = True
         sub = await self.conn.nc.subscribe(kept_subject(req.id))
         try:
             found = await _by(wait_until, self._held_or_kept(queued, fingerprint, req, record))
@@ -130,12 +131,7 @@ class SiteStore:
                 found = await self._wait(sub, wait_until)
         except asyncio.TimeoutError:
             raise_if_cancelled()
-            if not record.held:
-                raise DeadlineExceededError(
-                    "the request's deadline passed before the edge site could hold it",
-                    request_id=req.id,
-                ) from None
-            found = None  # held: told so below, as a wait that ended first
+            raise wait_ended(req, held=record.held) from None
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
@@ -146,7 +142,7 @@ class SiteStore:
                 request_id=req.id,
             )
         if outcome is None:
-            raise still_held(req)
+            raise wait_ended(req, held=True)
         try:
             claimed = await _by(wait_until, self._claimed(req.id, fingerprint, req.cancel_key))
         except asyncio.TimeoutError:
@@ -193,7 +189,23 @@ class SiteStore:
     ) -> None:
         """Into the outbox, once per (id, content): the same request sent again is held once;
         another under its id is held too, and told ``duplicate`` when the first one's answer
-        comes. ``record`` is marked held once the outbox has it."""
+        comes. Its claim is written first, so that nothing is ever held without one (a claim
+        whose hold then failed stays: the same request sent again is held under it). ``record``
+        is marked held once the outbox has it."""
+        claim = {"fp": fingerprint, "key": key_hash(claim_key)}
+        try:
+            await self.conn.publish_acked(
+                claim_subject(req.id), json.dumps(claim).encode(), stream=CLAIMS_STREAM
+            )
+        except APIError:
+            pass  # claimed before under this id: the first claim stays
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError(
+                f"the site could not hold the request (its claim was not written: "
+                f"{type(exc).__name__}); send it again",
+                request_id=req.id,
+                retry_after=1.0,
+            ) from None
         try:
             ack = await self.conn.publish_acked(
                 outbox_subject(model, self.scope),
@@ -212,20 +224,6 @@ class SiteStore:
         if record is not None:
             record.held = True
         log.info("request held at the site", request_id=req.id, duplicate=ack.duplicate)
-        claim = {"fp": fingerprint, "key": key_hash(claim_key)}
-        try:
-            await self.conn.publish_acked(
-                claim_subject(req.id), json.dumps(claim).encode(), stream=CLAIMS_STREAM
-            )
-        except APIError:
-            pass  # held before under this id: the first claim stays
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            raise UnavailableError(
-                f"held at the edge site, but its claim was not written ({type(exc).__name__}): "
-                "ask again later by id",
-                request_id=req.id,
-                retry_after=30.0,
-            ) from None
 
     async def kept(self, request_id: str) -> Answer | ErrorEvent | None:
         """The kept answer of ``request_id`` at this site, if it came."""
@@ -302,19 +300,30 @@ def _outcome(data: bytes) -> Answer | ErrorEvent | None:
     return event if isinstance(event, (Answer, ErrorEvent)) else None
 
 
-def still_held(req: InferRequest) -> MeshError:
-    """What the client of a request its site holds hears when its wait ends first: ask again
-    later by id; or, when the wait was the request's own deadline, that it is over (no worker
-    starts a request past its deadline, nor goes on with one)."""
+def wait_ended(req: InferRequest, *, held: bool) -> MeshError:
+    """What the client of a request that can wait hears when its wait ends first. When that was
+    the request's own deadline, it is over: no worker starts a request past its deadline, nor
+    goes on with one. Else (the edge's timeout, over HTTP) it asks again by id, or sends it again
+    when the site may not hold it (a hold cut short may still have landed: sent again, the same
+    request is held once)."""
     if req.deadline is not None:
         return DeadlineExceededError(
-            "the request's deadline passed while it was held at the edge site", request_id=req.id
+            "the request's deadline passed before its answer came"
+            + (" (held at the edge site)" if held else ""),
+            request_id=req.id,
+        )
+    if held:
+        return UnavailableError(
+            "held at the edge site until the cloud answers (the uplink may be down); ask again "
+            "later by id",
+            request_id=req.id,
+            retry_after=30.0,
         )
     return UnavailableError(
-        "held at the edge site until the cloud answers (the uplink may be down); ask again "
-        "later by id",
+        "the edge site did not hold the request in time (its JetStream did not answer); send "
+        "it again",
         request_id=req.id,
-        retry_after=30.0,
+        retry_after=1.0,
     )
 
 

@@ -79,6 +79,16 @@ def raise_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
+def answered_cancel() -> None:
+    """Called by a task that caught ``CancelledError`` and goes on, having acted on the cancel
+    (a deadline's, a client's): the cancel no longer counts as requested, so that no later
+    :func:`raise_if_cancelled` (in what it still sends) takes it for a new one."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    while cancelling is not None and cancelling():
+        task.uncancel()  # type: ignore[union-attr]
+
+
 class TaskSet:
     """Owns background tasks; failures are logged, never lost; ``close()`` cancels what is left."""
 
