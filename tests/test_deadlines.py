@@ -30,6 +30,13 @@ LATE_S = 0.5
 """How far past its deadline a request may end here (a loaded 2-core machine)."""
 
 
+def ended_at(deadline: float, what: str) -> None:
+    """The request ended now: at its deadline, give or take what a loaded machine adds."""
+    late = time.time() - deadline
+    print(f"\n{what}: ended {late * 1000:+.0f} ms from its deadline")
+    assert -0.05 < late < LATE_S, late
+
+
 async def started_edge(settings: MeshSettings, conn: Connection, **model: float) -> EdgeNode:
     settings.edge.http_port = -1
     backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=1, **model))
@@ -62,9 +69,8 @@ async def test_a_local_answer_that_would_outrun_its_deadline_ends_in_a_typed_err
         while (event := await asyncio.wait_for(events.get(), 5))["t"] in ("start", "tok"):
             if event["t"] == "tok":
                 tokens.append(int(event["seq"]))  # type: ignore[call-overload]
-        late = time.time() - deadline
+        ended_at(deadline, "a local answer (nats CLI)")
         assert (event["t"], event["code"]) == ("err", "deadline_exceeded"), event
-        assert -0.05 < late < LATE_S, late
         assert 0 < len(tokens) < 200 and tokens == list(range(len(tokens)))
         assert edge.stats.get("error.deadline_exceeded") == 1
         await sub.unsubscribe()
@@ -94,10 +100,9 @@ async def test_a_request_waiting_for_a_local_slot_ends_at_its_deadline(
         deadline = time.time() + 1.0
         body = {"prompt": "hi", "route": "local", "max_tokens": 2, "deadline": deadline}
         reply = await conn.nc.request(edge.subject, json.dumps(body).encode(), timeout=5)
-        late = time.time() - deadline
+        ended_at(deadline, "a local slot wait (nats CLI)")
         event = json.loads(reply.data)
         assert (event["t"], event["code"]) == ("err", "deadline_exceeded"), event
-        assert -0.05 < late < LATE_S, late
         hung.cancel()
     finally:
         await edge.stop(grace=0)
@@ -118,8 +123,7 @@ async def test_the_sdk_via_the_cloud_ends_at_the_deadline_and_the_worker_stops(
             await client.complete(
                 "[tag:c] a long story", via="cloud", max_tokens=200, deadline=deadline
             )
-        late = time.time() - deadline
-        assert -0.05 < late < LATE_S, late
+        ended_at(deadline, "SDK via the cloud")
 
         async def stopped() -> bool:  # told by the SDK's withdraw, or by its own clock first
             return worker.stats.cancelled + worker.stats.failed == 1
@@ -138,8 +142,7 @@ async def test_the_sdk_via_an_edge_nobody_serves_ends_at_the_deadline(
         deadline = time.time() + 1.0
         with pytest.raises(DeadlineExceededError):
             await client.complete("hi", max_tokens=2, deadline=deadline)
-        late = time.time() - deadline
-        assert -0.05 < late < LATE_S, late
+        ended_at(deadline, "SDK via an edge nobody serves")
 
 
 async def test_the_sdk_via_the_cloud_ends_at_the_deadline_when_jetstream_does_not_answer(
@@ -158,8 +161,7 @@ async def test_the_sdk_via_the_cloud_ends_at_the_deadline_when_jetstream_does_no
             deadline = time.time() + 1.0
             with pytest.raises(DeadlineExceededError):
                 await client.complete("hi", via="cloud", max_tokens=2, deadline=deadline)
-            late = time.time() - deadline
-            assert -0.05 < late < LATE_S, late
+            ended_at(deadline, "SDK, link swallowing")
             assert proxy.swallowed, "nothing was swallowed: the test proves nothing"
     finally:
         await proxy.stop()
@@ -193,10 +195,9 @@ async def test_a_worker_stops_an_answer_at_its_deadline_for_a_client_that_queued
             while not any(isinstance(e, (EndEvent, ErrorEvent)) for e in seen):
                 assert time.time() < deadline + 5, f"no outcome: {seen[-3:]}"
                 seen += await call.reader.next(1.0)
-            late = time.time() - deadline
+            ended_at(deadline, "queued directly")
         outcome = seen[-1]
         assert isinstance(outcome, ErrorEvent) and outcome.code == "deadline_exceeded", outcome
-        assert -0.05 < late < LATE_S, late
         tokens = [e for e in seen if isinstance(e, TokenEvent)]
         assert 0 < len(tokens) < 200
         await stat_reaches(worker.stats, "failed", 1)
