@@ -205,7 +205,8 @@ class MeshClient(Lifecycle):
         answered locally. An edge on a site with its own JetStream holds it through uplink
         outages; if this call ends first, :meth:`answer` fetches the answer later by id, for
         whoever knows the request's ``cancel_key`` (this client's own by default: pass one of
-        yours to fetch after a restart).
+        yours to fetch after a restart). Past its ``deadline`` it is over (no worker starts it):
+        for an answer kept beyond this call's wait, give a far deadline, or none.
         """
         # Built once with what it needs, no copy after: via the cloud its model, and a cancel key
         # (what proves it is ours, asked again) via the cloud or when it can wait.
