@@ -203,3 +203,52 @@ async def test_a_worker_stops_an_answer_at_its_deadline_for_a_client_that_queued
         await stat_reaches(worker.stats, "failed", 1)
         await eventually(lambda: queue_drained(conn, settings), what="the request let go")
         assert worker.stats.completed == 0
+
+
+async def test_an_edge_whose_link_stops_carrying_its_writes_ends_a_cloud_request_at_its_deadline(
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+) -> None:
+    """The edge's own link starts swallowing what the edge sends (a half-open link): a request
+    still reaches it, but its queueing of the request would wait out JetStream's 5 s ack. The
+    request ends at its 1 s deadline all the same (counted at the edge: its reply cannot leave),
+    instead of falling back to a local answer 5 s in."""
+    from tests.conftest import make_settings
+
+    proxy = await TcpProxy(nats_server.port).start()
+    edge_settings = make_settings(proxy.url)
+    edge_settings.edge.cloud_min_budget = 0.2  # 1 s is time enough to try the cloud
+    worker_backend = DeterministicBackend(
+        ModelSettings(backend="deterministic", name=settings.worker.model.name)
+    )
+    try:
+        async with (
+            Worker(settings, conn, worker_backend),
+            Connection(edge_settings.nats, "edge") as edge_conn,
+        ):
+            edge = await started_edge(edge_settings, edge_conn)
+            try:
+
+                async def worker_seen() -> bool:
+                    return edge.nodes.serves(settings.worker.model.name) is True
+
+                await eventually(worker_seen, what="the edge to see the worker")
+                async with MeshClient(settings=edge_settings) as client:  # a cloud answer first
+                    warm = await client.complete("[tag:w] x", route="cloud", max_tokens=2)
+                assert warm.path == "cloud"
+                proxy.swallow()
+                deadline = time.time() + 1.0
+                body = {"prompt": "[tag:y] x", "route": "cloud", "max_tokens": 2}
+                body |= {"deadline": deadline}
+                await conn.nc.publish(
+                    edge.subject, json.dumps(body).encode(), reply=conn.nc.new_inbox()
+                )
+                while edge.stats.get("error.deadline_exceeded") == 0:
+                    assert time.time() < deadline + 6, edge.stats._counts
+                    await asyncio.sleep(0.005)
+                ended_at(deadline, "edge, its link swallowing")
+                assert proxy.swallowed, "nothing was swallowed: the test proves nothing"
+                proxy.cut(0)  # a link that drops, then carries again: the edge stops quickly
+            finally:
+                await edge.stop(grace=0)
+    finally:
+        await proxy.stop()
