@@ -358,14 +358,13 @@ class Handler(ABC):
         self.publishers[address] = publisher
         # Past its deadline its reader gave up (an edge, the SDK): a client that queued it
         # directly is told, and the engine stops.
-        expiry = CancelAt(generating, request.deadline) if request.deadline is not None else None
+        expiry = CancelAt(generating, request.deadline)
         try:
             await publisher.send(writer.start())
             gen = await generate_into(
                 self.backend, request, writer, publisher.send_now, self._ws, asked=asked
             )
-            if expiry is not None:  # generated in time: its end goes out, whatever the clock says
-                expiry.stop()
+            expiry.stop()  # generated in time: its end goes out, whatever the clock says
             timings = gen.timings(since=gen.started, queue_ms=queued_ms)
             end = writer.end(
                 finish_reason=gen.finish_reason,
@@ -394,7 +393,7 @@ class Handler(ABC):
                 stored=stored,
             )
         except asyncio.CancelledError:
-            if expiry is not None and expiry.expired:  # ended typed, like a failure
+            if expiry.expired:  # ended typed, like a failure
                 answered_cancel()
                 if keepalive.stopped or await lapsed():  # its holder now ends it
                     self.counts.outcome("superseded")
@@ -437,8 +436,7 @@ class Handler(ABC):
             crash = MeshError(f"worker failure: {type(exc).__name__}", retryable=True)
             await self.outcomes.failed(msg, publisher, writer, crash, attempt, keep=release.failed)
         finally:
-            if expiry is not None:
-                expiry.stop()
+            expiry.stop()
             keepalive.stop()
             self.publishers.pop(address, None)
             self.keepalives.pop(address, None)

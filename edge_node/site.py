@@ -27,8 +27,7 @@ import functools
 import hmac
 import json
 import time
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import nats.errors
 from nats.js.errors import APIError, NotFoundError
@@ -40,7 +39,7 @@ from mesh import kept
 from mesh.logs import get_logger
 from mesh.provision import provisioned
 from mesh.queue import MSG_ID_HEADER
-from mesh.tasks import raise_if_cancelled
+from mesh.tasks import by_deadline, raise_if_cancelled
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
@@ -68,7 +67,6 @@ from protocol.subjects import (
 )
 
 log = get_logger(__name__)
-T = TypeVar("T")
 SERVED_CHECK_S = 1.0
 """How long a request that can wait waits to learn whether its model has a pool at all."""
 
@@ -126,7 +124,9 @@ class SiteStore:
         record.deferred = True
         sub = await self.conn.nc.subscribe(kept_subject(req.id))
         try:
-            found = await _by(wait_until, self._held_or_kept(queued, fingerprint, req, record))
+            found = await by_deadline(
+                wait_until, self._held_or_kept(queued, fingerprint, req, record)
+            )
             if found is None:
                 found = await self._wait(sub, wait_until)
         except asyncio.TimeoutError:
@@ -144,7 +144,9 @@ class SiteStore:
         if outcome is None:
             raise wait_ended(req, held=True)
         try:
-            claimed = await _by(wait_until, self._claimed(req.id, fingerprint, req.cancel_key))
+            claimed = await by_deadline(
+                wait_until, self._claimed(req.id, fingerprint, req.cancel_key)
+            )
         except asyncio.TimeoutError:
             raise_if_cancelled()
             raise UnavailableError(
@@ -325,11 +327,6 @@ def wait_ended(req: InferRequest, *, held: bool) -> MeshError:
         request_id=req.id,
         retry_after=1.0,
     )
-
-
-async def _by(until: float, work: Awaitable[T]) -> T:
-    """``work``, given until ``until`` (Unix seconds): past it, ``asyncio.TimeoutError``."""
-    return await asyncio.wait_for(work, max(0.0, until - time.time()))
 
 
 async def emit_outcome(record: Record, outcome: Answer | ErrorEvent) -> None:

@@ -43,7 +43,7 @@ from mesh.provision import ServedModels
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
 from mesh.repair import Repair, SourceGone
-from mesh.tasks import raise_if_cancelled
+from mesh.tasks import by_deadline, raise_if_cancelled
 from mesh.write_now import write_queued
 from protocol.codec import (
     CONTENT_TYPE,
@@ -478,7 +478,7 @@ async def _within(deadline: float | None, work: Awaitable[T], request_id: str) -
     if deadline is None:
         return await work
     try:
-        return await asyncio.wait_for(work, max(0.0, deadline - time.time()))
+        return await by_deadline(deadline, work)
     except asyncio.TimeoutError:
         raise_if_cancelled()
         if time.time() < deadline - _CLOCK_SLACK_S:

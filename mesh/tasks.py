@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 from mesh.logs import get_logger
 
 log = get_logger(__name__)
+T = TypeVar("T")
 CANCELLED_WAIT_S = 5.0
 """How long stopping waits for cancelled tasks to end (their cleanup may hand a delivery back
 over the network, with timeouts of its own well within this)."""
@@ -89,6 +90,11 @@ def answered_cancel() -> None:
         task.uncancel()  # type: ignore[union-attr]
 
 
+async def by_deadline(deadline: float, work: Awaitable[T]) -> T:
+    """``work``, given until ``deadline`` (Unix seconds): past it, ``asyncio.TimeoutError``."""
+    return await asyncio.wait_for(work, max(0.0, deadline - time.time()))
+
+
 class TaskSet:
     """Owns background tasks; failures are logged, never lost; ``close()`` cancels what is left."""
 
@@ -164,17 +170,18 @@ class TaskSet:
 
 
 class CancelAt:
-    """Cancels ``task`` once ``deadline`` (Unix seconds) passes, unless :meth:`stop` came first
-    or ``unless()`` says its work is ending already; with ``again``, once more every ``again``
-    seconds while it still runs (a cancel some await swallowed). :attr:`expired` tells the
-    task's handler of ``CancelledError`` that the deadline, not a caller, cancelled it."""
+    """Cancels ``task`` once ``deadline`` (Unix seconds; None: never) passes, unless
+    :meth:`stop` came first or ``unless()`` says its work is ending already; with ``again``,
+    once more every ``again`` seconds while it still runs (a cancel some await swallowed).
+    :attr:`expired` tells the task's handler of ``CancelledError`` that the deadline, not a
+    caller, cancelled it."""
 
     __slots__ = ("_again", "_handle", "_task", "_unless", "expired")
 
     def __init__(
         self,
         task: asyncio.Task[Any],
-        deadline: float,
+        deadline: float | None,
         *,
         unless: Callable[[], bool] | None = None,
         again: float | None = None,
@@ -183,10 +190,10 @@ class CancelAt:
         self._unless = unless
         self._again = again
         self.expired = False
-        loop = asyncio.get_running_loop()
-        self._handle: asyncio.TimerHandle | None = loop.call_at(
-            loop.time() + deadline - time.time(), self._expire
-        )
+        self._handle: asyncio.TimerHandle | None = None
+        if deadline is not None:
+            loop = asyncio.get_running_loop()
+            self._handle = loop.call_at(loop.time() + deadline - time.time(), self._expire)
 
     def _expire(self) -> None:
         self._handle = None
