@@ -61,6 +61,7 @@ class Puller:
         total_slots: Callable[[], int],
         deliver: Callable[[Msg], None],
         expires: float,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.conn = conn
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -68,6 +69,9 @@ class Puller:
         self._total = total_slots
         self._deliver = deliver
         self._expires = expires
+        self._on_lost = on_lost
+        """Told (in the read loop) when the server says the consumer is gone: a pull request
+        ended with "Consumer Deleted" (its stream's too), or nobody answers a new one (503)."""
         self._owed: dict[int, int] = {}
         self._ends: dict[int, float] = {}
         """When each request is over for sure (``loop.time()``): its expiry, from when it was
@@ -166,6 +170,9 @@ class Puller:
             else:
                 reason = msg.headers.get("Description") if msg.headers else None
                 log.warning("pull request refused", status=status, reason=reason)
+                gone = status == "503" or (status == "409" and "deleted" in str(reason).lower())
+                if gone and self._on_lost is not None:
+                    self._on_lost(f"pull request ended: {status} {reason or ''}".strip())
             return
         owed = self._owed.get(token)
         filled = owed is not None and owed <= 1

@@ -169,6 +169,7 @@ class Worker(Lifecycle):
             total_slots=lambda: self.backend.capacity().total,
             deliver=self._accept,
             expires=self._ws.fetch_timeout,
+            on_lost=self._lost,
         )
         self.loop_lag = LoopLag(
             "worker",
@@ -303,9 +304,17 @@ class Worker(Lifecycle):
 
     async def _restore(self) -> None:
         """After a reconnect: a server restart may have lost memory-stored state (the queue's
-        consumer, the registry bucket): put it back (idempotent), and announce this worker."""
+        consumer, the registry bucket): put it back (idempotent), announce this worker, and
+        cover its free slots (the pull requests of a lost consumer ended with it)."""
         await self._provision()
         await self._heartbeat.beat()
+        await self._puller.top_up(whole=True)
+
+    def _lost(self, why: str) -> None:
+        """The server says the queue's consumer is gone (deleted, its stream too, or not there
+        to answer a pull): put it back now, as after a reconnect, not at the next one."""
+        if not self._stopping:
+            self.conn.recovery.again("queue and registry", why)
 
     async def stop(self) -> None:
         """Ordered: stop pulling, let in-flight requests finish (grace), hand the rest on."""

@@ -7,6 +7,10 @@ leader, JetStream has no quorum yet, the request timed out) runs it again with a
 (0.1 s doubling to 2 s) until it succeeds. It never gives up: a step that failed once used to
 leave an edge answering every cloud request locally for good while every worker was healthy.
 
+State can also go without a reconnect (an operator's ``nats consumer rm``, a stream lost on a hub
+server the node is not connected to); a node that hears so from the server (a pull request ended
+with "Consumer Deleted") calls :meth:`Recovery.again` for the step that puts it back.
+
 A newer reconnect restarts a step still being retried. While any step is not restored,
 :attr:`Recovery.pending` names it, and readiness (the edge's ``/ready``, a worker's status and
 ``mesh status``) says so.
@@ -67,14 +71,35 @@ class Recovery:
 
     def reconnected(self) -> None:
         """Start (or start again) every step."""
-        loop = asyncio.get_running_loop()
         for key, (name, step) in list(self._steps.items()):
             old = self._running.pop(key, None)
             if old is not None:
                 old[1].cancel()
-            task = loop.create_task(self._restore(name, step), name=f"restore-{name}")
-            self._running[key] = (name, task)
-            task.add_done_callback(self._done)
+            self._start(key, name, step)
+
+    def again(self, name: str, why: str) -> bool:
+        """Run the steps named ``name`` now, without a reconnect: what they put back was lost
+        (``why``, for the log). One still being retried is left to go on; True when a step
+        started."""
+        due = [
+            (key, step)
+            for key, (named, step) in self._steps.items()
+            if named == name and key not in self._running
+        ]
+        for key, step in due:
+            self._start(key, name, step)
+        if due:
+            log.warning(
+                "lost without a reconnect; restoring", connection=self._owner, step=name, why=why
+            )
+        return bool(due)
+
+    def _start(self, key: int, name: str, step: Step) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._restore(name, step), name=f"restore-{name}"
+        )
+        self._running[key] = (name, task)
+        task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         for key, (_name, running) in list(self._running.items()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mesh.recovery import Recovery
+from mesh.recovery import Recovery, Step
 from tests.helpers import eventually
 
 
@@ -63,3 +63,29 @@ async def _at_least(value: object, n: int) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_again_runs_the_named_step_without_a_reconnect_and_leaves_a_running_one() -> None:
+    """State lost under a connected node (a consumer deleted): its step runs now, pending until
+    it succeeds; asked again while it runs (every refused pull says so), it is not restarted."""
+    recovery = Recovery("test")
+    runs = {"consumer": 0, "registry": 0}
+    release = asyncio.Event()
+
+    def step_for(name: str) -> Step:
+        async def step() -> None:
+            runs[name] += 1
+            await release.wait()
+
+        return step
+
+    recovery.add("consumer", step_for("consumer"))
+    recovery.add("registry", step_for("registry"))
+    assert recovery.again("consumer", "409 Consumer Deleted")
+    await eventually(lambda: _true(runs["consumer"] == 1), what="the consumer's step")
+    assert recovery.pending == ["consumer"]
+    assert not recovery.again("consumer", "503")  # still running: left to go on
+    release.set()
+    await eventually(lambda: _true(recovery.pending == []), what="the step restored")
+    assert runs == {"consumer": 1, "registry": 0}
+    await recovery.close()
