@@ -26,7 +26,6 @@ from mesh.logs import get_logger
 from mesh.registry import (
     HANDBACK,
     KEYS,
-    RETRY_MAX_DELAY,
     NodeInfo,
     is_deleted,
     jetstream_errors,
@@ -34,7 +33,6 @@ from mesh.registry import (
     open_bucket,
     read_entries,
 )
-from mesh.tasks import cancel_and_wait, raise_if_cancelled
 from protocol.errors import MeshError, UnavailableError
 from protocol.subjects import NODES_STREAM, REGISTRY_UPDATES, model_token
 
@@ -61,28 +59,31 @@ class NodeView:
         self._nodes: dict[str, tuple[NodeInfo, float]] = {}
         self._seqs: dict[str, int] = {}
         """Each key's newest stream sequence applied."""
-        self._gone: dict[str, int] = {}
-        """Keys of workers found gone (:meth:`gone`): entries up to this sequence are old news."""
+        self._gone: dict[str, tuple[int, float]] = {}
+        """Keys of workers found gone (:meth:`gone`): entries up to this sequence are old news,
+        until this ``time.monotonic()`` (a ``ttl`` on: by then the bucket has aged out every
+        entry written before, and a recreated bucket, whose sequences start at 1 again, must
+        not have its new entries taken for old ones)."""
         self._ready = False
         self._sub: Subscription | None = None
         self._syncing: dict[str, int] | None = None
         """While a snapshot is read: each key's newest stream sequence seen, live or read."""
         self._lock = asyncio.Lock()
-        self._retry: asyncio.Task[None] | None = None
+        self._synced = False
+        """A read of the entries has succeeded (since the start)."""
         self._undo_reconnect: Any = None
         self._reconnected_at = -float("inf")
 
     async def start(self) -> None:
         """Follow the registry. Raises (a :class:`MeshError`) when it cannot be read now (no
         JetStream, or the bucket has no republish yet): the view then tries again by itself,
-        and is not ready meanwhile."""
+        as after a reconnect (the connection's "registry watch" step, pending meanwhile), and
+        is not ready until it can."""
         self._undo_reconnect = self._conn.on_reconnect("registry watch", self._rewatch)
         try:
             await self._sync()
-        except MeshError:
-            self._retry = asyncio.get_running_loop().create_task(
-                self._sync_until_done(), name="registry-sync"
-            )
+        except MeshError as exc:
+            self._conn.recovery.again("registry watch", f"first read: {exc.message}")
             raise
 
     async def _rewatch(self) -> None:
@@ -91,24 +92,10 @@ class NodeView:
         within a heartbeat. Raises when it cannot be read now (an election, no quorum, no
         republish yet): the connection's recovery tries again until it can, and the view is
         not ready meanwhile."""
-        self._reconnected_at = time.monotonic()
+        if self._synced:  # what it saw before may be stale: trusted again after a ttl
+            self._reconnected_at = time.monotonic()
         self._ready = False
-        await self._stop_retry()
         await self._sync()
-
-    async def _sync_until_done(self) -> None:
-        delay = 0.1
-        while True:
-            await asyncio.sleep(delay)
-            raise_if_cancelled()
-            try:
-                await self._sync()
-            except MeshError as exc:
-                log.debug("node registry still unavailable", error=exc.message)
-                delay = min(delay * 2, RETRY_MAX_DELAY)
-            else:
-                log.info("node registry followed")
-                return
 
     async def _sync(self) -> None:
         """Subscribe to the updates (once: the client subscribes again after each reconnect),
@@ -137,7 +124,7 @@ class NodeView:
                 raise UnavailableError(f"node registry unavailable: {exc!r}") from None
             finally:
                 self._syncing = None
-            self._ready = True
+            self._ready = self._synced = True
 
     async def _on_update(self, msg: Msg) -> None:
         key = msg.subject[
@@ -153,8 +140,9 @@ class NodeView:
             if seq and seq <= self._syncing.get(key, 0):
                 return
             self._syncing[key] = seq
-        if key in self._gone:
-            if seq and seq <= self._gone[key]:
+        mark = self._gone.get(key)
+        if mark is not None:
+            if seq and seq <= mark[0] and time.monotonic() < mark[1]:
                 return  # written before the worker was found gone
             del self._gone[key]
         if is_deleted(msg):
@@ -177,7 +165,7 @@ class NodeView:
         for key, (info, _seen) in list(self._nodes.items()):
             if info.node_id == node_id:
                 del self._nodes[key]
-                self._gone[key] = self._seqs.get(key, 0)
+                self._gone[key] = (self._seqs.get(key, 0), time.monotonic() + self._ttl)
 
     @property
     def ready(self) -> bool:
@@ -226,17 +214,11 @@ class NodeView:
         if self._undo_reconnect is not None:
             self._undo_reconnect()
             self._undo_reconnect = None
-        await self._stop_retry()
         sub, self._sub = self._sub, None
         if sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
         self._ready = False
-
-    async def _stop_retry(self) -> None:
-        task, self._retry = self._retry, None
-        if task is not None and task is not asyncio.current_task():
-            await cancel_and_wait([task])
 
 
 def _sequence(msg: Msg) -> int:

@@ -59,9 +59,6 @@ REPUBLISH = api.RePublish(src=f"{KEYS}.>", dest=f"{REGISTRY_UPDATES}.>")
 ``Nats-Subject``, ``Nats-Sequence``, ``Nats-Last-Sequence`` (and ``KV-Operation``)."""
 SNAPSHOT_BATCH = 256
 """Entries a view asks for per direct get; it pages on when there are more."""
-RETRY_MAX_DELAY = 5.0
-"""The longest wait between two tries of a view's first read (the bucket without republish yet,
-or JetStream unavailable), doubling from 0.1 s."""
 
 
 class NodeInfo(BaseModel):

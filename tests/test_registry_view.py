@@ -160,6 +160,7 @@ async def test_a_bucket_without_republish_keeps_a_view_not_ready_until_a_worker_
     beat = _beat(conn, "w1", stream=StreamSettings())  # a writer: it updates the bucket
     try:
         assert view.ready is False and view.serves("smollm2") is None
+        assert conn.restoring == ["registry watch"]  # readiness says what it waits for
         await beat.start()
         config = (await conn.jsm().stream_info(NODES_STREAM)).config
         assert config.allow_direct is True and config.republish is not None
@@ -169,6 +170,7 @@ async def test_a_bucket_without_republish_keeps_a_view_not_ready_until_a_worker_
             return view.serves("smollm2") is True
 
         await eventually(serves, what="the view to follow the bucket by itself")
+        assert conn.restoring == []
         assert await _consumers(conn) == 0
     finally:
         await beat.stop()
@@ -313,6 +315,35 @@ async def test_a_worker_found_gone_is_forgotten_until_it_announces_itself_again(
         assert view.serves("smollm2") is True
     finally:
         await view.stop()
+
+
+async def test_a_worker_found_gone_comes_back_in_a_recreated_bucket(own_server: NatsServer) -> None:
+    """The bucket recreated (a hub restarted with an empty store, ``nats kv rm``) numbers its
+    entries from 1 again: a worker found gone before is seen again once its "old news" mark ends
+    (the ttl, when the old bucket would have aged out every entry written before it). Before,
+    its new entries were taken for old ones until their sequence passed the old bucket's: for
+    as long as the old bucket had lived."""
+    ttl = 1.0
+    async with Connection(make_settings(own_server.url).nats, "view") as conn:
+        kv = await open_bucket(conn, ttl)
+        key = node_key("worker", "w1", "smollm2")
+        for _ in range(300):  # a bucket that lived a while: its sequence is far ahead
+            await kv.put(key, _value("w1"))
+        view = NodeView(conn, ttl, pool="smollm2")
+        await view.start()
+        try:
+            assert _nodes(view) == {"w1"}
+            view.gone("w1")
+            await conn.jsm().delete_stream(NODES_STREAM)
+            kv = await open_bucket(conn, ttl)
+
+            async def seen() -> bool:
+                await kv.put(key, _value("w1"))  # its heartbeat, into the new bucket
+                return "w1" in _nodes(view)
+
+            await eventually(seen, timeout=5, what="w1 seen in the new bucket")
+        finally:
+            await view.stop()
 
 
 async def test_a_heartbeat_stops_even_when_its_put_ends_in_the_turn_of_the_stop(
