@@ -40,7 +40,7 @@ from protocol.subjects import LEASES_STREAM, lease_subject
 
 log = get_logger(__name__)
 RESTORE_FIRST_S = 0.5
-RESTORE_MAX_S = 30.0
+RESTORE_MAX_S = 2.0
 """Backoff of :meth:`Leases.restore`: its first pause, and its longest."""
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071

@@ -12,6 +12,9 @@ from mesh.logs import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")
+RESTART_MAX_S = 2.0
+"""The longest pause before a crashed background task runs again (:meth:`TaskSet.supervise`):
+like a recovery step (:mod:`mesh.recovery`), it is back at most this long after its cause."""
 CANCELLED_WAIT_S = 5.0
 """How long stopping waits for cancelled tasks to end (their cleanup may hand a delivery back
 over the network, with timeouts of its own well within this)."""
@@ -116,17 +119,24 @@ class TaskSet:
         *,
         name: str,
         restart_delay: float = 0.5,
+        max_delay: float = RESTART_MAX_S,
     ) -> asyncio.Task[Any]:
-        """Run ``factory()`` as a tracked task; when it crashes, log it and run it again (with a
-        growing delay), until it returns or is cancelled."""
+        """Run ``factory()`` as a tracked task; when it crashes, log it and run it again, until
+        it returns or is cancelled. The pause before a restart doubles from ``restart_delay``
+        up to ``max_delay`` while it keeps crashing, and starts over after a run that lasted
+        ``max_delay`` or more: a task that crashed a few times over a day is not restarted a
+        long while after its next cause is gone."""
 
         async def runner() -> None:
             delay = restart_delay
             while True:
+                began = time.monotonic()
                 try:
                     await factory()
                     return
                 except Exception as exc:
+                    if time.monotonic() - began >= max_delay:
+                        delay = restart_delay  # it ran well: this crash is a new one
                     log.error(
                         "background task crashed; restarting it",
                         owner=self._name,
@@ -136,7 +146,7 @@ class TaskSet:
                         restart_in_s=delay,
                     )
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 30.0)
+                    delay = min(delay * 2, max_delay)
 
         return self.spawn(runner(), name=name)
 

@@ -4,6 +4,7 @@ named in the log, and the shutdown goes on."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 from mesh.tasks import TaskSet, cancel_and_wait
@@ -56,3 +57,33 @@ async def test_cancelled_tasks_that_end_are_waited_for_and_what_they_raised_is_t
     await asyncio.sleep(0)
     assert await cancel_and_wait(tasks) is True
     assert ended == ["cleaned"] and all(t.done() for t in tasks)
+
+
+async def test_a_supervised_task_that_ran_well_is_restarted_at_once_after_its_next_crash() -> None:
+    """Its pause doubles while it keeps crashing, up to a bound, and starts over once it has run
+    well. Before, the pause only grew (to 30 s): a task that had crashed six times over a
+    process's life (a leaf's blips, say) waited 30 s after every later crash, long after its
+    cause was gone."""
+    starts: list[float] = []
+    crashed_again, restarted = asyncio.Event(), asyncio.Event()
+
+    async def flaky() -> None:
+        starts.append(time.monotonic())
+        if len(starts) <= 8:
+            raise ConnectionError("the store is electing a leader")
+        if len(starts) == 9:
+            await asyncio.sleep(0.6)  # longer than the longest pause: it ran well
+            crashed_again.set()
+            raise ConnectionError("a new blip")
+        restarted.set()
+        await asyncio.sleep(30)
+
+    tasks = TaskSet("test")
+    tasks.supervise(flaky, name="flaky", restart_delay=0.01, max_delay=0.5)
+    await asyncio.wait_for(crashed_again.wait(), 10)
+    pauses = [b - a for a, b in itertools.pairwise(starts)]
+    assert max(pauses[:8]) < 0.5 + 0.2, pauses  # bounded while it kept crashing
+    assert pauses[6] >= 0.4, pauses  # and grown to the bound by then
+    await asyncio.wait_for(restarted.wait(), 10)
+    assert starts[9] - starts[8] - 0.6 < 0.1, pauses  # after a good run: at once again
+    await tasks.close(grace=0)
