@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import nats.errors
 from nats.aio.msg import Msg
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from cloud_node.publisher import AnswerPublisher
 from mesh import kept
@@ -29,29 +30,42 @@ log = get_logger(__name__)
 
 
 class Keeper:
-    def __init__(self, conn: Connection, store: AnswerStore, timeout: float) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        store: AnswerStore,
+        timeout: float,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
         self.conn = conn
         self.store = store
         self.timeout = timeout
-        self._collectable: set[str] = set()
-        """Scopes whose site consumer this worker made sure of (see :meth:`collectable`)."""
+        self._on_lost = on_lost
+        """Told when the hub's answer store is gone (a kept answer's publish, or its site's
+        consumer, found no stream): the worker puts its streams back now."""
 
     async def collectable(self, scope: str) -> None:
-        """Make sure the site of ``scope`` has its consumer on ``MESH_ANSWERS`` (idempotent;
-        once per scope and process). Raises a retryable :class:`MeshError` when it cannot."""
-        if scope in self._collectable:
-            return
+        """Make sure the site of ``scope`` has its consumer on ``MESH_ANSWERS`` (idempotent),
+        at every keep: one JetStream request per kept answer, where a worker that made sure
+        once per site and process never put back a consumer deleted since (``nats consumer
+        rm``, a hub that restarted with an empty store) and the site collected nothing more.
+        Raises a retryable :class:`MeshError` when it cannot."""
         try:
             await asyncio.wait_for(
                 self.conn.jsm().add_consumer(ANSWERS_STREAM, kept.site_consumer_config(scope)),
                 self.timeout,
             )
         except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
+            if isinstance(exc, NotFoundError):
+                self._lost(exc)
             raise MeshError(
                 f"cannot make the site's answers collectable: {type(exc).__name__}",
                 retryable=True,
             ) from None
-        self._collectable.add(scope)
+
+    def _lost(self, exc: Exception) -> None:
+        if self._on_lost is not None:
+            self._on_lost(f"{ANSWERS_STREAM} is gone: {type(exc).__name__}")
 
     async def keep_or_hand_back(
         self,
@@ -131,6 +145,8 @@ class Keeper:
                 timeout=self.timeout,
             )
         except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
+            if isinstance(exc, NoStreamResponseError):
+                self._lost(exc)
             raise MeshError(
                 f"cannot keep the answer: {type(exc).__name__}", retryable=True
             ) from None

@@ -93,7 +93,7 @@ class Worker(Lifecycle):
         self._page = exposition if metrics_page is None else metrics_page
         # Workers may read any answer (they continue each other's); direct get is their right.
         self.store = AnswerStore(conn, settings.stream, filtered=False)
-        self.keeper = Keeper(conn, self.store, settings.worker.publish_timeout)
+        self.keeper = Keeper(conn, self.store, settings.worker.publish_timeout, self._lost)
         self.leases = Leases(
             conn,
             settings.stream.name,
@@ -311,8 +311,9 @@ class Worker(Lifecycle):
         await self._puller.top_up(whole=True)
 
     def _lost(self, why: str) -> None:
-        """The server says the queue's consumer is gone (deleted, its stream too, or not there
-        to answer a pull): put it back now, as after a reconnect, not at the next one."""
+        """The server says a stream or the queue's consumer is gone (a pull request ended with
+        "Consumer Deleted", or nobody answered one or a kept answer's publish): put them back
+        now, as after a reconnect, not at the next one."""
         if not self._stopping:
             self.conn.recovery.again("queue and registry", why)
 

@@ -27,6 +27,7 @@ import functools
 import hmac
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
@@ -34,7 +35,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from edge_node.lanes import app_key, key_hash, lane_secret
 from edge_node.records import Record
-from edge_node.site_links import HELD_ID_HEADER, SiteLinks, SiteParts
+from edge_node.site_links import HELD_ID_HEADER, SITE_STREAMS, SiteLinks, SiteParts
 from mesh import kept
 from mesh.logs import get_logger
 from mesh.provision import provisioned
@@ -79,9 +80,18 @@ class SiteStore:
         self.links = SiteLinks(parts)
         """The forwarder and the collector."""
         self._lane_secret = lane_secret(parts.creds_file)
+        self._undo_reconnect: Callable[[], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        await self._provision()
+        self._undo_reconnect = self.conn.on_reconnect(SITE_STREAMS, self._provision)
+        await self.links.start()
+
+    async def _provision(self) -> None:
+        """The site's streams and the outbox's forwarder (idempotent): at the start, after every
+        reconnect (a leaf restarted on an empty store), and when the forwarder finds them gone
+        (:data:`SITE_STREAMS`, the connection's recovery step)."""
         jsm = self.conn.site_jsm()
         stream = self.parts.stream
         for config in (
@@ -90,9 +100,12 @@ class SiteStore:
             kept.claims_config(stream),
         ):
             await provisioned(functools.partial(kept.ensure, jsm, config))
-        await self.links.start()
+        await self.links.ensure_forwarder()
 
     async def stop(self) -> None:
+        if self._undo_reconnect is not None:
+            self._undo_reconnect()
+            self._undo_reconnect = None
         await self.links.stop()
 
     async def held(self) -> int:

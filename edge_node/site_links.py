@@ -48,6 +48,13 @@ log = get_logger(__name__)
 FORWARDER = "forwarder"
 RETRY_S = 1.0
 """Pause between tries while the uplink is down."""
+PULL_S = 1.0
+"""How long one pull of either loop waits for a message. nats-py's ``fetch`` does not end at
+"409 Consumer Deleted": a pull that a deleted consumer, or a hub restarted on an empty store,
+will never answer holds its loop this long (a pull request a second per site, at the hub for
+the collector)."""
+SITE_STREAMS = "site streams"
+"""The edge connection's recovery step that puts back the site's streams and the forwarder."""
 OUTBOX_ACK_WAIT_S = 30.0
 HELD_ID_HEADER = "Mesh-Id"
 """A held request's id (its outbox message id also carries its fingerprint)."""
@@ -76,15 +83,16 @@ class SiteLinks:
         self.conn = parts.conn
         self.scope = parts.scope
         self._tasks = TaskSet("edge-site")
-        self._pulls: list[Any] = []
+        self._pulls: dict[str, Any] = {}
+        """Each loop's pull subscription, by loop (one restarted lets its old one go)."""
         self.forwarded = 0
         self.collected = 0
         self.forward_order: deque[str] = deque(maxlen=1000)
         """Ids of the latest forwarded requests, in the order they reached the hub."""
         self._lane_secret = lane_secret(parts.creds_file)
 
-    async def start(self) -> None:
-        """The outbox's forwarder consumer, then both loops (the streams exist already)."""
+    async def ensure_forwarder(self) -> None:
+        """The outbox's forwarder consumer (idempotent; the outbox exists)."""
         try:
             await self.conn.site_jsm().add_consumer(
                 OUTBOX_STREAM,
@@ -98,25 +106,37 @@ class SiteLinks:
             )
         except (APIError, asyncio.TimeoutError) as exc:
             raise UnavailableError(f"the site cannot hold requests: {exc!r}") from None
+
+    async def start(self) -> None:
+        """Both loops (the streams and the forwarder consumer exist already)."""
         self._tasks.supervise(self._forward_loop, name="site-forward")
         self._tasks.supervise(self._collect_loop, name="site-collect")
 
     async def stop(self) -> None:
         await self._tasks.close()
-        for psub in self._pulls:  # else the connection's drain waits on them
+        for loop in list(self._pulls):  # else the connection's drain waits on them
+            await self._unbind(loop)
+
+    async def _unbind(self, loop: str) -> None:
+        psub = self._pulls.pop(loop, None)
+        if psub is not None:
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
                 await psub.unsubscribe()
-        self._pulls.clear()
 
     # -- forwarder -----------------------------------------------------------------------------
     async def _forward_loop(self) -> None:
+        await self._unbind("forward")  # a restarted loop's old subscription
         psub = await self.conn.site_js().pull_subscribe_bind(FORWARDER, stream=OUTBOX_STREAM)
-        self._pulls.append(psub)
+        self._pulls["forward"] = psub
         while True:
             raise_if_cancelled()  # one the fetch's wait_for swallowed (Python 3.11)
             try:
-                msgs = await psub.fetch(1, timeout=5.0)
+                msgs = await psub.fetch(1, timeout=PULL_S)
             except nats.errors.TimeoutError:
+                continue
+            except nats.errors.Error as exc:  # nobody answers for the forwarder: it is gone
+                self.conn.recovery.again(SITE_STREAMS, f"the outbox's forwarder: {exc!r}")
+                await asyncio.sleep(RETRY_S)
                 continue
             for msg in msgs:
                 try:
@@ -200,21 +220,22 @@ class SiteLinks:
     # -- collector -----------------------------------------------------------------------------
     async def _collect_loop(self) -> None:
         consumer = site_consumer(self.scope)
+        await self._unbind("collect")  # a restarted loop's old subscription
         psub = None
         while psub is None:
             try:
-                # The consumer is a worker's to create, before it keeps this site's first
-                # answer; an edge under credentials may only look it up and pull from it.
+                # The consumer is a worker's to create, at each answer it keeps for this site;
+                # an edge under credentials may only look it up and pull from it.
                 await self.conn.jsm().consumer_info(ANSWERS_STREAM, consumer)
                 psub = await self.conn.js.pull_subscribe_bind(consumer, stream=ANSWERS_STREAM)
-                self._pulls.append(psub)
+                self._pulls["collect"] = psub
             except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
                 log.debug("answers not collectable yet", error=repr(exc))
                 await asyncio.sleep(RETRY_S)
         while True:
             raise_if_cancelled()
             try:
-                msgs = await psub.fetch(16, timeout=5.0)
+                msgs = await psub.fetch(16, timeout=PULL_S)
             except nats.errors.TimeoutError:
                 continue
             except nats.errors.Error as exc:  # the uplink is down: no responders

@@ -13,13 +13,18 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from cloud_node.worker import Worker
+from edge_node.site_links import FORWARDER
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
+from mesh.testing.chaos import expected_text
+from protocol.subjects import ANSWERS_STREAM, OUTBOX_STREAM, site_consumer
 from tests.conftest import make_settings
 from tests.helpers import eventually
+from tests.test_edge_site import Topology, running_mesh, topology  # noqa: F401 - a fixture
+from tests.test_security import certs  # noqa: F401 - a fixture
 
 
 async def _consumer_exists(conn: Connection, stream: str, consumer: str) -> bool:
@@ -65,3 +70,73 @@ async def test_a_worker_puts_back_its_queue_deleted_under_it(
 
 async def _is(value: bool) -> bool:
     return value
+
+
+@pytest.mark.parametrize("what", ["stream", "consumer"])
+async def test_a_sites_kept_answers_flow_again_after_the_answer_store_is_deleted(
+    topology: Topology,  # noqa: F811 - the fixture
+    what: str,
+) -> None:
+    """The hub's store of kept answers, or the site's consumer on it, deleted while everyone
+    stays connected (``nats stream rm MESH_ANSWERS``, ``nats consumer rm``): the worker's next
+    keep finds no stream and puts it back, makes sure of the site's consumer, and the site
+    collects the answer. Before, the stream came back only with a reconnect of the worker's own
+    link, and the site's consumer never (the worker made sure of it once per site and process):
+    every request that could wait stayed held until its deadline."""
+    site = "site-a"
+    async with running_mesh(topology):
+        operator = topology.hub_settings("operator")
+        async with (
+            Connection(operator.nats, "operator") as op,
+            MeshClient(settings=topology.site_settings(site, "client")) as client,
+        ):
+            first = await client.complete(
+                "[tag:k] x", route="cloud", max_tokens=6, deferrable=True, request_id="kept-1"
+            )
+            assert first.path == "cloud" and first.text == expected_text("k", 6)
+            if what == "stream":
+                await op.jsm().delete_stream(ANSWERS_STREAM)
+            else:
+                scope = topology.edges[site].site.scope  # type: ignore[union-attr]
+                await op.jsm().delete_consumer(ANSWERS_STREAM, site_consumer(scope))
+            began = time.monotonic()
+            second = await client.complete(
+                "[tag:m] x",
+                route="cloud",
+                max_tokens=6,
+                deferrable=True,
+                request_id="kept-2",
+                deadline=time.time() + 30,
+            )
+            took = time.monotonic() - began
+            assert second.path == "cloud" and second.text == expected_text("m", 6)
+            assert (await client.answer("kept-2")).text == expected_text("m", 6)
+            print(f"\nanswer {what} deleted: the next kept answer reached its site in {took:.2f} s")
+
+
+async def test_a_site_puts_back_its_forwarder_deleted_under_it(
+    topology: Topology,  # noqa: F811 - the fixture
+) -> None:
+    """The site's outbox forwarder deleted on its leaf while the edge runs: the forwarder finds
+    nobody answering its pull, the edge's "site streams" step puts it back, and a request that
+    can wait is forwarded and answered. Before, the forwarder was made only at the edge's start:
+    its loop crashed and restarted for good (each time with one more subscription), and every
+    request held at the site stayed there until its deadline."""
+    site = "site-a"
+    async with running_mesh(topology):
+        edge = topology.edges[site]
+        async with MeshClient(settings=topology.site_settings(site, "client")) as client:
+            await edge.conn.site_jsm().delete_consumer(OUTBOX_STREAM, FORWARDER)
+            began = time.monotonic()
+            answer = await client.complete(
+                "[tag:f] x",
+                route="cloud",
+                max_tokens=6,
+                deferrable=True,
+                request_id="held-1",
+                deadline=time.time() + 30,
+            )
+            took = time.monotonic() - began
+        assert answer.path == "cloud" and answer.text == expected_text("f", 6)
+        await edge.conn.site_jsm().consumer_info(OUTBOX_STREAM, FORWARDER)  # back
+        print(f"\nforwarder deleted: the next held request was answered in {took:.2f} s")
