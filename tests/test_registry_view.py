@@ -170,7 +170,11 @@ async def test_a_bucket_without_republish_keeps_a_view_not_ready_until_a_worker_
             return view.serves("smollm2") is True
 
         await eventually(serves, what="the view to follow the bucket by itself")
-        assert conn.restoring == []
+
+        async def restored() -> bool:  # its step's end is filed a loop turn after the read
+            return conn.restoring == []
+
+        await eventually(restored, timeout=2, what="the step to end")
         assert await _consumers(conn) == 0
     finally:
         await beat.stop()
