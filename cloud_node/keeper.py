@@ -43,25 +43,34 @@ class Keeper:
         self._on_lost = on_lost
         """Told when the hub's answer store is gone (a kept answer's publish, or its site's
         consumer, found no stream): the worker puts its streams back now."""
+        self._made: set[str] = set()
+        """Scopes whose site consumer this worker has made (see :meth:`collectable`)."""
 
     async def collectable(self, scope: str) -> None:
         """Make sure the site of ``scope`` has its consumer on ``MESH_ANSWERS`` (idempotent),
-        at every keep: one JetStream request per kept answer, where a worker that made sure
-        once per site and process never put back a consumer deleted since (``nats consumer
-        rm``, a hub that restarted with an empty store) and the site collected nothing more.
-        Raises a retryable :class:`MeshError` when it cannot."""
+        at every keep. A worker that made sure once per site and process never put back a
+        consumer deleted since (``nats consumer rm``, a hub that restarted with an empty
+        store), and the site collected nothing more. When it cannot now for another reason
+        than a missing stream (a timeout, the cluster electing its meta leader) and it has
+        made the consumer before, the answer is kept anyway: a consumer made again later
+        delivers from the stream's first answer, and a keep refused for it would cost the
+        request one of its deliveries. Raises a retryable :class:`MeshError` otherwise."""
         try:
             await asyncio.wait_for(
                 self.conn.jsm().add_consumer(ANSWERS_STREAM, kept.site_consumer_config(scope)),
                 self.timeout,
             )
         except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
-            if isinstance(exc, NotFoundError):
+            if isinstance(exc, NotFoundError):  # the stream
                 self._lost(exc)
+            elif scope in self._made:
+                log.warning("site consumer not made sure of; keeping anyway", error=repr(exc))
+                return
             raise MeshError(
                 f"cannot make the site's answers collectable: {type(exc).__name__}",
                 retryable=True,
             ) from None
+        self._made.add(scope)
 
     def _lost(self, exc: Exception) -> None:
         if self._on_lost is not None:

@@ -48,11 +48,14 @@ log = get_logger(__name__)
 FORWARDER = "forwarder"
 RETRY_S = 1.0
 """Pause between tries while the uplink is down."""
-PULL_S = 1.0
-"""How long one pull of either loop waits for a message. nats-py's ``fetch`` does not end at
-"409 Consumer Deleted": a pull that a deleted consumer, or a hub restarted on an empty store,
-will never answer holds its loop this long (a pull request a second per site, at the hub for
-the collector)."""
+FORWARD_PULL_S = 1.0
+"""How long one pull of the forwarder waits for a held request, on the site's own leaf.
+nats-py's ``fetch`` does not end at "409 Consumer Deleted": a pull that a deleted forwarder
+will never answer holds the loop this long before the next one finds it gone."""
+COLLECT_PULL_S = 5.0
+"""The same for the collector, whose pulls go to the hub: a pull a consumer deleted under it
+(or a hub restarted on an empty store) never answers holds the site's answers this long; a
+shorter one would cost every site's pulls at the hub more often."""
 SITE_STREAMS = "site streams"
 """The edge connection's recovery step that puts back the site's streams and the forwarder."""
 OUTBOX_ACK_WAIT_S = 30.0
@@ -131,8 +134,8 @@ class SiteLinks:
         while True:
             raise_if_cancelled()  # one the fetch's wait_for swallowed (Python 3.11)
             try:
-                msgs = await psub.fetch(1, timeout=PULL_S)
-            except nats.errors.TimeoutError:
+                msgs = await psub.fetch(1, timeout=FORWARD_PULL_S)
+            except asyncio.TimeoutError:  # nats-py's, or asyncio's when the 408 came just then
                 continue
             except nats.errors.Error as exc:  # nobody answers for the forwarder: it is gone
                 self.conn.recovery.again(SITE_STREAMS, f"the outbox's forwarder: {exc!r}")
@@ -235,8 +238,8 @@ class SiteLinks:
         while True:
             raise_if_cancelled()
             try:
-                msgs = await psub.fetch(16, timeout=PULL_S)
-            except nats.errors.TimeoutError:
+                msgs = await psub.fetch(16, timeout=COLLECT_PULL_S)
+            except asyncio.TimeoutError:  # nats-py's, or asyncio's when the 408 came just then
                 continue
             except nats.errors.Error as exc:  # the uplink is down: no responders
                 log.debug("collect failed", error=repr(exc))

@@ -19,6 +19,7 @@ A newer reconnect restarts a step still being retried. While any step is not res
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -46,6 +47,10 @@ class Recovery:
         self._steps: dict[int, tuple[str, Step]] = {}
         self._running: dict[int, tuple[str, asyncio.Task[None]]] = {}
         self._next = 0
+        self._closed = False
+        self._again: dict[int, tuple[float, float]] = {}
+        """Each step run by :meth:`again`: when it last succeeded (``time.monotonic()``), and the
+        pause before the next such run if it is asked for within :data:`MAX_DELAY` of that."""
         self.failures = 0
         """Failed tries since start (every step): a figure for metrics."""
 
@@ -71,6 +76,8 @@ class Recovery:
 
     def reconnected(self) -> None:
         """Start (or start again) every step."""
+        if self._closed:
+            return
         for key, (name, step) in list(self._steps.items()):
             old = self._running.pop(key, None)
             if old is not None:
@@ -80,23 +87,32 @@ class Recovery:
     def again(self, name: str, why: str) -> bool:
         """Run the steps named ``name`` now, without a reconnect: what they put back was lost
         (``why``, for the log). One still being retried is left to go on; True when a step
-        started."""
+        started. Asked for again within :data:`MAX_DELAY` of its last success (the state it
+        put back lost at once again, or a sign of loss that outlives it: a pull answered 503
+        while provisioning succeeds), a step waits first, 0.1 s doubling to 2 s: never a storm
+        of provisioning."""
+        if self._closed:
+            return False
+        now = time.monotonic()
         due = [
             (key, step)
             for key, (named, step) in self._steps.items()
             if named == name and key not in self._running
         ]
         for key, step in due:
-            self._start(key, name, step)
+            succeeded, pause = self._again.get(key, (-MAX_DELAY, 0.0))
+            wait = pause if now - succeeded < MAX_DELAY else 0.0
+            self._again[key] = (succeeded, min(max(wait * 2, FIRST_DELAY), MAX_DELAY))
+            self._start(key, name, step, wait)
         if due:
             log.warning(
                 "lost without a reconnect; restoring", connection=self._owner, step=name, why=why
             )
         return bool(due)
 
-    def _start(self, key: int, name: str, step: Step) -> None:
+    def _start(self, key: int, name: str, step: Step, wait: float = 0.0) -> None:
         task = asyncio.get_running_loop().create_task(
-            self._restore(name, step), name=f"restore-{name}"
+            self._restore(key, name, step, wait), name=f"restore-{name}"
         )
         self._running[key] = (name, task)
         task.add_done_callback(self._done)
@@ -106,7 +122,9 @@ class Recovery:
             if running is task:
                 del self._running[key]
 
-    async def _restore(self, name: str, step: Step) -> None:
+    async def _restore(self, key: int, name: str, step: Step, wait: float) -> None:
+        if wait > 0:
+            await asyncio.sleep(wait)
         delay = FIRST_DELAY
         tries = 0
         while True:
@@ -135,9 +153,12 @@ class Recovery:
                 log.info(
                     "restored after a reconnect", connection=self._owner, step=name, tries=tries
                 )
+            if key in self._again:
+                self._again[key] = (time.monotonic(), self._again[key][1])
             return
 
     async def close(self) -> None:
+        self._closed = True  # nothing starts any more: a late again() would run on for ever
         tasks = [task for _name, task in self._running.values()]
         self._running.clear()
         await cancel_and_wait(tasks)

@@ -4,6 +4,8 @@ that fails is tried again, with backoff, until it succeeds, and is named as pend
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 
 from mesh.recovery import Recovery, Step
 from tests.helpers import eventually
@@ -89,3 +91,26 @@ async def test_again_runs_the_named_step_without_a_reconnect_and_leaves_a_runnin
     await eventually(lambda: _true(recovery.pending == []), what="the step restored")
     assert runs == {"consumer": 1, "registry": 0}
     await recovery.close()
+
+
+async def test_again_asked_at_once_after_each_success_waits_longer_each_time() -> None:
+    """A sign of loss that outlives the loss (every pull answered 503 while provisioning works)
+    asks for the step again as soon as it ends: it waits 0.1 s, then twice as long each time up
+    to 2 s, instead of running back to back (90 runs in 2 s before, in a review's repro)."""
+    recovery = Recovery("test")
+    runs: list[float] = []
+
+    async def step() -> None:
+        runs.append(time.monotonic())
+
+    recovery.add("consumer", step)
+    began = time.monotonic()
+    while time.monotonic() - began < 2.0:
+        if not recovery.pending:
+            recovery.again("consumer", "503")
+        await asyncio.sleep(0.005)
+    pauses = [b - a for a, b in itertools.pairwise(runs)]
+    assert 4 <= len(runs) <= 6, pauses  # 0, 0.1, 0.3, 0.7, 1.5 s
+    assert all(later > earlier for earlier, later in itertools.pairwise(pauses)), pauses
+    await recovery.close()
+    assert not recovery.again("consumer", "after the close")  # nothing starts once closed
