@@ -385,8 +385,13 @@ class Worker(Lifecycle):
             "slots": self.backend.capacity().total,
             "free": self.free_slots(),
             "in_flight": len(self.handler.inflight),
-            # What a reconnect took and is not back yet (the queue's consumer, the registry).
-            "health": "restoring" if self.conn.restoring else "ok",
+            # What a reconnect took and is not back yet (the queue's consumer, the registry);
+            # else whether edges can see it (its announcement in the registry is failing).
+            "health": (
+                "restoring"
+                if self.conn.restoring
+                else ("unannounced" if self._heartbeat.failing else "ok")
+            ),
             "restoring": self.conn.restoring,
             "handed_back": self.orphans.handed_back,
             "leases": self.leases.enabled,  # off: the lease stream is being asked for again

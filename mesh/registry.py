@@ -171,6 +171,8 @@ class Heartbeat:
         self._kv: KeyValue | None = None
         self._task: asyncio.Task[None] | None = None
         self._key = ""
+        self.failing = False
+        """The last announcement failed: edges stop seeing this node within ``ttl``."""
 
     async def start(self) -> None:
         info: NodeInfo = self._info()
@@ -202,20 +204,19 @@ class Heartbeat:
             raise
 
     async def _loop(self) -> None:
-        failing = False
         while True:
             await asyncio.sleep(self._interval)
             raise_if_cancelled()  # a stop's cancel the last put's wait_for swallowed (3.11)
             try:
                 await self.beat()
                 raise_if_cancelled()
-                if failing:
+                if self.failing:
                     log.info("heartbeat restored")
-                failing = False
+                self.failing = False
             except (asyncio.TimeoutError, nats.errors.Error, MeshError) as exc:
-                if not failing:  # once per outage, not every second
+                if not self.failing:  # once per outage, not every second
                     log.warning("heartbeat failed", error=repr(exc))
-                failing = True
+                self.failing = True
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -20,7 +20,7 @@ from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import expected_text
-from protocol.subjects import ANSWERS_STREAM, OUTBOX_STREAM, site_consumer
+from protocol.subjects import ANSWERS_STREAM, NODES_STREAM, OUTBOX_STREAM, site_consumer
 from tests.conftest import make_settings
 from tests.helpers import eventually
 from tests.test_edge_site import Topology, running_mesh, topology  # noqa: F401 - a fixture
@@ -140,3 +140,27 @@ async def test_a_site_puts_back_its_forwarder_deleted_under_it(
         assert answer.path == "cloud" and answer.text == expected_text("f", 6)
         await edge.conn.site_jsm().consumer_info(OUTBOX_STREAM, FORWARDER)  # back
         print(f"\nforwarder deleted: the next held request was answered in {took:.2f} s")
+
+
+async def test_a_worker_whose_announcement_fails_says_so(own_server: NatsServer) -> None:
+    """A worker whose heartbeat the registry refuses (its bucket sealed: edges stop seeing the
+    worker within a ttl) says ``unannounced`` in its status, not ``ok``; once the bucket is made
+    anew (deleted: the next heartbeat creates it) it is ``ok`` again. Before, a failing heartbeat
+    was one log line and nothing else."""
+    settings = make_settings(own_server.url)
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Connection(settings.nats, "operator") as op,
+        Worker(settings, wconn, backend) as worker,
+    ):
+        assert worker.status()["health"] == "ok"
+        jsm = op.jsm()
+        config = (await jsm.stream_info(NODES_STREAM)).config
+        config.sealed = True
+        await jsm.update_stream(config)
+        await eventually(
+            lambda: _is(worker.status()["health"] == "unannounced"), what="health unannounced"
+        )
+        await jsm.delete_stream(NODES_STREAM)
+        await eventually(lambda: _is(worker.status()["health"] == "ok"), what="health ok again")
