@@ -7,19 +7,23 @@ waited in the queue until the worker was restarted."""
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 from nats.js.errors import NotFoundError
 
 from cloud_node.worker import Worker
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
 from edge_node.site_links import FORWARDER
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.testing.chaos import expected_text
+from mesh.testing.chaos import Server, expected_text
 from protocol.subjects import ANSWERS_STREAM, NODES_STREAM, OUTBOX_STREAM, site_consumer
 from tests.conftest import make_settings
 from tests.helpers import eventually
@@ -164,3 +168,47 @@ async def test_a_worker_whose_announcement_fails_says_so(own_server: NatsServer)
         )
         await jsm.delete_stream(NODES_STREAM)
         await eventually(lambda: _is(worker.status()["health"] == "ok"), what="health ok again")
+
+
+async def test_a_hub_restarted_on_an_empty_store_serves_the_cloud_again(tmp_path: Path) -> None:
+    """The hub's nats-server restarted with its JetStream store gone (a hub without a volume):
+    every stream, consumer and registry entry is lost at once. The worker and the edge each put
+    back what they need after their reconnect, and an escalated request is answered by the cloud
+    again, exactly."""
+    hub = Server(tmp_path / "hub-store")
+    await hub.start()
+    settings = make_settings(hub.url)
+    settings.nats.reconnect_wait = 0.1
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    local = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
+    try:
+        async with (
+            Connection(settings.nats, "worker") as wconn,
+            Connection(settings.nats, "edge") as econn,
+            Worker(settings, wconn, backend),
+            EdgeNode(settings, econn, local, HeuristicRouter()) as edge,
+            MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+        ):
+            await eventually(
+                lambda: _is(edge.nodes.serves(settings.edge.cloud_model) is True),
+                what="the edge to see the worker",
+            )
+            before = await client.complete("[tag:a] x", route="cloud", max_tokens=8)
+            assert before.path == "cloud" and before.text == expected_text("a", 8)
+            await hub.stop()
+            shutil.rmtree(hub.store_dir)  # the store is gone with the server
+            await hub.start()
+            began = time.monotonic()
+
+            async def cloud_again() -> bool:
+                answer = await client.complete("[tag:b] x", route="cloud", max_tokens=8)
+                assert answer.text == expected_text("b", 8)  # exact, whichever path
+                return answer.path == "cloud"
+
+            await eventually(cloud_again, timeout=30, what="the cloud to answer again")
+            print(
+                f"\nhub restarted on an empty store: the cloud answered again after "
+                f"{time.monotonic() - began:.2f} s"
+            )
+    finally:
+        await hub.stop()
