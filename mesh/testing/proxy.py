@@ -20,7 +20,6 @@ class TcpProxy:
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._cut_until = 0.0
-        self._cuts = 0  # how many cuts so far: a connection still being made during one is dropped
         self._swallowing = False
         self.swallowed = bytearray()
         """What the link threw away (see :meth:`swallow`)."""
@@ -45,7 +44,6 @@ class TcpProxy:
     def cut(self, seconds: float) -> None:
         """Drop every connection now and refuse new ones for ``seconds``."""
         self._cut_until = time.monotonic() + seconds
-        self._cuts += 1
         self._swallowing = False
         self._drop()
 
@@ -68,7 +66,6 @@ class TcpProxy:
         if time.monotonic() < self._cut_until:
             writer.transport.abort()
             return
-        cuts = self._cuts
         self._writers.add(writer)  # a cut while the upstream side is being dialled drops it too
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
@@ -76,10 +73,8 @@ class TcpProxy:
             writer.transport.abort()
             self._writers.discard(writer)
             return
-        if self._cuts != cuts:  # cut meanwhile: the client saw its connection made, then dropped
+        if writer not in self._writers:  # dropped meanwhile (a cut, a stop): so is its upstream
             up_writer.transport.abort()
-            writer.transport.abort()
-            self._writers.discard(writer)
             return
         self._writers.add(up_writer)
         for src, dst, upward in ((reader, up_writer, True), (up_reader, writer, False)):
