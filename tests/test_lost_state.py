@@ -76,6 +76,22 @@ async def _is(value: bool) -> bool:
     return value
 
 
+async def _cloud_answer_in(client: MeshClient, tag: str, request_id: str) -> float:
+    """Seconds a request that can wait (6 tokens, a 30 s deadline) took to be answered by the
+    cloud, its text checked exactly."""
+    began = time.monotonic()
+    answer = await client.complete(
+        f"[tag:{tag}] x",
+        route="cloud",
+        max_tokens=6,
+        deferrable=True,
+        request_id=request_id,
+        deadline=time.time() + 30,
+    )
+    assert answer.path == "cloud" and answer.text == expected_text(tag, 6)
+    return time.monotonic() - began
+
+
 @pytest.mark.parametrize("what", ["stream", "consumer"])
 async def test_a_sites_kept_answers_flow_again_after_the_answer_store_is_deleted(
     topology: Topology,  # noqa: F811 - the fixture
@@ -103,17 +119,7 @@ async def test_a_sites_kept_answers_flow_again_after_the_answer_store_is_deleted
             else:
                 scope = topology.edges[site].site.scope  # type: ignore[union-attr]
                 await op.jsm().delete_consumer(ANSWERS_STREAM, site_consumer(scope))
-            began = time.monotonic()
-            second = await client.complete(
-                "[tag:m] x",
-                route="cloud",
-                max_tokens=6,
-                deferrable=True,
-                request_id="kept-2",
-                deadline=time.time() + 30,
-            )
-            took = time.monotonic() - began
-            assert second.path == "cloud" and second.text == expected_text("m", 6)
+            took = await _cloud_answer_in(client, "m", "kept-2")
             assert (await client.answer("kept-2")).text == expected_text("m", 6)
             print(f"\nanswer {what} deleted: the next kept answer reached its site in {took:.2f} s")
 
@@ -131,17 +137,7 @@ async def test_a_site_puts_back_its_forwarder_deleted_under_it(
         edge = topology.edges[site]
         async with MeshClient(settings=topology.site_settings(site, "client")) as client:
             await edge.conn.site_jsm().delete_consumer(OUTBOX_STREAM, FORWARDER)
-            began = time.monotonic()
-            answer = await client.complete(
-                "[tag:f] x",
-                route="cloud",
-                max_tokens=6,
-                deferrable=True,
-                request_id="held-1",
-                deadline=time.time() + 30,
-            )
-            took = time.monotonic() - began
-        assert answer.path == "cloud" and answer.text == expected_text("f", 6)
+            took = await _cloud_answer_in(client, "f", "held-1")
         await edge.conn.site_jsm().consumer_info(OUTBOX_STREAM, FORWARDER)  # back
         print(f"\nforwarder deleted: the next held request was answered in {took:.2f} s")
 
