@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from mesh import kept
 from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.pull import Pull, PullLost
 from mesh.queue import MSG_ID_HEADER, STORE_FULL_CODES
 from mesh.tasks import TaskSet, raise_if_cancelled
 from protocol.codec import WireFormat, dump, error_event
@@ -48,14 +50,16 @@ log = get_logger(__name__)
 FORWARDER = "forwarder"
 RETRY_S = 1.0
 """Pause between tries while the uplink is down."""
-FORWARD_PULL_S = 1.0
-"""How long one pull of the forwarder waits for a held request, on the site's own leaf.
-nats-py's ``fetch`` does not end at "409 Consumer Deleted": a pull that a deleted forwarder
-will never answer holds the loop this long before the next one finds it gone."""
+FORWARD_PULL_S = 5.0
+"""How long one pull of the forwarder waits for a held request, on the site's own leaf."""
 COLLECT_PULL_S = 5.0
-"""The same for the collector, whose pulls go to the hub: a pull a consumer deleted under it
-(or a hub restarted on an empty store) never answers holds the site's answers this long; a
-shorter one would cost every site's pulls at the hub more often."""
+"""The same for the collector, whose pulls go to the hub."""
+PULL_HEARTBEAT_S = 0.4
+"""JetStream's idle heartbeat on each pull: two missed, and the pull is taken for lost (a hub
+restarted under the site's leaf node drops it without a word), so the loop looks for its
+consumer and pulls again within a second (:mod:`mesh.pull`)."""
+FIRST_LOOK_S = 0.1
+"""The first pause between looks for a consumer not there; it doubles up to :data:`RETRY_S`."""
 SITE_STREAMS = "site streams"
 """The edge connection's recovery step that puts back the site's streams and the forwarder."""
 OUTBOX_ACK_WAIT_S = 30.0
@@ -86,8 +90,8 @@ class SiteLinks:
         self.conn = parts.conn
         self.scope = parts.scope
         self._tasks = TaskSet("edge-site")
-        self._pulls: dict[str, Any] = {}
-        """Each loop's pull subscription, by loop (one restarted lets its old one go)."""
+        self._pulls: dict[str, Pull] = {}
+        """Each loop's pull, by loop (one restarted lets its old one go)."""
         self.forwarded = 0
         self.collected = 0
         self.forward_order: deque[str] = deque(maxlen=1000)
@@ -121,34 +125,72 @@ class SiteLinks:
             await self._unbind(loop)
 
     async def _unbind(self, loop: str) -> None:
-        psub = self._pulls.pop(loop, None)
-        if psub is not None:
-            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                await psub.unsubscribe()
+        pull = self._pulls.pop(loop, None)
+        if pull is not None:
+            await pull.stop()
 
-    # -- forwarder -----------------------------------------------------------------------------
-    async def _forward_loop(self) -> None:
-        await self._unbind("forward")  # a restarted loop's old subscription
-        psub = await self.conn.site_js().pull_subscribe_bind(FORWARDER, stream=OUTBOX_STREAM)
-        self._pulls["forward"] = psub
+    # -- both loops ---------------------------------------------------------------------------
+    async def _pulled(
+        self,
+        loop: str,
+        consumer: tuple[Any, str, str, str],
+        pull_s: float,
+        handle: Callable[[Msg], Awaitable[None]],
+        batch: int,
+    ) -> None:
+        """Pull ``consumer`` (its manager, API prefix, stream and name) and hand each message to
+        ``handle``, for good; a pull lost (the consumer gone, its heartbeats stopped) waits until
+        the consumer is there again."""
+        jsm, prefix, stream, name = consumer
+        await self._unbind(loop)  # a restarted loop's old subscription
+        await self._until_there(jsm, stream, name)
+        pull = self._pulls[loop] = Pull(
+            self.conn, stream, name, prefix=prefix, heartbeat=PULL_HEARTBEAT_S
+        )
+        await pull.start()
         while True:
-            raise_if_cancelled()  # one the fetch's wait_for swallowed (Python 3.11)
+            raise_if_cancelled()  # one a wait_for swallowed (Python 3.11)
             try:
-                msgs = await psub.fetch(1, timeout=FORWARD_PULL_S)
-            except asyncio.TimeoutError:  # nats-py's, or asyncio's when the 408 came just then
+                msgs = await pull.fetch(batch, pull_s)
+            except PullLost as exc:
+                log.info("pull lost; waiting for its consumer", loop=loop, why=str(exc))
+                if loop == "forward":  # the site's own: put back by the edge
+                    self.conn.recovery.again(SITE_STREAMS, f"the outbox's forwarder: {exc}")
+                await self._until_there(jsm, stream, name)
                 continue
-            except nats.errors.Error as exc:  # nobody answers for the forwarder: it is gone
-                self.conn.recovery.again(SITE_STREAMS, f"the outbox's forwarder: {exc!r}")
+            except nats.errors.Error as exc:  # the link is down: the pull cannot be sent
+                log.debug("pull not sent", loop=loop, error=repr(exc))
                 await asyncio.sleep(RETRY_S)
                 continue
             for msg in msgs:
-                try:
-                    await self._forward(msg)
-                except asyncio.CancelledError:
-                    # Stopping: hand it back now, so the next forwarder need not wait ack_wait.
-                    with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(msg.nak()), 1.0)
-                    raise
+                await handle(msg)
+
+    async def _until_there(self, jsm: Any, stream: str, name: str) -> None:
+        """Until ``stream`` has consumer ``name`` (the site's forwarder, made again by the
+        edge; the site's consumer of answers, by a worker at each answer it keeps for it)."""
+        pause = FIRST_LOOK_S
+        while True:
+            try:
+                await jsm.consumer_info(stream, name)
+                return
+            except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+                log.debug("consumer not there yet", consumer=name, error=repr(exc))
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_S)
+
+    # -- forwarder -----------------------------------------------------------------------------
+    async def _forward_loop(self) -> None:
+        outbox = (self.conn.site_jsm(), api.DEFAULT_PREFIX, OUTBOX_STREAM, FORWARDER)
+        await self._pulled("forward", outbox, FORWARD_PULL_S, self._forward_held, 1)
+
+    async def _forward_held(self, msg: Msg) -> None:
+        try:
+            await self._forward(msg)
+        except asyncio.CancelledError:
+            # Stopping: hand it back now, so the next forwarder need not wait ack_wait.
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(msg.nak()), 1.0)
+            raise
 
     def _queue_id(self, scope: str, request_id: str) -> str:
         """The held request's message id in the hub's queue: ``<scope>.<id>``, so that a
@@ -222,31 +264,11 @@ class SiteLinks:
 
     # -- collector -----------------------------------------------------------------------------
     async def _collect_loop(self) -> None:
+        # The consumer is a worker's to create, at each answer it keeps for this site; an edge
+        # under credentials may only look it up and pull from it.
         consumer = site_consumer(self.scope)
-        await self._unbind("collect")  # a restarted loop's old subscription
-        psub = None
-        while psub is None:
-            try:
-                # The consumer is a worker's to create, at each answer it keeps for this site;
-                # an edge under credentials may only look it up and pull from it.
-                await self.conn.jsm().consumer_info(ANSWERS_STREAM, consumer)
-                psub = await self.conn.js.pull_subscribe_bind(consumer, stream=ANSWERS_STREAM)
-                self._pulls["collect"] = psub
-            except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
-                log.debug("answers not collectable yet", error=repr(exc))
-                await asyncio.sleep(RETRY_S)
-        while True:
-            raise_if_cancelled()
-            try:
-                msgs = await psub.fetch(16, timeout=COLLECT_PULL_S)
-            except asyncio.TimeoutError:  # nats-py's, or asyncio's when the 408 came just then
-                continue
-            except nats.errors.Error as exc:  # the uplink is down: no responders
-                log.debug("collect failed", error=repr(exc))
-                await asyncio.sleep(RETRY_S)
-                continue
-            for msg in msgs:
-                await self._collect(msg)
+        answers = (self.conn.jsm(), self.conn.api_prefix, ANSWERS_STREAM, consumer)
+        await self._pulled("collect", answers, COLLECT_PULL_S, self._collect, 16)
 
     async def _collect(self, msg: Msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]

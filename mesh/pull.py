@@ -1,0 +1,158 @@
+"""A pull consumer read by a loop, one batch at a time, that hears at once when the consumer is
+gone.
+
+nats-py's ``fetch`` takes JetStream's "409 Consumer Deleted" for "no messages yet" and waits out
+its timeout, and a pull request lost with a reconnect for a request still open: a site's
+collector, pulling for 5 s at a time, collected nothing for up to 5 s after its consumer was made
+again, or its link came back. :class:`Pull` keeps one subscription for all its pull requests and
+sends the next request only when the last one is over (filled, expired, ended by a status), so
+messages arrive in a loop's hands as they come, not when a batch fills:
+
+- a request the server ends because the consumer (or its stream) is gone, "409 Consumer Deleted",
+  or that nobody answers, "503", raises :class:`PullLost` from :meth:`Pull.fetch` at once;
+- so does a request the server stopped speaking for: each asks for JetStream's idle heartbeats,
+  and two missed mean the request is gone (a consumer missing behind a leaf node's domain gets
+  no 503, only silence; a hub restarted under a leaf node drops the request without a word);
+- a reconnect of the connection ends the open request on the spot (it may have gone with the old
+  link); its deliveries that still come are kept for the next fetch, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import deque
+from collections.abc import Callable
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from mesh.connection import Connection
+from mesh.inline_sub import subscribe_inline
+
+HEARTBEAT = "100"
+EXPIRY_MARGIN_S = 0.25
+"""How long after a request's expiry a fetch gives it up without the status that says so."""
+
+
+class PullLost(nats.errors.Error):
+    """The server says the consumer is gone (its pull request ended "409 Consumer Deleted"),
+    nobody serves it ("503"), or its heartbeats stopped: the consumer may have to be made
+    again, or the link to it come back, before anything more comes."""
+
+
+class Pull:
+    """Pull requests to ``consumer`` on ``stream`` through ``prefix`` (a JetStream API prefix,
+    ``$JS.API`` or a domain's), read by :meth:`fetch`."""
+
+    def __init__(
+        self, conn: Connection, stream: str, consumer: str, *, prefix: str, heartbeat: float
+    ) -> None:
+        self.conn = conn
+        self._heartbeat = heartbeat
+        """Seconds between the server's idle heartbeats while a request waits."""
+        self._api = f"{prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._got: deque[Msg] = deque()
+        self._sub: Subscription | None = None
+        self._inbox = ""
+        self._reply = ""
+        """The reply subject of the open request ("" when none is open)."""
+        self._owed = 0
+        self._ends_at = 0.0
+        self._heard = 0.0
+        """When the open request was last heard of (``loop.time()``)."""
+        self._gone: str | None = None
+        self._wake = asyncio.Event()
+        self._undo: Callable[[], None] | None = None
+        self._count = 0
+
+    async def start(self) -> None:
+        nc = self.conn.nc
+        self._inbox = nc.new_inbox()
+        self._sub = await subscribe_inline(nc, f"{self._inbox}.*", self._on_msg)
+        self._undo = self.conn.on_loss(self._lost)
+
+    async def stop(self) -> None:
+        """Unsubscribe; messages taken and not fetched are the caller's to let go (unacked,
+        the server sends them again after their ack wait)."""
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await sub.unsubscribe()
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        """The messages delivered so far, waiting up to ``timeout`` seconds for the first; an
+        empty list when none came. Asks for ``batch`` more when no request is open. Raises
+        :class:`PullLost`, or nats-py's error when the request cannot be sent."""
+        loop = asyncio.get_running_loop()
+        if not self._got and not self._reply and self._gone is None:
+            await self._ask(batch, timeout)
+        while not self._got and self._reply and self._gone is None:
+            now = loop.time()
+            if now >= self._ends_at:
+                self._reply = ""  # over without its status (lost with a link)
+                break
+            if now - self._heard >= 2 * self._heartbeat + EXPIRY_MARGIN_S:
+                self._reply = ""
+                self._gone = f"no heartbeat for {now - self._heard:.1f} s"
+                break
+            left = min(self._ends_at, self._heard + 2 * self._heartbeat + EXPIRY_MARGIN_S) - now
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(left, 0.001))
+        if self._gone is not None and not self._got:
+            why, self._gone = self._gone, None  # the next fetch asks again
+            raise PullLost(why)
+        got = list(self._got)
+        self._got.clear()
+        return got
+
+    async def _ask(self, batch: int, timeout: float) -> None:
+        self._count += 1
+        reply = f"{self._inbox}.{self._count}"
+        request = {
+            "batch": batch,
+            "expires": int(timeout * 1e9),
+            "idle_heartbeat": int(self._heartbeat * 1e9),
+        }
+        self._reply, self._owed = reply, batch
+        self._heard = asyncio.get_running_loop().time()
+        self._ends_at = self._heard + timeout + EXPIRY_MARGIN_S
+        try:
+            await self.conn.nc.publish(self._api, json.dumps(request).encode(), reply=reply)
+        except nats.errors.Error:
+            self._reply = ""
+            raise
+
+    def _on_msg(self, msg: Msg) -> None:
+        """In the connection's read loop: a delivery (kept, whichever request it answers) or a
+        status that ends a request (heeded only for the open one)."""
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None or msg.data:
+            self._got.append(msg)
+            self._heard = asyncio.get_running_loop().time()
+            self._owed -= 1
+            if self._owed <= 0:
+                self._reply = ""  # filled: JetStream sends nothing more for it
+            self._wake.set()
+            return
+        if msg.subject != self._reply:
+            return  # an older request's
+        if status == HEARTBEAT:
+            self._heard = asyncio.get_running_loop().time()
+            return
+        self._reply = ""
+        reason = (msg.headers or {}).get("Description", "")
+        if status == "503" or (status == "409" and "deleted" in reason.lower()):
+            self._gone = f"{status} {reason}".strip()
+        self._wake.set()
+
+    def _lost(self) -> None:
+        """The link came back (or messages were dropped): the open request may be gone."""
+        self._reply = ""
+        self._wake.set()

@@ -1,0 +1,145 @@
+"""A loop's pull consumer (:mod:`mesh.pull`) against a real nats-server: messages handed over as
+they come, and a pull request that is over (its consumer deleted, nobody serving it, its
+heartbeats gone silent, its link dropped) heard at once, not after the pull's timeout as
+nats-py's ``fetch`` does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.js import api
+
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.pull import Pull, PullLost
+from mesh.testing.proxy import TcpProxy
+from tests.conftest import make_settings
+
+STREAM, CONSUMER = "PULLTEST", "c"
+LONG_PULL_S = 30.0
+"""A pull far longer than any wait below: whatever ends one sooner is what is tested."""
+
+
+async def _stream(conn: Connection) -> None:
+    jsm = conn.jsm()
+    await jsm.add_stream(api.StreamConfig(name=STREAM, subjects=["pt.>"]))
+    await jsm.add_consumer(
+        STREAM, api.ConsumerConfig(durable_name=CONSUMER, ack_policy=api.AckPolicy.EXPLICIT)
+    )
+
+
+@pytest.fixture
+async def conn(nats_server: NatsServer) -> AsyncIterator[Connection]:
+    async with Connection(make_settings(nats_server.url).nats, "puller") as c:
+        await _stream(c)
+        try:
+            yield c
+        finally:
+            await c.jsm().delete_stream(STREAM)  # the server is the session's
+
+
+async def _pull(conn: Connection, *, prefix: str = "$JS.API", hb: float = 0.2) -> Pull:
+    pull = Pull(conn, STREAM, CONSUMER, prefix=prefix, heartbeat=hb)
+    await pull.start()
+    return pull
+
+
+async def test_a_fetch_hands_over_a_message_as_it_comes_not_a_full_batch(
+    conn: Connection,
+) -> None:
+    pull = await _pull(conn)
+    try:
+        waiting = asyncio.create_task(pull.fetch(16, LONG_PULL_S))
+        await asyncio.sleep(0.3)  # the pull request is at the server, waiting
+        assert not waiting.done()
+        await conn.js.publish("pt.a", b"one")
+        got = await asyncio.wait_for(waiting, 5)
+        assert [m.data for m in got] == [b"one"]
+        await got[0].ack()
+        await conn.js.publish("pt.b", b"two")  # the same request, still open, brings it
+        got = await asyncio.wait_for(pull.fetch(16, LONG_PULL_S), 5)
+        assert [m.data for m in got] == [b"two"]
+    finally:
+        await pull.stop()
+
+
+async def test_a_consumer_deleted_under_a_waiting_fetch_ends_it_at_once(
+    conn: Connection,
+) -> None:
+    pull = await _pull(conn)
+    try:
+        waiting = asyncio.create_task(pull.fetch(16, LONG_PULL_S))
+        await asyncio.sleep(0.3)
+        began = time.monotonic()
+        await conn.jsm().delete_consumer(STREAM, CONSUMER)
+        with pytest.raises(PullLost, match="409"):
+            await asyncio.wait_for(waiting, 5)
+        assert time.monotonic() - began < 2 * 0.2  # the 409, not a missed heartbeat
+        with pytest.raises(PullLost, match="503"):  # asked again: nobody serves it
+            await asyncio.wait_for(pull.fetch(16, LONG_PULL_S), 5)
+    finally:
+        await pull.stop()
+
+
+async def test_a_pull_nobody_answers_is_lost_after_two_heartbeats(conn: Connection) -> None:
+    """A consumer missing behind a leaf node's domain gets no 503: the leaf forwards the pull
+    to the hub, where nobody takes it. Here something takes pulls and never answers them."""
+    async with Connection(conn.settings, "black hole") as hole:
+        await hole.nc.subscribe("$JS.nowhere.API.>")
+        await hole.nc.flush()
+        pull = await _pull(conn, prefix="$JS.nowhere.API", hb=0.2)
+        try:
+            began = time.monotonic()
+            with pytest.raises(PullLost, match="no heartbeat"):
+                await asyncio.wait_for(pull.fetch(16, LONG_PULL_S), 5)
+            assert time.monotonic() - began < 2.0
+        finally:
+            await pull.stop()
+
+
+async def test_heartbeats_keep_a_quiet_pull_open(conn: Connection) -> None:
+    """A pull with nothing to deliver hears the server's idle heartbeats and is not taken for
+    lost; it ends at its expiry with nothing, and the next one brings what comes."""
+    pull = await _pull(conn, hb=0.1)
+    try:
+        began = time.monotonic()
+        assert await asyncio.wait_for(pull.fetch(16, 1.0), 5) == []
+        assert time.monotonic() - began >= 0.9  # waited out its 1 s, through ~9 heartbeats
+        await conn.js.publish("pt.c", b"three")
+        got = await asyncio.wait_for(pull.fetch(16, 1.0), 5)
+        assert [m.data for m in got] == [b"three"]
+    finally:
+        await pull.stop()
+
+
+async def test_a_reconnect_ends_a_waiting_fetch_and_the_next_one_brings_the_message(
+    nats_server: NatsServer,
+) -> None:
+    proxy = await TcpProxy(nats_server.port).start()
+    try:
+        settings = make_settings(proxy.url)
+        settings.nats.reconnect_wait = 0.05
+        async with (
+            Connection(settings.nats, "puller") as conn,
+            Connection(make_settings(nats_server.url).nats, "sender") as sender,
+        ):
+            await _stream(sender)
+            pull = await _pull(conn, hb=5.0)  # heartbeats too far apart to be what ends it
+            try:
+                waiting = asyncio.create_task(pull.fetch(16, LONG_PULL_S))
+                await asyncio.sleep(0.3)
+                reconnects = conn.reconnects
+                proxy.cut(0.3)
+                assert await asyncio.wait_for(waiting, 5) == []
+                assert conn.reconnects == reconnects + 1
+                await sender.js.publish("pt.d", b"four")
+                got = await asyncio.wait_for(pull.fetch(16, LONG_PULL_S), 5)
+                assert [m.data for m in got] == [b"four"]
+            finally:
+                await pull.stop()
+                await sender.jsm().delete_stream(STREAM)
+    finally:
+        await proxy.stop()
