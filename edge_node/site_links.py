@@ -50,6 +50,10 @@ log = get_logger(__name__)
 FORWARDER = "forwarder"
 RETRY_S = 1.0
 """Pause between tries while the uplink is down."""
+FORWARD_RETRY_S = 0.25
+"""Pause between a held request's tries to reach the hub: each is a publish to the site's own
+leaf, refused at once while the uplink is down, so trying often costs little, and the request
+leaves within a quarter second of the link's return (within a second at :data:`RETRY_S`)."""
 FORWARD_PULL_S = 5.0
 """How long one pull of the forwarder waits for a held request, on the site's own leaf."""
 COLLECT_PULL_S = 5.0
@@ -97,6 +101,9 @@ class SiteLinks:
         self.forward_order: deque[str] = deque(maxlen=1000)
         """Ids of the latest forwarded requests, in the order they reached the hub."""
         self._lane_secret = lane_secret(parts.creds_file)
+        self._reached_hub = asyncio.Event()
+        """Set when a forward reached the hub: the uplink works, so a loop looking for its
+        consumer there looks again now (the collector after an uplink cut)."""
 
     async def ensure_forwarder(self) -> None:
         """The outbox's forwarder consumer (idempotent; the outbox exists)."""
@@ -175,8 +182,10 @@ class SiteLinks:
                 return
             except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
                 log.debug("consumer not there yet", consumer=name, error=repr(exc))
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, RETRY_S)
+            self._reached_hub.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._reached_hub.wait(), pause)
+            pause = FIRST_LOOK_S if self._reached_hub.is_set() else min(pause * 2, RETRY_S)
 
     # -- forwarder -----------------------------------------------------------------------------
     async def _forward_loop(self) -> None:
@@ -231,12 +240,13 @@ class SiteLinks:
                 log.debug("forward refused for now; holding on", error=repr(exc))
             except (asyncio.TimeoutError, nats.errors.Error) as exc:
                 log.debug("forward failed; holding on", error=repr(exc))
-            await asyncio.sleep(RETRY_S)
+            await asyncio.sleep(FORWARD_RETRY_S)
             if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
                 with contextlib.suppress(nats.errors.Error):
                     await msg.in_progress()
                 last_progress = time.monotonic()
         self.forwarded += 1
+        self._reached_hub.set()
         self.forward_order.append(_held_id(msg))
         with contextlib.suppress(nats.errors.Error):
             await msg.ack_sync(timeout=self.conn.settings.request_timeout)
