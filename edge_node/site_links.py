@@ -32,7 +32,7 @@ from mesh import kept
 from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from mesh.pull import Pull, PullLost
+from mesh.pull import Pull, PullLost, hand_back
 from mesh.queue import MSG_ID_HEADER, STORE_FULL_CODES
 from mesh.tasks import TaskSet, raise_if_cancelled
 from protocol.codec import WireFormat, dump, error_event
@@ -58,10 +58,10 @@ FORWARD_PULL_S = 5.0
 """How long one pull of the forwarder waits for a held request, on the site's own leaf."""
 COLLECT_PULL_S = 5.0
 """The same for the collector, whose pulls go to the hub."""
-PULL_HEARTBEAT_S = 0.4
+PULL_HEARTBEAT_S = 0.5
 """JetStream's idle heartbeat on each pull: two missed, and the pull is taken for lost (a hub
 restarted under the site's leaf node drops it without a word), so the loop looks for its
-consumer and pulls again within a second (:mod:`mesh.pull`)."""
+consumer and pulls again within about 1.25 s (:mod:`mesh.pull`)."""
 FIRST_LOOK_S = 0.1
 """The first pause between looks for a consumer not there; it doubles up to :data:`RETRY_S`."""
 SITE_STREAMS = "site streams"
@@ -102,8 +102,9 @@ class SiteLinks:
         """Ids of the latest forwarded requests, in the order they reached the hub."""
         self._lane_secret = lane_secret(parts.creds_file)
         self._reached_hub = asyncio.Event()
-        """Set when a forward reached the hub: the uplink works, so a loop looking for its
-        consumer there looks again now (the collector after an uplink cut)."""
+        """Set (and replaced by a fresh one) when a forward reached the hub: the uplink works,
+        so a loop looking for its consumer there looks again now (the collector after an
+        uplink cut)."""
 
     async def ensure_forwarder(self) -> None:
         """The outbox's forwarder consumer (idempotent; the outbox exists)."""
@@ -150,42 +151,56 @@ class SiteLinks:
         the consumer is there again."""
         jsm, prefix, stream, name = consumer
         await self._unbind(loop)  # a restarted loop's old subscription
-        await self._until_there(jsm, stream, name)
-        pull = self._pulls[loop] = Pull(
-            self.conn, stream, name, prefix=prefix, heartbeat=PULL_HEARTBEAT_S
-        )
+        pull = Pull(self.conn, stream, name, prefix=prefix, heartbeat=PULL_HEARTBEAT_S)
+        _, pull.rtt = await self._until_there(jsm, stream, name)
+        self._pulls[loop] = pull
         await pull.start()
+        pause = FIRST_LOOK_S
         while True:
             raise_if_cancelled()  # one a wait_for swallowed (Python 3.11)
             try:
                 msgs = await pull.fetch(batch, pull_s)
             except PullLost as exc:
-                log.info("pull lost; waiting for its consumer", loop=loop, why=str(exc))
+                log.info("pull lost; looking for its consumer", loop=loop, why=str(exc))
                 if loop == "forward":  # the site's own: put back by the edge
                     self.conn.recovery.again(SITE_STREAMS, f"the outbox's forwarder: {exc}")
-                await self._until_there(jsm, stream, name)
+                there, pull.rtt = await self._until_there(jsm, stream, name)
+                if there:  # there all along: the server refuses the pulls themselves
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, RETRY_S)
                 continue
             except nats.errors.Error as exc:  # the link is down: the pull cannot be sent
                 log.debug("pull not sent", loop=loop, error=repr(exc))
                 await asyncio.sleep(RETRY_S)
                 continue
-            for msg in msgs:
-                await handle(msg)
+            pause = FIRST_LOOK_S
+            raise_if_cancelled()
+            for i, msg in enumerate(msgs):
+                try:
+                    await handle(msg)
+                except asyncio.CancelledError:
+                    await hand_back(msgs[i + 1 :])  # to the next pull, not after ack wait
+                    raise
 
-    async def _until_there(self, jsm: Any, stream: str, name: str) -> None:
+    async def _until_there(self, jsm: Any, stream: str, name: str) -> tuple[bool, float]:
         """Until ``stream`` has consumer ``name`` (the site's forwarder, made again by the
-        edge; the site's consumer of answers, by a worker at each answer it keeps for it)."""
-        pause = FIRST_LOOK_S
+        edge; the site's consumer of answers, by a worker at each answer it keeps for it):
+        whether it was there at the first look, and the seconds the look that found it took
+        (a round trip to its server)."""
+        pause, first = FIRST_LOOK_S, True
         while True:
+            raise_if_cancelled()
+            reached = self._reached_hub
+            began = time.monotonic()
             try:
                 await jsm.consumer_info(stream, name)
-                return
+                return first, time.monotonic() - began
             except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
                 log.debug("consumer not there yet", consumer=name, error=repr(exc))
-            self._reached_hub.clear()
+            first = False
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._reached_hub.wait(), pause)
-            pause = FIRST_LOOK_S if self._reached_hub.is_set() else min(pause * 2, RETRY_S)
+                await asyncio.wait_for(reached.wait(), pause)
+            pause = FIRST_LOOK_S if reached.is_set() else min(pause * 2, RETRY_S)
 
     # -- forwarder -----------------------------------------------------------------------------
     async def _forward_loop(self) -> None:
@@ -247,6 +262,7 @@ class SiteLinks:
                 last_progress = time.monotonic()
         self.forwarded += 1
         self._reached_hub.set()
+        self._reached_hub = asyncio.Event()
         self.forward_order.append(_held_id(msg))
         with contextlib.suppress(nats.errors.Error):
             await msg.ack_sync(timeout=self.conn.settings.request_timeout)

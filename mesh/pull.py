@@ -9,12 +9,19 @@ sends the next request only when the last one is over (filled, expired, ended by
 messages arrive in a loop's hands as they come, not when a batch fills:
 
 - a request the server ends because the consumer (or its stream) is gone, "409 Consumer Deleted",
-  or that nobody answers, "503", raises :class:`PullLost` from :meth:`Pull.fetch` at once;
+  that nobody answers, "503", or that the server refuses (a 400, a 409 the next request would
+  get as well), raises :class:`PullLost` from :meth:`Pull.fetch` at once;
 - so does a request the server stopped speaking for: each asks for JetStream's idle heartbeats,
   and two missed mean the request is gone (a consumer missing behind a leaf node's domain gets
-  no 503, only silence; a hub restarted under a leaf node drops the request without a word);
+  no 503, only silence; a hub restarted under a leaf node drops the request without a word); the
+  first is waited for a round trip (:attr:`Pull.rtt`) longer;
 - a reconnect of the connection ends the open request on the spot (it may have gone with the old
-  link); its deliveries that still come are kept for the next fetch, never dropped.
+  link); its deliveries that still come are kept for the next fetch, never dropped, and those
+  not fetched when the pull stops are handed back (nak).
+
+Deliveries carry their stream subject, not the request's reply subject, so one that comes late
+for an older request counts against the open one: that one may then be taken for filled and a
+next asked for early (one more request open at the server, until its expiry).
 """
 
 from __future__ import annotations
@@ -33,8 +40,15 @@ from mesh.connection import Connection
 from mesh.inline_sub import subscribe_inline
 
 HEARTBEAT = "100"
+OVER = ("404", "408")
+"""Statuses that end a request as expected: nothing to deliver, or expired."""
+PASSING = ("leadership change", "server shutdown", "batch completed", "exceeds maxbytes")
+"""409s that end one request for a passing reason: the next is asked for at once. Any other
+status (409 Consumer Deleted, 503, a 400 or a 409 the next request would get too) raises
+:class:`PullLost`, which the caller answers with a pause."""
 EXPIRY_MARGIN_S = 0.25
 """How long after a request's expiry a fetch gives it up without the status that says so."""
+NAK_WITHIN_S = 1.0
 
 
 class PullLost(nats.errors.Error):
@@ -67,6 +81,9 @@ class Pull:
         self._wake = asyncio.Event()
         self._undo: Callable[[], None] | None = None
         self._count = 0
+        self.rtt = 0.0
+        """Seconds a round trip to the consumer's server takes, as the caller last measured it:
+        the first heartbeat of a request is waited for that much longer (a slow uplink)."""
 
     async def start(self) -> None:
         nc = self.conn.nc
@@ -75,8 +92,8 @@ class Pull:
         self._undo = self.conn.on_loss(self._lost)
 
     async def stop(self) -> None:
-        """Unsubscribe; messages taken and not fetched are the caller's to let go (unacked,
-        the server sends them again after their ack wait)."""
+        """Unsubscribe, and hand back what came and was not fetched (to the next pull, not
+        after its ack wait)."""
         if self._undo is not None:
             self._undo()
             self._undo = None
@@ -84,6 +101,9 @@ class Pull:
         if sub is not None:
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
                 await sub.unsubscribe()
+        got = list(self._got)
+        self._got.clear()
+        await hand_back(got)
 
     async def fetch(self, batch: int, timeout: float) -> list[Msg]:
         """The messages delivered so far, waiting up to ``timeout`` seconds for the first; an
@@ -115,14 +135,16 @@ class Pull:
     async def _ask(self, batch: int, timeout: float) -> None:
         self._count += 1
         reply = f"{self._inbox}.{self._count}"
+        self._heartbeat = min(self._heartbeat, timeout / 2)  # else the server refuses it (400)
         request = {
             "batch": batch,
             "expires": int(timeout * 1e9),
             "idle_heartbeat": int(self._heartbeat * 1e9),
         }
         self._reply, self._owed = reply, batch
-        self._heard = asyncio.get_running_loop().time()
-        self._ends_at = self._heard + timeout + EXPIRY_MARGIN_S
+        now = asyncio.get_running_loop().time()
+        self._heard = now + self.rtt  # the first heartbeat comes a round trip later
+        self._ends_at = now + timeout + EXPIRY_MARGIN_S
         try:
             await self.conn.nc.publish(self._api, json.dumps(request).encode(), reply=reply)
         except nats.errors.Error:
@@ -133,7 +155,7 @@ class Pull:
         """In the connection's read loop: a delivery (kept, whichever request it answers) or a
         status that ends a request (heeded only for the open one)."""
         status = msg.headers.get("Status") if msg.headers else None
-        if status is None or msg.data:
+        if status is None or msg.reply:  # a delivery has an ack subject, a status never
             self._got.append(msg)
             self._heard = asyncio.get_running_loop().time()
             self._owed -= 1
@@ -148,7 +170,8 @@ class Pull:
             return
         self._reply = ""
         reason = (msg.headers or {}).get("Description", "")
-        if status == "503" or (status == "409" and "deleted" in reason.lower()):
+        passing = status == "409" and any(p in reason.lower() for p in PASSING)
+        if status not in OVER and not passing:
             self._gone = f"{status} {reason}".strip()
         self._wake.set()
 
@@ -156,3 +179,10 @@ class Pull:
         """The link came back (or messages were dropped): the open request may be gone."""
         self._reply = ""
         self._wake.set()
+
+
+async def hand_back(msgs: list[Msg]) -> None:
+    """Nak ``msgs`` (best effort): the server delivers them again now, not after ack wait."""
+    for msg in msgs:
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await asyncio.wait_for(msg.nak(), NAK_WITHIN_S)

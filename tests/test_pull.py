@@ -17,17 +17,24 @@ from mesh.nats_server import NatsServer
 from mesh.pull import Pull, PullLost
 from mesh.testing.proxy import TcpProxy
 from tests.conftest import make_settings
+from tests.helpers import eventually
 
 STREAM, CONSUMER = "PULLTEST", "c"
 LONG_PULL_S = 30.0
 """A pull far longer than any wait below: whatever ends one sooner is what is tested."""
 
 
-async def _stream(conn: Connection) -> None:
+async def _stream(conn: Connection, **consumer: object) -> None:
     jsm = conn.jsm()
     await jsm.add_stream(api.StreamConfig(name=STREAM, subjects=["pt.>"]))
     await jsm.add_consumer(
-        STREAM, api.ConsumerConfig(durable_name=CONSUMER, ack_policy=api.AckPolicy.EXPLICIT)
+        STREAM,
+        api.ConsumerConfig(
+            durable_name=CONSUMER,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=30,
+            **consumer,  # type: ignore[arg-type]
+        ),
     )
 
 
@@ -98,6 +105,66 @@ async def test_a_pull_nobody_answers_is_lost_after_two_heartbeats(conn: Connecti
             assert time.monotonic() - began < 2.0
         finally:
             await pull.stop()
+
+
+async def test_the_first_heartbeat_is_waited_for_a_round_trip_longer(conn: Connection) -> None:
+    """Over a slow uplink the first heartbeat comes a round trip after the request: a pull
+    whose caller measured 1 s of round trip is not given up before that."""
+    async with Connection(conn.settings, "black hole") as hole:
+        await hole.nc.subscribe("$JS.nowhere.API.>")
+        await hole.nc.flush()
+        pull = await _pull(conn, prefix="$JS.nowhere.API", hb=0.2)
+        pull.rtt = 1.0
+        try:
+            began = time.monotonic()
+            with pytest.raises(PullLost, match="no heartbeat"):
+                await asyncio.wait_for(pull.fetch(16, LONG_PULL_S), 5)
+            assert time.monotonic() - began >= 1.0 + 2 * 0.2
+        finally:
+            await pull.stop()
+
+
+async def test_a_pull_the_server_refuses_raises_rather_than_asking_again_at_once(
+    nats_server: NatsServer,
+) -> None:
+    """A push consumer under the name refuses every pull (409 "Consumer is push based"): the
+    fetch raises, for the caller to pause, instead of returning nothing to be asked again
+    thousands of times a second."""
+    async with Connection(make_settings(nats_server.url).nats, "puller") as conn:
+        await _stream(conn, deliver_subject="elsewhere")
+        pull = await _pull(conn)
+        try:
+            with pytest.raises(PullLost, match="409"):
+                await asyncio.wait_for(pull.fetch(16, LONG_PULL_S), 5)
+        finally:
+            await pull.stop()
+            await conn.jsm().delete_stream(STREAM)
+
+
+async def test_what_came_and_was_not_fetched_is_handed_back_at_stop(conn: Connection) -> None:
+    """Deliveries still unfetched when the pull stops go back to the server at once (a nak),
+    so the next pull has them now, not after their 30 s ack wait."""
+    pull = await _pull(conn)
+    await conn.js.publish("pt.a", b"one")
+    got = await asyncio.wait_for(pull.fetch(16, LONG_PULL_S), 5)
+    assert [m.data for m in got] == [b"one"]
+    await got[0].ack()
+    await conn.js.publish("pt.b", b"two")  # taken by the request still open, not fetched
+    await conn.js.publish("pt.c", b"three")
+    await eventually(lambda: _is(len(pull._got) == 2), timeout=5, what="both delivered")
+    await pull.stop()
+    again = await _pull(conn)
+    try:
+        got = await asyncio.wait_for(again.fetch(16, LONG_PULL_S), 5)
+        if len(got) < 2:
+            got += await asyncio.wait_for(again.fetch(16, LONG_PULL_S), 5)
+        assert sorted(m.data for m in got) == [b"three", b"two"]
+    finally:
+        await again.stop()
+
+
+async def _is(value: bool) -> bool:
+    return value
 
 
 async def test_heartbeats_keep_a_quiet_pull_open(conn: Connection) -> None:
