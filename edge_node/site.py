@@ -35,7 +35,13 @@ from nats.js.errors import APIError, NotFoundError
 
 from edge_node.lanes import app_key, key_hash, lane_secret
 from edge_node.records import Record
-from edge_node.site_links import HELD_ID_HEADER, SITE_STREAMS, SiteLinks, SiteParts
+from edge_node.site_links import (
+    HELD_ID_HEADER,
+    SITE_STREAMS,
+    SiteLinks,
+    SiteParts,
+    with_site_streams,
+)
 from mesh import kept
 from mesh.logs import get_logger
 from mesh.provision import provisioned
@@ -207,10 +213,11 @@ class SiteStore:
         comes. Its claim is written first, so that nothing is ever held without one (a claim
         whose hold then failed stays: the same request sent again is held under it). ``record``
         is marked held once the outbox has it."""
-        claim = {"fp": fingerprint, "key": key_hash(claim_key)}
+        claim = json.dumps({"fp": fingerprint, "key": key_hash(claim_key)}).encode()
         try:
-            await self.conn.publish_acked(
-                claim_subject(req.id), json.dumps(claim).encode(), stream=CLAIMS_STREAM
+            await with_site_streams(
+                self.conn,
+                lambda: self.conn.publish_acked(claim_subject(req.id), claim, stream=CLAIMS_STREAM),
             )
         except APIError:
             pass  # claimed before under this id: the first claim stays
@@ -221,16 +228,18 @@ class SiteStore:
                 request_id=req.id,
                 retry_after=1.0,
             ) from None
+        held = dump(req, WireFormat.MSGPACK)
+        headers = {
+            MSG_ID_HEADER: f"{req.id}.{fingerprint}",
+            HELD_ID_HEADER: req.id,
+            CONTENT_TYPE: WireFormat.MSGPACK.content_type,
+        }
         try:
-            ack = await self.conn.publish_acked(
-                outbox_subject(model, self.scope),
-                dump(req, WireFormat.MSGPACK),
-                stream=OUTBOX_STREAM,
-                headers={
-                    MSG_ID_HEADER: f"{req.id}.{fingerprint}",
-                    HELD_ID_HEADER: req.id,
-                    CONTENT_TYPE: WireFormat.MSGPACK.content_type,
-                },
+            ack = await with_site_streams(
+                self.conn,
+                lambda: self.conn.publish_acked(
+                    outbox_subject(model, self.scope), held, stream=OUTBOX_STREAM, headers=headers
+                ),
             )
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(
@@ -259,8 +268,11 @@ class SiteStore:
         """Whether the kept answer of ``request_id`` (for the request ``fingerprint`` names) is
         for whoever holds ``key``: the key its request was held with, if it had one."""
         try:
-            msg = await self.conn.site_jsm().get_msg(
-                CLAIMS_STREAM, subject=claim_subject(request_id), direct=True
+            msg = await with_site_streams(
+                self.conn,
+                lambda: self.conn.site_jsm().get_msg(
+                    CLAIMS_STREAM, subject=claim_subject(request_id), direct=True
+                ),
             )
             claim = json.loads(msg.data or b"{}")
         except NotFoundError:
@@ -279,8 +291,11 @@ class SiteStore:
         self, request_id: str
     ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
         try:
-            msg = await self.conn.site_jsm().get_msg(
-                KEPT_STREAM, subject=kept_subject(request_id), direct=True
+            msg = await with_site_streams(
+                self.conn,
+                lambda: self.conn.site_jsm().get_msg(
+                    KEPT_STREAM, subject=kept_subject(request_id), direct=True
+                ),
             )
         except NotFoundError:
             return None

@@ -19,12 +19,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NoStreamResponseError
 
 from edge_node.lanes import lane_secret
 from edge_node.served import CloudModels
@@ -47,6 +47,7 @@ from protocol.subjects import (
 )
 
 log = get_logger(__name__)
+T = TypeVar("T")
 FORWARDER = "forwarder"
 RETRY_S = 1.0
 """Pause between tries while the uplink is down."""
@@ -66,6 +67,12 @@ FIRST_LOOK_S = 0.1
 """The first pause between looks for a consumer not there; it doubles up to :data:`RETRY_S`."""
 SITE_STREAMS = "site streams"
 """The edge connection's recovery step that puts back the site's streams and the forwarder."""
+STREAMS_BACK_S = 1.0
+"""How long a site operation that found one of the site's streams gone waits for the "site
+streams" step to put them back before it tries once more."""
+STREAM_GONE = (nats.errors.NoRespondersError, NoStreamResponseError)
+"""What a read or a write of a site stream gets when the stream is not there (an operator's
+``nats stream rm``, a leaf restarted on an empty store)."""
 OUTBOX_ACK_WAIT_S = 30.0
 HELD_ID_HEADER = "Mesh-Id"
 """A held request's id (its outbox message id also carries its fingerprint)."""
@@ -298,13 +305,16 @@ class SiteLinks:
 
     async def _collect(self, msg: Msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
+        fingerprint = (msg.headers or {}).get(kept.FINGERPRINT_HEADER, "")
         try:
-            fingerprint = (msg.headers or {}).get(kept.FINGERPRINT_HEADER, "")
-            await self.conn.publish_acked(
-                kept_subject(request_id),
-                msg.data,
-                stream=KEPT_STREAM,
-                headers={MSG_ID_HEADER: request_id, kept.FINGERPRINT_HEADER: fingerprint},
+            await with_site_streams(
+                self.conn,
+                lambda: self.conn.publish_acked(
+                    kept_subject(request_id),
+                    msg.data,
+                    stream=KEPT_STREAM,
+                    headers={MSG_ID_HEADER: request_id, kept.FINGERPRINT_HEADER: fingerprint},
+                ),
             )
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             log.warning("answer not kept at the site; the hub redelivers it", error=repr(exc))
@@ -313,6 +323,19 @@ class SiteLinks:
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
             await msg.ack()
         log.info("answer collected", request_id=request_id)
+
+
+async def with_site_streams(conn: Connection, op: Callable[[], Awaitable[T]]) -> T:
+    """``op`` (a read or a write of a site stream); when it finds the stream gone, the site's
+    streams put back at once (the connection's "site streams" step, named as restoring
+    meanwhile) and ``op`` tried once more. Before, only a reconnect put them back: every request
+    that could wait failed ``unavailable`` while ``/ready`` said ``ready``."""
+    try:
+        return await op()
+    except STREAM_GONE as exc:
+        conn.recovery.again(SITE_STREAMS, f"a site stream is gone: {exc!r}")
+        await conn.recovery.settled(SITE_STREAMS, STREAMS_BACK_S)
+    return await op()
 
 
 def _queue_full(exc: APIError) -> bool:

@@ -110,6 +110,14 @@ class Recovery:
             )
         return bool(due)
 
+    async def settled(self, name: str, within: float) -> bool:
+        """Wait up to ``within`` seconds for the steps named ``name`` that are running to end;
+        whether none is pending then (a caller that asked :meth:`again` retries its work)."""
+        tasks = [task for named, task in self._running.values() if named == name]
+        if tasks:
+            await asyncio.wait(tasks, timeout=within)
+        return name not in self.pending
+
     def _start(self, key: int, name: str, step: Step, wait: float = 0.0) -> None:
         task = asyncio.get_running_loop().create_task(
             self._restore(key, name, step, wait), name=f"restore-{name}"

@@ -25,7 +25,14 @@ from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import Server, expected_text
-from protocol.subjects import ANSWERS_STREAM, NODES_STREAM, OUTBOX_STREAM, site_consumer
+from protocol.subjects import (
+    ANSWERS_STREAM,
+    CLAIMS_STREAM,
+    KEPT_STREAM,
+    NODES_STREAM,
+    OUTBOX_STREAM,
+    site_consumer,
+)
 from tests.conftest import make_settings
 from tests.helpers import eventually
 from tests.test_edge_site import Topology, running_mesh, topology  # noqa: F401 - a fixture
@@ -146,6 +153,29 @@ async def test_a_site_puts_back_its_forwarder_deleted_under_it(
         await edge.conn.site_jsm().consumer_info(OUTBOX_STREAM, FORWARDER)  # back
         print(f"\nforwarder deleted: the next held request was answered in {took:.2f} s")
         assert took < 2.0, took  # 2.97 s before: a 1 s pull waited out, then a 1 s pause
+
+
+@pytest.mark.parametrize("stream", [KEPT_STREAM, CLAIMS_STREAM, OUTBOX_STREAM])
+async def test_a_site_puts_back_a_stream_of_its_own_deleted_under_it(
+    topology: Topology,  # noqa: F811 - the fixture
+    stream: str,
+) -> None:
+    """One of the site's streams deleted on its leaf while the edge runs (``nats stream rm``):
+    the next request that can wait finds it gone, the edge's "site streams" step puts the
+    streams back, and the request is held, forwarded and answered. Before, only a reconnect of
+    the edge put them back: with the answers' or the claims' stream gone every such request
+    failed ``unavailable`` at once, for good, while ``/ready`` said ``ready``."""
+    site = "site-a"
+    async with running_mesh(topology):
+        edge = topology.edges[site]
+        async with MeshClient(settings=topology.site_settings(site, "client")) as client:
+            await _cloud_answer_in(client, "s", "before-1")
+            await edge.conn.site_jsm().delete_stream(stream)
+            took = await _cloud_answer_in(client, "t", "after-1")
+            assert (await client.answer("after-1")).text == expected_text("t", 6)
+        await edge.conn.site_jsm().stream_info(stream)  # back
+        print(f"\n{stream} deleted: the next request that can wait was answered in {took:.2f} s")
+        assert took < 2.0, took
 
 
 async def test_a_worker_whose_announcement_fails_says_so(own_server: NatsServer) -> None:

@@ -114,3 +114,30 @@ async def test_again_asked_at_once_after_each_success_waits_longer_each_time() -
     assert all(later > earlier for earlier, later in itertools.pairwise(pauses)), pauses
     await recovery.close()
     assert not recovery.again("consumer", "after the close")  # nothing starts once closed
+
+
+async def test_settled_waits_for_the_named_step_and_says_whether_it_is_back() -> None:
+    """A caller that asked for a step again waits for it (bounded) before retrying its work."""
+    recovery = Recovery("test")
+    fails = itertools.count()
+
+    async def slow() -> None:
+        await asyncio.sleep(0.2)
+
+    async def failing() -> None:
+        next(fails)
+        raise RuntimeError("not yet")
+
+    recovery.add("slow", slow)
+    recovery.add("failing", failing)
+    try:
+        assert await recovery.settled("slow", 1.0)  # nothing running: settled at once
+        recovery.again("slow", "test")
+        began = time.monotonic()
+        assert await recovery.settled("slow", 5.0)
+        assert 0.15 < time.monotonic() - began < 4.0  # it waited for the step, not the bound
+        recovery.again("failing", "test")
+        assert not await recovery.settled("failing", 0.3)  # still being retried
+        assert next(fails) >= 2
+    finally:
+        await recovery.close()
