@@ -200,7 +200,11 @@ class AnswerPublisher:
         if self.store.enabled:
             try:
                 await self.conn.publish_acked(
-                    self.subject, data, timeout=self.timeout, headers=dict(self._headers)
+                    self.subject,
+                    data,
+                    timeout=self.timeout,
+                    headers=dict(self._headers),
+                    gone=self.store.gone,  # a deleted store: told in a second, not at timeout
                 )
                 return True
             except (

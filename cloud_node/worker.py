@@ -93,6 +93,7 @@ class Worker(Lifecycle):
         self._page = exposition if metrics_page is None else metrics_page
         # Workers may read any answer (they continue each other's); direct get is their right.
         self.store = AnswerStore(conn, settings.stream, filtered=False)
+        self.store.on_missing = self._lost
         self.keeper = Keeper(conn, self.store, settings.worker.publish_timeout, self._lost)
         self.leases = Leases(
             conn,

@@ -68,8 +68,18 @@ class CloudModels:
         self._asking: set[asyncio.Task[None]] = set()
 
     async def deployed(self, model: str) -> bool:
-        """Whether a worker pool was deployed for ``model`` (yes when JetStream cannot tell)."""
-        return await self._deployed(model)
+        """Whether a worker pool was deployed for ``model`` (yes when JetStream cannot tell).
+
+        A no while the registry shows a live worker of the pool is the pool's state lost under
+        it (its consumer deleted, a hub restarted on an empty store), which that worker puts
+        back within a moment: yes, and the no is not remembered. Remembered, it kept every
+        request for the pool off the cloud for 3 s after the worker had put it back."""
+        if await self._deployed(model):
+            return True
+        if self.live(model) is True:
+            self._deployed.forget(model)
+            return True
+        return False
 
     def live(self, model: str) -> bool | None:
         """Whether the registry shows a live worker serving ``model``; None: it cannot tell."""

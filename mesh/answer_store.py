@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import msgpack
 import nats.errors
 from nats.aio.subscription import Subscription
 from nats.js import api
+from nats.js.errors import NotFoundError
 from nats.js.manager import JetStreamManager
 
 from mesh.config import StreamSettings
@@ -188,6 +190,20 @@ class AnswerStore:
         self.page_bytes: int | None = None
         """The largest page asked of the store service (default: the connection's max
         payload)."""
+        self.on_missing: Callable[[str], None] | None = None
+        """Told when :meth:`gone` finds the stream missing (a worker puts it back)."""
+
+    async def gone(self) -> bool:
+        """Whether the answer stream is missing (JetStream says so); :attr:`on_missing` is told.
+        Raises when JetStream cannot say now."""
+        name = self.settings.answer_stream
+        try:
+            await self.conn.jsm().stream_info(name)
+        except NotFoundError:
+            if self.on_missing is not None:
+                self.on_missing(f"{name} is gone: an answer's end got no ack")
+            return True
+        return False
 
     async def replay(self, subject: str, timeout: float | None = None) -> list[WireEvent]:
         """Every stored event of one answer, by its token ``subject`` (empty when none are kept

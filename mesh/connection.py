@@ -25,7 +25,7 @@ from nats.micro.service import Service
 
 from mesh.config import NatsSettings
 from mesh.credentials import check_creds_file
-from mesh.js_acks import Acks
+from mesh.js_acks import Acks, Gone
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.recovery import Recovery, Step
@@ -98,9 +98,11 @@ class Connection(Lifecycle):
         stream: str | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        gone: Gone | None = None,
     ) -> api.PubAck:
         """Publish to JetStream and wait for the store's ack (``request_timeout`` by default);
-        the outcome and errors of nats-py's ``js.publish``, at less cost (:mod:`mesh.js_acks`)."""
+        the outcome and errors of nats-py's ``js.publish``, at less cost (:mod:`mesh.js_acks`;
+        ``gone`` there)."""
         if self._acks is None:
             raise RuntimeError(NOT_CONNECTED)
         return await self._acks.publish(
@@ -109,6 +111,7 @@ class Connection(Lifecycle):
             timeout=self.settings.request_timeout if timeout is None else timeout,
             stream=stream,
             headers=headers,
+            gone=gone,
         )
 
     async def flush_write_batch(self) -> None:

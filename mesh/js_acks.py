@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import nats.errors
 import nats.js.errors
@@ -40,6 +40,10 @@ from mesh.write_now import write_queued
 
 NO_RESPONDERS = "503"
 MSG_ID = "Nats-Msg-Id"
+LOOK_AFTER_S = 1.0
+"""How long a publish given a ``gone`` check waits for its ack before it looks whether its
+stream is still there (an ack takes milliseconds; a store electing a leader, seconds)."""
+Gone = Callable[[], Awaitable[bool]]
 
 
 class Acks:
@@ -54,6 +58,7 @@ class Acks:
         self._next = 0
         self._sub: Subscription | None = None
         self._subscribing = asyncio.Lock()
+        self._looks: set[asyncio.Task[None]] = set()
 
     async def publish(
         self,
@@ -63,9 +68,16 @@ class Acks:
         timeout: float,
         stream: str | None = None,
         headers: Mapping[str, str] | None = None,
+        gone: Gone | None = None,
     ) -> api.PubAck:
         """Publish ``payload`` on ``subject`` and wait up to ``timeout`` seconds for the store's
-        ack (from ``stream`` only, when given)."""
+        ack (from ``stream`` only, when given).
+
+        ``gone``: with no ack after :data:`LOOK_AFTER_S`, this is asked whether the stream is
+        there at all; when it says gone, the publish ends ``NoStreamResponseError`` then, not at
+        ``timeout``. A subject a reader subscribes to gets no "no responders" when its stream is
+        deleted: only the ack that never comes tells, and a worker held the request's slot for
+        the whole timeout (5 s) at every answer's end."""
         if self._sub is None:
             await self._subscribe()
         hdr = dict(headers) if headers else {}
@@ -77,6 +89,7 @@ class Acks:
         acked: asyncio.Future[Msg] = loop.create_future()
         self._pending[token] = acked
         timer = loop.call_later(timeout, self._expire, token)
+        look = None if gone is None else loop.call_later(LOOK_AFTER_S, self._look, acked, gone)
         if MSG_ID in hdr:
             self._unacked[token] = (subject, payload, hdr)
         try:
@@ -87,6 +100,8 @@ class Acks:
             msg = await acked
         finally:
             timer.cancel()
+            if look is not None:
+                look.cancel()
             self._pending.pop(token, None)
             self._unacked.pop(token, None)
         if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS:
@@ -114,6 +129,19 @@ class Acks:
         acked = self._pending.pop(msg.subject.rpartition(".")[2], None)
         if acked is not None and not acked.done():
             acked.set_result(msg)
+
+    def _look(self, acked: asyncio.Future[Msg], gone: Gone) -> None:
+        task = asyncio.get_running_loop().create_task(self._looked(acked, gone))
+        self._looks.add(task)
+        task.add_done_callback(self._looks.discard)
+
+    async def _looked(self, acked: asyncio.Future[Msg], gone: Gone) -> None:
+        try:
+            missing = await gone()
+        except Exception:  # a look that fails says nothing: the ack's own timeout stands
+            return
+        if missing and not acked.done():
+            acked.set_exception(nats.js.errors.NoStreamResponseError())
 
     def _expire(self, token: str) -> None:
         acked = self._pending.pop(token, None)

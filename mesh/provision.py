@@ -250,6 +250,10 @@ class ServedModels:
         self._for = {True: yes_for, False: no_for}
         self._known: dict[str, tuple[bool, float]] = {}
 
+    def forget(self, model: str) -> None:
+        """Ask JetStream again next time (what is known of ``model`` is out of date)."""
+        self._known.pop(model, None)
+
     async def __call__(self, model: str) -> bool:
         now = time.monotonic()
         known = self._known.get(model)

@@ -87,6 +87,31 @@ async def test_an_ack_that_never_comes_times_out_in_time(conn: Connection) -> No
         await listener.unsubscribe()
 
 
+@pytest.mark.parametrize("missing", [True, False])
+async def test_a_slow_ack_asks_whether_its_stream_is_gone(conn: Connection, missing: bool) -> None:
+    """A subject whose stream was deleted, with a reader on it: no ack and no "no responders"
+    ever come. Given a ``gone`` check, a publish asks it after 1 s, and ends then when the
+    stream is gone; when the stream is there, it waits for its ack up to its timeout."""
+    subject = f"silent.{uuid.uuid4().hex}"
+    listener = await conn.nc.subscribe(subject)
+    asked = 0
+
+    async def gone() -> bool:
+        nonlocal asked
+        asked += 1
+        return missing
+
+    try:
+        began = time.monotonic()
+        with pytest.raises(NoStreamResponseError if missing else nats.errors.TimeoutError):
+            await conn.publish_acked(subject, b"x", timeout=2.5, gone=gone)
+        took = time.monotonic() - began
+        assert asked == 1
+        assert (0.9 <= took < 2.0) if missing else (2.4 <= took < 4.0), took
+    finally:
+        await listener.unsubscribe()
+
+
 async def test_publishes_are_acked_again_after_the_link_comes_back(
     nats_server: NatsServer, conn: Connection, js_stream: tuple[str, str]
 ) -> None:

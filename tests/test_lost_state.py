@@ -80,6 +80,69 @@ async def test_a_worker_puts_back_its_queue_deleted_under_it(
         assert back < 3.0, back  # a pull request's end says so at once; no reconnect needed
 
 
+async def test_an_edge_does_not_hold_on_to_no_pool_while_the_pool_puts_its_consumer_back(
+    own_server: NatsServer,
+) -> None:
+    """The queue's consumer deleted while a worker of the pool is live: an escalation right
+    then finds no consumer, but the registry shows the pool's worker, which puts it back within
+    a moment. The edge sends it to the cloud all the same, and the next ones too. Before, it
+    remembered "no worker pool" for 3 s and answered every request for the pool locally."""
+    settings = make_settings(own_server.url)
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    local = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Connection(settings.nats, "edge") as econn,
+        Connection(settings.nats, "operator") as op,
+        Worker(settings, wconn, backend) as worker,
+        EdgeNode(settings, econn, local, HeuristicRouter()) as edge,
+        MeshClient(settings=settings, edge_id=settings.edge.edge_id) as client,
+    ):
+        model = settings.edge.cloud_model
+        await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
+        await op.jsm().delete_consumer(worker._stream.name, worker.consumer)
+        paths = []
+        for i in range(5):
+            answer = await client.complete(f"[tag:p{i}] x", route="cloud", max_tokens=3)
+            assert answer.text == expected_text(f"p{i}", 3)
+            paths.append(answer.path)
+            await asyncio.sleep(0.2)
+        assert paths == ["cloud"] * 5, paths
+
+
+async def test_a_worker_puts_back_its_answer_store_deleted_under_it(
+    own_server: NatsServer,
+) -> None:
+    """``nats stream rm MESH_TOK`` while everyone stays connected: the end of the next answer
+    gets no ack (its reader's subscription takes the message, so no "no responders" comes
+    either); a second on, the worker looks, finds the stream gone, puts it back, and lets the
+    answer go. Before, every answer held its slot for the whole 5 s publish timeout, and the
+    store was never made again while the worker said ``ok``."""
+    settings = make_settings(own_server.url)
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Connection(settings.nats, "operator") as op,
+        Worker(settings, wconn, backend),
+        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+    ):
+        stream = settings.stream.answer_stream
+        assert (await client.complete("[tag:a] x", via="cloud", max_tokens=4)).text
+        await op.jsm().delete_stream(stream)
+        took = []
+        for i in range(3):  # one slot: each waits for the one before it
+            began = time.monotonic()
+            answer = await client.complete(f"[tag:b{i}] x", via="cloud", max_tokens=4)
+            took.append(time.monotonic() - began)
+            assert answer.text == expected_text(f"b{i}", 4)
+        await op.jsm().stream_info(stream)  # back
+        print(
+            f"\nanswer store deleted: the next answers took {', '.join(f'{t:.2f}' for t in took)} s"
+        )
+        slowest, *rest = sorted(took, reverse=True)  # one answer's end waits for the look
+        assert slowest < 3.0 and max(rest) < 1.0, took
+
+
 async def _is(value: bool) -> bool:
     return value
 
