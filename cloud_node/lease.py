@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
@@ -86,6 +86,10 @@ class Leases:
         self.ttl = ttl
         self.enabled = True
         self._off_until = 0.0
+        self.on_lost: Callable[[str], None] | None = None
+        """Told when a write finds no lease stream (deleted under the worker): the worker puts
+        it back now, rather than every lease being skipped for good while its status says
+        leases are on."""
 
     async def restore(self, ensure: Callable[[], Awaitable[None]]) -> None:
         """The lease stream could not be had when the hub was provisioned (an election,
@@ -221,6 +225,11 @@ class Leases:
                 return CHANGED
             self._trouble("lease not written", exc)
             return None
+        except NoStreamResponseError:
+            log.warning("lease not written: the lease stream is gone; putting it back")
+            if self.on_lost is not None:
+                self.on_lost(f"{LEASES_STREAM} is gone")
+            return None  # served without a lease meanwhile; the next claim tries again
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
             self._trouble("lease not written", exc)
             return None

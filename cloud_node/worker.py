@@ -101,6 +101,7 @@ class Worker(Lifecycle):
             timeout=store_look_timeout(settings),
             ttl=kept.lease_ttl(settings.stream),
         )
+        self.leases.on_lost = self._lost
         self.takeover = Takeover(
             self.store,
             node=cloud_node_name(self.node_id),

@@ -29,6 +29,7 @@ from protocol.subjects import (
     ANSWERS_STREAM,
     CLAIMS_STREAM,
     KEPT_STREAM,
+    LEASES_STREAM,
     NODES_STREAM,
     OUTBOX_STREAM,
     site_consumer,
@@ -141,6 +142,39 @@ async def test_a_worker_puts_back_its_answer_store_deleted_under_it(
         )
         slowest, *rest = sorted(took, reverse=True)  # one answer's end waits for the look
         assert slowest < 3.0 and max(rest) < 1.0, took
+
+
+async def test_a_worker_puts_back_its_lease_stream_deleted_under_it(
+    own_server: NatsServer,
+) -> None:
+    """``nats stream rm MESH_LEASES``: the next lease a worker writes (for a request that can
+    wait) finds no stream; that request is served without one, and the worker puts the stream
+    back. Before, every later lease was skipped, for good, while its status said leases on."""
+    settings = make_settings(own_server.url)
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Connection(settings.nats, "operator") as op,
+        Worker(settings, wconn, backend) as worker,
+        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+    ):
+        assert worker.status()["leases"]
+        await op.jsm().delete_stream(LEASES_STREAM)
+        answer = await client.complete("[tag:l] x", via="cloud", max_tokens=4, deferrable=True)
+        assert answer.text == expected_text("l", 4)
+        lost = time.monotonic()
+        await eventually(
+            lambda: _stream_exists(op, LEASES_STREAM), timeout=5, what="the lease stream back"
+        )
+        print(f"\nlease stream deleted: back {time.monotonic() - lost:.2f} s after the answer")
+
+
+async def _stream_exists(conn: Connection, stream: str) -> bool:
+    try:
+        await conn.jsm().stream_info(stream)
+    except NotFoundError:
+        return False
+    return True
 
 
 async def _is(value: bool) -> bool:
