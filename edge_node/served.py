@@ -126,7 +126,8 @@ class CloudModels:
         """True only on the server's word, twice, that nobody listens for ``node``."""
         subject = worker_alive_subject(node, self._scope, PROBE_ID)
         try:
-            return await request_or_nobody(self._conn.nc, subject, b"", ALIVE_WAIT_S) is None
+            nobody = await request_or_nobody(self._conn.nc, subject, b"", ALIVE_WAIT_S) is None
+            return nobody and await self._conn.hub_answers(ALIVE_WAIT_S)  # not the uplink's
         except (nats.errors.Error, asyncio.TimeoutError):
             return False  # busy, standing still, or our own link is down: nothing proven
 

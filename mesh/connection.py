@@ -32,6 +32,7 @@ from mesh.recovery import Recovery, Step
 from mesh.tasks import first_of
 from mesh.write_batch import WriteBatch, gap_s
 from protocol.errors import UnauthorizedError, UnavailableError
+from protocol.subjects import NODES_STREAM
 
 log = get_logger(__name__)
 
@@ -153,6 +154,22 @@ class Connection(Lifecycle):
         """Where the hub's JetStream API answers: ``$JS.API``, or ``$JS.<hub_domain>.API``."""
         domain = self.settings.hub_domain
         return f"$JS.{domain}.API" if domain else "$JS.API"
+
+    async def hub_answers(self, timeout: float) -> bool:
+        """Whether the hub answers through this connection, for a caller about to take "no
+        responders" for proof that something of the hub's is gone. Always True on a connection
+        to the hub itself. Through an edge site's leaf node (``hub_domain``), the leaf says "no
+        responders" to everything of the hub's while its uplink is down: then only a JetStream
+        API call that gets an answer (the registry's stream, which every edge may look up)
+        shows that the word was the hub's. Before, a 0.4 s uplink blip made an edge give up every
+        cloud answer it relayed, as if its worker had died."""
+        if not self.settings.hub_domain:
+            return True
+        try:
+            await self.nc.request(f"{self.api_prefix}.STREAM.INFO.{NODES_STREAM}", b"", timeout)
+        except (nats.errors.Error, asyncio.TimeoutError):
+            return False
+        return True
 
     def site_js(self) -> JetStreamContext:
         """The JetStream of the server this process is connected to (an edge site's own)."""

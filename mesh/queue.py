@@ -273,6 +273,8 @@ class CloudCall(Lifecycle):
         try:
             word = await self._ask_alive(node, state)
         except nats.errors.NoRespondersError:
+            if not await self.conn.hub_answers(ALIVE_WAIT_S):
+                return  # the site's uplink is down: nothing proven
             gone = True
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             gone = False  # standing still, or merely busy: a live worker tells them apart
@@ -296,7 +298,7 @@ class CloudCall(Lifecycle):
                 )
                 break
             except nats.errors.NoRespondersError:
-                if gone:
+                if gone and await self.conn.hub_answers(ALIVE_WAIT_S):
                     self.no_worker_left = True
                     self._reported.add((node, state.attempt))
                     log.warning(

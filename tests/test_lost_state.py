@@ -8,8 +8,11 @@ waited in the queue until the worker was restarted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import shutil
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import Server, expected_text
+from protocol.messages import EndEvent, RestartEvent, TokenEvent
 from protocol.subjects import (
     ANSWERS_STREAM,
     CLAIMS_STREAM,
@@ -381,3 +385,72 @@ async def test_a_site_collects_again_as_soon_as_its_uplink_returns(
 async def _held_now(edge: EdgeNode) -> bool:
     assert edge.site is not None
     return await edge.site.held() >= 1
+
+
+async def test_an_uplink_blip_mid_answer_leaves_the_cloud_answer_going(
+    topology: Topology,  # noqa: F811 - the fixture
+) -> None:
+    """The site's uplink drops for 0.4 s while a cloud answer streams through its edge. The
+    leaf says "no responders" to everything of the hub's meanwhile, which the edge must not take
+    for the worker's death: the answer goes on from the cloud, whole and exact, no restart.
+    Before, the edge asked the worker, heard "no responders", and answered locally from the
+    start, while the worker generated the rest for nobody."""
+    site = "site-a"
+    worker_settings = topology.hub_settings("worker-w1", MESH_WORKER_MODEL_TOKEN_DELAY_MS="40")
+    async with contextlib.AsyncExitStack() as stack:
+        wconn = await stack.enter_async_context(Connection(worker_settings.nats, "w1"))
+        backend = DeterministicBackend(worker_settings.worker.model)
+        await stack.enter_async_context(Worker(worker_settings, wconn, backend))
+        settings = topology.site_settings(site)
+        econn = await stack.enter_async_context(Connection(settings.nats, f"edge-{site}"))
+        local = DeterministicBackend(settings.edge.model)
+        edge = await stack.enter_async_context(EdgeNode(settings, econn, local, HeuristicRouter()))
+        model = settings.edge.cloud_model
+        await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
+        client = await stack.enter_async_context(
+            MeshClient(
+                settings=topology.site_settings(site, "client"),
+                first_event_timeout=30,
+                idle_timeout=30,
+            )
+        )
+        times: list[float] = []
+        events = []
+
+        async def read() -> None:
+            async for event in client.stream("[tag:z] x", route="cloud", max_tokens=80):
+                times.append(time.time())
+                events.append(event)
+
+        reading = asyncio.ensure_future(read())
+        await eventually(lambda: _is(len(times) >= 10), what="the answer streaming")
+        topology.uplinks[site].cut(0.4)
+        cut_at = time.time()
+        await asyncio.wait_for(reading, 60)
+        end = events[-1]
+        assert isinstance(end, EndEvent) and end.path == "cloud", end
+        assert not any(isinstance(e, RestartEvent) for e in events)
+        text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+        assert text == expected_text("z", 80)
+        linked = _leaf_linked_at(topology.leaves[site], after=cut_at)
+        resumed = min(t for t in times if t > linked) - linked
+        gap = max(b - a for a, b in itertools.pairwise(times))
+        print(
+            f"\nuplink blip of 0.4 s mid-answer: the cloud answer whole, its longest gap "
+            f"{gap:.2f} s; the leaf linked again {linked - cut_at:.2f} s after the cut, and the "
+            f"answer went on {resumed:.2f} s after that"
+        )
+        assert resumed < 1.0, resumed
+
+
+def _leaf_linked_at(leaf: NatsServer, after: float) -> float:
+    """When (``time.time()``) the leaf's uplink to the hub was up again after ``after``, from
+    its log (nats-server writes local time; JetStream's domains are agreed once it is up)."""
+    assert leaf.log_path is not None
+    for line in leaf.log_path.read_text().splitlines():
+        if "JetStream using domains" in line:
+            stamp = " ".join(line.split()[1:3])
+            at = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            if at > after:
+                return at
+    raise AssertionError("the leaf never linked again")
