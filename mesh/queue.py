@@ -17,7 +17,7 @@ import functools
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import msgpack
 import nats.errors
@@ -32,8 +32,9 @@ from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.reader import AnswerReader
 from mesh.repair import store_repair
+from mesh.tasks import cancel_and_wait
 from protocol.codec import CONTENT_TYPE, WireFormat, dump
-from protocol.errors import MeshTimeoutError, OverloadedError, UnavailableError
+from protocol.errors import MeshError, MeshTimeoutError, OverloadedError, UnavailableError
 from protocol.fingerprint import Fingerprints, request_fingerprint
 from protocol.messages import EndEvent, InferRequest, TokenEvent
 from protocol.stream import AnswerState
@@ -62,6 +63,9 @@ ADDRESSED_CANCEL_WAIT_S = 0.5
 cancel goes to every worker (the holder died, or handed the request on)."""
 WITHDRAW_DELETE_WAIT_S = 0.5
 """How long withdrawing a request waits for the queue to delete it (its cancel covers the rest)."""
+REQUEUE_FIRST_S = 0.1
+"""After a reconnect, the first pause before a request not started yet is queued again when
+its queue is not there yet (a worker puts it back); it doubles up to a second."""
 ALIVE_WAIT_S = 0.2
 """How long a reader waits for the worker generating its answer to say it is there. No word in
 time proves nothing by itself (it may be busy): a live worker then asks again, for longer."""
@@ -243,6 +247,8 @@ class CloudCall(Lifecycle):
         """The worker that last told the watch it holds the request, and when
         (``time.monotonic()``): its own word on it, beside the registry's."""
         self._reported: set[tuple[str, int]] = set()
+        self._undo_loss: Callable[[], None] | None = None
+        self._requeuing: asyncio.Task[None] | None = None
 
     async def open(self) -> CloudCall:
         await self.reader.subscribe(self.subject)
@@ -257,7 +263,33 @@ class CloudCall(Lifecycle):
             # Queued before under this id: its answer may be complete already. Catch up now.
             log.info("request already queued (duplicate publish)", request_id=self.request.id)
             self.reader.repair_now()
+        self._undo_loss = self.conn.on_loss(self._after_loss)
         return self
+
+    def _after_loss(self) -> None:
+        """The link came back: a hub restarted on an empty store lost the queue, and with it a
+        request no worker had started. Queue it again, under its message id: a queue that still
+        holds it (or took it within the duplicate window) drops the copy. Before, nothing queued
+        it again: silence until the reader's timeout."""
+        if not self.reader.state.started and (self._requeuing is None or self._requeuing.done()):
+            self._requeuing = asyncio.get_running_loop().create_task(self._requeue())
+
+    async def _requeue(self) -> None:
+        pause = REQUEUE_FIRST_S
+        while not self.reader.state.started:
+            try:
+                ack = await publish_request(
+                    self.conn, self.stream, self.request, self.scope, self.headers
+                )
+            except MeshError:  # the queue is not back yet (its worker puts it back), or full
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
+            if not ack.duplicate:
+                log.warning(
+                    "request queued again: the queue had lost it", request_id=self.request.id
+                )
+            return
 
     async def watch_worker(self, state: AnswerState) -> None:
         """The answer went quiet: ask the worker that started it whether it is still there.
@@ -395,6 +427,11 @@ class CloudCall(Lifecycle):
             return False  # no such worker now (it died), or it did not answer in time
 
     async def close(self) -> None:
+        if self._undo_loss is not None:
+            self._undo_loss()
+            self._undo_loss = None
+        if self._requeuing is not None:
+            await cancel_and_wait([self._requeuing])
         await self.reader.close()
 
     start = open

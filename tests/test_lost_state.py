@@ -303,6 +303,52 @@ async def test_a_worker_whose_announcement_fails_says_so(own_server: NatsServer)
         await eventually(lambda: _is(worker.status()["health"] == "ok"), what="health ok again")
 
 
+async def test_a_request_queued_when_the_hub_lost_its_store_is_queued_again(
+    tmp_path: Path,
+) -> None:
+    """A one-slot worker busy with one answer, a second request waiting in the queue, and the
+    hub restarts on an empty store (the queue gone with the request in it): after its
+    reconnect, the SDK queues the request no worker had started again, under its message id,
+    once the worker has put the queue back; both are answered, exactly. Before, nothing queued
+    it again: silence until the SDK's timeout."""
+    hub = Server(tmp_path / "hub-store")
+    await hub.start()
+    settings = make_settings(hub.url)
+    settings.nats.reconnect_wait = 0.1
+    backend = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=1, token_delay_ms=50)
+    )
+    try:
+        async with (
+            Connection(settings.nats, "worker") as wconn,
+            Worker(settings, wconn, backend),
+            MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+        ):
+            busy = asyncio.ensure_future(client.complete("[tag:a] x", via="cloud", max_tokens=20))
+            await eventually(lambda: _is(backend.started >= 1), what="the slot taken")
+            waiting = asyncio.ensure_future(client.complete("[tag:b] x", via="cloud", max_tokens=4))
+            await eventually(
+                lambda: _queued(client.conn, settings.stream.name, 1), what="one request queued"
+            )
+            await hub.stop()
+            shutil.rmtree(hub.store_dir)  # the store is gone with the server
+            await hub.start()
+            restarted = time.monotonic()
+            second = await asyncio.wait_for(waiting, 30)
+            took = time.monotonic() - restarted
+            assert second.path == "cloud" and second.text == expected_text("b", 4)
+            first = await asyncio.wait_for(busy, 30)
+            assert first.text == expected_text("a", 20)
+            print(f"\nhub restarted on an empty store: the queued request answered in {took:.2f} s")
+            assert took < 5.0, took
+    finally:
+        await hub.stop()
+
+
+async def _queued(conn: Connection, stream: str, n: int) -> bool:
+    return (await conn.jsm().stream_info(stream)).state.messages >= n
+
+
 async def test_a_hub_restarted_on_an_empty_store_serves_the_cloud_again(tmp_path: Path) -> None:
     """The hub's nats-server restarted with its JetStream store gone (a hub without a volume):
     every stream, consumer and registry entry is lost at once. The worker and the edge each put
