@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from protocol.codec import (
+    PARSE_DEPTH,
     RequestLimits,
     WireFormat,
     compact_json,
@@ -17,6 +18,7 @@ from protocol.codec import (
     dump_event,
     dump_token,
     error_event,
+    load,
     reply_target,
     sniff,
     to_exception,
@@ -253,3 +255,16 @@ def test_the_fast_token_event_is_the_validated_one(logprobs: list[TokenLogprob] 
     assert copy.id == "r-2" and fast.id == "r-1"
     fast.attempt = 3  # events are mutable, as validated ones are
     assert fast.attempt == 3
+
+
+def test_json_nested_past_the_parse_depth_is_refused_before_it_is_parsed() -> None:
+    """Nested past ``PARSE_DEPTH``, JSON is a bad payload, refused before the decoder recurses
+    into the interpreter's limit (where a finalizer run then fails too); brackets inside
+    strings do not count, and a payload nested less (200 levels: too deep for a request, but
+    readable, so its id can be told) still parses."""
+    with pytest.raises(BadPayloadError, match=f"deeper than {PARSE_DEPTH}"):
+        load(b"[" * 100_000, WireFormat.JSON)
+    brackets = json.dumps({"prompt": "[" * 5000 + "{" * 5000, "id": "x"}).encode()
+    assert load(brackets, WireFormat.JSON)["id"] == "x"
+    deep = ('{"a":' * 200 + "1" + "}" * 200).encode()
+    assert isinstance(load(deep, WireFormat.JSON), dict)
