@@ -49,6 +49,8 @@ class RegistryView(Protocol):
 
     def live(self, role: str = "worker") -> list[NodeInfo]: ...
 
+    def askable(self) -> list[NodeInfo]: ...
+
     def serves(self, model: str) -> bool | None: ...
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None: ...
@@ -107,7 +109,7 @@ class CloudModels:
         if now - self._asked.get(model, -ASK_EVERY_S) < ASK_EVERY_S or not self._conn.connected:
             return
         token = model_token(model)
-        nodes = [i.node_id for i in self._nodes.live() if token in map(model_token, i.models)]
+        nodes = [i.node_id for i in self._nodes.askable() if token in map(model_token, i.models)]
         if not nodes:
             return
         self._asked[model] = now

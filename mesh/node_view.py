@@ -73,6 +73,10 @@ class NodeView:
         """A read of the entries has succeeded (since the start)."""
         self._undo_reconnect: Any = None
         self._reconnected_at = -float("inf")
+        self._heard = time.monotonic()
+        """When the last update came, from any node: a registry silent for a ``ttl`` as a
+        whole (its stream electing a leader, its bucket refusing writes) ages every entry at
+        once, which says nothing of the workers themselves (:meth:`serves`)."""
 
     async def start(self) -> None:
         """Follow the registry. Raises (a :class:`MeshError`) when it cannot be read now (no
@@ -127,6 +131,7 @@ class NodeView:
             self._ready = self._synced = True
 
     async def _on_update(self, msg: Msg) -> None:
+        self._heard = time.monotonic()
         key = msg.subject[
             len(REGISTRY_UPDATES) + 1 :
         ]  # the subject, as permitted: not a header's say
@@ -181,6 +186,19 @@ class NodeView:
     def live(self, role: str = "worker") -> list[NodeInfo]:
         return list(self._alive(role))
 
+    @property
+    def silent(self) -> bool:
+        """No update from any node for a ``ttl``: the registry, not each worker, went quiet."""
+        return time.monotonic() - self._heard >= self._ttl
+
+    def askable(self) -> list[NodeInfo]:
+        """The workers to ask whether they are there: the live ones, and while the registry is
+        silent also those it aged out (only their own silence, or the server's word that nobody
+        listens for them, tells)."""
+        if not self.silent:
+            return self.live()
+        return [info for info, _seen in self._nodes.values() if info.role == "worker"]
+
     def _alive(self, role: str) -> Iterator[NodeInfo]:
         """The nodes of ``role`` heard from within ``ttl``, one at a time."""
         now = time.monotonic()
@@ -193,9 +211,14 @@ class NodeView:
         if not self.ready or (self.pool is not None and token != self.pool):
             return None
         # Stops at the first worker that serves it: no list of nodes, no set per node.
-        return any(
-            any(model_token(m) == token for m in info.models) for info in self._alive("worker")
-        )
+        if any(any(model_token(m) == token for m in i.models) for i in self._alive("worker")):
+            return True
+        if self.silent and any(  # aged out with the whole registry: cannot tell
+            info.role == "worker" and any(model_token(m) == token for m in info.models)
+            for info, _seen in self._nodes.values()
+        ):
+            return None
+        return False
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None:
         """Whether the worker ``node_id`` (serving ``model``) announced itself within
@@ -205,10 +228,10 @@ class NodeView:
         if self.pool is not None and (model is None or model_token(model) != self.pool):
             return None
         now = time.monotonic()
-        return any(
-            info.node_id == node_id and now - seen < self._ttl
-            for info, seen in self._nodes.values()
-        )
+        ages = [now - seen for info, seen in self._nodes.values() if info.node_id == node_id]
+        if any(age < self._ttl for age in ages):
+            return True
+        return None if ages and self.silent else False
 
     async def stop(self) -> None:
         if self._undo_reconnect is not None:

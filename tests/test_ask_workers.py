@@ -73,3 +73,58 @@ async def test_the_edge_forgets_only_the_workers_the_server_says_are_gone(
         await models.close()
         await view.stop()
         await workers.close()
+
+
+async def test_a_registry_gone_silent_as_a_whole_says_nothing_of_its_workers(
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+) -> None:
+    """No update from anyone for a ttl (the registry's stream electing a leader, its bucket
+    refusing writes) ages every entry at once: the view cannot tell then, rather than say the
+    pool is gone while its workers serve. The workers are asked: one the server says nobody
+    listens for is gone, one that answers is kept, and the view says no only once no worker of
+    the pool is left to tell of. An update from anyone ends the silence."""
+    ttl = 1.0
+    kv = await open_bucket(conn, 30.0)
+    for node in ("there", "dead"):
+        await kv.put(node_key("worker", node, "smollm2"), _value(node))
+    workers = await nats.connect(nats_server.url)
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(b"{}")
+
+    there = await workers.subscribe(worker_alives("there"), cb=answer)
+    await workers.flush()
+    view = NodeView(conn, ttl, pool="smollm2")
+    await view.start()
+    view._reconnected_at = -ttl  # ready at once (no reconnect to wait out here)
+    models = CloudModels(conn, settings.stream, view, "scope-a")
+    try:
+        assert view.serves("smollm2") is True
+        await eventually(lambda: _is(view.silent), 5, "the registry silent for a ttl")
+        assert view.live() == []  # every entry aged out
+        assert view.serves("smollm2") is None  # False before: the pool taken for gone
+        assert view.is_live("there", "smollm2") is None
+        models.ask_workers("smollm2")
+        await eventually(lambda: _is("dead" not in _ids(view)), 5, "the dead one forgotten")
+        await asyncio.gather(*models._asking)
+        assert _ids(view) == {"there"} and view.serves("smollm2") is None
+        await there.unsubscribe()  # now the last one dies too
+        await workers.flush()
+        models._asked.clear()  # a new round at once
+        models.ask_workers("smollm2")
+        await eventually(lambda: _is(view.serves("smollm2") is False), 5, "the pool gone")
+        await kv.put(node_key("worker", "new", "smollm2"), _value("new"))  # anyone speaks
+        await eventually(lambda: _is(view.serves("smollm2") is True), 5, "the new one seen")
+        assert not view.silent
+    finally:
+        await models.close()
+        await view.stop()
+        await workers.close()
+
+
+def _ids(view: NodeView) -> set[str]:
+    return {info.node_id for info in view.askable()}
+
+
+async def _is(value: bool) -> bool:
+    return value

@@ -115,6 +115,38 @@ async def test_an_edge_does_not_hold_on_to_no_pool_while_the_pool_puts_its_consu
         assert paths == ["cloud"] * 5, paths
 
 
+async def test_an_edge_goes_on_sending_to_the_cloud_while_the_registry_is_silent(
+    own_server: NatsServer,
+) -> None:
+    """The registry's bucket refuses writes (sealed here; a leader election or a hub node lost
+    does the same for seconds): no worker's heartbeat lands, and every entry ages out at once.
+    The queue still works, and so do the workers: the edge goes on sending to the cloud.
+    Before, it took the pool for gone and answered every request locally until the registry
+    took writes again."""
+    settings = make_settings(own_server.url)
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
+    local = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Connection(settings.nats, "edge") as econn,
+        Connection(settings.nats, "operator") as op,
+        Worker(settings, wconn, backend),
+        EdgeNode(settings, econn, local, HeuristicRouter()) as edge,
+        MeshClient(settings=settings, edge_id=settings.edge.edge_id) as client,
+    ):
+        model = settings.edge.cloud_model
+        await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
+        jsm = op.jsm()
+        config = (await jsm.stream_info(NODES_STREAM)).config
+        config.sealed = True
+        await jsm.update_stream(config)
+        await eventually(lambda: _is(edge.nodes.live() == []), what="every entry aged out")
+        for i in range(3):
+            answer = await client.complete(f"[tag:s{i}] x", route="cloud", max_tokens=3)
+            assert answer.text == expected_text(f"s{i}", 3)
+            assert answer.path == "cloud", answer.end.fallback
+
+
 async def test_a_worker_puts_back_its_answer_store_deleted_under_it(
     own_server: NatsServer,
 ) -> None:
