@@ -51,6 +51,9 @@ class RegistryView(Protocol):
 
     def askable(self) -> list[NodeInfo]: ...
 
+    @property
+    def silent(self) -> bool: ...
+
     def serves(self, model: str) -> bool | None: ...
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None: ...
@@ -84,8 +87,15 @@ class CloudModels:
         return False
 
     def live(self, model: str) -> bool | None:
-        """Whether the registry shows a live worker serving ``model``; None: it cannot tell."""
-        return self._nodes.serves(model)
+        """Whether the registry shows a live worker serving ``model``; None: it cannot tell.
+        A registry silent as a whole cannot tell: its workers are asked then (in the
+        background, at most once a second), and those the server says nobody listens for are
+        gone, so that a fleet that died says so within a round, whoever asks (a request, a
+        readiness probe)."""
+        serves = self._nodes.serves(model)
+        if serves is None and self._nodes.silent:
+            self.ask_workers(model)
+        return serves
 
     async def cannot_serve(self, model: str) -> tuple[str, str] | None:
         """Why the cloud cannot take a request for ``model`` now, and a word for it (``no_pool``,

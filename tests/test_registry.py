@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from cloud_node.worker import Worker
+from edge_node.served import CloudModels
 from mesh.backends.llama_cpp import LlamaCppBackend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
@@ -34,7 +35,9 @@ async def test_edge_view_follows_worker_start_stop_and_crash(
             assert view.serves("other-model") is False
         await eventually(lambda: _serves(view, "smollm2", False), what="clean stop withdrawn")
 
-        # A crash: the connection drops, no goodbye. The entry goes stale after node_ttl.
+        # A crash: the connection drops, no goodbye. The entry goes stale after node_ttl; with
+        # nothing else heard from the registry, the view cannot tell a dead fleet from a silent
+        # registry until the worker is asked, and the server says nobody listens for it.
         crash_conn = await Connection(settings.nats, "crashing").connect()
         crashing = Worker(settings, crash_conn, worker_backend)
         await crashing.start()
@@ -43,8 +46,16 @@ async def test_edge_view_follows_worker_start_stop_and_crash(
         crashing._heartbeat._task.cancel()  # the process "dies": no more heartbeats
         await crash_conn.nc.close()
         await eventually(
-            lambda: _serves(view, "smollm2", False), timeout=5, what="crashed worker to go stale"
+            lambda: _serves(view, "smollm2", None), timeout=5, what="crashed worker to go stale"
         )
+        models = CloudModels(conn, settings.stream, view, "scope-a")
+        try:
+            assert models.live("smollm2") is None  # asks the workers it aged out
+            await eventually(
+                lambda: _serves(view, "smollm2", False), timeout=5, what="the crash proven"
+            )
+        finally:
+            await models.close()
         await crashing.stop()
     finally:
         await view.stop()
