@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request
@@ -379,7 +380,7 @@ class NatsIntake:
         sent = 0
         if record is not None:
             try:
-                raw = json.loads(request.data or b"{}")
+                raw = orjson.loads(request.data or b"{}")  # no recursion, however nested
                 attempt, seq = int(raw.get("attempt", 0)), int(raw.get("seq", 0))
             except (ValueError, TypeError, AttributeError, OverflowError):
                 attempt, seq = 0, 0

@@ -164,7 +164,7 @@ class SiteStore:
             raise wait_ended(req, held=True)
         try:
             claimed = await by_deadline(
-                wait_until, self._claimed(req.id, fingerprint, req.cancel_key)
+                wait_until, self._claimed(req.id, fingerprint, req.cancel_key, unclaimed=True)
             )
         except asyncio.TimeoutError:
             raise_if_cancelled()
@@ -264,9 +264,19 @@ class SiteStore:
         outcome, fingerprint = found
         return outcome if await self._claimed(request_id, fingerprint, key) else None
 
-    async def _claimed(self, request_id: str, fingerprint: str | None, key: str | None) -> bool:
+    async def _claimed(
+        self,
+        request_id: str,
+        fingerprint: str | None,
+        key: str | None,
+        *,
+        unclaimed: bool = False,
+    ) -> bool:
         """Whether the kept answer of ``request_id`` (for the request ``fingerprint`` names) is
-        for whoever holds ``key``: the key its request was held with, if it had one."""
+        for whoever holds ``key``: the key its request was held with, if it had one. A kept
+        answer without a claim (its claim lost with the claims' stream) is no one's to fetch by
+        id, and only ``unclaimed`` (the request's own sender, waiting with the same content)
+        gets it: before, anyone at the site who knew the id did."""
         try:
             msg = await with_site_streams(
                 self.conn,
@@ -276,7 +286,7 @@ class SiteStore:
             )
             claim = json.loads(msg.data or b"{}")
         except NotFoundError:
-            return True  # held before claims were kept: the site is one trust zone
+            return unclaimed
         except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
             raise UnavailableError(f"the site's claims cannot be read: {exc!r}") from None
         if claim.get("fp") != fingerprint:

@@ -39,6 +39,9 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 NOT_CONNECTED = "not connected to NATS: call connect() or use 'async with' first"
+HUB_ANSWERED_S = 0.25
+"""How long the hub's answer to :meth:`Connection.hub_answers` is taken to hold (the readers of
+one worker that died all hear "no responders" at once)."""
 
 
 class Connection(Lifecycle):
@@ -165,11 +168,17 @@ class Connection(Lifecycle):
         cloud answer it relayed, as if its worker had died."""
         if not self.settings.hub_domain:
             return True
+        if time.monotonic() - self._hub_answered_at < HUB_ANSWERED_S:
+            return True  # one look serves every reader that heard "no responders" just now
         try:
             await self.nc.request(f"{self.api_prefix}.STREAM.INFO.{NODES_STREAM}", b"", timeout)
         except (nats.errors.Error, asyncio.TimeoutError):
             return False
+        self._hub_answered_at = time.monotonic()
         return True
+
+    _hub_answered_at = -float("inf")
+    """When the hub last answered :meth:`hub_answers` (``time.monotonic()``)."""
 
     def site_js(self) -> JetStreamContext:
         """The JetStream of the server this process is connected to (an edge site's own)."""

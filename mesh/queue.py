@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 
 import msgpack
 import nats.errors
+import orjson
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError
@@ -114,7 +115,7 @@ def reader_has(state: AnswerState) -> bytes:
 def orphan_worker(data: bytes) -> str | None:
     """The worker a reader's word names (a hint only: the store and the server decide)."""
     try:
-        node = json.loads(data).get("worker") if data else None
+        node = orjson.loads(data).get("worker") if data else None  # no recursion, if nested
     except (ValueError, AttributeError):
         return None
     return node if isinstance(node, str) and 0 < len(node) <= 256 else None
@@ -249,6 +250,8 @@ class CloudCall(Lifecycle):
         self._reported: set[tuple[str, int]] = set()
         self._undo_loss: Callable[[], None] | None = None
         self._requeuing: asyncio.Task[None] | None = None
+        self._queued_at = 0.0
+        self._reconnects = 0
 
     async def open(self) -> CloudCall:
         await self.reader.subscribe(self.subject)
@@ -263,20 +266,27 @@ class CloudCall(Lifecycle):
             # Queued before under this id: its answer may be complete already. Catch up now.
             log.info("request already queued (duplicate publish)", request_id=self.request.id)
             self.reader.repair_now()
+        self._queued_at = time.monotonic()
+        self._reconnects = self.conn.reconnects
         self._undo_loss = self.conn.on_loss(self._after_loss)
         return self
 
     def _after_loss(self) -> None:
         """The link came back: a hub restarted on an empty store lost the queue, and with it a
-        request no worker had started. Queue it again, under its message id: a queue that still
-        holds it (or took it within the duplicate window) drops the copy. Before, nothing queued
-        it again: silence until the reader's timeout."""
+        request no worker had started. Queue it again, under its message id, within the queue's
+        duplicate window of its first publish: a queue that still holds it (or took it and
+        answered it) drops the copy, and one made anew takes it. Past the window a copy could
+        not be told from the first, and is not sent. Before, nothing queued it again: silence
+        until the reader's timeout."""
+        if self.conn.reconnects == self._reconnects:
+            return  # messages dropped (a slow consumer), not a link that came back
+        self._reconnects = self.conn.reconnects
         if not self.reader.state.started and (self._requeuing is None or self._requeuing.done()):
             self._requeuing = asyncio.get_running_loop().create_task(self._requeue())
 
     async def _requeue(self) -> None:
         pause = REQUEUE_FIRST_S
-        while not self.reader.state.started:
+        while not self.reader.state.started and self._within_window():
             try:
                 ack = await publish_request(
                     self.conn, self.stream, self.request, self.scope, self.headers
@@ -286,10 +296,14 @@ class CloudCall(Lifecycle):
                 pause = min(pause * 2, 1.0)
                 continue
             if not ack.duplicate:
-                log.warning(
-                    "request queued again: the queue had lost it", request_id=self.request.id
-                )
+                log.warning("queue had lost the request; queued again", request_id=self.request.id)
             return
+
+    def _within_window(self) -> bool:
+        """Whether the queue would still drop a copy of the request as a duplicate (a margin
+        of a request timeout short of its window, for the copy's way there)."""
+        margin = self.conn.settings.request_timeout
+        return time.monotonic() - self._queued_at < self.stream.duplicate_window - margin
 
     async def watch_worker(self, state: AnswerState) -> None:
         """The answer went quiet: ask the worker that started it whether it is still there.
@@ -398,6 +412,7 @@ class CloudCall(Lifecycle):
 
     async def withdraw(self) -> None:
         """Take the request back: delete it from the queue if still there, and cancel it."""
+        await self._no_requeue()  # a reconnect meanwhile must not queue it again
         payload = cancel_payload(self.request.cancel_key)
         node = worker_of(self.reader.state.node)  # who started it (if a start event came)
         held = node is not None and await self._cancel_at(node, payload)
@@ -426,12 +441,15 @@ class CloudCall(Lifecycle):
         except (nats.errors.Error, asyncio.TimeoutError, ValueError, AttributeError):
             return False  # no such worker now (it died), or it did not answer in time
 
-    async def close(self) -> None:
+    async def _no_requeue(self) -> None:
         if self._undo_loss is not None:
             self._undo_loss()
             self._undo_loss = None
         if self._requeuing is not None:
             await cancel_and_wait([self._requeuing])
+
+    async def close(self) -> None:
+        await self._no_requeue()
         await self.reader.close()
 
     start = open

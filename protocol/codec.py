@@ -9,7 +9,6 @@ plain text), so a person using ``nats req`` reads JSON and the SDK reads msgpack
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -85,12 +84,13 @@ class RequestLimits:
 
 UnknownFieldsHook = Callable[[str, frozenset[str]], None]
 MAX_NESTING = 64
-PARSE_DEPTH = 400
-"""JSON nested deeper than this is not parsed at all (a bad payload). Python's JSON decoder
-recurses per level and stops only at the interpreter's recursion limit: a finalizer that ran
-there (the garbage collector's, at any allocation) failed in turn, a process-wide "exception
-ignored" that a test caught about once in a few dozen runs."""
-_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+LENIENT_OPENERS = 256
+"""JSON is parsed by orjson; what it refuses is read again by Python's decoder (which takes a
+lone surrogate, NaN or a number too big, for the checks to name the request's fault) only
+with at most this many arrays and objects. Python's decoder recurses per level and stops only
+at the interpreter's recursion limit, where a finalizer run then (the garbage collector's, at
+any allocation) failed in turn: a process-wide "exception ignored" (a hostile-input test
+failed so once); orjson refuses past 1,024 levels without recursing in Python."""
 """Deepest nesting of maps and lists a request may have (a JSON schema included): deeper ones
 would make hashing or encoding the request recurse past Python's limit."""
 
@@ -139,33 +139,21 @@ def load(data: bytes, fmt: WireFormat) -> Any:
         ) from None
     if fmt is WireFormat.TEXT:
         return text
-    if _nests_deeper(text, PARSE_DEPTH):
-        raise BadPayloadError(f"unreadable JSON: nested deeper than {PARSE_DEPTH} levels")
     try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        if text.count("[") + text.count("{") > LENIENT_OPENERS:
+            raise BadPayloadError(
+                f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from None
+    try:  # what orjson refuses and Python reads: a lone surrogate, NaN, a number too big
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadPayloadError(
             f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
-    except (RecursionError, ValueError) as exc:  # nested too deep; a number too long to read
+    except (RecursionError, ValueError) as exc:  # a number too long to read
         raise BadPayloadError(f"unreadable JSON: {str(exc)[:120]}") from None
-
-
-def _nests_deeper(text: str, limit: int) -> bool:
-    """Whether JSON ``text`` opens more than ``limit`` arrays or objects inside each other
-    (brackets within strings do not count). Two counts settle nearly every payload: fewer
-    openers than the limit cannot nest deeper."""
-    if text.count("[") + text.count("{") <= limit:
-        return False
-    depth = 0
-    for char in _JSON_STRINGS.sub("", text):
-        if char in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        elif char in "]}":
-            depth -= 1
-    return False
 
 
 def dump(message: BaseModel, fmt: WireFormat) -> bytes:

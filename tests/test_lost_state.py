@@ -28,6 +28,7 @@ from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import Server, expected_text
+from protocol.errors import UnavailableError
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
 from protocol.subjects import (
     ANSWERS_STREAM,
@@ -309,6 +310,25 @@ async def test_a_site_puts_back_a_stream_of_its_own_deleted_under_it(
         await edge.conn.site_jsm().stream_info(stream)  # back
         print(f"\n{stream} deleted: the next request that can wait was answered in {took:.2f} s")
         assert took < 2.0, took
+
+
+async def test_a_kept_answer_whose_claim_was_lost_is_nobodys_to_fetch_by_id(
+    topology: Topology,  # noqa: F811 - the fixture
+) -> None:
+    """The site's claims deleted after an answer was kept (``nats stream rm MESH_CLAIMS``): the
+    stream is put back, empty, and the kept answer has no claim any more. Nobody who merely
+    knows its id gets it then. Before, a missing claim was taken for an answer held before
+    claims were kept, and anyone at the site asking by id with any key was handed it."""
+    site = "site-a"
+    async with running_mesh(topology):
+        edge = topology.edges[site]
+        async with MeshClient(settings=topology.site_settings(site, "client")) as client:
+            await _cloud_answer_in(client, "c", "claimed-1")
+            assert (await client.answer("claimed-1")).text == expected_text("c", 6)
+            await edge.conn.site_jsm().delete_stream(CLAIMS_STREAM)
+            with pytest.raises(UnavailableError):
+                await client.answer("claimed-1", cancel_key="someone-else's")
+            await edge.conn.site_jsm().stream_info(CLAIMS_STREAM)  # put back, empty
 
 
 async def test_a_worker_whose_announcement_fails_says_so(own_server: NatsServer) -> None:

@@ -8,7 +8,6 @@ import msgpack
 import pytest
 
 from protocol.codec import (
-    PARSE_DEPTH,
     RequestLimits,
     WireFormat,
     compact_json,
@@ -257,12 +256,12 @@ def test_the_fast_token_event_is_the_validated_one(logprobs: list[TokenLogprob] 
     assert fast.attempt == 3
 
 
-def test_json_nested_past_the_parse_depth_is_refused_before_it_is_parsed() -> None:
-    """Nested past ``PARSE_DEPTH``, JSON is a bad payload, refused before the decoder recurses
-    into the interpreter's limit (where a finalizer run then fails too); brackets inside
-    strings do not count, and a payload nested less (200 levels: too deep for a request, but
-    readable, so its id can be told) still parses."""
-    with pytest.raises(BadPayloadError, match=f"deeper than {PARSE_DEPTH}"):
+def test_json_nested_past_the_decoders_limit_is_a_bad_payload_without_recursion() -> None:
+    """JSON nested past 1,024 levels is a bad payload, found without a Python recursion into
+    the interpreter's limit (where a finalizer run then fails too); a payload nested less (200
+    levels: too deep for a request, but readable, so its id can be told) still parses, and
+    brackets inside strings are text."""
+    with pytest.raises(BadPayloadError, match="invalid JSON: depth limit"):
         load(b"[" * 100_000, WireFormat.JSON)
     brackets = json.dumps({"prompt": "[" * 5000 + "{" * 5000, "id": "x"}).encode()
     assert load(brackets, WireFormat.JSON)["id"] == "x"
