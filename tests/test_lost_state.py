@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import shutil
 import time
+from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 
@@ -86,14 +87,12 @@ async def test_a_worker_puts_back_its_queue_deleted_under_it(
         assert back < 3.0, back  # a pull request's end says so at once; no reconnect needed
 
 
-async def test_an_edge_does_not_hold_on_to_no_pool_while_the_pool_puts_its_consumer_back(
-    own_server: NatsServer,
-) -> None:
-    """The queue's consumer deleted while a worker of the pool is live: an escalation right
-    then finds no consumer, but the registry shows the pool's worker, which puts it back within
-    a moment. The edge sends it to the cloud all the same, and the next ones too. Before, it
-    remembered "no worker pool" for 3 s and answered every request for the pool locally."""
-    settings = make_settings(own_server.url)
+@contextlib.asynccontextmanager
+async def _worker_and_edge(
+    server: NatsServer,
+) -> AsyncIterator[tuple[Worker, EdgeNode, Connection, MeshClient]]:
+    """A worker, an edge that sees it, an operator's connection and a client of the edge."""
+    settings = make_settings(server.url)
     backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
     local = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
     async with (
@@ -106,6 +105,17 @@ async def test_an_edge_does_not_hold_on_to_no_pool_while_the_pool_puts_its_consu
     ):
         model = settings.edge.cloud_model
         await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
+        yield worker, edge, op, client
+
+
+async def test_an_edge_does_not_hold_on_to_no_pool_while_the_pool_puts_its_consumer_back(
+    own_server: NatsServer,
+) -> None:
+    """The queue's consumer deleted while a worker of the pool is live: an escalation right
+    then finds no consumer, but the registry shows the pool's worker, which puts it back within
+    a moment. The edge sends it to the cloud all the same, and the next ones too. Before, it
+    remembered "no worker pool" for 3 s and answered every request for the pool locally."""
+    async with _worker_and_edge(own_server) as (worker, _edge, op, client):
         await op.jsm().delete_consumer(worker._stream.name, worker.consumer)
         paths = []
         for i in range(5):
@@ -124,19 +134,7 @@ async def test_an_edge_goes_on_sending_to_the_cloud_while_the_registry_is_silent
     The queue still works, and so do the workers: the edge goes on sending to the cloud.
     Before, it took the pool for gone and answered every request locally until the registry
     took writes again."""
-    settings = make_settings(own_server.url)
-    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
-    local = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
-    async with (
-        Connection(settings.nats, "worker") as wconn,
-        Connection(settings.nats, "edge") as econn,
-        Connection(settings.nats, "operator") as op,
-        Worker(settings, wconn, backend),
-        EdgeNode(settings, econn, local, HeuristicRouter()) as edge,
-        MeshClient(settings=settings, edge_id=settings.edge.edge_id) as client,
-    ):
-        model = settings.edge.cloud_model
-        await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
+    async with _worker_and_edge(own_server) as (_worker, edge, op, client):
         jsm = op.jsm()
         config = (await jsm.stream_info(NODES_STREAM)).config
         config.sealed = True
