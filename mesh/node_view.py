@@ -188,7 +188,12 @@ class NodeView:
 
     @property
     def silent(self) -> bool:
-        """No update from any node for a ``ttl``: the registry, not each worker, went quiet."""
+        """No update from any node for a ``ttl``: the registry, not each worker, went quiet.
+        Never on an edge site's leaf node (``hub_domain``): there a registry gone quiet is most
+        often the site's uplink down, the cloud out of reach for real, and the site answers
+        locally (or holds what can wait) as before."""
+        if self._conn.settings.hub_domain:
+            return False
         return time.monotonic() - self._heard >= self._ttl
 
     def askable(self) -> list[NodeInfo]:
