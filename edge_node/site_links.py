@@ -218,9 +218,7 @@ class SiteLinks:
         try:
             await self._forward(msg)
         except asyncio.CancelledError:
-            # Stopping: hand it back now, so the next forwarder need not wait ack_wait.
-            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(msg.nak()), 1.0)
+            await hand_back([msg])  # stopping: the next forwarder need not wait ack_wait
             raise
 
     def _queue_id(self, scope: str, request_id: str) -> str:

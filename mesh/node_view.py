@@ -215,12 +215,15 @@ class NodeView:
         token = model_token(model)
         if not self.ready or (self.pool is not None and token != self.pool):
             return None
+
+        def serving(info: NodeInfo) -> bool:
+            return any(model_token(m) == token for m in info.models)
+
         # Stops at the first worker that serves it: no list of nodes, no set per node.
-        if any(any(model_token(m) == token for m in i.models) for i in self._alive("worker")):
+        if any(serving(info) for info in self._alive("worker")):
             return True
         if self.silent and any(  # aged out with the whole registry: cannot tell
-            info.role == "worker" and any(model_token(m) == token for m in info.models)
-            for info, _seen in self._nodes.values()
+            info.role == "worker" and serving(info) for info, _seen in self._nodes.values()
         ):
             return None
         return False

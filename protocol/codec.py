@@ -84,6 +84,8 @@ class RequestLimits:
 
 UnknownFieldsHook = Callable[[str, frozenset[str]], None]
 MAX_NESTING = 64
+"""Deepest nesting of maps and lists a request may have (a JSON schema included): deeper ones
+would make hashing or encoding the request recurse past Python's limit."""
 LENIENT_OPENERS = 256
 """JSON is parsed by orjson; what it refuses is read again by Python's decoder (which takes a
 lone surrogate, NaN or a number too big, for the checks to name the request's fault) only
@@ -91,8 +93,6 @@ with at most this many arrays and objects. Python's decoder recurses per level a
 at the interpreter's recursion limit, where a finalizer run then (the garbage collector's, at
 any allocation) failed in turn: a process-wide "exception ignored" (a hostile-input test
 failed so once); orjson refuses past 1,024 levels without recursing in Python."""
-"""Deepest nesting of maps and lists a request may have (a JSON schema included): deeper ones
-would make hashing or encoding the request recurse past Python's limit."""
 
 
 def check_nesting(value: Any, limit: int = MAX_NESTING, request_id: str | None = None) -> None:
@@ -143,17 +143,17 @@ def load(data: bytes, fmt: WireFormat) -> Any:
         return orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         if text.count("[") + text.count("{") > LENIENT_OPENERS:
-            raise BadPayloadError(
-                f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-            ) from None
+            raise _invalid_json(exc) from None
     try:  # what orjson refuses and Python reads: a lone surrogate, NaN, a number too big
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BadPayloadError(
-            f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
+        raise _invalid_json(exc) from None
     except (RecursionError, ValueError) as exc:  # a number too long to read
         raise BadPayloadError(f"unreadable JSON: {str(exc)[:120]}") from None
+
+
+def _invalid_json(exc: json.JSONDecodeError) -> BadPayloadError:
+    return BadPayloadError(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
 
 
 def dump(message: BaseModel, fmt: WireFormat) -> bytes:
