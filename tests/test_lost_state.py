@@ -25,7 +25,7 @@ from edge_node.router import HeuristicRouter
 from edge_node.site_links import FORWARDER
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
-from mesh.config import ModelSettings
+from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import Server, expected_text
@@ -58,14 +58,7 @@ async def _consumer_exists(conn: Connection, stream: str, consumer: str) -> bool
 async def test_a_worker_puts_back_its_queue_deleted_under_it(
     own_server: NatsServer, what: str
 ) -> None:
-    settings = make_settings(own_server.url)
-    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
-    async with (
-        Connection(settings.nats, "worker") as wconn,
-        Connection(settings.nats, "operator") as op,
-        Worker(settings, wconn, backend) as worker,
-        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
-    ):
+    async with _worker_and_client(own_server) as (_settings, worker, op, client):
         stream, consumer = worker._stream.name, worker.consumer
         first = await client.complete("before", via="cloud", max_tokens=4)
         assert first.text
@@ -154,14 +147,7 @@ async def test_a_worker_puts_back_its_answer_store_deleted_under_it(
     either); a second on, the worker looks, finds the stream gone, puts it back, and lets the
     answer go. Before, every answer held its slot for the whole 5 s publish timeout, and the
     store was never made again while the worker said ``ok``."""
-    settings = make_settings(own_server.url)
-    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
-    async with (
-        Connection(settings.nats, "worker") as wconn,
-        Connection(settings.nats, "operator") as op,
-        Worker(settings, wconn, backend),
-        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
-    ):
+    async with _worker_and_client(own_server, slots=1) as (settings, _worker, op, client):
         stream = settings.stream.answer_stream
         assert (await client.complete("[tag:a] x", via="cloud", max_tokens=4)).text
         await op.jsm().delete_stream(stream)
@@ -185,14 +171,7 @@ async def test_a_worker_puts_back_its_lease_stream_deleted_under_it(
     """``nats stream rm MESH_LEASES``: the next lease a worker writes (for a request that can
     wait) finds no stream; that request is served without one, and the worker puts the stream
     back. Before, every later lease was skipped, for good, while its status said leases on."""
-    settings = make_settings(own_server.url)
-    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
-    async with (
-        Connection(settings.nats, "worker") as wconn,
-        Connection(settings.nats, "operator") as op,
-        Worker(settings, wconn, backend) as worker,
-        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
-    ):
+    async with _worker_and_client(own_server) as (_settings, worker, op, client):
         assert worker.status()["leases"]
         await op.jsm().delete_stream(LEASES_STREAM)
         answer = await client.complete("[tag:l] x", via="cloud", max_tokens=4, deferrable=True)
@@ -210,6 +189,23 @@ async def _stream_exists(conn: Connection, stream: str) -> bool:
     except NotFoundError:
         return False
     return True
+
+
+@contextlib.asynccontextmanager
+async def _worker_and_client(
+    server: NatsServer, slots: int = 2
+) -> AsyncIterator[tuple[MeshSettings, Worker, Connection, MeshClient]]:
+    """A worker with ``slots`` on the test's own server, an operator's connection and a client
+    of the cloud."""
+    settings = make_settings(server.url)
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=slots))
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Connection(settings.nats, "operator") as op,
+        Worker(settings, wconn, backend) as worker,
+        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+    ):
+        yield settings, worker, op, client
 
 
 async def _is(value: bool) -> bool:
