@@ -95,9 +95,9 @@ async def test_a_pull_nobody_answers_is_lost_after_two_heartbeats(conn: Connecti
     """A consumer missing behind a leaf node's domain gets no 503: the leaf forwards the pull
     to the hub, where nobody takes it. Here something takes pulls and never answers them."""
     async with Connection(conn.settings, "black hole") as hole:
-        await hole.nc.subscribe("$JS.nowhere.API.>")
+        await hole.nc.subscribe("silence.API.>")
         await hole.nc.flush()
-        pull = await _pull(conn, prefix="$JS.nowhere.API", hb=0.2)
+        pull = await _pull(conn, prefix="silence.API", hb=0.2)
         try:
             began = time.monotonic()
             with pytest.raises(PullLost, match="no heartbeat"):
@@ -111,9 +111,9 @@ async def test_the_first_heartbeat_is_waited_for_a_round_trip_longer(conn: Conne
     """Over a slow uplink the first heartbeat comes a round trip after the request: a pull
     whose caller measured 1 s of round trip is not given up before that."""
     async with Connection(conn.settings, "black hole") as hole:
-        await hole.nc.subscribe("$JS.nowhere.API.>")
+        await hole.nc.subscribe("silence.API.>")
         await hole.nc.flush()
-        pull = await _pull(conn, prefix="$JS.nowhere.API", hb=0.2)
+        pull = await _pull(conn, prefix="silence.API", hb=0.2)
         pull.rtt = 1.0
         try:
             began = time.monotonic()
