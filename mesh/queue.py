@@ -15,9 +15,10 @@ import asyncio
 import contextlib
 import functools
 import json
+import random
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import msgpack
 import nats.errors
@@ -31,6 +32,7 @@ from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
+from mesh.queue_watch import QueueWatch, queue_watch
 from mesh.reader import AnswerReader
 from mesh.repair import store_repair
 from mesh.tasks import cancel_and_wait
@@ -65,8 +67,8 @@ cancel goes to every worker (the holder died, or handed the request on)."""
 WITHDRAW_DELETE_WAIT_S = 0.5
 """How long withdrawing a request waits for the queue to delete it (its cancel covers the rest)."""
 REQUEUE_FIRST_S = 0.1
-"""After a reconnect, the first pause before a request not started yet is queued again when
-its queue is not there yet (a worker puts it back); it doubles up to a second."""
+"""The first pause before a request whose queue was lost is queued again, when the queue
+refuses it (not back yet); it doubles up to a second, each pause drawn within half of it."""
 ALIVE_WAIT_S = 0.2
 """How long a reader waits for the worker generating its answer to say it is there. No word in
 time proves nothing by itself (it may be busy): a live worker then asks again, for longer."""
@@ -248,10 +250,9 @@ class CloudCall(Lifecycle):
         """The worker that last told the watch it holds the request, and when
         (``time.monotonic()``): its own word on it, beside the registry's."""
         self._reported: set[tuple[str, int]] = set()
-        self._undo_loss: Callable[[], None] | None = None
+        self._watch: QueueWatch | None = None
         self._requeuing: asyncio.Task[None] | None = None
         self._queued_at = 0.0
-        self._reconnects = 0
 
     async def open(self) -> CloudCall:
         await self.reader.subscribe(self.subject)
@@ -267,35 +268,45 @@ class CloudCall(Lifecycle):
             log.info("request already queued (duplicate publish)", request_id=self.request.id)
             self.reader.repair_now()
         self._queued_at = time.monotonic()
-        self._reconnects = self.conn.reconnects
-        self._undo_loss = self.conn.on_loss(self._after_loss)
+        self._watch = queue_watch(self.conn, self.stream)
+        self._watch.add(self)  # its queue lost under it: queued again (mesh.queue_watch)
         return self
 
-    def _after_loss(self) -> None:
-        """The link came back: a hub restarted on an empty store lost the queue, and with it a
-        request no worker had started. Queue it again, under its message id, within the queue's
-        duplicate window of its first publish: a queue that still holds it (or took it and
-        answered it) drops the copy, and one made anew takes it. Past the window a copy could
-        not be told from the first, and is not sent. Before, nothing queued it again: silence
-        until the reader's timeout."""
-        if self.conn.reconnects == self._reconnects:
-            return  # messages dropped (a slow consumer), not a link that came back
-        self._reconnects = self.conn.reconnects
-        if not self.reader.state.started and (self._requeuing is None or self._requeuing.done()):
+    @property
+    def model(self) -> str:
+        return self.request.model or ""
+
+    @property
+    def queued_at(self) -> float:
+        return self._queued_at
+
+    @property
+    def started(self) -> bool:
+        return self.reader.state.started
+
+    def requeue(self) -> None:
+        """The queue may have lost the request (:mod:`mesh.queue_watch`): queue it again, under
+        its message id, within the queue's duplicate window of its first publish. A queue that
+        still holds it (or took it and answered it) drops the copy, and one made anew takes it.
+        Past the window a copy could not be told from the first, and is not sent."""
+        if self._watch is None or self.started:
+            return  # withdrawn or closed, or a worker has it
+        if self._requeuing is None or self._requeuing.done():
             self._requeuing = asyncio.get_running_loop().create_task(self._requeue())
 
     async def _requeue(self) -> None:
         pause = REQUEUE_FIRST_S
-        while not self.reader.state.started and self._within_window():
+        while not self.started and self._within_window():
             try:
                 ack = await publish_request(
                     self.conn, self.stream, self.request, self.scope, self.headers
                 )
             except MeshError:  # the queue is not back yet (its worker puts it back), or full
-                await asyncio.sleep(pause)
+                await asyncio.sleep(pause * random.uniform(0.5, 1.5))  # noqa: S311 - spread, not secret
                 pause = min(pause * 2, 1.0)
                 continue
             if not ack.duplicate:
+                self.ack = ack  # the copy that counts now: a withdrawal deletes this one
                 log.warning("queue had lost the request; queued again", request_id=self.request.id)
             return
 
@@ -442,9 +453,9 @@ class CloudCall(Lifecycle):
             return False  # no such worker now (it died), or it did not answer in time
 
     async def _no_requeue(self) -> None:
-        if self._undo_loss is not None:
-            self._undo_loss()
-            self._undo_loss = None
+        if self._watch is not None:
+            self._watch.discard(self)
+            self._watch = None
         if self._requeuing is not None:
             await cancel_and_wait([self._requeuing])
 

@@ -1,9 +1,9 @@
-"""A request queued and not started is queued again after a reconnect (the hub may have lost its
-store, and the queue with it: ``tests/test_lost_state.py``), but never so that the queue could
-hold two copies: only after a reconnect (not when messages were dropped on a live link), only
-within the queue's duplicate window of its first publish (a copy the queue still holds is
-dropped as a duplicate), and never once its sender withdrew it. Real nats-server; the link
-goes through a proxy that cuts it."""
+"""A request queued and not started is queued again when its queue was lost under it
+(:mod:`mesh.queue_watch`): the pool's consumer gone, or made again since the last look. Never
+so that the queue could hold two copies: not after a reconnect that lost nothing, only within
+the queue's duplicate window of its first publish (a copy the queue still holds is dropped as a
+duplicate), and never once its sender withdrew it. Real nats-server; the link goes through a
+proxy that cuts it. Whole paths (a worker, the SDK, an edge) are in ``tests/test_lost_state.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import asyncio
 import time
 from pathlib import Path
 
+from nats.js.errors import APIError
+
+from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
@@ -20,65 +23,130 @@ from protocol.messages import InferRequest
 from tests.conftest import make_settings
 from tests.helpers import eventually
 
-WINDOW_S, TIMEOUT_S = 3.0, 1.0
+WINDOW_S, TIMEOUT_S = 4.0, 1.0
 """The queue's duplicate window, and the request timeout a copy is given on its way: a copy is
 sent within WINDOW_S - TIMEOUT_S of the first publish only."""
 
 
-async def _messages(conn: Connection, stream: str) -> tuple[int, int]:
-    state = (await conn.jsm().stream_info(stream)).state
-    return state.messages, state.last_seq
+def _settings(url: str) -> MeshSettings:
+    settings = make_settings(url)
+    settings.nats.reconnect_wait = 0.05
+    settings.nats.request_timeout = TIMEOUT_S
+    settings.stream.duplicate_window = WINDOW_S
+    settings.stream.answer_max_age = WINDOW_S
+    return settings
 
 
-async def test_a_request_is_queued_again_only_after_a_reconnect_within_its_window(
-    tmp_path: Path,
-) -> None:
+async def _held(op: Connection, stream: str) -> list[str]:
+    """The message ids the queue holds."""
+    state = (await op.jsm().stream_info(stream)).state
+    ids = []
+    for seq in range(state.first_seq, state.last_seq + 1):
+        try:
+            msg = await op.jsm().get_msg(stream, seq)
+        except APIError:  # a deleted sequence (or none at all: an empty stream)
+            continue
+        ids.append((msg.headers or {}).get("Nats-Msg-Id", ""))
+    return ids
+
+
+async def _remade(op: Connection, settings: MeshSettings, *, stream: bool) -> None:
+    """The queue deleted under the sender and made again empty (``stream``), or only its pool's
+    consumer deleted and made again, as a worker puts them back."""
+    if stream:
+        await op.jsm().delete_stream(settings.stream.name)
+    else:
+        await op.jsm().delete_consumer(settings.stream.name, "workers_m")
+    await provision(op.jsm(), settings.stream, ["m"])
+
+
+async def _call(conn: Connection, settings: MeshSettings, rid: str) -> CloudCall:
+    request = InferRequest(id=rid, model="m", prompt="hi", cancel_key=new_cancel_key())
+    return await CloudCall(conn, settings.stream, request, scope="s1").open()
+
+
+async def test_a_reconnect_that_lost_nothing_sends_nothing_again(tmp_path: Path) -> None:
+    """Before, every request not started was published again after every reconnect (each
+    dropped as a duplicate: a burst of every waiting payload as the link came back)."""
     server = await NatsServer(port=-1, store_dir=str(tmp_path / "s"), ready_timeout=15).start()
     proxy = await TcpProxy(server.port).start()
     try:
-        settings = make_settings(proxy.url)
-        settings.nats.reconnect_wait = 0.05
-        settings.nats.request_timeout = TIMEOUT_S
-        settings.stream.duplicate_window = WINDOW_S
-        settings.stream.answer_max_age = WINDOW_S
-        stream = settings.stream.name
+        settings = _settings(proxy.url)
         async with (
             Connection(settings.nats, "sender") as conn,
             Connection(make_settings(server.url).nats, "operator") as op,
         ):
             await provision(op.jsm(), settings.stream, ["m"])  # a pool, no worker: it waits
-            request = InferRequest(id="r1", model="m", prompt="hi", cancel_key=new_cancel_key())
-            call = CloudCall(conn, settings.stream, request, scope="s1")
-            await call.open()
-            assert call.ack is not None
-            first = call.ack.seq
-            assert await _messages(op, stream) == (1, first)
-
-            conn._lost()  # messages dropped on a live link (a slow consumer): no reconnect
-            await asyncio.sleep(0.3)
-            assert call._requeuing is None
-
-            drops = conn.reconnects
-            proxy.cut(0.2)  # within the window: a copy is sent, and dropped as a duplicate
-            await eventually(lambda: _is(conn.reconnects > drops), what="the reconnect")
-            assert call._requeuing is not None
-            await asyncio.wait_for(call._requeuing, 5)
-            assert await _messages(op, stream) == (1, first)
-
-            past = call._queued_at + WINDOW_S - TIMEOUT_S - time.monotonic()
-            await asyncio.sleep(max(0.0, past))  # past the window: a copy would be a second one
+            call = await _call(conn, settings, "r1")
             drops = conn.reconnects
             proxy.cut(0.2)
-            await eventually(lambda: _is(conn.reconnects > drops), what="the second reconnect")
-            await asyncio.sleep(0.5)
-            assert await _messages(op, stream) == (1, first)
-
-            await call.withdraw()  # and once withdrawn, nothing of it is sent again
-            assert call._undo_loss is None
+            await eventually(lambda: _is(conn.reconnects > drops), what="the reconnect")
+            await asyncio.sleep(1.5)  # the watch looked: the queue is the one it was
+            assert call._requeuing is None
+            assert await _held(op, settings.stream.name) == ["s1.r1"]
             await call.close()
     finally:
         await proxy.stop()
         await server.stop()
+
+
+async def test_a_queue_made_again_under_a_waiting_request_gets_it_again(
+    own_server: NatsServer,
+) -> None:
+    """No reconnect at all: the stream deleted and made again with the links up (before, the
+    request was gone for good). The copy is the one a withdrawal then deletes. A consumer made
+    again over a stream that kept the request gets a copy it drops as a duplicate."""
+    settings = _settings(own_server.url)
+    async with (
+        Connection(settings.nats, "sender") as conn,
+        Connection(settings.nats, "operator") as op,
+    ):
+        await provision(op.jsm(), settings.stream, ["m"])
+        await op.nc.jetstream().publish("mesh.v1.infer.m.s1", b"{}", headers={"Nats-Msg-Id": "x"})
+        call = await _call(conn, settings, "r1")
+        assert call.ack is not None and call.ack.seq == 2
+        await _remade(op, settings, stream=True)
+        began = time.monotonic()
+
+        async def queued_again() -> bool:
+            return await _held(op, settings.stream.name) == ["s1.r1"]
+
+        await eventually(queued_again, timeout=5, what="the request queued again")
+        took = time.monotonic() - began
+        print(f"\nqueue made again: the request was queued again in {took:.2f} s")
+        assert call.ack.seq == 1 and call._queued_at + WINDOW_S > time.monotonic()
+
+        await _remade(op, settings, stream=False)  # the stream kept it: a duplicate, dropped
+        await asyncio.sleep(2.5)
+        assert await _held(op, settings.stream.name) == ["s1.r1"]
+
+        await call.withdraw()  # deletes the copy, by the copy's own sequence
+        await eventually(lambda: _empty(op, settings), what="the copy deleted")
+        await call.close()
+
+
+async def test_no_copy_past_the_window_nor_after_a_withdrawal(own_server: NatsServer) -> None:
+    """Past the duplicate window a copy could not be told from the first, and a withdrawn
+    request is nobody's to queue: neither is sent again when the queue is made again."""
+    settings = _settings(own_server.url)
+    async with (
+        Connection(settings.nats, "sender") as conn,
+        Connection(settings.nats, "operator") as op,
+    ):
+        await provision(op.jsm(), settings.stream, ["m"])
+        late = await _call(conn, settings, "late")
+        gone = await _call(conn, settings, "gone")
+        await gone.withdraw()
+        await asyncio.sleep(max(0.0, late._queued_at + WINDOW_S - TIMEOUT_S - time.monotonic()))
+        await _remade(op, settings, stream=True)
+        await asyncio.sleep(2.5)  # two looks at least
+        assert await _held(op, settings.stream.name) == []
+        await late.close()
+        await gone.close()
+
+
+async def _empty(op: Connection, settings: MeshSettings) -> bool:
+    return await _held(op, settings.stream.name) == []
 
 
 async def _is(value: bool) -> bool:

@@ -1,0 +1,251 @@
+"""Requests queued and not started yet, watched for the loss of their queue.
+
+A request waits in its pool's work queue until a worker starts it. When the queue is lost under
+it, nothing tells its sender: the stream deleted with the links up (``nats stream rm``), the
+hub restarted on an empty store. A sender connected to the hub sees the restart as a reconnect;
+an edge on a site's leaf node does not (its link to the leaf stays up), nor does anyone when
+the stream is deleted. Before, an edge waited out its ``cloud_start_timeout`` (10 s) and
+answered locally, and the SDK waited for its ``first_event_timeout``.
+
+One :class:`QueueWatch` per connection looks at the pool's consumer (``CONSUMER.INFO``, which
+an edge may call under its least privileges): once at the first request for a pool, then once
+a second while some request has waited a second or more unstarted, and at once after a
+reconnect. The consumer gone, or made again since the last look (its ``created`` time moved:
+whoever put the queue back made it anew), means the queue may have lost what it held:
+
+- gone: every waiting request is marked lost, and the consumer is looked for again (0.1 s,
+  doubling to 1 s) until a worker has put the queue back;
+- back, or made again: every waiting request is queued again once, under its message id
+  (:meth:`mesh.queue.CloudCall.requeue`). A queue that still holds it drops the copy as a
+  duplicate; one made anew takes it.
+
+One look serves every request of the pool on the connection, so a reconnect costs one API call
+per pool, not one publish per waiting request (before, every request not started was queued
+again after every reconnect, each with its own retries on the same schedule).
+A look that gets no answer (the link is down, the hub elects a leader, the caller may not ask)
+proves nothing; its pause doubles up to 30 s while they keep failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import weakref
+from collections.abc import Callable
+from datetime import datetime
+from typing import Protocol
+
+import nats.errors
+from nats.js.errors import APIError, NotFoundError
+
+from mesh.config import StreamSettings
+from mesh.connection import Connection
+from mesh.logs import get_logger
+from protocol.subjects import consumer_name
+
+log = get_logger(__name__)
+LOOK_S = 1.0
+"""How long a request waits unstarted before its pool's consumer is looked at, and the pause
+between two looks while requests wait."""
+REGONE_FIRST_S, REGONE_MAX_S = 0.1, 1.0
+"""While the consumer is gone: the first pause before the next look, and the longest."""
+FAILED_MAX_S = 30.0
+"""The longest pause between looks that get no answer."""
+LOOK_TIMEOUT_S = 1.0
+
+
+class Waiting(Protocol):
+    """A queued request as the watch sees it (:class:`mesh.queue.CloudCall`)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def queued_at(self) -> float:
+        """When it was queued (``time.monotonic()``)."""
+        ...
+
+    @property
+    def started(self) -> bool: ...
+
+    def requeue(self) -> None:
+        """Queue it again, under its message id (at most one try in flight)."""
+        ...
+
+
+class QueueWatch:
+    """The waiting requests of one connection (see the module's docstring)."""
+
+    def __init__(self, conn: Connection, stream: StreamSettings) -> None:
+        self._conn = conn
+        self._stream = stream
+        self._calls: dict[str, set[Waiting]] = {}
+        self._created: dict[str, datetime | None] = {}
+        """Each pool's consumer at the last look that got an answer (None: it was gone)."""
+        self._tried: set[str] = set()
+        """The pools whose first look a request set off."""
+        self._lost: dict[str, set[Waiting]] = {}
+        """Requests whose queue was gone at a look: queued again once it is back."""
+        self._regone = REGONE_FIRST_S
+        self._pause = LOOK_S
+        self._every = False
+        """The next look is at every pool, however long its requests waited (a reconnect)."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._looking: asyncio.Task[None] | None = None
+        self._reconnects = conn.reconnects
+        self._undo_loss: Callable[[], None] | None = None
+
+    def add(self, call: Waiting) -> None:
+        """Watch ``call``, queued just now, until :meth:`discard`."""
+        self._calls.setdefault(call.model, set()).add(call)
+        if self._undo_loss is None:
+            self._reconnects = self._conn.reconnects
+            self._undo_loss = self._conn.on_loss(self._after_loss)
+        if call.model not in self._created and call.model not in self._tried:
+            self._tried.add(call.model)  # once: a look that failed is tried again by the timer
+            self._look_now()  # what the consumer is now: later looks compare with it
+        elif self._timer is None and self._looking is None:
+            self._arm(LOOK_S)
+
+    def discard(self, call: Waiting) -> None:
+        calls = self._calls.get(call.model)
+        if calls is None or call not in calls:
+            return
+        calls.discard(call)
+        lost = self._lost.get(call.model)
+        if lost is not None:
+            lost.discard(call)
+        if not calls:
+            del self._calls[call.model]
+            self._lost.pop(call.model, None)
+        if not self._calls:  # nothing to watch: no timer, no listener
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._undo_loss is not None:
+                self._undo_loss()
+                self._undo_loss = None
+
+    def _after_loss(self) -> None:
+        if self._conn.reconnects == self._reconnects:
+            return  # messages dropped (a slow consumer), not a link that came back
+        self._reconnects = self._conn.reconnects
+        self._every, self._pause = True, LOOK_S
+        self._look_now()
+
+    def _arm(self, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._look_now)
+
+    def _look_now(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._looking is not None or not self._calls:
+            return  # a look under way looks again when it ends, if asked to (_every)
+        self._looking = asyncio.get_running_loop().create_task(self._look(), name="queue-watch")
+
+    async def _look(self) -> None:
+        try:
+            every, self._every = self._every, False
+            now = time.monotonic()
+            answered = True
+            for model, calls in list(self._calls.items()):
+                due = (
+                    every
+                    or model not in self._created
+                    or model in self._lost
+                    or any(not c.started and now - c.queued_at >= LOOK_S for c in calls)
+                )
+                if due:
+                    answered = await self._look_at(model) and answered
+            self._pause = LOOK_S if answered else min(self._pause * 2, FAILED_MAX_S)
+        except Exception:  # a fault here must not stop the watch
+            log.exception("queue watch failed")
+        finally:
+            self._looking = None
+        if self._every:
+            self._look_now()
+        elif self._timer is None:
+            delay = self._next_due()
+            if delay is not None:
+                self._arm(delay)
+
+    def _next_due(self) -> float | None:
+        """Seconds to the next look: when the request waiting longest unstarted will have
+        waited :data:`LOOK_S` (one that waited that long already: after the pause); None when
+        every request is started (the next one queued sets the timer again)."""
+        if self._lost:
+            return min(self._regone, self._pause)
+        now = time.monotonic()
+        waited = max(
+            (now - c.queued_at for calls in self._calls.values() for c in calls if not c.started),
+            default=None,
+        )
+        if waited is None:
+            return None
+        return self._pause if waited >= LOOK_S else max(LOOK_S - waited, 0.05)
+
+    async def _look_at(self, model: str) -> bool:
+        """Look at ``model``'s consumer and act on what changed; False when no answer came
+        that proves anything (a leaf's "no responders" while its uplink is down does not
+        count as a failure: it costs nothing to ask again)."""
+        try:
+            info = await self._conn.jsm().consumer_info(
+                self._stream.name, consumer_name(model), timeout=LOOK_TIMEOUT_S
+            )
+            created: datetime | None = info.created
+        except NotFoundError:
+            created = None
+        except nats.errors.NoRespondersError:
+            return True
+        except (APIError, nats.errors.Error, asyncio.TimeoutError):
+            return False
+        known, before = model in self._created, self._created.get(model)
+        self._created[model] = created
+        calls = self._calls.get(model, set())
+        waiting = {c for c in calls if not c.started}
+        if created is None:
+            if waiting:
+                first = model not in self._lost
+                self._lost.setdefault(model, set()).update(waiting)
+                self._regone = REGONE_FIRST_S if first else min(self._regone * 2, REGONE_MAX_S)
+                if first:
+                    log.warning(
+                        "the work queue is gone: its waiting requests go again once it is back",
+                        model=model,
+                        waiting=len(waiting),
+                    )
+            return True
+        lost = self._lost.pop(model, set())
+        if not self._lost:
+            self._regone = REGONE_FIRST_S
+        if known and before != created:
+            lost |= waiting  # made again: what it held may be gone with it
+        for call in lost:
+            if not call.started:
+                call.requeue()
+        return True
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._looking is not None:
+            self._looking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._looking
+
+
+_watches: weakref.WeakKeyDictionary[Connection, dict[str, QueueWatch]] = weakref.WeakKeyDictionary()
+
+
+def queue_watch(conn: Connection, stream: StreamSettings) -> QueueWatch:
+    """The watch of ``conn``'s requests queued on ``stream`` (one per connection and stream)."""
+    by_stream = _watches.setdefault(conn, {})
+    watch = by_stream.get(stream.name)
+    if watch is None:
+        watch = by_stream[stream.name] = QueueWatch(conn, stream)
+    return watch
