@@ -52,7 +52,12 @@ class RegistryView(Protocol):
     def askable(self) -> list[NodeInfo]: ...
 
     @property
+    def quiet(self) -> bool: ...
+
+    @property
     def silent(self) -> bool: ...
+
+    def heard_from(self, node_id: str) -> None: ...
 
     def serves(self, model: str) -> bool | None: ...
 
@@ -93,7 +98,7 @@ class CloudModels:
         gone, so that a fleet that died says so within a round, whoever asks (a request, a
         readiness probe)."""
         serves = self._nodes.serves(model)
-        if serves is None and self._nodes.silent:
+        if serves is not True and self._nodes.quiet:
             self.ask_workers(model)
         return serves
 
@@ -135,11 +140,16 @@ class CloudModels:
                 self._nodes.gone(node)
 
     async def _is_gone(self, node: str) -> bool:
-        """True only on the server's word, twice, that nobody listens for ``node``."""
+        """True only on the server's word, twice, that nobody listens for ``node``. A worker
+        that answers is there: the view hears from it, as from a heartbeat (its own may not
+        land while the registry refuses writes)."""
         subject = worker_alive_subject(node, self._scope, PROBE_ID)
         try:
-            nobody = await request_or_nobody(self._conn.nc, subject, b"", ALIVE_WAIT_S) is None
-            return nobody and await self._conn.hub_answers(ALIVE_WAIT_S)  # not the uplink's
+            reply = await request_or_nobody(self._conn.nc, subject, b"", ALIVE_WAIT_S)
+            if reply is not None:
+                self._nodes.heard_from(node)
+                return False
+            return await self._conn.hub_answers(ALIVE_WAIT_S)  # not the uplink's word
         except (nats.errors.Error, asyncio.TimeoutError):
             return False  # busy, standing still, or our own link is down: nothing proven
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+import orjson
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
@@ -37,6 +38,8 @@ from protocol.errors import MeshError, UnavailableError
 from protocol.subjects import NODES_STREAM, REGISTRY_UPDATES, model_token
 
 log = get_logger(__name__)
+LOOK_EVERY_S = 1.0
+"""While the registry is quiet, how often its stream is looked at (:attr:`NodeView.silent`)."""
 
 
 class NodeView:
@@ -77,6 +80,10 @@ class NodeView:
         """When the last update came, from any node: a registry silent for a ``ttl`` as a
         whole (its stream electing a leader, its bucket refusing writes) ages every entry at
         once, which says nothing of the workers themselves (:meth:`serves`)."""
+        self._works_at = -float("inf")
+        """When a look last found the registry working (:attr:`silent`)."""
+        self._looked_at = -float("inf")
+        self._looking: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Follow the registry. Raises (a :class:`MeshError`) when it cannot be read now (no
@@ -187,20 +194,61 @@ class NodeView:
         return list(self._alive(role))
 
     @property
-    def silent(self) -> bool:
-        """No update from any node for a ``ttl``: the registry, not each worker, went quiet.
-        Never on an edge site's leaf node (``hub_domain``): there a registry gone quiet is most
-        often the site's uplink down, the cloud out of reach for real, and the site answers
-        locally (or holds what can wait) as before."""
+    def quiet(self) -> bool:
+        """No update from any worker for a ``ttl``. Never on an edge site's leaf node
+        (``hub_domain``): there a registry gone quiet is most often the site's uplink down, the
+        cloud out of reach for real, and the site answers locally (or holds what can wait) as
+        before."""
         if self._conn.settings.hub_domain:
             return False
         return time.monotonic() - self._heard >= self._ttl
+
+    @property
+    def silent(self) -> bool:
+        """Quiet (:attr:`quiet`), and the registry itself not seen working since: the registry
+        may have gone quiet, not each worker (an election, a lost hub node, a bucket refusing
+        writes), and what the view shows cannot tell. A registry whose stream answers, with a
+        leader, unsealed, after the last update says that the silence is the workers' own: a
+        lone worker hung with its link up (a stuck engine, a frozen process) is then gone after
+        its ``ttl`` as before, not "cannot tell" until the server drops its link (minutes). The
+        look runs in the background, once a second at most while quiet."""
+        if not self.quiet:
+            return False
+        now = time.monotonic()
+        if self._works_at >= self._heard and now - self._works_at < self._ttl:
+            return False
+        if self._looking is None and now - self._looked_at >= LOOK_EVERY_S:
+            self._looked_at = now
+            self._looking = asyncio.get_running_loop().create_task(self._look())
+        return True
+
+    async def _look(self) -> None:
+        """Whether the registry works: its stream answers, with a leader, and takes writes."""
+        try:
+            reply = await self._conn.nc.request(
+                f"{self._conn.api_prefix}.STREAM.INFO.{NODES_STREAM}", b"", timeout=LOOK_EVERY_S
+            )
+            info = orjson.loads(reply.data)
+            if "error" not in info and not info.get("config", {}).get("sealed"):
+                self._works_at = time.monotonic()
+        except (nats.errors.Error, asyncio.TimeoutError, ValueError, AttributeError):
+            pass  # cannot tell
+        finally:
+            self._looking = None
+
+    def heard_from(self, node_id: str) -> None:
+        """Worker ``node_id`` answered an edge's question whether it is there: it is, as if its
+        heartbeat had come (its own may not land while the registry refuses writes)."""
+        now = time.monotonic()
+        for key, (info, seen) in list(self._nodes.items()):
+            if info.node_id == node_id and seen < now:
+                self._nodes[key] = (info, now)
 
     def askable(self) -> list[NodeInfo]:
         """The workers to ask whether they are there: the live ones, and while the registry is
         silent also those it aged out (only their own silence, or the server's word that nobody
         listens for them, tells)."""
-        if not self.silent:
+        if not self.quiet:
             return self.live()
         return [info for info, _seen in self._nodes.values() if info.role == "worker"]
 
@@ -242,6 +290,10 @@ class NodeView:
         return None if ages and self.silent else False
 
     async def stop(self) -> None:
+        if self._looking is not None:
+            self._looking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._looking
         if self._undo_reconnect is not None:
             self._undo_reconnect()
             self._undo_reconnect = None

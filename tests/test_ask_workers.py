@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 import nats
+import pytest
 from nats.aio.msg import Msg
 
 from edge_node.served import CloudModels
@@ -76,14 +77,24 @@ async def test_the_edge_forgets_only_the_workers_the_server_says_are_gone(
 
 
 async def test_a_registry_gone_silent_as_a_whole_says_nothing_of_its_workers(
-    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+    nats_server: NatsServer,
+    settings: MeshSettings,
+    conn: Connection,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No update from anyone for a ttl (the registry's stream electing a leader, its bucket
-    refusing writes) ages every entry at once: the view cannot tell then, rather than say the
-    pool is gone while its workers serve. The workers are asked: one the server says nobody
-    listens for is gone, one that answers is kept, and the view says no only once no worker of
-    the pool is left to tell of. An update from anyone ends the silence."""
+    """No update from anyone for a ttl, and the registry's stream not seen working (electing a
+    leader, its bucket refusing writes: here its look gets no answer) ages every entry at once:
+    the view cannot tell then, rather than say the pool is gone while its workers serve. The
+    workers are asked: one the server says nobody listens for is gone, one that answers is
+    there (as if its heartbeat had come), and the view says no only once no worker of the pool
+    is left to tell of. An update from anyone ends the silence. (A registry that works says
+    the silence is the workers' own: ``tests/test_hung_worker.py``.)"""
     ttl = 1.0
+
+    async def no_answer(_view: NodeView) -> None:
+        _view._looking = None
+
+    monkeypatch.setattr(NodeView, "_look", no_answer)
     kv = await open_bucket(conn, 30.0)
     for node in ("there", "dead"):
         await kv.put(node_key("worker", node, "smollm2"), _value(node))
@@ -107,9 +118,11 @@ async def test_a_registry_gone_silent_as_a_whole_says_nothing_of_its_workers(
         models.ask_workers("smollm2")
         await eventually(lambda: _is("dead" not in _ids(view)), 5, "the dead one forgotten")
         await asyncio.gather(*models._asking)
-        assert _ids(view) == {"there"} and view.serves("smollm2") is None
+        assert _ids(view) == {"there"}
+        assert view.serves("smollm2") is True and view.is_live("there", "smollm2") is True
         await there.unsubscribe()  # now the last one dies too
         await workers.flush()
+        await eventually(lambda: _is(view.serves("smollm2") is None), 5, "its answer aged out")
         models._asked.clear()  # a new round at once
         models.ask_workers("smollm2")
         await eventually(lambda: _is(view.serves("smollm2") is False), 5, "the pool gone")

@@ -37,7 +37,8 @@ async def test_edge_view_follows_worker_start_stop_and_crash(
 
         # A crash: the connection drops, no goodbye. The entry goes stale after node_ttl; with
         # nothing else heard from the registry, the view cannot tell a dead fleet from a silent
-        # registry until the worker is asked, and the server says nobody listens for it.
+        # registry until it has looked at the registry (it works: the silence is the worker's)
+        # or asked the worker (the server says nobody listens for it), whichever comes first.
         crash_conn = await Connection(settings.nats, "crashing").connect()
         crashing = Worker(settings, crash_conn, worker_backend)
         await crashing.start()
