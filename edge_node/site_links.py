@@ -55,6 +55,10 @@ FORWARD_RETRY_S = 0.25
 """Pause between a held request's tries to reach the hub: each is a publish to the site's own
 leaf, refused at once while the uplink is down, so trying often costs little, and the request
 leaves within a quarter second of the link's return (within a second at :data:`RETRY_S`)."""
+BUSY_MAX_S = 8.0
+"""The longest pause between a held request's tries while the hub answers but cannot take it
+(its queue full) or answers too late: from :data:`RETRY_S`, doubling. Every site tried four
+times a second, its whole request each time, at a hub already overloaded."""
 FORWARD_PULL_S = 5.0
 """How long one pull of the forwarder waits for a held request, on the site's own leaf."""
 COLLECT_PULL_S = 5.0
@@ -181,12 +185,16 @@ class SiteLinks:
                 await asyncio.sleep(RETRY_S)
                 continue
             pause = FIRST_LOOK_S
-            raise_if_cancelled()
+            try:
+                raise_if_cancelled()  # a cancel the fetch's wait swallowed (Python 3.11)
+            except asyncio.CancelledError:
+                await hand_back(msgs)  # to the next pull, not after ack wait
+                raise
             for i, msg in enumerate(msgs):
                 try:
-                    await handle(msg)
-                except asyncio.CancelledError:
-                    await hand_back(msgs[i + 1 :])  # to the next pull, not after ack wait
+                    await handle(msg)  # hands its own back when cancelled
+                except BaseException:  # stopping, or a fault (the loop starts again)
+                    await hand_back(msgs[i + 1 :])
                     raise
 
     async def _until_there(self, jsm: Any, stream: str, name: str) -> tuple[bool, float]:
@@ -243,6 +251,7 @@ class SiteLinks:
         }
         headers[MSG_ID_HEADER] = self._queue_id(scope, _held_id(msg))
         last_progress = time.monotonic()
+        busy = 0.0  # the pause while the hub answers "not now", doubling
         while True:
             try:
                 await self.conn.publish_acked(
@@ -253,14 +262,19 @@ class SiteLinks:
                     timeout=self.conn.settings.request_timeout,
                 )
                 break
+            except STREAM_GONE as exc:
+                log.debug("forward not answered (uplink down); holding on", error=repr(exc))
+                pause = FORWARD_RETRY_S  # the site's own leaf said so at once: cheap to ask
             except APIError as exc:
                 if not _queue_full(exc):
                     await self._refused(msg, f"the hub refused it: {exc.description}")
                     return  # for good: answered with a typed error, not held forever
                 log.debug("forward refused for now; holding on", error=repr(exc))
+                busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)
             except (asyncio.TimeoutError, nats.errors.Error) as exc:
                 log.debug("forward failed; holding on", error=repr(exc))
-            await asyncio.sleep(FORWARD_RETRY_S)
+                busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)
+            await asyncio.sleep(pause)
             if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
                 with contextlib.suppress(nats.errors.Error):
                     await msg.in_progress()
@@ -302,6 +316,14 @@ class SiteLinks:
         await self._pulled("collect", answers, COLLECT_PULL_S, self._collect, 16)
 
     async def _collect(self, msg: Msg) -> None:
+        try:
+            await self._keep(msg)
+        except asyncio.CancelledError:
+            await hand_back([msg])  # stopping: the next collector need not wait ack_wait
+            raise
+
+    async def _keep(self, msg: Msg) -> None:
+        """Keep one answer at the site, then ack it at the hub."""
         request_id = msg.subject.rsplit(".", 1)[-1]
         fingerprint = (msg.headers or {}).get(kept.FINGERPRINT_HEADER, "")
         try:

@@ -81,6 +81,7 @@ class Pull:
         self._wake = asyncio.Event()
         self._undo: Callable[[], None] | None = None
         self._count = 0
+        self._reconnects = 0
         self.rtt = 0.0
         """Seconds a round trip to the consumer's server takes, as the caller last measured it:
         the first heartbeat of a request is waited for that much longer (a slow uplink)."""
@@ -89,6 +90,7 @@ class Pull:
         nc = self.conn.nc
         self._inbox = nc.new_inbox()
         self._sub = await subscribe_inline(nc, f"{self._inbox}.*", self._on_msg)
+        self._reconnects = self.conn.reconnects
         self._undo = self.conn.on_loss(self._lost)
 
     async def stop(self) -> None:
@@ -176,7 +178,13 @@ class Pull:
         self._wake.set()
 
     def _lost(self) -> None:
-        """The link came back (or messages were dropped): the open request may be gone."""
+        """The link came back: the open request may be gone with the old one. Messages dropped
+        elsewhere on a live link (a slow consumer) are not: this subscription takes its own in
+        the read loop and never drops one, and asking again for each drop would pile up pull
+        requests at the hub while the edge is overloaded already."""
+        if self.conn.reconnects == self._reconnects:
+            return
+        self._reconnects = self.conn.reconnects
         self._reply = ""
         self._wake.set()
 

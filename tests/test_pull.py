@@ -210,3 +210,28 @@ async def test_a_reconnect_ends_a_waiting_fetch_and_the_next_one_brings_the_mess
                 await sender.jsm().delete_stream(STREAM)
     finally:
         await proxy.stop()
+
+
+async def test_messages_dropped_elsewhere_on_a_live_link_ask_for_no_second_pull(
+    conn: Connection,
+) -> None:
+    """A slow consumer elsewhere on the connection (messages dropped, no reconnect) leaves the
+    open pull request alone: it is not ended, and no second one is sent. Before, every drop
+    ended the fetch and the next asked again, piling pull requests up at the hub."""
+    pull = await _pull(conn, hb=5.0)
+    try:
+        waiting = asyncio.create_task(pull.fetch(16, LONG_PULL_S))
+        await eventually(lambda: _waiting_pulls(conn, 1), what="the pull request at the server")
+        for _ in range(3):
+            conn._lost()  # as nats-py's slow-consumer error makes it
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await conn.js.publish("pt.e", b"five")
+        assert [m.data for m in await asyncio.wait_for(waiting, 5)] == [b"five"]
+        assert pull._count == 1
+    finally:
+        await pull.stop()
+
+
+async def _waiting_pulls(conn: Connection, n: int) -> bool:
+    return (await conn.jsm().consumer_info(STREAM, CONSUMER)).num_waiting == n
