@@ -219,8 +219,15 @@ class SiteStore:
                 self.conn,
                 lambda: self.conn.publish_acked(claim_subject(req.id), claim, stream=CLAIMS_STREAM),
             )
-        except APIError:
-            pass  # claimed before under this id: the first claim stays
+        except APIError as exc:
+            if "per subject" not in str(exc.description or "").lower():
+                raise UnavailableError(  # the store refused it (full, or otherwise): not held
+                    f"the site could not hold the request (its claim was refused: "
+                    f"{exc.description}); send it again",
+                    request_id=req.id,
+                    retry_after=1.0,
+                ) from None
+            # claimed before under this id: the first claim stays
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(
                 f"the site could not hold the request (its claim was not written: "
