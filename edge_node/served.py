@@ -59,6 +59,8 @@ class RegistryView(Protocol):
 
     def heard_from(self, node_id: str) -> None: ...
 
+    def no_answer(self, node_id: str) -> None: ...
+
     def serves(self, model: str) -> bool | None: ...
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None: ...
@@ -150,8 +152,11 @@ class CloudModels:
                 self._nodes.heard_from(node)
                 return False
             return await self._conn.hub_answers(ALIVE_WAIT_S)  # not the uplink's word
-        except (nats.errors.Error, asyncio.TimeoutError):
-            return False  # busy, standing still, or our own link is down: nothing proven
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            self._nodes.no_answer(node)  # busy or standing still: proven only if the registry works
+            return False
+        except nats.errors.Error:
+            return False  # our own link is down: nothing proven
 
     async def close(self) -> None:
         for task in list(self._asking):

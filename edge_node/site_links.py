@@ -75,6 +75,12 @@ STREAMS_BACK_S = 1.0
 """How long a site operation that found one of the site's streams gone waits for the "site
 streams" step to put them back before it tries once more."""
 STREAM_GONE = (nats.errors.NoRespondersError, NoStreamResponseError)
+LINK_DOWN = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+)
+"""The edge's own link to its leaf is down: a forward is refused here, at no cost to anyone."""
 """What a read or a write of a site stream gets when the stream is not there (an operator's
 ``nats stream rm``, a leaf restarted on an empty store)."""
 OUTBOX_ACK_WAIT_S = 30.0
@@ -262,9 +268,9 @@ class SiteLinks:
                     timeout=self.conn.settings.request_timeout,
                 )
                 break
-            except STREAM_GONE as exc:
-                log.debug("forward not answered (uplink down); holding on", error=repr(exc))
-                pause = FORWARD_RETRY_S  # the site's own leaf said so at once: cheap to ask
+            except (*STREAM_GONE, *LINK_DOWN) as exc:
+                log.debug("forward not answered (a link down); holding on", error=repr(exc))
+                pause = FORWARD_RETRY_S  # refused at once, by the leaf or our own client
             except APIError as exc:
                 if not _queue_full(exc):
                     await self._refused(msg, f"the hub refused it: {exc.description}")

@@ -78,6 +78,9 @@ class Connection(Lifecycle):
         """When the connection last dropped (``time.monotonic()``); what this process wrote
         just before may not have reached the server."""
         self._loss_listeners: set[Callable[[], None]] = set()
+        self.queue_watches: dict[str, Any] = {}
+        """This connection's :class:`mesh.queue_watch.QueueWatch` per queue stream, made at its
+        first queued request (kept here: the watch lives and goes with its connection)."""
         self.recovery = Recovery(name)
         """What a reconnect may have lost, put back until it is (see :mod:`mesh.recovery`)."""
 
@@ -86,6 +89,11 @@ class Connection(Lifecycle):
         if self._nc is None:
             raise RuntimeError(NOT_CONNECTED)
         return self._nc
+
+    @property
+    def closing(self) -> bool:
+        """This process closes the connection (or closed it)."""
+        return self._closing
 
     @property
     def write_batch(self) -> WriteBatch:

@@ -136,9 +136,10 @@ def claims_config(settings: StreamSettings) -> api.StreamConfig:
         description="mesh site: who held each request that can wait (first come, kept)",
         subjects=[CLAIM_WILDCARD],
         storage=api.StorageType.FILE,
-        # Written when the request is held, its answer only once collected: a claim must outlive
-        # the answer it guards by however long the request was held (up to the outbox's age).
-        max_age=settings.kept_max_age + settings.outbox_max_age,
+        # Written when the request is held; the answer it guards is kept from when it is
+        # collected, which may be an outbox's age (held) and a kept age (waiting at the hub for
+        # the site's uplink) later: a claim outlives its answer.
+        max_age=settings.outbox_max_age + 2 * settings.kept_max_age,
         max_msgs_per_subject=1,
         discard=api.DiscardPolicy.NEW,
         discard_new_per_subject=True,  # a later request under the same id cannot take it over

@@ -80,6 +80,8 @@ class NodeView:
         """When the last update came, from any node: a registry silent for a ``ttl`` as a
         whole (its stream electing a leader, its bucket refusing writes) ages every entry at
         once, which says nothing of the workers themselves (:meth:`serves`)."""
+        self._unanswered: dict[str, float] = {}
+        """Workers that did not answer an edge's question in time, and when (``no_answer``)."""
         self._works_at = -float("inf")
         """When a look last found the registry working (:attr:`silent`)."""
         self._looked_at = -float("inf")
@@ -208,41 +210,62 @@ class NodeView:
         """Quiet (:attr:`quiet`), and the registry itself not seen working since: the registry
         may have gone quiet, not each worker (an election, a lost hub node, a bucket refusing
         writes), and what the view shows cannot tell. A registry whose stream answers, with a
-        leader, unsealed, after the last update says that the silence is the workers' own: a
-        lone worker hung with its link up (a stuck engine, a frozen process) is then gone after
-        its ``ttl`` as before, not "cannot tell" until the server drops its link (minutes). The
-        look runs in the background, once a second at most while quiet."""
+        leader, unsealed, after the last update says that the silence may be the workers' own:
+        then a worker asked since, that did not answer in time (:meth:`no_answer`), is gone
+        after its ``ttl`` as before (a lone worker hung with its link up, a stuck engine or a
+        frozen process, read "cannot tell" until the server dropped its link: minutes). The
+        look runs in the background, once a second at most, again before its word ages out."""
         if not self.quiet:
             return False
         now = time.monotonic()
-        if self._works_at >= self._heard and now - self._works_at < self._ttl:
-            return False
-        if self._looking is None and now - self._looked_at >= LOOK_EVERY_S:
+        fresh = self._works_at >= self._heard and now - self._works_at < self._ttl + LOOK_EVERY_S
+        aging = now - self._works_at >= self._ttl / 2
+        if (not fresh or aging) and self._looking is None and now - self._looked_at >= LOOK_EVERY_S:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # read outside the loop: no look from here
+                return not fresh
             self._looked_at = now
-            self._looking = asyncio.get_running_loop().create_task(self._look())
-        return True
+            self._looking = loop.create_task(self._look())
+        return not fresh
 
     async def _look(self) -> None:
-        """Whether the registry works: its stream answers, with a leader, and takes writes."""
+        """Whether the registry works: its stream answers, with a leader, unsealed."""
         try:
             reply = await self._conn.nc.request(
                 f"{self._conn.api_prefix}.STREAM.INFO.{NODES_STREAM}", b"", timeout=LOOK_EVERY_S
             )
             info = orjson.loads(reply.data)
-            if "error" not in info and not info.get("config", {}).get("sealed"):
+            cluster = info.get("cluster")
+            led = not isinstance(cluster, dict) or bool(cluster.get("leader"))
+            if "error" not in info and led and not info.get("config", {}).get("sealed"):
                 self._works_at = time.monotonic()
-        except (nats.errors.Error, asyncio.TimeoutError, ValueError, AttributeError):
+        except (nats.errors.Error, asyncio.TimeoutError, ValueError, AttributeError, RuntimeError):
             pass  # cannot tell
         finally:
             self._looking = None
+
+    def no_answer(self, node_id: str) -> None:
+        """Worker ``node_id`` did not answer an edge's question whether it is there, in time."""
+        self._unanswered[node_id] = time.monotonic()
 
     def heard_from(self, node_id: str) -> None:
         """Worker ``node_id`` answered an edge's question whether it is there: it is, as if its
         heartbeat had come (its own may not land while the registry refuses writes)."""
         now = time.monotonic()
+        self._unanswered.pop(node_id, None)
         for key, (info, seen) in list(self._nodes.items()):
             if info.node_id == node_id and seen < now:
                 self._nodes[key] = (info, now)
+
+    def _undecided(self, node_ids: list[str]) -> bool:
+        """While quiet: whether these aged-out workers may still be there. Yes while the
+        registry cannot be seen working, and for any of them not asked since the quiet began
+        (a worker's silence is proven by its own: no answer in time)."""
+        if self.silent:
+            return True
+        since = self._heard
+        return any(self._unanswered.get(node, -float("inf")) <= since for node in node_ids)
 
     def askable(self) -> list[NodeInfo]:
         """The workers to ask whether they are there: the live ones, and while the registry is
@@ -270,11 +293,14 @@ class NodeView:
         # Stops at the first worker that serves it: no list of nodes, no set per node.
         if any(serving(info) for info in self._alive("worker")):
             return True
-        if self.silent and any(  # aged out with the whole registry: cannot tell
-            info.role == "worker" and serving(info) for info, _seen in self._nodes.values()
-        ):
-            return None
-        return False
+        if not self.quiet:
+            return False
+        aged = [
+            info.node_id
+            for info, _seen in self._nodes.values()
+            if info.role == "worker" and serving(info)
+        ]
+        return None if aged and self._undecided(aged) else False  # aged out with the registry
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None:
         """Whether the worker ``node_id`` (serving ``model``) announced itself within
@@ -287,7 +313,7 @@ class NodeView:
         ages = [now - seen for info, seen in self._nodes.values() if info.node_id == node_id]
         if any(age < self._ttl for age in ages):
             return True
-        return None if ages and self.silent else False
+        return None if ages and self.quiet and self._undecided([node_id]) else False
 
     async def stop(self) -> None:
         if self._looking is not None:

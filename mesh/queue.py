@@ -251,6 +251,7 @@ class CloudCall(Lifecycle):
         (``time.monotonic()``): its own word on it, beside the registry's."""
         self._reported: set[tuple[str, int]] = set()
         self._watch: QueueWatch | None = None
+        self._resent = False
         self._requeuing: asyncio.Task[None] | None = None
         self._queued_at = 0.0
 
@@ -267,6 +268,9 @@ class CloudCall(Lifecycle):
             # Queued before under this id: its answer may be complete already. Catch up now.
             log.info("request already queued (duplicate publish)", request_id=self.request.id)
             self.reader.repair_now()
+            # The first copy's window is not ours to know: a copy sent again later could land
+            # past it, a second one in the queue. Its own sender queues it again if need be.
+            self._resent = True
         self._queued_at = time.monotonic()
         self._watch = queue_watch(self.conn, self.stream)
         self._watch.add(self)  # its queue lost under it: queued again (mesh.queue_watch)
@@ -289,8 +293,9 @@ class CloudCall(Lifecycle):
         its message id, within the queue's duplicate window of its first publish. A queue that
         still holds it (or took it and answered it) drops the copy, and one made anew takes it.
         Past the window a copy could not be told from the first, and is not sent."""
-        if self._watch is None or self.started:
-            return  # withdrawn or closed, or a worker has it
+        if self._watch is None or self.started or self._resent:
+            return  # withdrawn or closed, a worker has it, or not its own copy (below)
+        self.ack = None  # its sequence may be another request's in a queue made anew
         if self._requeuing is None or self._requeuing.done():
             self._requeuing = asyncio.get_running_loop().create_task(self._requeue())
 
@@ -301,12 +306,14 @@ class CloudCall(Lifecycle):
                 ack = await publish_request(
                     self.conn, self.stream, self.request, self.scope, self.headers
                 )
+            except RuntimeError:
+                return  # the connection is closed: the call ends with it
             except MeshError:  # the queue is not back yet (its worker puts it back), or full
                 await asyncio.sleep(pause * random.uniform(0.5, 1.5))  # noqa: S311 - spread, not secret
                 pause = min(pause * 2, 1.0)
                 continue
+            self.ack = ack  # the copy the queue holds (a duplicate's ack names the one it had)
             if not ack.duplicate:
-                self.ack = ack  # the copy that counts now: a withdrawal deletes this one
                 log.warning("queue had lost the request; queued again", request_id=self.request.id)
             return
 
@@ -431,7 +438,7 @@ class CloudCall(Lifecycle):
             with contextlib.suppress(Exception):
                 await self.conn.nc.publish(cancel_subject(self.scope, self.request.id), payload)
         deletable = not self.conn.settings.least_privilege  # else its cancel alone takes it back
-        if self.ack is not None and not self.ack.duplicate and deletable:
+        if self.ack is not None and not self._resent and deletable:
             # Fails when already delivered (the cancel covers that) or already gone: both fine.
             # Bounded: a stream without a leader (an election) would hold the caller, who is
             # about to answer another way, for the whole API timeout; the cancel covers it.

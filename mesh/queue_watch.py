@@ -23,7 +23,8 @@ One look serves every request of the pool on the connection, so a reconnect cost
 per pool, not one publish per waiting request (before, every request not started was queued
 again after every reconnect, each with its own retries on the same schedule).
 A look that gets no answer (the link is down, the hub elects a leader, the caller may not ask)
-proves nothing; its pause doubles up to 30 s while they keep failing.
+proves nothing; looks slow down to one in :data:`MAX_PAUSE_S` while they keep failing, or while a
+backlog waits in a queue that stays the same.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import weakref
 from collections.abc import Callable
 from datetime import datetime
-from typing import Protocol
+from typing import Protocol, cast
 
 import nats.errors
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from mesh.config import StreamSettings
 from mesh.connection import Connection
@@ -50,9 +50,14 @@ LOOK_S = 1.0
 between two looks while requests wait."""
 REGONE_FIRST_S, REGONE_MAX_S = 0.1, 1.0
 """While the consumer is gone: the first pause before the next look, and the longest."""
-FAILED_MAX_S = 30.0
-"""The longest pause between looks that get no answer."""
+MAX_PAUSE_S = 4.0
+"""While its requests keep waiting, the pause between looks doubles from :data:`LOOK_S` up to
+this as long as the consumer stays the same (a backlog of seconds is no loss: a thousand edges
+looking once a second would add a thousand API calls a second to a hub saturated already) or
+looks get no answer; a change, a reconnect or a leaf's "no responders" sets it back."""
 LOOK_TIMEOUT_S = 1.0
+_UNKNOWN = object()
+"""A pool whose first look got no answer: the next look that does counts as a change."""
 
 
 class Waiting(Protocol):
@@ -81,7 +86,7 @@ class QueueWatch:
         self._conn = conn
         self._stream = stream
         self._calls: dict[str, set[Waiting]] = {}
-        self._created: dict[str, datetime | None] = {}
+        self._created: dict[str, datetime | object | None] = {}
         """Each pool's consumer at the last look that got an answer (None: it was gone)."""
         self._tried: set[str] = set()
         """The pools whose first look a request set off."""
@@ -151,7 +156,7 @@ class QueueWatch:
         try:
             every, self._every = self._every, False
             now = time.monotonic()
-            answered = True
+            soon = every
             for model, calls in list(self._calls.items()):
                 due = (
                     every
@@ -160,12 +165,14 @@ class QueueWatch:
                     or any(not c.started and now - c.queued_at >= LOOK_S for c in calls)
                 )
                 if due:
-                    answered = await self._look_at(model) and answered
-            self._pause = LOOK_S if answered else min(self._pause * 2, FAILED_MAX_S)
+                    soon = await self._look_at(model) or soon
+            self._pause = LOOK_S if soon else min(self._pause * 2, MAX_PAUSE_S)
         except Exception:  # a fault here must not stop the watch
             log.exception("queue watch failed")
         finally:
             self._looking = None
+        if self._conn.closing:
+            return  # its requests end with it
         if self._every:
             self._look_now()
         elif self._timer is None:
@@ -189,9 +196,9 @@ class QueueWatch:
         return self._pause if waited >= LOOK_S else max(LOOK_S - waited, 0.05)
 
     async def _look_at(self, model: str) -> bool:
-        """Look at ``model``'s consumer and act on what changed; False when no answer came
-        that proves anything (a leaf's "no responders" while its uplink is down does not
-        count as a failure: it costs nothing to ask again)."""
+        """Look at ``model``'s consumer and act on what changed; True when the next look should
+        come soon: something changed, or a leaf said "no responders" (its uplink is down: the
+        hub may come back with its queue lost, and asking the leaf costs nothing)."""
         try:
             info = await self._conn.jsm().consumer_info(
                 self._stream.name, consumer_name(model), timeout=LOOK_TIMEOUT_S
@@ -199,10 +206,14 @@ class QueueWatch:
             created: datetime | None = info.created
         except NotFoundError:
             created = None
-        except nats.errors.NoRespondersError:
-            return True
-        except (APIError, nats.errors.Error, asyncio.TimeoutError):
-            return False
+        except ServiceUnavailableError as exc:
+            if model not in self._created:
+                self._created[model] = _UNKNOWN
+            return exc.err_code is None  # nats-py's word for "no responders"; else an election
+        except (APIError, nats.errors.Error, asyncio.TimeoutError, RuntimeError):
+            if model not in self._created:
+                self._created[model] = _UNKNOWN
+            return False  # no answer (the link is down, the caller may not ask): nothing proven
         known, before = model in self._created, self._created.get(model)
         self._created[model] = created
         calls = self._calls.get(model, set())
@@ -223,11 +234,11 @@ class QueueWatch:
         if not self._lost:
             self._regone = REGONE_FIRST_S
         if known and before != created:
-            lost |= waiting  # made again: what it held may be gone with it
+            lost |= waiting  # made again (or first seen after a look that failed): may be gone
         for call in lost:
             if not call.started:
                 call.requeue()
-        return True
+        return bool(lost)
 
     async def close(self) -> None:
         if self._timer is not None:
@@ -239,13 +250,9 @@ class QueueWatch:
                 await self._looking
 
 
-_watches: weakref.WeakKeyDictionary[Connection, dict[str, QueueWatch]] = weakref.WeakKeyDictionary()
-
-
 def queue_watch(conn: Connection, stream: StreamSettings) -> QueueWatch:
     """The watch of ``conn``'s requests queued on ``stream`` (one per connection and stream)."""
-    by_stream = _watches.setdefault(conn, {})
-    watch = by_stream.get(stream.name)
+    watch = conn.queue_watches.get(stream.name)
     if watch is None:
-        watch = by_stream[stream.name] = QueueWatch(conn, stream)
-    return watch
+        watch = conn.queue_watches[stream.name] = QueueWatch(conn, stream)
+    return cast(QueueWatch, watch)

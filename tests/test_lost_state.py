@@ -119,18 +119,23 @@ async def test_an_edge_does_not_hold_on_to_no_pool_while_the_pool_puts_its_consu
         assert paths == ["cloud"] * 5, paths
 
 
+@pytest.mark.parametrize("refusing", ["sealed", "each write"])
 async def test_an_edge_goes_on_sending_to_the_cloud_while_the_registry_is_silent(
-    own_server: NatsServer,
+    own_server: NatsServer, refusing: str
 ) -> None:
-    """The registry's bucket refuses writes (sealed here; a leader election or a hub node lost
-    does the same for seconds): no worker's heartbeat lands, and every entry ages out at once.
-    The queue still works, and so do the workers: the edge goes on sending to the cloud.
-    Before, it took the pool for gone and answered every request locally until the registry
-    took writes again."""
+    """The registry's bucket refuses writes (sealed, or refusing each write while its stream
+    answers as if well; a leader election or a hub node lost does the same for seconds): no worker's
+    heartbeat lands, and every entry ages out at once. The queue still works, and so do the
+    workers: the edge goes on sending to the cloud. Before, it took the pool for gone and
+    answered every request locally until the registry took writes again."""
     async with _worker_and_edge(own_server) as (_worker, edge, op, client):
         jsm = op.jsm()
-        config = (await jsm.stream_info(NODES_STREAM)).config
-        config.sealed = True
+        info = await jsm.stream_info(NODES_STREAM)
+        config = info.config
+        if refusing == "sealed":
+            config.sealed = True
+        else:  # its stream answers as if well, and refuses every heartbeat (too large)
+            config.max_msg_size = 1
         await jsm.update_stream(config)
         # No heartbeat lands for a ttl; the worker's answer to the edge's question keeps it in
         # the view (before that question, every entry aged out at once).

@@ -8,7 +8,9 @@ proxy that cuts it. Whole paths (a worker, the SDK, an edge) are in ``tests/test
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from datetime import datetime
 from pathlib import Path
 
 from nats.js.errors import APIError
@@ -18,6 +20,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
 from mesh.queue import CloudCall, new_cancel_key
+from mesh.queue_watch import QueueWatch, queue_watch
 from mesh.testing.proxy import TcpProxy
 from protocol.messages import InferRequest
 from tests.conftest import make_settings
@@ -78,6 +81,11 @@ async def test_a_reconnect_that_lost_nothing_sends_nothing_again(tmp_path: Path)
         ):
             await provision(op.jsm(), settings.stream, ["m"])  # a pool, no worker: it waits
             call = await _call(conn, settings, "r1")
+            watch = queue_watch(conn, settings.stream)
+            await eventually(  # else the next look could not tell what changed, and sends it
+                lambda: _is(isinstance(watch._created.get("m"), datetime)),
+                what="the watch's first look at the pool",
+            )
             drops = conn.reconnects
             proxy.cut(0.2)
             await eventually(lambda: _is(conn.reconnects > drops), what="the reconnect")
@@ -151,3 +159,73 @@ async def _empty(op: Connection, settings: MeshSettings) -> bool:
 
 async def _is(value: bool) -> bool:
     return value
+
+
+class _Waiting:
+    """A request waiting unstarted, as the watch sees one (no queue behind it)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.queued_at = time.monotonic()
+        self.started = False
+        self.requeued = 0
+
+    def requeue(self) -> None:
+        self.requeued += 1
+
+
+def _counted(watch: QueueWatch) -> list[float]:
+    looks: list[float] = []
+    look_at = watch._look_at
+
+    async def counting(model: str) -> bool:
+        looks.append(time.monotonic())
+        return await look_at(model)
+
+    watch._look_at = counting  # type: ignore[method-assign]
+    return looks
+
+
+async def test_looks_keep_their_pace_while_the_hub_says_no_responders(tmp_path: Path) -> None:
+    """A site's leaf says "no responders" to every hub API call while its uplink is down (here:
+    a server without JetStream says the same): asking costs nothing, and the hub may come back
+    with its queue lost, so looks stay a second apart. Before, each counted as failed and the
+    pause doubled to 30 s: a queue lost with the hub was seen tens of seconds late."""
+    conf = tmp_path / "plain.conf"
+    conf.write_text("port: -1\n")
+    server = await NatsServer(config=str(conf)).start()
+    try:
+        settings = _settings(server.url)
+        async with Connection(settings.nats, "sender") as conn:
+            watch = queue_watch(conn, settings.stream)
+            looks = _counted(watch)
+            call = _Waiting("m")
+            watch.add(call)
+            await asyncio.sleep(3.4)
+            watch.discard(call)
+            assert len(looks) >= 4, looks  # at 0, 1, 2 and 3 s
+            assert call.requeued == 0
+    finally:
+        await server.stop()
+
+
+async def test_a_backlog_in_a_queue_that_stays_the_same_is_looked_at_less_often(
+    own_server: NatsServer,
+) -> None:
+    """Requests that wait seconds in a queue that stays the same lose nothing: looks slow down,
+    1, 2 then 4 s apart, not one a second from every connection while the hub is saturated."""
+    settings = _settings(own_server.url)
+    async with (
+        Connection(settings.nats, "sender") as conn,
+        Connection(settings.nats, "operator") as op,
+    ):
+        await provision(op.jsm(), settings.stream, ["m"])
+        watch = queue_watch(conn, settings.stream)
+        looks = _counted(watch)
+        call = _Waiting("m")
+        watch.add(call)
+        await asyncio.sleep(7.5)
+        watch.discard(call)
+        gaps = [round(b - a, 1) for a, b in itertools.pairwise(looks)]
+        assert len(looks) <= 5 and gaps[-1] >= 3.5, gaps  # 0, 1, 3, 7 s: before, every second
+        assert call.requeued == 0

@@ -3,8 +3,8 @@ another reason than "held before under this id" (the store full here) means the 
 held, and its client is told so, typed: before, every refusal was taken for "claimed before",
 and the request was held without a claim, its answer later no one's to fetch by id. And a claim
 lives as long as its answer can: the answer is kept from when it is collected, the claim from
-when the request was held, so the claims keep theirs for as long again as the outbox holds a
-request."""
+when the request was held, which may be an outbox's age and a kept age (the answer waiting at
+the hub) before."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ async def test_a_claim_the_store_refuses_is_a_typed_error_not_a_hold_without_one
             jsm = edge.site.conn.site_jsm()
             config = (await jsm.stream_info(CLAIMS_STREAM)).config
             s = settings.stream
-            assert config.max_age == s.kept_max_age + s.outbox_max_age
+            assert config.max_age == s.outbox_max_age + 2 * s.kept_max_age
             config.max_msgs = 1  # c1's claim fills the store
             await jsm.update_stream(config)
             with pytest.raises(UnavailableError, match="claim was refused"):
