@@ -162,6 +162,37 @@ async def running_mesh(
         yield
 
 
+@contextlib.asynccontextmanager
+async def site_edge_and_worker(
+    topo: Topology, site: str, *, token_delay_ms: int
+) -> AsyncIterator[tuple[DeterministicBackend, EdgeNode, MeshClient]]:
+    """A hub worker (``token_delay_ms`` a token), ``site``'s edge on its leaf once it sees the
+    worker, and a client of that edge."""
+    worker_settings = topo.hub_settings(
+        "worker-w1", MESH_WORKER_MODEL_TOKEN_DELAY_MS=str(token_delay_ms)
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        wconn = await stack.enter_async_context(Connection(worker_settings.nats, "w1"))
+        backend = DeterministicBackend(worker_settings.worker.model)
+        await stack.enter_async_context(Worker(worker_settings, wconn, backend))
+        settings = topo.site_settings(site)
+        econn = await stack.enter_async_context(Connection(settings.nats, f"edge-{site}"))
+        local = DeterministicBackend(settings.edge.model)
+        edge = await stack.enter_async_context(EdgeNode(settings, econn, local, HeuristicRouter()))
+        model = settings.edge.cloud_model
+
+        async def seen() -> bool:
+            return edge.nodes.serves(model) is True
+
+        await eventually(seen, what="the worker seen")
+        client = await stack.enter_async_context(
+            MeshClient(
+                settings=topo.site_settings(site, "client"), first_event_timeout=30, idle_timeout=30
+            )
+        )
+        yield backend, edge, client
+
+
 async def test_edges_on_their_leaf_nodes_escalate_to_the_hub_over_tls(topology: Topology) -> None:
     async with running_mesh(topology):
         # Someone at site B listens to every mesh subject on B's leaf, while A's answer streams.

@@ -42,7 +42,12 @@ from protocol.subjects import (
 )
 from tests.conftest import make_settings
 from tests.helpers import eventually
-from tests.test_edge_site import Topology, running_mesh, topology  # noqa: F401 - a fixture
+from tests.test_edge_site import (  # noqa: F401 - topology is a fixture
+    Topology,
+    running_mesh,
+    site_edge_and_worker,
+    topology,
+)
 from tests.test_security import certs  # noqa: F401 - a fixture
 
 
@@ -495,24 +500,7 @@ async def test_an_uplink_blip_mid_answer_leaves_the_cloud_answer_going(
     Before, the edge asked the worker, heard "no responders", and answered locally from the
     start, while the worker generated the rest for nobody."""
     site = "site-a"
-    worker_settings = topology.hub_settings("worker-w1", MESH_WORKER_MODEL_TOKEN_DELAY_MS="40")
-    async with contextlib.AsyncExitStack() as stack:
-        wconn = await stack.enter_async_context(Connection(worker_settings.nats, "w1"))
-        backend = DeterministicBackend(worker_settings.worker.model)
-        await stack.enter_async_context(Worker(worker_settings, wconn, backend))
-        settings = topology.site_settings(site)
-        econn = await stack.enter_async_context(Connection(settings.nats, f"edge-{site}"))
-        local = DeterministicBackend(settings.edge.model)
-        edge = await stack.enter_async_context(EdgeNode(settings, econn, local, HeuristicRouter()))
-        model = settings.edge.cloud_model
-        await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
-        client = await stack.enter_async_context(
-            MeshClient(
-                settings=topology.site_settings(site, "client"),
-                first_event_timeout=30,
-                idle_timeout=30,
-            )
-        )
+    async with site_edge_and_worker(topology, site, token_delay_ms=40) as (_backend, _edge, client):
         times: list[float] = []
         events = []
 

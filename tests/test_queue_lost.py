@@ -9,7 +9,6 @@ its ``cloud_start_timeout`` (10 s)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import pytest
@@ -18,14 +17,18 @@ from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
-from mesh.client import MeshClient
+from mesh.client import Completion, MeshClient
 from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import expected_text
 from tests.conftest import make_settings
 from tests.helpers import eventually
-from tests.test_edge_site import Topology, topology  # noqa: F401 - a fixture
+from tests.test_edge_site import (  # noqa: F401 - topology is a fixture
+    Topology,
+    site_edge_and_worker,
+    topology,
+)
 from tests.test_security import certs  # noqa: F401 - a fixture
 
 
@@ -60,14 +63,7 @@ async def test_a_request_waiting_when_its_queue_is_deleted_is_answered(
         busy = asyncio.ensure_future(client.complete("[tag:a] x", max_tokens=20, **how))  # type: ignore[arg-type]
         await eventually(lambda: _is(backend.started >= 1), what="the slot taken")
         waiting = asyncio.ensure_future(client.complete("[tag:b] x", max_tokens=4, **how))  # type: ignore[arg-type]
-        stream = settings.stream.name
-        await eventually(lambda: _queued(op, stream, 2), what="the second request queued")
-        await op.jsm().delete_stream(stream)
-        deleted = time.monotonic()
-        second = await asyncio.wait_for(waiting, 30)
-        took = time.monotonic() - deleted
-        assert second.path == "cloud", second.end.fallback
-        assert second.text == expected_text("b", 4)
+        took = await _deleted_under(op, settings.stream.name, 2, waiting)
         first = await asyncio.wait_for(busy, 30)
         assert first.path == "cloud" and first.text == expected_text("a", 20)
         print(f"\nqueue deleted via {via}: the waiting request answered in {took:.2f} s")
@@ -80,44 +76,35 @@ async def test_a_site_edge_gets_its_waiting_request_answered_after_the_queue_is_
     """The same through an edge on its site's leaf node (TLS, accounts, the hub's JetStream
     domain): its own link, to the leaf, never drops, so only the watch's look at the hub's
     consumer tells it. A hub restarted on an empty store reads the same from there."""
-    site = "site-a"
-    worker_settings = topology.hub_settings("worker-w1", MESH_WORKER_MODEL_TOKEN_DELAY_MS="50")
-    async with contextlib.AsyncExitStack() as stack:
-        wconn = await stack.enter_async_context(Connection(worker_settings.nats, "w1"))
-        backend = DeterministicBackend(worker_settings.worker.model)
-        await stack.enter_async_context(Worker(worker_settings, wconn, backend))
-        settings = topology.site_settings(site)
-        econn = await stack.enter_async_context(Connection(settings.nats, f"edge-{site}"))
-        local = DeterministicBackend(settings.edge.model)
-        edge = await stack.enter_async_context(EdgeNode(settings, econn, local, HeuristicRouter()))
-        model = settings.edge.cloud_model
-        await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
-        op = await stack.enter_async_context(
-            Connection(topology.hub_settings("operator").nats, "operator")
-        )
-        client = await stack.enter_async_context(
-            MeshClient(
-                settings=topology.site_settings(site, "client"),
-                first_event_timeout=30,
-                idle_timeout=30,
-            )
-        )
-        slots = worker_settings.worker.model.slots
+    hub = topology.hub_settings("operator")
+    async with (
+        site_edge_and_worker(topology, "site-a", token_delay_ms=50) as (backend, _edge, client),
+        Connection(hub.nats, "operator") as op,
+    ):
+        slots = backend.settings.slots
         busy = [
             asyncio.ensure_future(client.complete(f"[tag:a{i}] x", route="cloud", max_tokens=20))
             for i in range(slots)
         ]
         await eventually(lambda: _is(backend.started >= slots), what="the slots taken")
         waiting = asyncio.ensure_future(client.complete("[tag:b] x", route="cloud", max_tokens=4))
-        stream = worker_settings.stream.name
-        await eventually(lambda: _queued(op, stream, slots + 1), what="the request queued")
-        await op.jsm().delete_stream(stream)
-        deleted = time.monotonic()
-        second = await asyncio.wait_for(waiting, 30)
-        took = time.monotonic() - deleted
-        assert second.path == "cloud", second.end.fallback
-        assert second.text == expected_text("b", 4)
+        took = await _deleted_under(op, hub.stream.name, slots + 1, waiting)
         for i, answer in enumerate(await asyncio.gather(*busy)):
             assert answer.path == "cloud" and answer.text == expected_text(f"a{i}", 20)
         print(f"\nqueue deleted under a site's edge: the waiting request answered in {took:.2f} s")
         assert took < 5.0, took
+
+
+async def _deleted_under(
+    op: Connection, stream: str, queued: int, waiting: asyncio.Future[Completion]
+) -> float:
+    """Delete the queue once ``queued`` requests are in it; the seconds until ``waiting``, the
+    last of them, was answered by the cloud, exactly."""
+    await eventually(lambda: _queued(op, stream, queued), what="the request queued")
+    await op.jsm().delete_stream(stream)
+    deleted = time.monotonic()
+    answer = await asyncio.wait_for(waiting, 30)
+    took = time.monotonic() - deleted
+    assert answer.path == "cloud", answer.end.fallback
+    assert answer.text == expected_text("b", 4)
+    return took
