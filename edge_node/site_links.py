@@ -75,14 +75,14 @@ STREAMS_BACK_S = 1.0
 """How long a site operation that found one of the site's streams gone waits for the "site
 streams" step to put them back before it tries once more."""
 STREAM_GONE = (nats.errors.NoRespondersError, NoStreamResponseError)
+"""What a read or a write of a site stream gets when the stream is not there (an operator's
+``nats stream rm``, a leaf restarted on an empty store)."""
 LINK_DOWN = (
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.OutboundBufferLimitError,
 )
 """The edge's own link to its leaf is down: a forward is refused here, at no cost to anyone."""
-"""What a read or a write of a site stream gets when the stream is not there (an operator's
-``nats stream rm``, a leaf restarted on an empty store)."""
 OUTBOX_ACK_WAIT_S = 30.0
 HELD_ID_HEADER = "Mesh-Id"
 """A held request's id (its outbox message id also carries its fingerprint)."""

@@ -91,11 +91,6 @@ class Connection(Lifecycle):
         return self._nc
 
     @property
-    def closing(self) -> bool:
-        """This process closes the connection (or closed it)."""
-        return self._closing
-
-    @property
     def write_batch(self) -> WriteBatch:
         """Where answer events that may wait a moment are published (:mod:`mesh.write_batch`)."""
         if self._write_batch is None:
@@ -329,6 +324,8 @@ class Connection(Lifecycle):
         write_batch, self._write_batch = self._write_batch, None
         self._acks = None
         await self.recovery.close()
+        for watch in list(self.queue_watches.values()):
+            await watch.close()
         if client is None or client.is_closed:
             return
         if write_batch is not None:

@@ -88,8 +88,6 @@ class QueueWatch:
         self._calls: dict[str, set[Waiting]] = {}
         self._created: dict[str, datetime | object | None] = {}
         """Each pool's consumer at the last look that got an answer (None: it was gone)."""
-        self._tried: set[str] = set()
-        """The pools whose first look a request set off."""
         self._lost: dict[str, set[Waiting]] = {}
         """Requests whose queue was gone at a look: queued again once it is back."""
         self._regone = REGONE_FIRST_S
@@ -100,6 +98,7 @@ class QueueWatch:
         self._looking: asyncio.Task[None] | None = None
         self._reconnects = conn.reconnects
         self._undo_loss: Callable[[], None] | None = None
+        self._closed = False
 
     def add(self, call: Waiting) -> None:
         """Watch ``call``, queued just now, until :meth:`discard`."""
@@ -107,8 +106,7 @@ class QueueWatch:
         if self._undo_loss is None:
             self._reconnects = self._conn.reconnects
             self._undo_loss = self._conn.on_loss(self._after_loss)
-        if call.model not in self._created and call.model not in self._tried:
-            self._tried.add(call.model)  # once: a look that failed is tried again by the timer
+        if call.model not in self._created:  # set by the first look, answered or not
             self._look_now()  # what the consumer is now: later looks compare with it
         elif self._timer is None and self._looking is None:
             self._arm(LOOK_S)
@@ -142,13 +140,14 @@ class QueueWatch:
     def _arm(self, delay: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(delay, self._look_now)
+        if not self._closed:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._look_now)
 
     def _look_now(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._looking is not None or not self._calls:
+        if self._closed or self._looking is not None or not self._calls:
             return  # a look under way looks again when it ends, if asked to (_every)
         self._looking = asyncio.get_running_loop().create_task(self._look(), name="queue-watch")
 
@@ -171,8 +170,8 @@ class QueueWatch:
             log.exception("queue watch failed")
         finally:
             self._looking = None
-        if self._conn.closing:
-            return  # its requests end with it
+        if self._closed:
+            return  # its requests end with its connection
         if self._every:
             self._look_now()
         elif self._timer is None:
@@ -206,14 +205,11 @@ class QueueWatch:
             created: datetime | None = info.created
         except NotFoundError:
             created = None
-        except ServiceUnavailableError as exc:
-            if model not in self._created:
-                self._created[model] = _UNKNOWN
-            return exc.err_code is None  # nats-py's word for "no responders"; else an election
-        except (APIError, nats.errors.Error, asyncio.TimeoutError, RuntimeError):
-            if model not in self._created:
-                self._created[model] = _UNKNOWN
-            return False  # no answer (the link is down, the caller may not ask): nothing proven
+        except (APIError, nats.errors.Error, asyncio.TimeoutError, RuntimeError) as exc:
+            # No answer (the link is down, an election, the caller may not ask): nothing proven.
+            self._created.setdefault(model, _UNKNOWN)
+            # nats-py's word for "no responders" is a ServiceUnavailableError with no code
+            return isinstance(exc, ServiceUnavailableError) and exc.err_code is None
         known, before = model in self._created, self._created.get(model)
         self._created[model] = created
         calls = self._calls.get(model, set())
@@ -241,13 +237,19 @@ class QueueWatch:
         return bool(lost)
 
     async def close(self) -> None:
+        """Stop looking (its connection closes: its requests end with it)."""
+        self._closed = True
+        if self._undo_loss is not None:
+            self._undo_loss()
+            self._undo_loss = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._looking is not None:
-            self._looking.cancel()
+        looking, self._looking = self._looking, None
+        if looking is not None:
+            looking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._looking
+                await looking
 
 
 def queue_watch(conn: Connection, stream: StreamSettings) -> QueueWatch:

@@ -20,7 +20,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
 from mesh.queue import CloudCall, new_cancel_key
-from mesh.queue_watch import QueueWatch, queue_watch
+from mesh.queue_watch import LOOK_S, QueueWatch, queue_watch
 from mesh.testing.proxy import TcpProxy
 from protocol.messages import InferRequest
 from tests.conftest import make_settings
@@ -224,3 +224,17 @@ async def test_a_backlog_in_a_queue_that_stays_the_same_is_looked_at_less_often(
         looks = await _looks_over(queue_watch(conn, settings.stream), 7.5)
         gaps = [round(b - a, 1) for a, b in itertools.pairwise(looks)]
         assert len(looks) <= 5 and gaps[-1] >= 3.5, gaps  # 0, 1, 3, 7 s: before, every second
+
+
+async def test_a_closed_connection_stops_its_watch(own_server: NatsServer) -> None:
+    """A request still waiting when its connection closes: the watch stops with it (no timer,
+    no look left, no listener), rather than looking on at a closed connection."""
+    settings = _settings(own_server.url)
+    conn = await Connection(settings.nats, "sender").connect()
+    watch = queue_watch(conn, settings.stream)
+    watch.add(_Waiting("m"))
+    assert watch._looking is not None  # its first look at the pool
+    await conn.close()
+    assert watch._timer is None and watch._looking is None and watch._undo_loss is None
+    await asyncio.sleep(LOOK_S + 0.2)
+    assert watch._timer is None and watch._looking is None
