@@ -21,7 +21,6 @@ So its path, :meth:`DeferrableHandler.serve_deferrable`, takes the plain path's 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
@@ -32,7 +31,7 @@ from cloud_node.lease import OTHER_COPY, Holding, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.serve import Ack, Delivery, Handler, Parts, Release, too_late
-from cloud_node.takeover import Unread
+from cloud_node.takeover import Unread, unseen_attempt
 from mesh.config import MeshSettings
 from mesh.logs import get_logger
 from protocol.codec import WireFormat, error_event
@@ -45,16 +44,6 @@ from protocol.subjects import scope_of
 log = get_logger(__name__)
 KeepAnswer = Callable[[Msg, str, InferRequest, AnswerPublisher], Awaitable[bool]]
 """Keeps a finished answer for its site, or hands the message back (False)."""
-
-
-def unseen_attempt() -> int:
-    """An attempt number above any the answer store can hold: microseconds since the epoch
-    (about 1.8e15, exact in JSON's doubles too). Given to a copy of a request that can wait
-    which could not read the store: another copy may have begun the answer unseen, numbered
-    from 1, and readers would take two attempts numbered alike for one and mix their tokens.
-    Numbered above, this attempt's start is the newest: readers start over with it, and drop
-    the other copy's later events. Attempts that read the store later number after it."""
-    return time.time_ns() // 1000
 
 
 class KeepFirst(Release):
@@ -162,7 +151,7 @@ class DeferrableHandler(Handler):
                     request.id, attempt=unseen_attempt(), node=self.node, fingerprint=fingerprint
                 )
             else:  # after every attempt the store holds, another copy's too
-                writer = self._writer(request, fingerprint, history, attempt)
+                writer = self._writer(request, fingerprint, history, delivery)
             release = KeepFirst(
                 msg, self.ack, self._keep, self.keeper, self.outcomes, scope, request
             )

@@ -37,14 +37,14 @@ from cloud_node.counts import WorkerCounts
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive, LoopStalls, Renew
 from cloud_node.publisher import AnswerPublisher, Settler
-from cloud_node.takeover import Takeover, Unread
+from cloud_node.takeover import Takeover, Unread, unseen_attempt
 from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import Asked, generate_into
 from mesh.logs import bound, get_logger, log_unknown_fields, trace_id
-from mesh.queue import trace_headers
+from mesh.queue import COPY_HEADER, trace_headers
 from mesh.tasks import CancelAt, TaskSet, answered_cancel
 from mesh.tracing import Tracing
 from protocol.codec import WireFormat, decode_request
@@ -93,6 +93,11 @@ class Delivery:
     stalls: int
     """The connection's drops and the process's stand-stills when it arrived (either since
     means the delivery may have been handed to another worker: :mod:`cloud_node.orphans`)."""
+
+    @property
+    def copy(self) -> bool:
+        """Whether its sender queued it again (:data:`mesh.queue.COPY_HEADER`)."""
+        return COPY_HEADER in (self.msg.headers or {})
 
     def queued_ms(self) -> float:
         """How long it waited in the queue, until now."""
@@ -244,7 +249,7 @@ class Handler(ABC):
                 if late is not None:
                     await self.outcomes.reject(msg, late, attempt)
                     return
-                writer = self._writer(request, fingerprint, history, attempt)
+                writer = self._writer(request, fingerprint, history, delivery)
                 release = Release(msg, self.ack)  # the answer is stored: ack
                 await self._generate(
                     delivery, request, publisher, writer, queued_ms, release, asked=asked
@@ -301,11 +306,17 @@ class Handler(ABC):
         )
 
     def _writer(
-        self, request: InferRequest, fingerprint: str, history: AnswerState | None, attempt: int
+        self,
+        request: InferRequest,
+        fingerprint: str,
+        history: AnswerState | None,
+        delivery: Delivery,
     ) -> AnswerWriter:
         """This attempt's writer: it takes over an answer an earlier attempt started (continued
-        or started over), numbered after every attempt the store holds (``attempt`` stays the
-        delivery count, which decides retries)."""
+        or started over), numbered after every attempt the store holds. A copy its sender
+        queued again numbers above any the original can reach (:func:`unseen_attempt`). The
+        delivery count still decides retries."""
+        attempt = unseen_attempt() if delivery.copy else delivery.attempt
         if history is not None and history.started:
             return self.takeover.writer(request, history, max(attempt, history.attempt + 1))
         return AnswerWriter(request.id, attempt=attempt, node=self.node, fingerprint=fingerprint)

@@ -8,6 +8,7 @@ rule too (:mod:`cloud_node.deferred`: a second copy looks on its first delivery)
 from __future__ import annotations
 
 import contextlib
+import time
 from enum import Enum
 
 import nats.errors
@@ -22,6 +23,18 @@ from protocol.messages import ErrorEvent, InferRequest
 from protocol.stream import AnswerState, AnswerWriter, Resume
 
 log = get_logger(__name__)
+
+
+def unseen_attempt() -> int:
+    """An attempt number above any the answer store can hold: microseconds since the epoch
+    (about 1.8e15, exact in JSON's doubles too). Given to an attempt that another may be
+    generating unseen, numbered from 1: a copy of a request that can wait which could not read
+    the store (:mod:`cloud_node.deferred`), or a copy its sender queued again
+    (:data:`mesh.queue.COPY_HEADER`) while a worker may hold the original. Numbered alike,
+    readers would take the two attempts for one and mix their tokens. Numbered above, this
+    attempt's start is the newest: readers start over with it, and drop the other's later
+    events. Attempts that read the store later number after it."""
+    return time.time_ns() // 1000
 
 
 class Unread(Enum):

@@ -56,6 +56,9 @@ log = get_logger(__name__)
 # JetStream error codes for "stream is full" with discard=new.
 STORE_FULL_CODES = frozenset({10077, 10078, 10027, 10028})
 MSG_ID_HEADER = "Nats-Msg-Id"
+COPY_HEADER = "Mesh-Copy"
+"""Marks a request queued again by its sender (:meth:`CloudCall.requeue`): a worker may hold
+the original unseen, so one taking the copy numbers its attempt above the original's."""
 CLUSTER_UNAVAILABLE = 10008
 """JetStream's "system temporarily unavailable": no leader for the call (an election, a lost
 quorum)."""
@@ -301,10 +304,11 @@ class CloudCall(Lifecycle):
 
     async def _requeue(self) -> None:
         pause = REQUEUE_FIRST_S
+        copy_headers = {**self.headers, COPY_HEADER: "1"}  # a worker may hold the original
         while not self.started and self._within_window():
             try:
                 ack = await publish_request(
-                    self.conn, self.stream, self.request, self.scope, self.headers
+                    self.conn, self.stream, self.request, self.scope, copy_headers
                 )
             except RuntimeError:
                 return  # the connection is closed: the call ends with it

@@ -2,8 +2,10 @@
 (:mod:`mesh.queue_watch`): the pool's consumer gone, or made again since the last look. Never
 so that the queue could hold two copies: not after a reconnect that lost nothing, only within
 the queue's duplicate window of its first publish (a copy the queue still holds is dropped as a
-duplicate), and never once its sender withdrew it. Real nats-server; the link goes through a
-proxy that cuts it. Whole paths (a worker, the SDK, an edge) are in ``tests/test_lost_state.py``."""
+duplicate), and never once its sender withdrew it. A copy is marked as one, so a worker taking
+it numbers its attempt above the original's (``tests/test_two_copies.py``). Real nats-server;
+the link goes through a proxy that cuts it. Whole paths (a worker, the SDK, an edge) are in
+``tests/test_lost_state.py``."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
-from mesh.queue import CloudCall, new_cancel_key
+from mesh.queue import COPY_HEADER, CloudCall, new_cancel_key
 from mesh.queue_watch import LOOK_S, QueueWatch, queue_watch
 from mesh.testing.proxy import TcpProxy
 from protocol.messages import InferRequest
@@ -123,6 +125,8 @@ async def test_a_queue_made_again_under_a_waiting_request_gets_it_again(
         took = time.monotonic() - began
         print(f"\nqueue made again: the request was queued again in {took:.2f} s")
         assert call.ack.seq == 1 and call._queued_at + WINDOW_S > time.monotonic()
+        copy = await op.jsm().get_msg(settings.stream.name, call.ack.seq)
+        assert (copy.headers or {}).get(COPY_HEADER) == "1"  # see tests/test_two_copies.py
 
         await _remade(op, settings, stream=False)  # the stream kept it: a duplicate, dropped
         await asyncio.sleep(2.5)
