@@ -61,8 +61,11 @@ BUSY_MAX_S = 8.0
 times a second, its whole request each time, at a hub already overloaded."""
 FORWARD_PULL_S = 5.0
 """How long one pull of the forwarder waits for a held request, on the site's own leaf."""
-COLLECT_PULL_S = 5.0
-"""The same for the collector, whose pulls go to the hub."""
+COLLECT_PULL_S = 1.0
+"""The same for the collector, whose pulls go to the hub. Short: a pull sent before the edge's
+link to its leaf dropped waits at the hub until it expires (its requester gone behind the leaf,
+under accounts), and answers delivered to it meanwhile are lost until the site's loop has them
+sent again (:meth:`mesh.pull.Pull.redeliver`), which it does once no such pull waits."""
 PULL_HEARTBEAT_S = 0.5
 """JetStream's idle heartbeat on each pull: two missed, and the pull is taken for lost (a hub
 restarted under the site's leaf node drops it without a word), so the loop looks for its
@@ -175,6 +178,7 @@ class SiteLinks:
         pause = FIRST_LOOK_S
         while True:
             raise_if_cancelled()  # one a wait_for swallowed (Python 3.11)
+            await pull.redeliver()  # deliveries a link took with it: now, not in 30 s
             try:
                 msgs = await pull.fetch(batch, pull_s)
             except PullLost as exc:

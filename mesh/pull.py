@@ -17,7 +17,12 @@ messages arrive in a loop's hands as they come, not when a batch fills:
   first is waited for a round trip (:attr:`Pull.rtt`) longer;
 - a reconnect of the connection ends the open request on the spot (it may have gone with the old
   link); its deliveries that still come are kept for the next fetch, never dropped, and those
-  not fetched when the pull stops are handed back (nak).
+  not fetched when the pull stops are handed back (nak);
+- deliveries the server sent into a link as it went are counted delivered and unacked, and
+  JetStream sends them again only after the consumer's ack wait (30 s on a site's consumers).
+  After a reconnect or lost heartbeats, once the loop holds nothing and has no request open,
+  :meth:`Pull.redeliver` looks: if the consumer still counts deliveries unacked, it is reset
+  to its ack floor (``CONSUMER.RESET``, nats-server 2.14+), which sends them again now.
 
 Deliveries carry their stream subject, not the request's reply subject, so one that comes late
 for an older request counts against the open one: that one may then be taken for filled and a
@@ -31,6 +36,7 @@ import contextlib
 import json
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -38,6 +44,9 @@ from nats.aio.subscription import Subscription
 
 from mesh.connection import Connection
 from mesh.inline_sub import subscribe_inline
+from mesh.logs import get_logger
+
+log = get_logger(__name__)
 
 HEARTBEAT = "100"
 OVER = ("404", "408")
@@ -49,6 +58,9 @@ status (409 Consumer Deleted, 503, a 400 or a 409 the next request would get too
 EXPIRY_MARGIN_S = 0.25
 """How long after a request's expiry a fetch gives it up without the status that says so."""
 NAK_WITHIN_S = 1.0
+STALE_LOOKS = 3
+"""Looks at a consumer with deliveries unacked and others' requests waiting before
+:meth:`Pull.redeliver` resets it all the same (a caller pulling for 1 s: about 2 s)."""
 
 
 class PullLost(nats.errors.Error):
@@ -68,6 +80,7 @@ class Pull:
         self._heartbeat = heartbeat
         """Seconds between the server's idle heartbeats while a request waits."""
         self._api = f"{prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self.stream, self.consumer, self._prefix = stream, consumer, prefix
         self._got: deque[Msg] = deque()
         self._sub: Subscription | None = None
         self._inbox = ""
@@ -82,6 +95,9 @@ class Pull:
         self._undo: Callable[[], None] | None = None
         self._count = 0
         self._reconnects = 0
+        self.link_lost = False
+        """A link may have taken deliveries with it since the last :meth:`redeliver`."""
+        self._looks = 0
         self.rtt = 0.0
         """Seconds a round trip to the consumer's server takes, as the caller last measured it:
         the first heartbeat of a request is waited for that much longer (a slow uplink)."""
@@ -122,6 +138,7 @@ class Pull:
             if now - self._heard >= 2 * self._heartbeat + EXPIRY_MARGIN_S:
                 self._reply = ""
                 self._gone = f"no heartbeat for {now - self._heard:.1f} s"
+                self.link_lost = True
                 break
             left = min(self._ends_at, self._heard + 2 * self._heartbeat + EXPIRY_MARGIN_S) - now
             self._wake.clear()
@@ -186,7 +203,50 @@ class Pull:
             return
         self._reconnects = self.conn.reconnects
         self._reply = ""
+        self.link_lost = True
         self._wake.set()
+
+    async def redeliver(self) -> None:
+        """After a link may have taken deliveries with it (:attr:`link_lost`), with nothing
+        held and no request open: reset the consumer when it counts deliveries unacked, so
+        that they come again now, not after its ack wait.
+
+        A pull request the link left behind may still wait at the server (one sent through a
+        leaf node, under accounts, outlives its requester until it expires): the reset would
+        hand them to it, and they would be lost again. While the consumer counts requests
+        waiting, none of them this pull's, it looks again at the next fetch, up to
+        :data:`STALE_LOOKS` times; then it resets all the same (the requests are another
+        reader's, which gets them: it only repeats work its readers do once per message id)."""
+        if not self.link_lost or self._got or self._reply:
+            return
+        try:
+            info = await self._api_call("INFO")
+            unacked, waiting = info.get("num_ack_pending", 0), info.get("num_waiting", 0)
+            if unacked:
+                self._looks += 1
+                if waiting and self._looks < STALE_LOOKS:
+                    return  # look again once requests the link left behind expired
+                await self._api_call("RESET")
+                log.info(
+                    "deliveries lost with a link; sent again",
+                    consumer=self.consumer,
+                    unacked=unacked,
+                    waiting=waiting,
+                )
+        except (asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
+            log.debug("unacked deliveries not looked at", consumer=self.consumer, error=repr(exc))
+            return
+        self.link_lost, self._looks = False, 0
+
+    async def _api_call(self, call: str) -> dict[str, Any]:
+        """``CONSUMER.<call>`` on this pull's consumer (its JSON answer). Raises ValueError for
+        an error answer (``CONSUMER.RESET`` needs nats-server 2.14)."""
+        subject = f"{self._prefix}.CONSUMER.{call}.{self.stream}.{self.consumer}"
+        reply = await self.conn.nc.request(subject, b"", timeout=self.conn.settings.request_timeout)
+        answer: dict[str, Any] = json.loads(reply.data)
+        if "error" in answer:
+            raise ValueError(f"{call}: {answer['error']}")
+        return answer
 
 
 async def hand_back(msgs: list[Msg]) -> None:

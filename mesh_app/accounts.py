@@ -60,6 +60,7 @@ def _lanes(stream: StreamSettings) -> list[tuple[str, str, str | None]]:
         (service, f"$JS.API.CONSUMER.INFO.{infer}.*", "Singleton"),
         (service, f"$JS.API.CONSUMER.INFO.{answers}.{{site}}", "Singleton"),
         (service, f"$JS.API.CONSUMER.MSG.NEXT.{answers}.{{site}}", "Stream"),
+        (service, f"$JS.API.CONSUMER.RESET.{answers}.{{site}}", "Singleton"),
         (service, f"$JS.ACK.{answers}.{{site}}.>", "Singleton"),
         (service, f"$JS.ACK.*.*.{answers}.{{site}}.>", "Singleton"),
         (service, f"$JS.API.DIRECT.GET.{kv}", "Stream"),

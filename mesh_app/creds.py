@@ -82,6 +82,8 @@ def edge_permissions(
         # which a worker creates (an edge creates no consumer on the hub's answers).
         f"CONSUMER.INFO.{ANSWERS_STREAM}.{site}",
         f"CONSUMER.MSG.NEXT.{ANSWERS_STREAM}.{site}",
+        # Its deliveries lost with a link, sent again now (mesh.pull.Pull.redeliver).
+        f"CONSUMER.RESET.{ANSWERS_STREAM}.{site}",
         *_registry_reader(),
     )
     prefixes = ["$JS.API"] + ([f"$JS.{hub_domain}.API"] if hub_domain else [])

@@ -164,10 +164,11 @@ async def running_mesh(
 
 @contextlib.asynccontextmanager
 async def site_edge_and_worker(
-    topo: Topology, site: str, *, token_delay_ms: int
+    topo: Topology, site: str, *, token_delay_ms: int, edge_via: TcpProxy | None = None
 ) -> AsyncIterator[tuple[DeterministicBackend, EdgeNode, MeshClient]]:
     """A hub worker (``token_delay_ms`` a token), ``site``'s edge on its leaf once it sees the
-    worker, and a client of that edge."""
+    worker (linked through ``edge_via``, a proxy to the leaf, if given), and a client of that
+    edge."""
     worker_settings = topo.hub_settings(
         "worker-w1", MESH_WORKER_MODEL_TOKEN_DELAY_MS=str(token_delay_ms)
     )
@@ -176,6 +177,8 @@ async def site_edge_and_worker(
         backend = DeterministicBackend(worker_settings.worker.model)
         await stack.enter_async_context(Worker(worker_settings, wconn, backend))
         settings = topo.site_settings(site)
+        if edge_via is not None:
+            settings.nats.url = edge_via.url
         econn = await stack.enter_async_context(Connection(settings.nats, f"edge-{site}"))
         local = DeterministicBackend(settings.edge.model)
         edge = await stack.enter_async_context(EdgeNode(settings, econn, local, HeuristicRouter()))

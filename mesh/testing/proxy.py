@@ -3,7 +3,8 @@
 ``cut(seconds)`` drops every connection through it and refuses new ones for that long;
 ``restore()`` ends a cut early. ``swallow()`` makes the link half-dead: what clients send is
 read and thrown away (a route that lost its way), while the server's side still comes through;
-the next cut ends it.
+the next cut ends it. ``lose(marker, seconds)`` throws away the next piece the server sends that
+holds ``marker`` (a delivery in flight when the link went) and cuts the link with it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class TcpProxy:
         self.swallowed = bytearray()
         """What the link threw away (see :meth:`swallow`)."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._lose: tuple[bytes, float] | None = None
+        self.lost = 0
+        """Pieces thrown away by :meth:`lose`."""
 
     @property
     def url(self) -> str:
@@ -51,6 +55,11 @@ class TcpProxy:
         """From now until the next cut, throw away what clients send (the writes of every
         connection through the link vanish, unseen by either side)."""
         self._swallowing = True
+
+    def lose(self, marker: bytes, seconds: float) -> None:
+        """Throw away the next piece the server sends that holds ``marker``, unseen by the
+        client, and cut the link for ``seconds`` with it: what was in flight when a link went."""
+        self._lose = (marker, seconds)
 
     def restore(self) -> None:
         """End a cut now: new connections go through again."""
@@ -95,6 +104,11 @@ class TcpProxy:
                 if upward and self._swallowing:
                     self.swallowed += data
                     continue
+                if not upward and self._lose is not None and self._lose[0] in data:
+                    self.lost += 1
+                    self.cut(self._lose[1])
+                    self._lose = None
+                    return
                 dst.write(data)
                 await dst.drain()
         except (OSError, asyncio.IncompleteReadError):
