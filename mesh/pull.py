@@ -213,8 +213,9 @@ class Pull:
 
         A pull request the link left behind may still wait at the server (one sent through a
         leaf node, under accounts, outlives its requester until it expires): the reset would
-        hand them to it, and they would be lost again. While the consumer counts requests
-        waiting, none of them this pull's, it looks again at the next fetch, up to
+        hand them to it, and they would be lost again, as would anything delivered to it until
+        then. While the consumer counts requests waiting, none of them this pull's, it looks
+        again at the next fetch, up to
         :data:`STALE_LOOKS` times; then it resets all the same (the requests are another
         reader's, which gets them: it only repeats work its readers do once per message id)."""
         if not self.link_lost or self._got or self._reply:
@@ -222,10 +223,11 @@ class Pull:
         try:
             info = await self._api_call("INFO")
             unacked, waiting = info.get("num_ack_pending", 0), info.get("num_waiting", 0)
+            self._looks += 1
+            if waiting and self._looks < STALE_LOOKS:
+                return  # look again once requests the link left behind expired (they may
+                # take deliveries until then, unacked or not yet)
             if unacked:
-                self._looks += 1
-                if waiting and self._looks < STALE_LOOKS:
-                    return  # look again once requests the link left behind expired
                 await self._api_call("RESET")
                 log.info(
                     "deliveries lost with a link; sent again",
