@@ -322,6 +322,8 @@ class Connection(Lifecycle):
         """Drain subscriptions and flush pending publishes, within the drain timeout."""
         client, self._nc, self._js = self._nc, None, None
         write_batch, self._write_batch = self._write_batch, None
+        if self._acks is not None:
+            self._acks.close()
         self._acks = None
         await self.recovery.close()
         for watch in list(self.queue_watches.values()):

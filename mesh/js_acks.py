@@ -58,7 +58,8 @@ class Acks:
         self._next = 0
         self._sub: Subscription | None = None
         self._subscribing = asyncio.Lock()
-        self._looks: set[asyncio.Task[None]] = set()
+        self._looks: dict[asyncio.Future[Msg], asyncio.Task[None]] = {}
+        """The looks under way, by the publish they look for (cancelled when it ends)."""
 
     async def publish(
         self,
@@ -102,6 +103,9 @@ class Acks:
             timer.cancel()
             if look is not None:
                 look.cancel()
+                looking = self._looks.pop(acked, None)
+                if looking is not None:  # its answer no longer matters
+                    looking.cancel()
             self._pending.pop(token, None)
             self._unacked.pop(token, None)
         if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS:
@@ -130,16 +134,23 @@ class Acks:
         if acked is not None and not acked.done():
             acked.set_result(msg)
 
+    def close(self) -> None:
+        """Cancel the looks under way (the connection closes)."""
+        for task in self._looks.values():
+            task.cancel()
+        self._looks.clear()
+
     def _look(self, acked: asyncio.Future[Msg], gone: Gone) -> None:
-        task = asyncio.get_running_loop().create_task(self._looked(acked, gone))
-        self._looks.add(task)
-        task.add_done_callback(self._looks.discard)
+        self._looks[acked] = asyncio.get_running_loop().create_task(self._looked(acked, gone))
 
     async def _looked(self, acked: asyncio.Future[Msg], gone: Gone) -> None:
         try:
             missing = await gone()
         except Exception:  # a look that fails says nothing: the ack's own timeout stands
             return
+        finally:
+            if self._looks.get(acked) is asyncio.current_task():
+                del self._looks[acked]
         if missing and not acked.done():
             acked.set_exception(nats.js.errors.NoStreamResponseError())
 

@@ -112,6 +112,41 @@ async def test_a_slow_ack_asks_whether_its_stream_is_gone(conn: Connection, miss
         await listener.unsubscribe()
 
 
+async def test_a_look_still_under_way_ends_with_its_publish_and_with_the_connection(
+    nats_server: NatsServer,
+) -> None:
+    """A look that hangs (a hub that answers nothing) is cancelled when its publish ends, and
+    any still under way when the connection closes. Before, each ran on to its own timeout,
+    holding the closed connection."""
+    hung: list[asyncio.Event] = []
+
+    async def gone() -> bool:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            hung.append(asyncio.Event())
+            raise
+        return False
+
+    subject = f"silent.{uuid.uuid4().hex}"
+    async with Connection(make_settings(nats_server.url).nats, "acks") as conn:
+        listener = await conn.nc.subscribe(subject)
+        with pytest.raises(nats.errors.TimeoutError):
+            await conn.publish_acked(subject, b"x", timeout=1.3, gone=gone)
+        await eventually(lambda: _is(len(hung) == 1), what="the look cancelled with its publish")
+        waiting = asyncio.ensure_future(conn.publish_acked(subject, b"y", timeout=30, gone=gone))
+        acks = conn._acks
+        assert acks is not None
+        await eventually(lambda: _is(bool(acks._looks)), what="its look under way")
+        await listener.unsubscribe()
+    await eventually(lambda: _is(len(hung) == 2), what="the look cancelled with the connection")
+    waiting.cancel()
+
+
+async def _is(value: bool) -> bool:
+    return value
+
+
 async def test_publishes_are_acked_again_after_the_link_comes_back(
     nats_server: NatsServer, conn: Connection, js_stream: tuple[str, str]
 ) -> None:
