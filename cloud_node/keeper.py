@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -29,6 +29,15 @@ from protocol.subjects import ANSWERS_STREAM, answer_subject
 log = get_logger(__name__)
 
 
+RESTORED_WITHIN_S = 1.0
+"""How long a keep that found ``MESH_ANSWERS`` gone waits for the worker to put it back before
+it tries once more (then it hands the request back, 1 s, as any keep that fails)."""
+
+
+class AnswersGone(MeshError):
+    """``MESH_ANSWERS`` is not there (deleted, a hub restarted on an empty store)."""
+
+
 class Keeper:
     def __init__(
         self,
@@ -36,6 +45,7 @@ class Keeper:
         store: AnswerStore,
         timeout: float,
         on_lost: Callable[[str], None] | None = None,
+        restored: Callable[[float], Awaitable[bool]] | None = None,
     ) -> None:
         self.conn = conn
         self.store = store
@@ -43,6 +53,8 @@ class Keeper:
         self._on_lost = on_lost
         """Told when the hub's answer store is gone (a kept answer's publish, or its site's
         consumer, found no stream): the worker puts its streams back now."""
+        self._restored = restored
+        """Waits up to the given seconds for what ``on_lost`` started; whether it is back."""
         self._made: set[str] = set()
         """Scopes whose site consumer this worker has made (see :meth:`collectable`)."""
 
@@ -63,7 +75,8 @@ class Keeper:
         except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
             if isinstance(exc, NotFoundError):  # the stream
                 self._lost(exc)
-            elif scope in self._made:
+                raise AnswersGone(f"{ANSWERS_STREAM} is gone", retryable=True) from None
+            if scope in self._made:
                 log.warning("site consumer not made sure of; keeping anyway", error=repr(exc))
                 return
             raise MeshError(
@@ -88,9 +101,16 @@ class Keeper:
     ) -> bool:
         """:meth:`keep`, or, when it cannot keep now, hand the queue message back (a nak, 1 s):
         a later delivery finds the outcome stored and keeps it. The one rule for every keep
-        before a deferrable request's message is let go; ``what`` names it in the log."""
+        before a deferrable request's message is let go; ``what`` names it in the log. A keep
+        that found ``MESH_ANSWERS`` gone first waits for the worker to put it back, and tries
+        once more (a deleted stream cost the answer the 1 s hand-back before)."""
         try:
-            await self.keep(scope, request, publisher, outcome)
+            try:
+                await self.keep(scope, request, publisher, outcome)
+            except AnswersGone:
+                if self._restored is None or not await self._restored(RESTORED_WITHIN_S):
+                    raise
+                await self.keep(scope, request, publisher, outcome)
         except MeshError as err:
             log.warning(f"{what} not kept; handing the request back", error=err.message)
             with contextlib.suppress(nats.errors.Error):
@@ -156,6 +176,7 @@ class Keeper:
         except (asyncio.TimeoutError, nats.errors.Error, APIError) as exc:
             if isinstance(exc, NoStreamResponseError):
                 self._lost(exc)
+                raise AnswersGone(f"{ANSWERS_STREAM} is gone", retryable=True) from None
             raise MeshError(
                 f"cannot keep the answer: {type(exc).__name__}", retryable=True
             ) from None

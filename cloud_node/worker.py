@@ -67,6 +67,8 @@ from protocol.subjects import (
 
 log = get_logger(__name__)
 CAPACITY_POLL_S = 0.25
+RESTORE = "queue and registry"
+"""The worker's recovery step: its streams, the queue's consumer, its registry entry."""
 
 
 class Worker(Lifecycle):
@@ -94,7 +96,13 @@ class Worker(Lifecycle):
         # Workers may read any answer (they continue each other's); direct get is their right.
         self.store = AnswerStore(conn, settings.stream, filtered=False)
         self.store.on_missing = self._lost
-        self.keeper = Keeper(conn, self.store, settings.worker.publish_timeout, self._lost)
+        self.keeper = Keeper(
+            conn,
+            self.store,
+            settings.worker.publish_timeout,
+            self._lost,
+            restored=lambda within: self.conn.recovery.settled(RESTORE, within),
+        )
         self.leases = Leases(
             conn,
             settings.stream.name,
@@ -247,7 +255,7 @@ class Worker(Lifecycle):
         await self._heartbeat.start()
         undo = [
             self.conn.on_reconnect("answers in flight", self._catch_up),
-            self.conn.on_reconnect("queue and registry", self._restore),
+            self.conn.on_reconnect(RESTORE, self._restore),
         ]
         self._undo_reconnect = lambda: [u() for u in undo]
         for registry in (self.metrics.registry, self._nats_metrics.registry):
@@ -317,7 +325,7 @@ class Worker(Lifecycle):
         "Consumer Deleted", or nobody answered one or a kept answer's publish): put them back
         now, as after a reconnect, not at the next one."""
         if not self._stopping:
-            self.conn.recovery.again("queue and registry", why)
+            self.conn.recovery.again(RESTORE, why)
 
     async def stop(self) -> None:
         """Ordered: stop pulling, let in-flight requests finish (grace), hand the rest on."""
