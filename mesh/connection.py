@@ -173,15 +173,23 @@ class Connection(Lifecycle):
             return True
         if time.monotonic() - self._hub_answered_at < HUB_ANSWERED_S:
             return True  # one look serves every reader that heard "no responders" just now
+        if self._hub_look is None or self._hub_look.done():  # else: one look at a time
+            self._hub_look = asyncio.ensure_future(self._look_at_hub(timeout))
+        return await asyncio.shield(self._hub_look)  # a caller's cancel is its own
+
+    async def _look_at_hub(self, timeout: float) -> bool:
         try:
             await self.nc.request(f"{self.api_prefix}.STREAM.INFO.{NODES_STREAM}", b"", timeout)
-        except (nats.errors.Error, asyncio.TimeoutError):
+        except (nats.errors.Error, asyncio.TimeoutError, RuntimeError):
             return False
         self._hub_answered_at = time.monotonic()
         return True
 
     _hub_answered_at = -float("inf")
     """When the hub last answered :meth:`hub_answers` (``time.monotonic()``)."""
+    _hub_look: asyncio.Future[bool] | None = None
+    """The look at the hub under way: the readers that heard "no responders" while the uplink
+    is down wait on one (each sent its own before)."""
 
     def site_js(self) -> JetStreamContext:
         """The JetStream of the server this process is connected to (an edge site's own)."""
