@@ -275,15 +275,12 @@ class SiteLinks:
             except (*STREAM_GONE, *LINK_DOWN) as exc:
                 log.debug("forward not answered (a link down); holding on", error=repr(exc))
                 pause = FORWARD_RETRY_S  # refused at once, by the leaf or our own client
-            except APIError as exc:
-                if not _queue_full(exc):
+            except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+                if isinstance(exc, APIError) and not _queue_full(exc):
                     await self._refused(msg, f"the hub refused it: {exc.description}")
                     return  # for good: answered with a typed error, not held forever
-                log.debug("forward refused for now; holding on", error=repr(exc))
-                busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)
-            except (asyncio.TimeoutError, nats.errors.Error) as exc:
-                log.debug("forward failed; holding on", error=repr(exc))
-                busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)
+                log.debug("the hub cannot take it now; holding on", error=repr(exc))
+                busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)  # full, or too slow
             await asyncio.sleep(pause)
             if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
                 with contextlib.suppress(nats.errors.Error):
