@@ -155,7 +155,7 @@ class Worker(Lifecycle):
             self.store,
             settings.stream,
             node_id=self.node_id,
-            alive=self.handler.alive,
+            alive=self._alive,
             request_limits=settings.limits.request_limits(),
             resend=self.handler.resend,
         )
@@ -319,6 +319,14 @@ class Worker(Lifecycle):
         await self._provision()
         await self._heartbeat.beat()
         await self._puller.top_up(whole=True)
+
+    def _alive(self, address: str) -> dict[str, bool]:
+        """What this worker says to "are you there?" about the request on ``address``
+        (:meth:`cloud_node.serve.Handler.alive`), and that it is stopping when it is: it takes no
+        more work, so an edge asking whether the pool's workers are there counts it out (its
+        registry entry's delete may have been lost)."""
+        word = self.handler.alive(address)
+        return {**word, "stopping": True} if self._stopping else word
 
     def _lost(self, why: str) -> None:
         """The server says a stream or the queue's consumer is gone (a pull request ended with

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import Protocol
 
@@ -142,13 +143,16 @@ class CloudModels:
                 self._nodes.gone(node)
 
     async def _is_gone(self, node: str) -> bool:
-        """True only on the server's word, twice, that nobody listens for ``node``. A worker
-        that answers is there: the view hears from it, as from a heartbeat (its own may not
-        land while the registry refuses writes)."""
+        """True only on the server's word, twice, that nobody listens for ``node``, or on the
+        worker's own that it is stopping. A worker that answers otherwise is there: the view
+        hears from it, as from a heartbeat (its own may not land while the registry refuses
+        writes)."""
         subject = worker_alive_subject(node, self._scope, PROBE_ID)
         try:
             reply = await request_or_nobody(self._conn.nc, subject, b"", ALIVE_WAIT_S)
             if reply is not None:
+                if _stopping(reply.data):  # there, and taking no more work
+                    return True
                 self._nodes.heard_from(node)
                 return False
             return await self._conn.hub_answers(ALIVE_WAIT_S)  # not the uplink's word
@@ -163,3 +167,12 @@ class CloudModels:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _stopping(word: bytes) -> bool:
+    """Whether a worker's answer to "are you there?" says it is stopping."""
+    try:
+        said = json.loads(word)
+    except ValueError:
+        return False
+    return isinstance(said, dict) and said.get("stopping") is True

@@ -13,12 +13,16 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
+from cloud_node.worker import Worker
 from edge_node.served import CloudModels
-from mesh.config import MeshSettings
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.client import MeshClient
+from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import NOBODY_AGAIN_S, Connection
 from mesh.nats_server import NatsServer
 from mesh.node_view import NodeView
 from mesh.registry import NodeInfo, node_key, open_bucket
+from mesh.testing.chaos import expected_text
 from protocol.subjects import worker_alives
 from tests.helpers import eventually
 
@@ -137,6 +141,41 @@ async def test_a_registry_gone_silent_as_a_whole_says_nothing_of_its_workers(
 
 def _ids(view: NodeView) -> set[str]:
     return {info.node_id for info in view.askable()}
+
+
+async def _is(value: bool) -> bool:
+    return value
+
+
+async def test_a_stopping_worker_that_still_answers_is_counted_out(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """A worker draining its last answer still answers "are you there?" (its registry entry's
+    delete may have been lost: the edge then asks it). It says it is stopping, and the edge
+    counts it out of the pool. Before, its answer counted as a heartbeat and kept it live while
+    it took no more work."""
+    model = settings.edge.cloud_model
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", token_delay_ms=100))
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Worker(settings, wconn, backend) as worker,
+        MeshClient(settings=settings) as client,
+    ):
+        view = NodeView(conn, 30.0, pool=model)
+        await view.start()
+        models = CloudModels(conn, settings.stream, view, "scope-a")
+        try:
+            answering = asyncio.ensure_future(client.complete("x", max_tokens=30, via="cloud"))
+            await eventually(lambda: _is(backend.started == 1), what="the answer under way")
+            assert not await models._is_gone(worker.node_id)  # there, taking work
+            stopping = asyncio.ensure_future(worker.stop())
+            await eventually(lambda: _is(worker._stopping), what="the worker stopping")
+            assert await models._is_gone(worker.node_id)
+            answer = await asyncio.wait_for(answering, 30)  # drained, whole
+            assert answer.text == expected_text("t", 30)
+            await stopping
+        finally:
+            await view.stop()
 
 
 async def _is(value: bool) -> bool:
