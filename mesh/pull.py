@@ -12,9 +12,10 @@ messages arrive in a loop's hands as they come, not when a batch fills:
   that nobody answers, "503", or that the server refuses (a 400, a 409 the next request would
   get as well), raises :class:`PullLost` from :meth:`Pull.fetch` at once;
 - so does a request the server stopped speaking for: each asks for JetStream's idle heartbeats,
-  and two missed mean the request is gone (a consumer missing behind a leaf node's domain gets
-  no 503, only silence; a hub restarted under a leaf node drops the request without a word); the
-  first is waited for a round trip (:attr:`Pull.rtt`) longer;
+  and two missed, or no status by its expiry, mean the request is gone (a consumer missing
+  behind a leaf node's domain gets no 503, only silence; a hub restarted under a leaf node, or
+  an uplink cut, drops the request without a word); the first heartbeat and the expiry's
+  status are waited for a round trip (:attr:`Pull.rtt`) longer;
 - a reconnect of the connection ends the open request on the spot (it may have gone with the old
   link); its deliveries that still come are kept for the next fetch, never dropped, and those
   not fetched when the pull stops are handed back (nak);
@@ -132,8 +133,10 @@ class Pull:
             await self._ask(batch, timeout)
         while not self._got and self._reply and self._gone is None:
             now = loop.time()
-            if now >= self._ends_at:
-                self._reply = ""  # over without its status (lost with a link)
+            if now >= self._ends_at:  # over without the status that says so: lost with a link
+                self._reply = ""  # (a pull shorter than two heartbeats ends here, not below)
+                self._gone = "no word by its expiry"
+                self.link_lost = True
                 break
             if now - self._heard >= 2 * self._heartbeat + EXPIRY_MARGIN_S:
                 self._reply = ""
@@ -163,7 +166,7 @@ class Pull:
         self._reply, self._owed = reply, batch
         now = asyncio.get_running_loop().time()
         self._heard = now + self.rtt  # the first heartbeat comes a round trip later
-        self._ends_at = now + timeout + EXPIRY_MARGIN_S
+        self._ends_at = now + self.rtt + timeout + EXPIRY_MARGIN_S
         try:
             await self.conn.nc.publish(self._api, json.dumps(request).encode(), reply=reply)
         except nats.errors.Error:
