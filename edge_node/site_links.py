@@ -67,9 +67,15 @@ link to its leaf dropped waits at the hub until it expires (its requester gone b
 under accounts), and answers delivered to it meanwhile are lost until the site's loop has them
 sent again (:meth:`mesh.pull.Pull.redeliver`), which it does once no such pull waits."""
 PULL_HEARTBEAT_S = 0.5
-"""JetStream's idle heartbeat on each pull: two missed, and the pull is taken for lost (a hub
-restarted under the site's leaf node drops it without a word), so the loop looks for its
-consumer and pulls again within about 1.25 s (:mod:`mesh.pull`)."""
+"""JetStream's idle heartbeat on each pull: two missed, or no status by the pull's expiry, and
+the pull is taken for lost (a hub restarted under the site's leaf node, or an uplink cut, drops
+it without a word), so the loop looks for its consumer and pulls again within about 1.25 s
+(:mod:`mesh.pull`)."""
+FORWARD_ACK_S = 1.0
+"""How long the forwarder waits for its leaf to confirm the ack of a forwarded request. Local,
+so quick; an ack the leaf ignores (another edge of the site reset the consumer, see
+:meth:`mesh.pull.Pull.redeliver`) costs this, not the request timeout, before the next one
+goes (the request comes again and is forwarded again, dropped by the hub as a duplicate)."""
 FIRST_LOOK_S = 0.1
 """The first pause between looks for a consumer not there; it doubles up to :data:`RETRY_S`."""
 SITE_STREAMS = "site streams"
@@ -291,7 +297,7 @@ class SiteLinks:
         self._reached_hub = asyncio.Event()
         self.forward_order.append(_held_id(msg))
         with contextlib.suppress(nats.errors.Error):
-            await msg.ack_sync(timeout=self.conn.settings.request_timeout)
+            await msg.ack_sync(timeout=FORWARD_ACK_S)
         log.info("held request forwarded", request_id=_held_id(msg))
 
     async def _refused(self, msg: Msg, reason: str) -> None:

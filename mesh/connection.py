@@ -333,6 +333,8 @@ class Connection(Lifecycle):
         if self._acks is not None:
             self._acks.close()
         self._acks = None
+        if self._hub_look is not None:
+            self._hub_look.cancel()
         await self.recovery.close()
         for watch in list(self.queue_watches.values()):
             await watch.close()

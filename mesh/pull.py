@@ -99,6 +99,8 @@ class Pull:
         self.link_lost = False
         """A link may have taken deliveries with it since the last :meth:`redeliver`."""
         self._looks = 0
+        self._resets = True
+        """Whether the server takes ``CONSUMER.RESET`` from this pull (False once refused)."""
         self.rtt = 0.0
         """Seconds a round trip to the consumer's server takes, as the caller last measured it:
         the first heartbeat of a request is waited for that much longer (a slow uplink)."""
@@ -220,7 +222,13 @@ class Pull:
         then. While the consumer counts requests waiting, none of them this pull's, it looks
         again at the next fetch, up to
         :data:`STALE_LOOKS` times; then it resets all the same (the requests are another
-        reader's, which gets them: it only repeats work its readers do once per message id)."""
+        reader's: an edge's replica on the same site consumer).
+
+        The reset rewinds the whole consumer to its ack floor: what another reader holds comes
+        again, and its ack of it is ignored (it gets no confirmation), as may be this loop's own
+        last acks, not yet applied. Each such message is then handled twice, which the site's
+        loops make harmless: a forward again is dropped by the hub's queue as a duplicate, an
+        answer kept again by the site's store, both by message id."""
         if not self.link_lost or self._got or self._reply:
             return
         try:
@@ -230,18 +238,32 @@ class Pull:
             if waiting and self._looks < STALE_LOOKS:
                 return  # look again once requests the link left behind expired (they may
                 # take deliveries until then, unacked or not yet)
-            if unacked:
-                await self._api_call("RESET")
-                log.info(
-                    "deliveries lost with a link; sent again",
-                    consumer=self.consumer,
-                    unacked=unacked,
-                    waiting=waiting,
-                )
         except (asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
             log.debug("unacked deliveries not looked at", consumer=self.consumer, error=repr(exc))
-            return
+            return  # looked at again at the next fetch
         self.link_lost, self._looks = False, 0
+        if unacked and self._resets:
+            await self._reset(unacked, waiting)
+
+    async def _reset(self, unacked: int, waiting: int) -> None:
+        try:
+            await self._api_call("RESET")
+        except (asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
+            self._resets = False  # asked again, it would wait as long for nothing
+            log.warning(
+                "cannot reset the consumer: deliveries lost with a link come again after its "
+                "ack wait (it needs nats-server 2.14, and edge credentials minted by "
+                "`mesh creds` since; run it again)",
+                consumer=self.consumer,
+                error=repr(exc),
+            )
+            return
+        log.info(
+            "deliveries lost with a link; sent again",
+            consumer=self.consumer,
+            unacked=unacked,
+            waiting=waiting,
+        )
 
     async def _api_call(self, call: str) -> dict[str, Any]:
         """``CONSUMER.<call>`` on this pull's consumer (its JSON answer). Raises ValueError for

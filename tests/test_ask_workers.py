@@ -176,7 +176,3 @@ async def test_a_stopping_worker_that_still_answers_is_counted_out(
             await stopping
         finally:
             await view.stop()
-
-
-async def _is(value: bool) -> bool:
-    return value

@@ -235,3 +235,31 @@ async def test_messages_dropped_elsewhere_on_a_live_link_ask_for_no_second_pull(
 
 async def _waiting_pulls(conn: Connection, n: int) -> bool:
     return (await conn.jsm().consumer_info(STREAM, CONSUMER)).num_waiting == n
+
+
+async def test_a_refused_reset_is_not_asked_for_again(conn: Connection) -> None:
+    """A server before 2.14, or credentials minted before the right was given, refuses
+    ``CONSUMER.RESET`` (or lets it go unanswered: a permission violation): the pull says so once
+    and leaves lost deliveries to the ack wait, rather than ask again after every link loss."""
+    pull = await _pull(conn)
+    calls: list[str] = []
+    api_call = pull._api_call
+
+    async def refusing(call: str) -> dict[str, object]:
+        calls.append(call)
+        if call == "RESET":
+            raise ValueError("RESET: unknown API")
+        return await api_call(call)
+
+    pull._api_call = refusing  # type: ignore[method-assign]
+    try:
+        await conn.js.publish("pt.a", b"x")
+        assert len(await pull.fetch(1, 5.0)) == 1  # held unacked, as one lost with a link
+        pull.link_lost = True
+        await pull.redeliver()
+        assert calls == ["INFO", "RESET"] and not pull.link_lost
+        pull.link_lost = True
+        await pull.redeliver()
+        assert calls == ["INFO", "RESET", "INFO"] and not pull.link_lost
+    finally:
+        await pull.stop()
