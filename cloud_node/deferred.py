@@ -30,8 +30,8 @@ from cloud_node.keeper import Keeper
 from cloud_node.lease import OTHER_COPY, Holding, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
-from cloud_node.serve import Ack, Delivery, Handler, Parts, Release, too_late
-from cloud_node.takeover import Unread, unseen_attempt
+from cloud_node.serve import Ack, Delivery, Handler, Parts, Release
+from cloud_node.takeover import Unread, too_late, unseen_attempt
 from mesh.config import MeshSettings
 from mesh.logs import get_logger
 from protocol.codec import WireFormat, error_event

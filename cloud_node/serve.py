@@ -34,10 +34,11 @@ from nats.aio.msg import Msg
 from cloud_node.admission import check
 from cloud_node.cancels import CancelBook
 from cloud_node.counts import WorkerCounts
+from cloud_node.epoch import QueueEpoch
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive, LoopStalls, Renew
 from cloud_node.publisher import AnswerPublisher, Settler
-from cloud_node.takeover import Takeover, Unread, unseen_attempt
+from cloud_node.takeover import Takeover, Unread, too_late, unseen_attempt
 from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -94,10 +95,11 @@ class Delivery:
     """The connection's drops and the process's stand-stills when it arrived (either since
     means the delivery may have been handed to another worker: :mod:`cloud_node.orphans`)."""
 
-    @property
-    def copy(self) -> bool:
-        """Whether its sender queued it again (:data:`mesh.queue.COPY_HEADER`)."""
-        return COPY_HEADER in (self.msg.headers or {})
+    maybe_held: bool = False
+    """Whether another worker may hold the request already, generating it unseen: its sender
+    queued it again (:data:`mesh.queue.COPY_HEADER`), or it is older than the consumer that
+    delivered it (:mod:`cloud_node.epoch`). Its answer then numbers above any attempt the other
+    can reach, and it reads what the store holds first, as a redelivery does."""
 
     def queued_ms(self) -> float:
         """How long it waited in the queue, until now."""
@@ -137,20 +139,6 @@ def store_look_timeout(settings: MeshSettings) -> float:
     return min(settings.worker.publish_timeout, 0.2 * settings.stream.ack_wait)
 
 
-def too_late(request: InferRequest, history: AnswerState | Unread | None) -> MeshError | None:
-    """The error of a request no worker started before its ``start_by`` (one that an earlier
-    attempt started is continued past it). A store that could not be read is no proof that
-    nothing started: such a request is started over, not refused."""
-    if history is Unread.STORE:
-        return None
-    started_before = history is not None and history.started
-    if started_before or not request.past_start_by():
-        return None
-    return DeadlineExceededError(
-        "no worker could start the request before its start_by time", request_id=request.id
-    )
-
-
 class Handler(ABC):
     """Serves the requests a worker's puller delivers, one task each (:meth:`handle`). The worker
     builds :class:`cloud_node.deferred.DeferrableHandler`, which adds the path of requests that
@@ -184,18 +172,22 @@ class Handler(ABC):
         or a reconnect (:meth:`recheck`)."""
         self.stalls = LoopStalls(on_stall=self.recheck)
         """This process's stand-stills (the worker runs its ticker)."""
+        self.epoch = QueueEpoch(parts.conn, store_look_timeout(settings))
 
     async def handle(self, msg: Msg) -> None:
         """One delivery, in its own task; returns once the queue message is acked, handed back
         or left to its redelivery, never raising for the request's sake."""
+        attempt = msg.metadata.num_delivered
         delivery = Delivery(
             msg,
-            attempt=msg.metadata.num_delivered,
+            attempt=attempt,
             received=asyncio.get_running_loop().time(),
             drops=self.conn.drops,
             stalls=self.stalls.count(),
+            maybe_held=attempt == 1
+            and (COPY_HEADER in (msg.headers or {}) or await self.epoch.predates(msg)),
         )
-        if delivery.attempt > 1:
+        if attempt > 1:
             self.counts.redelivery()
         try:
             request, fmt = decode_request(
@@ -232,20 +224,22 @@ class Handler(ABC):
             # A first delivery asks the engine now: what follows runs while it prefills (a
             # redelivery first reads what earlier attempts left, to continue from it).
             asked = None
-            if attempt == 1 and too_late(request, None) is None:
+            first = attempt == 1 and not delivery.maybe_held
+            if first and too_late(request, None) is None:
                 asked = Asked(self.backend.generate(request))
             try:
                 publisher = self._publisher(scope, request, fmt)
                 fingerprint = request_fingerprint(request)  # once: a hash of the conversation
                 found = await self.takeover.history(
-                    request, fingerprint, publisher.subject, attempt
+                    request, fingerprint, publisher.subject, look=not first
                 )
                 history = None if found is Unread.STORE else found
                 if history is not None and history.done:
                     if await self.takeover.already_done(msg, publisher, history):
                         await self.ack(msg)
                     return
-                late = too_late(request, found)
+                # Maybe held elsewhere, its start not in the store yet: no proof none started.
+                late = None if delivery.maybe_held else too_late(request, found)
                 if late is not None:
                     await self.outcomes.reject(msg, late, attempt)
                     return
@@ -313,10 +307,10 @@ class Handler(ABC):
         delivery: Delivery,
     ) -> AnswerWriter:
         """This attempt's writer: it takes over an answer an earlier attempt started (continued
-        or started over), numbered after every attempt the store holds. A copy its sender
-        queued again numbers above any the original can reach (:func:`unseen_attempt`). The
-        delivery count still decides retries."""
-        attempt = unseen_attempt() if delivery.copy else delivery.attempt
+        or started over), numbered after every attempt the store holds. A delivery another
+        worker may hold already numbers above any attempt it can reach (:func:`unseen_attempt`).
+        The delivery count still decides retries."""
+        attempt = unseen_attempt() if delivery.maybe_held else delivery.attempt
         if history is not None and history.started:
             return self.takeover.writer(request, history, max(attempt, history.attempt + 1))
         return AnswerWriter(request.id, attempt=attempt, node=self.node, fingerprint=fingerprint)

@@ -18,7 +18,7 @@ from cloud_node.counts import WorkerCounts
 from cloud_node.publisher import AnswerPublisher
 from mesh.answer_store import AnswerStore
 from mesh.logs import get_logger
-from protocol.errors import ErrorCode, MeshError
+from protocol.errors import DeadlineExceededError, ErrorCode, MeshError
 from protocol.messages import ErrorEvent, InferRequest
 from protocol.stream import AnswerState, AnswerWriter, Resume
 
@@ -75,12 +75,12 @@ class Takeover:
         return state
 
     async def history(
-        self, request: InferRequest, fingerprint: str, subject: str, attempt: int
+        self, request: InferRequest, fingerprint: str, subject: str, *, look: bool
     ) -> AnswerState | Unread | None:
-        """What earlier attempts left, for a redelivery (None on a first delivery or without a
-        store; :attr:`Unread.STORE` when the store cannot be read: then the answer starts
-        over)."""
-        if attempt == 1:
+        """What earlier attempts left, for a redelivery or a delivery another worker may hold
+        (``look``; None otherwise, or without a store; :attr:`Unread.STORE` when the store
+        cannot be read: then the answer starts over)."""
+        if not look:
             return None
         try:
             return await self.read(request.id, fingerprint, subject)
@@ -134,3 +134,17 @@ class Takeover:
             return False
         log.info("outcome already stored; acking without generating")
         return True
+
+
+def too_late(request: InferRequest, history: AnswerState | Unread | None) -> MeshError | None:
+    """The error of a request no worker started before its ``start_by`` (one that an earlier
+    attempt started is continued past it). A store that could not be read is no proof that
+    nothing started: such a request is started over, not refused."""
+    if history is Unread.STORE:
+        return None
+    started_before = history is not None and history.started
+    if started_before or not request.past_start_by():
+        return None
+    return DeadlineExceededError(
+        "no worker could start the request before its start_by time", request_id=request.id
+    )

@@ -7,12 +7,17 @@ readers would take each position from whichever came first and mix the two texts
 carries ``Mesh-Copy``: a worker numbers its attempt above any the original can reach, so
 readers start over with the copy and drop the original's later events.
 
+The same holds when the pool's consumer (not the stream) is lost: made again, it delivers the
+messages the stream kept as first deliveries, one of them held by a worker still; a worker
+numbers a delivery older than its consumer as a copy (:mod:`cloud_node.epoch`).
+
 Real nats-server and two workers; the copy is published the way the watch does into a queue
 made anew (another message id, so this queue takes it beside the original)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 
@@ -26,6 +31,7 @@ from mesh.nats_server import NatsServer
 from mesh.queue import COPY_HEADER, MSG_ID_HEADER
 from mesh.testing.chaos import expected_text
 from protocol.messages import InferRequest
+from protocol.subjects import consumer_name
 from tests.conftest import make_settings
 from tests.helpers import eventually
 
@@ -49,8 +55,15 @@ class Labelled(DeterministicBackend):
             yield replace(chunk, text=chunk.text and f"{self.label}{chunk.text}")
 
 
-def labelled(label: str) -> str:
-    return "".join(f"{label} t{i}" for i in range(TOKENS))
+def one_chain(text: str) -> bool:
+    """Whether ``text`` is one answer: its tokens in order, from one worker, or from the
+    original's up to where the other took it over and continued it (as after any takeover),
+    never back again."""
+    labels = re.findall(r"([AB]) t(\d+)", text)
+    whole = "".join(f"{label} t{i}" for label, i in labels) == text
+    in_order = [int(i) for _, i in labels] == list(range(TOKENS))
+    said = "".join(label for label, _ in labels)
+    return whole and in_order and said.lstrip("A").lstrip("B") == ""
 
 
 async def _is(value: bool) -> bool:
@@ -84,4 +97,29 @@ async def test_two_workers_generating_one_request_give_one_answer(own_server: Na
             await eventually(lambda: _is(b.started == 1), what="the copy taken")
             answer = await asyncio.wait_for(asking, 30)
     assert answer.path == "cloud"
-    assert answer.text in (labelled("A"), labelled("B")), answer.text
+    assert one_chain(answer.text), answer.text
+
+
+async def test_a_request_delivered_again_by_a_consumer_made_anew_gives_one_answer(
+    own_server: NatsServer,
+) -> None:
+    """The pool's consumer deleted while the slower worker generates; the faster one, started
+    after, makes it again and takes the request the stream kept, as a first delivery with no
+    mark. Before, both were attempt 1: the SDK got a typed ``incomplete`` error."""
+    settings = make_settings(own_server.url)
+    a, b = Labelled("A", token_delay_ms=80), Labelled("B", token_delay_ms=10)
+    async with (
+        Connection(settings.nats, "worker-a") as aconn,
+        Connection(settings.nats, "worker-b") as bconn,
+        Connection(settings.nats, "operator") as op,
+        Worker(settings, aconn, a),
+        MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
+    ):
+        asking = asyncio.ensure_future(client.complete("x", max_tokens=TOKENS, via="cloud"))
+        await eventually(lambda: _is(a.started == 1), what="the original taken")
+        await op.jsm().delete_consumer(settings.stream.name, consumer_name(a.model))
+        async with Worker(settings, bconn, b):
+            await eventually(lambda: _is(b.started == 1), what="delivered again, taken")
+            answer = await asyncio.wait_for(asking, 30)
+    assert answer.path == "cloud"
+    assert one_chain(answer.text), answer.text
