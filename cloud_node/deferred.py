@@ -31,14 +31,14 @@ from cloud_node.lease import OTHER_COPY, Holding, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.serve import Ack, Delivery, Handler, Parts, Release
-from cloud_node.takeover import Unread, too_late, unseen_attempt
+from cloud_node.takeover import Unread, too_late
 from mesh.config import MeshSettings
 from mesh.logs import get_logger
 from protocol.codec import WireFormat, error_event
 from protocol.errors import MeshError
 from protocol.fingerprint import request_fingerprint
 from protocol.messages import InferRequest
-from protocol.stream import AnswerState, AnswerWriter
+from protocol.stream import AnswerState
 from protocol.subjects import scope_of
 
 log = get_logger(__name__)
@@ -145,13 +145,9 @@ class DeferrableHandler(Handler):
             if late is not None:
                 await self._refuse(msg, scope, request, late, attempt)
                 return
-            if found is Unread.STORE:
-                # Another copy may have begun it unseen: number above it (see unseen_attempt).
-                writer = AnswerWriter(
-                    request.id, attempt=unseen_attempt(), node=self.node, fingerprint=fingerprint
-                )
-            else:  # after every attempt the store holds, another copy's too
-                writer = self._writer(request, fingerprint, history, delivery)
+            # After every attempt the store holds, another copy's too; above any, unseen, when
+            # the store could not be read (see unseen_attempt).
+            writer = self._writer(request, fingerprint, found, delivery)
             release = KeepFirst(
                 msg, self.ack, self._keep, self.keeper, self.outcomes, scope, request
             )

@@ -39,7 +39,8 @@ class QueueEpoch:
         """The highest consumer sequence seen from each consumer."""
 
     async def predates(self, msg: Msg) -> bool:
-        """Whether ``msg``, a first delivery, was stored before its consumer was made."""
+        """Whether ``msg`` was stored before the consumer that delivered it was made (each of
+        its deliveries then is: a redelivery must number above the first, too)."""
         meta = msg.metadata
         consumer, seq = meta.consumer, meta.sequence.consumer
         if consumer is None:

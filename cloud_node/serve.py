@@ -184,8 +184,7 @@ class Handler(ABC):
             received=asyncio.get_running_loop().time(),
             drops=self.conn.drops,
             stalls=self.stalls.count(),
-            maybe_held=attempt == 1
-            and (COPY_HEADER in (msg.headers or {}) or await self.epoch.predates(msg)),
+            maybe_held=COPY_HEADER in (msg.headers or {}) or await self.epoch.predates(msg),
         )
         if attempt > 1:
             self.counts.redelivery()
@@ -243,7 +242,7 @@ class Handler(ABC):
                 if late is not None:
                     await self.outcomes.reject(msg, late, attempt)
                     return
-                writer = self._writer(request, fingerprint, history, delivery)
+                writer = self._writer(request, fingerprint, found, delivery)
                 release = Release(msg, self.ack)  # the answer is stored: ack
                 await self._generate(
                     delivery, request, publisher, writer, queued_ms, release, asked=asked
@@ -303,14 +302,18 @@ class Handler(ABC):
         self,
         request: InferRequest,
         fingerprint: str,
-        history: AnswerState | None,
+        found: AnswerState | Unread | None,
         delivery: Delivery,
     ) -> AnswerWriter:
         """This attempt's writer: it takes over an answer an earlier attempt started (continued
-        or started over), numbered after every attempt the store holds. A delivery another
-        worker may hold already numbers above any attempt it can reach (:func:`unseen_attempt`).
-        The delivery count still decides retries."""
-        attempt = unseen_attempt() if delivery.maybe_held else delivery.attempt
+        or started over), numbered after every attempt the store holds. One that another
+        attempt may have begun unseen (a delivery another worker may hold; a request that can
+        wait whose store could not be read: another copy's) numbers above any it can reach
+        (:func:`unseen_attempt`). The delivery count still decides retries."""
+        attempt = delivery.attempt
+        if delivery.maybe_held or (found is Unread.STORE and request.deferrable):
+            attempt = unseen_attempt(delivery.attempt)
+        history = None if found is Unread.STORE else found
         if history is not None and history.started:
             return self.takeover.writer(request, history, max(attempt, history.attempt + 1))
         return AnswerWriter(request.id, attempt=attempt, node=self.node, fingerprint=fingerprint)

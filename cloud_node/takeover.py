@@ -25,16 +25,24 @@ from protocol.stream import AnswerState, AnswerWriter, Resume
 log = get_logger(__name__)
 
 
-def unseen_attempt() -> int:
+SKEW_MARGIN_US = 60_000_000
+"""A minute, in microseconds: each later delivery numbers this much above what
+:func:`unseen_attempt` gives, so it outranks an earlier one numbered so on a worker whose clock
+ran up to a minute ahead."""
+
+
+def unseen_attempt(deliveries: int = 1) -> int:
     """An attempt number above any the answer store can hold: microseconds since the epoch
-    (about 1.8e15, exact in JSON's doubles too). Given to an attempt that another may be
-    generating unseen, numbered from 1: a copy of a request that can wait which could not read
-    the store (:mod:`cloud_node.deferred`), or a copy its sender queued again
-    (:data:`mesh.queue.COPY_HEADER`) while a worker may hold the original. Numbered alike,
-    readers would take the two attempts for one and mix their tokens. Numbered above, this
-    attempt's start is the newest: readers start over with it, and drop the other's later
-    events. Attempts that read the store later number after it."""
-    return time.time_ns() // 1000
+    (about 1.8e15, exact in JSON's doubles too), plus :data:`SKEW_MARGIN_US` for each delivery
+    before this one. Given to an attempt that another may be generating unseen, numbered from 1:
+    a delivery that could not read the store (another copy of a request that can wait, an
+    earlier attempt of one that cannot), or one another worker may hold already (a copy its
+    sender queued again, :data:`mesh.queue.COPY_HEADER`; a message older than its consumer,
+    :mod:`cloud_node.epoch`). Numbered alike, readers would take the two attempts for one and
+    mix their tokens. Numbered above, this attempt's start is the newest: readers go on with it
+    (or start over), and drop the other's later events. Attempts that read the store later
+    number after it."""
+    return time.time_ns() // 1000 + (deliveries - 1) * SKEW_MARGIN_US
 
 
 class Unread(Enum):
