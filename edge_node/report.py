@@ -56,7 +56,7 @@ def canonical_line(record: Record, received: float, *, streaming: bool) -> None:
             finish=outcome.finish_reason,
             ttft_ms=outcome.timings.ttft_ms,
             fallback=outcome.fallback,
-            attempts=outcome.attempt,
+            attempt=outcome.attempt,  # a delivery count, or a time-based number (a copy)
         )
         if outcome.routing is not None:
             fields.update(

@@ -274,7 +274,9 @@ class TokenEvent(_Wire):
     text: str
     """One or several coalesced tokens."""
     attempt: int = Field(default=1, ge=1)
-    """Delivery attempt that produced this text (JetStream ``num_delivered``)."""
+    """The attempt that produced this text: its delivery count (JetStream ``num_delivered``),
+    or a number above any other attempt's (microseconds since the epoch) when another attempt
+    may have been generating it unseen (see :mod:`protocol.stream`)."""
     n: int = Field(default=1, ge=0)
     """Engine tokens in ``text`` (a continuation subtracts them from ``max_tokens``)."""
     logprobs: list[TokenLogprob] | None = None
