@@ -109,7 +109,7 @@ class DeferrableHandler(Handler):
         try:
             scope = self._admit(msg, request)
         except MeshError as err:
-            await self._refuse(msg, scope_of(msg.subject), request, err, attempt)
+            await self._refuse(msg, scope_of(msg.subject), request, err, delivery.number())
             return
         with self._serving(delivery, request, scope):
             queued_ms = delivery.queued_ms()
@@ -141,7 +141,8 @@ class DeferrableHandler(Handler):
                 log.info("answer already kept; acking without generating")
                 await self.ack(msg)
                 return
-            late = too_late(request, found)
+            # Maybe held elsewhere, its start not in the store yet: no proof none started.
+            late = None if delivery.maybe_held else too_late(request, found)
             if late is not None:
                 await self._refuse(msg, scope, request, late, attempt)
                 return

@@ -1,5 +1,5 @@
-"""Whether a first delivery may be one another worker holds already: the message is older than
-the consumer that delivered it.
+"""Whether a delivery may be of a request another worker holds already: the message is older
+than the consumer that delivered it.
 
 A pool's consumer deleted and made again (``nats consumer rm``, a worker's restore after
 "Consumer Deleted") over a stream that kept its messages delivers each of them again as a first
@@ -8,15 +8,19 @@ attempt 1: a second worker taking it as attempt 1 too would have readers mix the
 attempts apart, not nodes). Such a delivery is numbered as a copy queued again by its sender is
 (:data:`mesh.queue.COPY_HEADER`, :func:`cloud_node.takeover.unseen_attempt`).
 
-The consumer's creation time is looked up at a worker's first delivery from it, and again when
-its deliveries count from lower than before (consumer sequences only grow: a lower one is a
-consumer made anew). A look that fails says nothing (False): the delivery is numbered as ever.
+The consumer's creation time is looked up (one look at a time per consumer) at a worker's first
+delivery from it; again when its deliveries count from lower than before (a consumer made anew
+counts from 1), when the worker heard its consumer was lost (:meth:`QueueEpoch.forget`), and at
+a delivery once the last look is :data:`LOOK_AGAIN_S` old (a worker busy while its consumer was
+made anew hears none of that). A look that fails counts every delivery as maybe held for
+:data:`FAILED_LOOK_S`: the safe side (the store read first, the attempt numbered high).
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+import time
+from datetime import datetime, timezone
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -26,6 +30,11 @@ from mesh.connection import Connection
 from mesh.logs import get_logger
 
 log = get_logger(__name__)
+LOOK_AGAIN_S = 5.0
+"""How old a look may be before a delivery looks again."""
+FAILED_LOOK_S = 1.0
+"""How long a failed look stands (every delivery meanwhile counted as maybe held)."""
+NEVER = datetime.min.replace(tzinfo=timezone.utc)
 
 
 class QueueEpoch:
@@ -34,9 +43,16 @@ class QueueEpoch:
     def __init__(self, conn: Connection, timeout: float) -> None:
         self.conn = conn
         self.timeout = timeout
-        self._created: dict[str, datetime] = {}
+        self._created: dict[str, tuple[datetime | None, float]] = {}
+        """By consumer: its creation time (None: the look failed), and when it was looked up."""
         self._last: dict[str, int] = {}
         """The highest consumer sequence seen from each consumer."""
+        self._looking: dict[str, asyncio.Future[None]] = {}
+
+    def forget(self) -> None:
+        """The worker heard its consumer was lost: look again at the next delivery."""
+        self._created.clear()
+        self._last.clear()
 
     async def predates(self, msg: Msg) -> bool:
         """Whether ``msg`` was stored before the consumer that delivered it was made (each of
@@ -45,20 +61,31 @@ class QueueEpoch:
         consumer, seq = meta.consumer, meta.sequence.consumer
         if consumer is None:
             return False
-        if seq <= self._last.get(consumer, 0) or consumer not in self._created:
+        known = self._created.get(consumer)
+        now = time.monotonic()
+        stale = known is None or now - known[1] > (LOOK_AGAIN_S if known[0] else FAILED_LOOK_S)
+        if stale or seq <= self._last.get(consumer, 0):
             await self._look(meta.stream, consumer)
-        self._last[consumer] = seq
-        created = self._created.get(consumer)
-        return created is not None and meta.timestamp < created
+            self._last[consumer] = seq
+        else:
+            self._last[consumer] = max(seq, self._last.get(consumer, 0))
+        created = self._created[consumer][0]
+        return created is None or meta.timestamp < created
 
     async def _look(self, stream: str, consumer: str) -> None:
-        self._created.pop(consumer, None)
+        looking = self._looking.get(consumer)
+        if looking is None or looking.done():
+            looking = asyncio.ensure_future(self._lookup(stream, consumer))
+            self._looking[consumer] = looking
+        await asyncio.shield(looking)
+
+    async def _lookup(self, stream: str, consumer: str) -> None:
         try:
             info = await asyncio.wait_for(
                 self.conn.jsm().consumer_info(stream, consumer), self.timeout
             )
-        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            created = info.created or NEVER  # a server that does not say: none is held
+        except (APIError, asyncio.TimeoutError, nats.errors.Error, RuntimeError) as exc:
             log.info("cannot tell when the queue's consumer was made", error=repr(exc))
-            return
-        if info.created is not None:
-            self._created[consumer] = info.created
+            created = None
+        self._created[consumer] = (created, time.monotonic())

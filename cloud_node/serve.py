@@ -101,6 +101,12 @@ class Delivery:
     delivered it (:mod:`cloud_node.epoch`). Its answer then numbers above any attempt the other
     can reach, and it reads what the store holds first, as a redelivery does."""
 
+    def number(self) -> int:
+        """The attempt number of what this delivery writes with no answer to continue (a
+        rejection; a start when the store holds none): its delivery count, or above any
+        attempt another worker may reach when it may hold the request (:func:`unseen_attempt`)."""
+        return unseen_attempt(self.attempt) if self.maybe_held else self.attempt
+
     def queued_ms(self) -> float:
         """How long it waited in the queue, until now."""
         return max(0.0, (time.time() - self.msg.metadata.timestamp.timestamp()) * 1000)
@@ -197,7 +203,7 @@ class Handler(ABC):
                 on_unknown=log_unknown_fields,
             )
         except MeshError as err:
-            await self.outcomes.reject(msg, err, delivery.attempt)
+            await self.outcomes.reject(msg, err, delivery.number())
             return
         if request.deferrable:  # its own path: cloud_node.deferred
             await self.serve_deferrable(delivery, request, fmt.reply_format)
@@ -216,7 +222,7 @@ class Handler(ABC):
         try:
             scope = self._admit(msg, request)
         except MeshError as err:
-            await self.outcomes.reject(msg, err, attempt)
+            await self.outcomes.reject(msg, err, delivery.number())
             return
         with self._serving(delivery, request, scope):
             queued_ms = delivery.queued_ms()
@@ -307,11 +313,11 @@ class Handler(ABC):
     ) -> AnswerWriter:
         """This attempt's writer: it takes over an answer an earlier attempt started (continued
         or started over), numbered after every attempt the store holds. One that another
-        attempt may have begun unseen (a delivery another worker may hold; a request that can
-        wait whose store could not be read: another copy's) numbers above any it can reach
-        (:func:`unseen_attempt`). The delivery count still decides retries."""
-        attempt = delivery.attempt
-        if delivery.maybe_held or (found is Unread.STORE and request.deferrable):
+        attempt may have begun unseen (a delivery another worker may hold, a store that could
+        not be read) numbers above any it can reach (:func:`unseen_attempt`). The delivery
+        count still decides retries."""
+        attempt = delivery.number()
+        if found is Unread.STORE:  # an earlier attempt (another copy's) may number so too
             attempt = unseen_attempt(delivery.attempt)
         history = None if found is Unread.STORE else found
         if history is not None and history.started:

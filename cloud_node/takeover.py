@@ -26,9 +26,11 @@ log = get_logger(__name__)
 
 
 SKEW_MARGIN_US = 60_000_000
-"""A minute, in microseconds: each later delivery numbers this much above what
-:func:`unseen_attempt` gives, so it outranks an earlier one numbered so on a worker whose clock
-ran up to a minute ahead."""
+"""A minute, in microseconds: each later delivery of a message numbers this much above what
+:func:`unseen_attempt` gives, so it outranks an earlier delivery of the same message numbered
+so on a worker whose clock ran up to a minute ahead. Only within one message's deliveries: a
+copy queued anew, or a consumer made anew, counts its deliveries from 1 again, and then only
+the store read first (what a copy's delivery does) orders it after an earlier chain's."""
 
 
 def unseen_attempt(deliveries: int = 1) -> int:

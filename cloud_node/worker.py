@@ -316,6 +316,7 @@ class Worker(Lifecycle):
         """After a reconnect: a server restart may have lost memory-stored state (the queue's
         consumer, the registry bucket): put it back (idempotent), announce this worker, and
         cover its free slots (the pull requests of a lost consumer ended with it)."""
+        self.handler.epoch.forget()  # the consumer may have been made anew
         await self._provision()
         await self._heartbeat.beat()
         await self._puller.top_up(whole=True)
@@ -333,6 +334,7 @@ class Worker(Lifecycle):
         "Consumer Deleted", or nobody answered one or a kept answer's publish): put them back
         now, as after a reconnect, not at the next one."""
         if not self._stopping:
+            self.handler.epoch.forget()
             self.conn.recovery.again(RESTORE, why)
 
     async def stop(self) -> None:

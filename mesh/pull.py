@@ -21,9 +21,10 @@ messages arrive in a loop's hands as they come, not when a batch fills:
   not fetched when the pull stops are handed back (nak);
 - deliveries the server sent into a link as it went are counted delivered and unacked, and
   JetStream sends them again only after the consumer's ack wait (30 s on a site's consumers).
-  After a reconnect or lost heartbeats, once the loop holds nothing and has no request open,
-  :meth:`Pull.redeliver` looks: if the consumer still counts deliveries unacked, it is reset
-  to its ack floor (``CONSUMER.RESET``, nats-server 2.14+), which sends them again now.
+  After a reconnect, lost heartbeats or an expiry without a word, once the loop holds nothing
+  and has no request open, :meth:`Pull.redeliver` looks: if the consumer still counts
+  deliveries unacked, it is reset to its ack floor (``CONSUMER.RESET``, nats-server 2.14+),
+  which sends them again now.
 
 Deliveries carry their stream subject, not the request's reply subject, so one that comes late
 for an older request counts against the open one: that one may then be taken for filled and a
@@ -64,10 +65,26 @@ STALE_LOOKS = 3
 :meth:`Pull.redeliver` resets it all the same (a caller pulling for 1 s: about 2 s)."""
 
 
+RESET_TRIES = 3
+"""Failed resets in a row (no answer in time, nobody serving it) before a pull stops asking."""
+MAX_RTT_S = 1.0
+"""The most a measured round trip adds to the waits for a pull's first heartbeat and expiry
+(one sample, taken after a loss, may be one slow answer of a hub still recovering)."""
+
+
 class PullLost(nats.errors.Error):
     """The server says the consumer is gone (its pull request ended "409 Consumer Deleted"),
-    nobody serves it ("503"), or its heartbeats stopped: the consumer may have to be made
-    again, or the link to it come back, before anything more comes."""
+    nobody serves it ("503"), or its heartbeats stopped or its expiry came without a word: the
+    consumer may have to be made again, or the link to it come back, before anything more
+    comes."""
+
+
+class Refused(ValueError):
+    """An error answer of the JetStream API."""
+
+    def __init__(self, call: str, error: dict[str, Any]) -> None:
+        super().__init__(f"{call}: {error}")
+        self.code = int(error.get("code", 0))
 
 
 class Pull:
@@ -101,6 +118,7 @@ class Pull:
         self._looks = 0
         self._resets = True
         """Whether the server takes ``CONSUMER.RESET`` from this pull (False once refused)."""
+        self._failed_resets = 0
         self.rtt = 0.0
         """Seconds a round trip to the consumer's server takes, as the caller last measured it:
         the first heartbeat of a request is waited for that much longer (a slow uplink)."""
@@ -167,8 +185,9 @@ class Pull:
         }
         self._reply, self._owed = reply, batch
         now = asyncio.get_running_loop().time()
-        self._heard = now + self.rtt  # the first heartbeat comes a round trip later
-        self._ends_at = now + self.rtt + timeout + EXPIRY_MARGIN_S
+        rtt = min(self.rtt, MAX_RTT_S)
+        self._heard = now + rtt  # the first heartbeat comes a round trip later
+        self._ends_at = now + rtt + timeout + EXPIRY_MARGIN_S
         try:
             await self.conn.nc.publish(self._api, json.dumps(request).encode(), reply=reply)
         except nats.errors.Error:
@@ -249,6 +268,15 @@ class Pull:
         try:
             await self._api_call("RESET")
         except (asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
+            self._failed_resets += 1
+            # A bad request is a server before 2.14; no answer in time, RESET_TRIES times in a
+            # row after a look that got one, most likely credentials without the right (a
+            # permission violation gets no answer). Anything else passes (a leader election, the
+            # consumer being made again): looked at again at the next fetch.
+            refused = isinstance(exc, Refused) and exc.code in (400, 403)
+            if not refused and self._failed_resets < RESET_TRIES:
+                self.link_lost = True
+                return
             self._resets = False  # asked again, it would wait as long for nothing
             log.warning(
                 "cannot reset the consumer: deliveries lost with a link come again after its "
@@ -258,6 +286,7 @@ class Pull:
                 error=repr(exc),
             )
             return
+        self._failed_resets = 0
         log.info(
             "deliveries lost with a link; sent again",
             consumer=self.consumer,
@@ -272,7 +301,7 @@ class Pull:
         reply = await self.conn.nc.request(subject, b"", timeout=self.conn.settings.request_timeout)
         answer: dict[str, Any] = json.loads(reply.data)
         if "error" in answer:
-            raise ValueError(f"{call}: {answer['error']}")
+            raise Refused(call, answer["error"])
         return answer
 
 

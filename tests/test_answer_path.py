@@ -138,14 +138,16 @@ async def test_a_started_request_past_its_start_by_starts_over_when_the_store_ca
             while not call.reader.state.done:
                 for event in await call.reader.next(10):
                     events.append(event)
-                    if isinstance(event, StartEvent) and event.attempt == 2:
+                    if isinstance(event, StartEvent) and event.attempt > 1:
                         second_start = time.time()
                     late = time.time() > request.start_by  # type: ignore[operator]
                     if isinstance(event, TokenEvent) and late and len(workers) == 1:
                         await doomed_conn.nc.close()  # dies mid-answer, past its start_by
                         await survivor_cannot_read_the_store()
         starts = [e for e in events if isinstance(e, StartEvent)]
-        assert [s.attempt for s in starts][:2] == [1, 2]  # (a loaded machine may add one)
+        # The store unread: numbered above any attempt it could not see (a loaded machine may
+        # add one more).
+        assert starts[0].attempt == 1 and starts[1].attempt > 1, starts
         assert starts[1].seq == 0  # it could not know what to continue: it started over
         end = events[-1]
         assert isinstance(end, EndEvent) and end.attempt >= 2, end
@@ -203,7 +205,9 @@ async def test_a_slow_store_does_not_hold_a_taken_over_delivery_past_its_ack_wai
         assert survivor is not None and store is not None
         assert store.waited == [0.2], store.waited  # it gave up at a fifth of ack_wait
         end = events[-1]
-        assert isinstance(end, EndEvent) and end.attempt == 2, end  # one takeover
+        # One takeover, numbered above any attempt it could not see in the store.
+        assert isinstance(end, EndEvent) and end.attempt > 1, end
+        assert len([e for e in events if isinstance(e, StartEvent)]) == 2, events
         assert call.reader.state.text() == Script(tag="ap").answer(60)
         assert survivor.stats.fetched == 1, survivor.stats
     finally:

@@ -14,7 +14,7 @@ from nats.js import api
 
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.pull import Pull, PullLost
+from mesh.pull import RESET_TRIES, Pull, PullLost, Refused
 from mesh.testing.proxy import TcpProxy
 from tests.conftest import make_settings
 from tests.helpers import eventually
@@ -238,17 +238,20 @@ async def _waiting_pulls(conn: Connection, n: int) -> bool:
 
 
 async def test_a_refused_reset_is_not_asked_for_again(conn: Connection) -> None:
-    """A server before 2.14, or credentials minted before the right was given, refuses
-    ``CONSUMER.RESET`` (or lets it go unanswered: a permission violation): the pull says so once
-    and leaves lost deliveries to the ack wait, rather than ask again after every link loss."""
+    """A server before 2.14 answers ``CONSUMER.RESET`` "bad request": the pull says so once and
+    leaves lost deliveries to the ack wait, rather than ask again after every link loss. A
+    reset that fails in passing (no answer in time: an election, a link dropping again) is
+    asked for again at the next look, and given up after three in a row (credentials without
+    the right: a permission violation gets no answer)."""
     pull = await _pull(conn)
     calls: list[str] = []
     api_call = pull._api_call
+    failure: list[Exception] = [Refused("RESET", {"code": 400, "description": "bad request"})]
 
     async def refusing(call: str) -> dict[str, object]:
         calls.append(call)
         if call == "RESET":
-            raise ValueError("RESET: unknown API")
+            raise failure[0]
         return await api_call(call)
 
     pull._api_call = refusing  # type: ignore[method-assign]
@@ -261,5 +264,14 @@ async def test_a_refused_reset_is_not_asked_for_again(conn: Connection) -> None:
         pull.link_lost = True
         await pull.redeliver()
         assert calls == ["INFO", "RESET", "INFO"] and not pull.link_lost
+
+        pull._resets, pull._failed_resets, failure[0] = True, 0, asyncio.TimeoutError()
+        calls.clear()
+        for tries in range(1, RESET_TRIES + 1):
+            pull.link_lost = pull.link_lost or tries == 1
+            await pull.redeliver()
+            assert calls == ["INFO", "RESET"] * tries
+            assert pull.link_lost == (tries < RESET_TRIES)  # looked at again, until given up
+        assert not pull._resets
     finally:
         await pull.stop()
