@@ -65,7 +65,8 @@ async def test_an_answer_lost_on_its_way_to_the_collector_is_kept_at_once(
     topology: Topology,  # noqa: F811 - the fixture
 ) -> None:
     """Lost between the leaf and the edge: the hub counts it delivered (the uplink is TLS, so
-    the proxy could not tell a delivery there; a leaf restarted or cut loses one the same way)."""
+    the proxy could not tell a delivery there; one lost in the uplink itself is
+    ``tests/test_pull_uplink.py``'s)."""
     site = "site-a"
     link = await TcpProxy(topology.leaves[site].port).start()
     try:
