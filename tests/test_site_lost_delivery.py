@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from mesh.testing.proxy import TcpProxy
 from tests.helpers import eventually
 from tests.test_edge_site import (  # noqa: F401 - topology is a fixture
@@ -31,9 +33,22 @@ async def _above(count: object, attr: str, n: int) -> bool:
     return int(getattr(count, attr)) > n
 
 
-async def test_a_held_request_lost_on_its_way_to_the_forwarder_goes_at_once(
+@pytest.mark.parametrize(
+    ("loop", "marker", "count"),
+    [
+        ("forwarder", b"MESH_OUTBOX.forwarder.", "forwarded"),
+        ("collector", b"MESH_ANSWERS.", "collected"),
+    ],
+)
+async def test_a_delivery_lost_on_its_way_to_a_site_loop_comes_again_at_once(
     topology: Topology,  # noqa: F811 - the fixture
+    loop: str,
+    marker: bytes,
+    count: str,
 ) -> None:
+    """Lost between the leaf and the edge: the leaf counts a held request delivered to the
+    forwarder, the hub an answer to the collector. (The uplink is TLS, so the proxy could not
+    tell a delivery there; one lost in the uplink itself is ``tests/test_pull_uplink.py``'s.)"""
     site = "site-a"
     link = await TcpProxy(topology.leaves[site].port).start()
     try:
@@ -44,40 +59,7 @@ async def test_a_held_request_lost_on_its_way_to_the_forwarder_goes_at_once(
         ):
             assert edge.site is not None
             links = edge.site.links
-            link.lose(b"MESH_OUTBOX.forwarder.", CUT_S)  # the edge's link to its leaf
-            asking = asyncio.ensure_future(
-                client.complete("[tag:f] x", route="cloud", max_tokens=4, deferrable=True)
-            )
-            await eventually(lambda: _above(link, "lost", 0), what="the delivery lost")
-            lost = time.monotonic()
-            await eventually(
-                lambda: _above(links, "forwarded", 0), timeout=WITHIN_S, what="forwarded"
-            )
-            took = time.monotonic() - lost
-            answer = await asyncio.wait_for(asking, 30)
-            assert answer.path == "cloud" and answer.text == " f0 f1 f2 f3"
-            print(f"\nheld request lost on its way to the forwarder: forwarded {took:.2f} s later")
-    finally:
-        await link.stop()
-
-
-async def test_an_answer_lost_on_its_way_to_the_collector_is_kept_at_once(
-    topology: Topology,  # noqa: F811 - the fixture
-) -> None:
-    """Lost between the leaf and the edge: the hub counts it delivered (the uplink is TLS, so
-    the proxy could not tell a delivery there; one lost in the uplink itself is
-    ``tests/test_pull_uplink.py``'s)."""
-    site = "site-a"
-    link = await TcpProxy(topology.leaves[site].port).start()
-    try:
-        async with site_edge_and_worker(topology, site, token_delay_ms=0, edge_via=link) as (
-            _backend,
-            edge,
-            client,
-        ):
-            assert edge.site is not None
-            links = edge.site.links
-            link.lose(b"MESH_ANSWERS.", CUT_S)
+            link.lose(marker, CUT_S)
             asking = asyncio.ensure_future(
                 client.complete(
                     "[tag:c] x", route="cloud", max_tokens=4, deferrable=True, request_id="lost-1"
@@ -85,11 +67,11 @@ async def test_an_answer_lost_on_its_way_to_the_collector_is_kept_at_once(
             )
             await eventually(lambda: _above(link, "lost", 0), what="the delivery lost")
             lost = time.monotonic()
-            await eventually(lambda: _above(links, "collected", 0), timeout=WITHIN_S, what="kept")
+            await eventually(lambda: _above(links, count, 0), timeout=WITHIN_S, what=count)
             took = time.monotonic() - lost
             answer = await asyncio.wait_for(asking, 30)
             assert answer.path == "cloud" and answer.text == " c0 c1 c2 c3"
             assert (await client.answer("lost-1")).text == " c0 c1 c2 c3"
-            print(f"\nanswer lost on its way to the collector: kept {took:.2f} s later")
+            print(f"\na delivery lost on its way to the {loop}: {count} {took:.2f} s later")
     finally:
         await link.stop()

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
+
+import pytest
 
 from cloud_node.worker import Worker
 from mesh.backends.base import Chunk
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
-from mesh.config import ModelSettings
+from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.queue import COPY_HEADER, MSG_ID_HEADER
@@ -70,9 +72,32 @@ async def _is(value: bool) -> bool:
     return value
 
 
-async def test_two_workers_generating_one_request_give_one_answer(own_server: NatsServer) -> None:
-    """The original's worker is the slower: the copy's overtakes it mid-answer, where a reader
-    taking each next position from either would mix them."""
+async def _copy_queued(op: Connection, settings: MeshSettings, _model: str) -> None:
+    """The original queued again the way the watch does into a queue made anew (another message
+    id, so this queue takes it beside the original), marked as a copy."""
+    stream = settings.stream.name
+    last = (await op.jsm().stream_info(stream)).state.last_seq
+    original = await op.jsm().get_msg(stream, last)
+    headers = dict(original.headers or {})
+    headers[MSG_ID_HEADER] += ".copy"  # a queue made anew holds no original to drop it against
+    headers[COPY_HEADER] = "1"
+    assert original.subject is not None and original.data is not None
+    await op.nc.publish(original.subject, original.data, headers=headers)
+
+
+async def _consumer_made_anew(op: Connection, settings: MeshSettings, model: str) -> None:
+    """The pool's consumer deleted; the second worker makes it again as it starts, and it
+    delivers the request the stream kept, as a first delivery with no mark."""
+    await op.jsm().delete_consumer(settings.stream.name, consumer_name(model))
+
+
+@pytest.mark.parametrize("fault", [_copy_queued, _consumer_made_anew])
+async def test_two_workers_generating_one_request_give_one_answer(
+    own_server: NatsServer, fault: Callable[[Connection, MeshSettings, str], Awaitable[None]]
+) -> None:
+    """The original's worker is the slower: the other's overtakes it mid-answer, where a reader
+    taking each next position from either would mix them. Before, both were attempt 1: the SDK
+    got a typed ``incomplete`` error."""
     settings = make_settings(own_server.url)
     a, b = Labelled("A", token_delay_ms=80), Labelled("B", token_delay_ms=10)
     assert expected_text("t", 1) == " t0"  # what Labelled puts its label before
@@ -85,41 +110,9 @@ async def test_two_workers_generating_one_request_give_one_answer(own_server: Na
     ):
         asking = asyncio.ensure_future(client.complete("x", max_tokens=TOKENS, via="cloud"))
         await eventually(lambda: _is(a.started == 1), what="the original taken")
-        stream = settings.stream.name
-        last = (await op.jsm().stream_info(stream)).state.last_seq
-        original = await op.jsm().get_msg(stream, last)
-        headers = dict(original.headers or {})
-        headers[MSG_ID_HEADER] += ".copy"  # a queue made anew holds no original to drop it against
-        headers[COPY_HEADER] = "1"
-        assert original.subject is not None and original.data is not None
-        await op.nc.publish(original.subject, original.data, headers=headers)
+        await fault(op, settings, a.model)
         async with Worker(settings, bconn, b):
-            await eventually(lambda: _is(b.started == 1), what="the copy taken")
-            answer = await asyncio.wait_for(asking, 30)
-    assert answer.path == "cloud"
-    assert one_chain(answer.text), answer.text
-
-
-async def test_a_request_delivered_again_by_a_consumer_made_anew_gives_one_answer(
-    own_server: NatsServer,
-) -> None:
-    """The pool's consumer deleted while the slower worker generates; the faster one, started
-    after, makes it again and takes the request the stream kept, as a first delivery with no
-    mark. Before, both were attempt 1: the SDK got a typed ``incomplete`` error."""
-    settings = make_settings(own_server.url)
-    a, b = Labelled("A", token_delay_ms=80), Labelled("B", token_delay_ms=10)
-    async with (
-        Connection(settings.nats, "worker-a") as aconn,
-        Connection(settings.nats, "worker-b") as bconn,
-        Connection(settings.nats, "operator") as op,
-        Worker(settings, aconn, a),
-        MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
-    ):
-        asking = asyncio.ensure_future(client.complete("x", max_tokens=TOKENS, via="cloud"))
-        await eventually(lambda: _is(a.started == 1), what="the original taken")
-        await op.jsm().delete_consumer(settings.stream.name, consumer_name(a.model))
-        async with Worker(settings, bconn, b):
-            await eventually(lambda: _is(b.started == 1), what="delivered again, taken")
+            await eventually(lambda: _is(b.started == 1), what="the other worker's taken it")
             answer = await asyncio.wait_for(asking, 30)
     assert answer.path == "cloud"
     assert one_chain(answer.text), answer.text
