@@ -22,9 +22,7 @@ import asyncio
 import time
 from datetime import datetime, timezone
 
-import nats.errors
 from nats.aio.msg import Msg
-from nats.js.errors import APIError
 
 from mesh.connection import Connection
 from mesh.logs import get_logger
@@ -69,7 +67,8 @@ class QueueEpoch:
             self._last[consumer] = seq
         else:
             self._last[consumer] = max(seq, self._last.get(consumer, 0))
-        created = self._created[consumer][0]
+        known = self._created.get(consumer)  # forgotten meanwhile: the safe side
+        created = known[0] if known is not None else None
         return created is None or meta.timestamp < created
 
     async def _look(self, stream: str, consumer: str) -> None:
@@ -85,7 +84,8 @@ class QueueEpoch:
                 self.conn.jsm().consumer_info(stream, consumer), self.timeout
             )
             created = info.created or NEVER  # a server that does not say: none is held
-        except (APIError, asyncio.TimeoutError, nats.errors.Error, RuntimeError) as exc:
+        except Exception as exc:  # any failure says nothing: the safe side (and never a raise
+            # out of a delivery's handler, before its request is even read)
             log.info("cannot tell when the queue's consumer was made", error=repr(exc))
             created = None
         self._created[consumer] = (created, time.monotonic())
