@@ -239,9 +239,8 @@ class Pull:
         leaf node, under accounts, outlives its requester until it expires): the reset would
         hand them to it, and they would be lost again, as would anything delivered to it until
         then. While the consumer counts requests waiting, none of them this pull's, it looks
-        again at the next fetch, up to
-        :data:`STALE_LOOKS` times; then it resets all the same (the requests are another
-        reader's: an edge's replica on the same site consumer).
+        again at the next fetch, up to :data:`STALE_LOOKS` times; then it resets all the same
+        (the requests are another reader's: an edge's replica on the same site consumer).
 
         The reset rewinds the whole consumer to its ack floor: what another reader holds comes
         again, and its ack of it is ignored (it gets no confirmation), as may be this loop's own
@@ -295,8 +294,8 @@ class Pull:
         )
 
     async def _api_call(self, call: str) -> dict[str, Any]:
-        """``CONSUMER.<call>`` on this pull's consumer (its JSON answer). Raises ValueError for
-        an error answer (``CONSUMER.RESET`` needs nats-server 2.14)."""
+        """``CONSUMER.<call>`` on this pull's consumer (its JSON answer). Raises
+        :class:`Refused` for an error answer (``CONSUMER.RESET`` needs nats-server 2.14)."""
         subject = f"{self._prefix}.CONSUMER.{call}.{self.stream}.{self.consumer}"
         reply = await self.conn.nc.request(subject, b"", timeout=self.conn.settings.request_timeout)
         answer: dict[str, Any] = json.loads(reply.data)
