@@ -79,6 +79,10 @@ class Server:
         await self.start()
 
 
+PORT_TRIES = 3
+"""Starts of a cluster whose picked ports another process took meanwhile."""
+
+
 class JsCluster:
     """A JetStream cluster of ``size`` nats-servers on loopback, with routes between them. Each
     node keeps its ports and store, so it can be killed by PID and started again as it was."""
@@ -111,11 +115,29 @@ class JsCluster:
         return path
 
     async def start(self, node: str | None = None) -> None:
-        """Start every node (or one), concurrently: each waits for its peers' routes."""
+        """Start every node (or one), concurrently: each waits for its peers' routes. At the
+        first start, a port another process took since it was picked (``free_port`` only
+        looked) is picked again, up to :data:`PORT_TRIES` times; a node started again keeps
+        its own."""
         names = [node] if node else list(self.ports)
-        servers = {n: NatsServer(config=str(self._conf(n)), port=self.ports[n][0]) for n in names}
-        await asyncio.gather(*(s.start() for s in servers.values()))
-        self.servers.update(servers)
+        first = node is None and not self.servers
+        for tries in range(1, PORT_TRIES + 1):
+            servers = {
+                n: NatsServer(config=str(self._conf(n)), port=self.ports[n][0]) for n in names
+            }
+            started = await asyncio.gather(
+                *(s.start() for s in servers.values()), return_exceptions=True
+            )
+            failed = [r for r in started if isinstance(r, BaseException)]
+            if not failed:
+                self.servers.update(servers)
+                return
+            for server in servers.values():
+                await server.stop()
+            taken = any("address already in use" in str(exc) for exc in failed)
+            if not (first and taken) or tries == PORT_TRIES:
+                raise failed[0]
+            self.ports = {n: (free_port(), free_port()) for n in self.ports}
 
     async def lame_duck(self, node: str, timeout: float = 60.0) -> None:
         """Put ``node`` in lame duck mode by its PID (SIGUSR2, what ``nats-server --signal ldm``

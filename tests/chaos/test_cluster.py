@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import statistics
 import time
 import uuid
@@ -234,3 +235,21 @@ async def _js_ready(conn: Connection) -> bool:
     except Exception:
         return False
     return True
+
+
+async def test_a_cluster_whose_picked_port_was_taken_meanwhile_starts_on_others(
+    tmp_path: Path,
+) -> None:
+    """``free_port`` only looks; another process may bind the port before the cluster's node
+    does (a CI run once lost a lame-duck test that way: "address already in use")."""
+    cluster = JsCluster(tmp_path)
+    taken = cluster.ports["n2"][0]  # a client port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        await cluster.start()
+        try:
+            assert taken not in {p for ports in cluster.ports.values() for p in ports}
+            assert len(cluster.servers) == 3
+        finally:
+            await cluster.stop()
