@@ -149,7 +149,10 @@ def _one(events: list[Event], path: str, figures: Figures) -> None:
         got = _first(events, t0.at, lambda e, r=role: e.role == r and e.kind == "got")
         if got is not None and got.at < post.at:
             out = _first(events, got.at, lambda e, r=role: e.role == r and e.kind == "wr")
-            if out is not None:
+            # A hop on the request's way writes before (or as) the engine's request is written:
+            # a message the process got meanwhile and answered later (a pull's heartbeat, then
+            # its next pull) is none of this request's.
+            if out is not None and out.at <= post.at:
                 figures.add(f"{role} in", out.at - got.at)
                 figures.add(f"{role} in, cpu", out.cpu - got.cpu)
         read = _first(events, data.at, lambda e, r=role: e.role == r and e.kind == "rd")
