@@ -316,10 +316,10 @@ class Handler(ABC):
         attempt may have begun unseen (a delivery another worker may hold, a store that could
         not be read) numbers above any it can reach (:func:`unseen_attempt`). The delivery
         count still decides retries."""
-        attempt = delivery.number()
         if found is Unread.STORE:  # an earlier attempt (another copy's) may number so too
-            attempt = unseen_attempt(delivery.attempt)
-        history = None if found is Unread.STORE else found
+            attempt, history = unseen_attempt(delivery.attempt), None
+        else:
+            attempt, history = delivery.number(), found
         if history is not None and history.started:
             return self.takeover.writer(request, history, max(attempt, history.attempt + 1))
         return AnswerWriter(request.id, attempt=attempt, node=self.node, fingerprint=fingerprint)

@@ -116,9 +116,8 @@ class Pull:
         self.link_lost = False
         """A link may have taken deliveries with it since the last :meth:`redeliver`."""
         self._looks = 0
-        self._resets = True
-        """Whether the server takes ``CONSUMER.RESET`` from this pull (False once refused)."""
         self._failed_resets = 0
+        """Resets failed in a row (:data:`RESET_TRIES` once the server refused one for good)."""
         self.rtt = 0.0
         """Seconds a round trip to the consumer's server takes, as the caller last measured it:
         the first heartbeat of a request is waited for that much longer (a slow uplink)."""
@@ -153,14 +152,13 @@ class Pull:
             await self._ask(batch, timeout)
         while not self._got and self._reply and self._gone is None:
             now = loop.time()
-            if now >= self._ends_at:  # over without the status that says so: lost with a link
-                self._reply = ""  # (a pull shorter than two heartbeats ends here, not below)
-                self._gone = "no word by its expiry"
-                self.link_lost = True
-                break
-            if now - self._heard >= 2 * self._heartbeat + EXPIRY_MARGIN_S:
+            # Over without the status that says so, or silent: lost with a link (a pull shorter
+            # than two heartbeats reaches its expiry first).
+            expired = now >= self._ends_at
+            if expired or now - self._heard >= 2 * self._heartbeat + EXPIRY_MARGIN_S:
                 self._reply = ""
-                self._gone = f"no heartbeat for {now - self._heard:.1f} s"
+                silent = f"no heartbeat for {now - self._heard:.1f} s"
+                self._gone = "no word by its expiry" if expired else silent
                 self.link_lost = True
                 break
             left = min(self._ends_at, self._heard + 2 * self._heartbeat + EXPIRY_MARGIN_S) - now
@@ -263,20 +261,25 @@ class Pull:
         if unacked and self._resets:
             await self._reset(unacked, waiting)
 
+    @property
+    def _resets(self) -> bool:
+        """Whether the server may still take ``CONSUMER.RESET`` from this pull."""
+        return self._failed_resets < RESET_TRIES
+
     async def _reset(self, unacked: int, waiting: int) -> None:
         try:
             await self._api_call("RESET")
         except (asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
-            self._failed_resets += 1
             # A bad request is a server before 2.14; no answer in time, RESET_TRIES times in a
             # row after a look that got one, most likely credentials without the right (a
             # permission violation gets no answer). Anything else passes (a leader election, the
-            # consumer being made again): looked at again at the next fetch.
+            # consumer being made again): looked at again at the next fetch. Given up, it is
+            # not asked for again: it would wait as long for nothing.
             refused = isinstance(exc, Refused) and exc.code in (400, 403)
-            if not refused and self._failed_resets < RESET_TRIES:
+            self._failed_resets = RESET_TRIES if refused else self._failed_resets + 1
+            if self._resets:
                 self.link_lost = True
                 return
-            self._resets = False  # asked again, it would wait as long for nothing
             log.warning(
                 "cannot reset the consumer: deliveries lost with a link come again after its "
                 "ack wait (it needs nats-server 2.14, and edge credentials minted by "

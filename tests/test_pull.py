@@ -265,7 +265,7 @@ async def test_a_refused_reset_is_not_asked_for_again(conn: Connection) -> None:
         await pull.redeliver()
         assert calls == ["INFO", "RESET", "INFO"] and not pull.link_lost
 
-        pull._resets, pull._failed_resets, failure[0] = True, 0, asyncio.TimeoutError()
+        pull._failed_resets, failure[0] = 0, asyncio.TimeoutError()
         calls.clear()
         for tries in range(1, RESET_TRIES + 1):
             pull.link_lost = pull.link_lost or tries == 1
