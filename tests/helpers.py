@@ -37,6 +37,11 @@ async def eventually(
         await asyncio.sleep(0.05)
 
 
+async def holds(value: bool) -> bool:
+    """``value``, as a check :func:`eventually` can await: ``eventually(lambda: holds(x > 1))``."""
+    return value
+
+
 async def tasks_now(conn: Connection) -> set[asyncio.Task[Any]]:
     """The tasks running now, for :func:`still_running` to compare with later. nats-py answers
     every request of a connection through one subscription (a task), started by its first

@@ -24,7 +24,7 @@ from mesh.node_view import NodeView
 from mesh.registry import NodeInfo, node_key, open_bucket
 from mesh.testing.chaos import expected_text
 from protocol.subjects import worker_alives
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 
 def _value(node: str) -> bytes:
@@ -115,23 +115,23 @@ async def test_a_registry_gone_silent_as_a_whole_says_nothing_of_its_workers(
     models = CloudModels(conn, settings.stream, view, "scope-a")
     try:
         assert view.serves("smollm2") is True
-        await eventually(lambda: _is(view.silent), 5, "the registry silent for a ttl")
+        await eventually(lambda: holds(view.silent), 5, "the registry silent for a ttl")
         assert view.live() == []  # every entry aged out
         assert view.serves("smollm2") is None  # False before: the pool taken for gone
         assert view.is_live("there", "smollm2") is None
         models.ask_workers("smollm2")
-        await eventually(lambda: _is("dead" not in _ids(view)), 5, "the dead one forgotten")
+        await eventually(lambda: holds("dead" not in _ids(view)), 5, "the dead one forgotten")
         await asyncio.gather(*models._asking)
         assert _ids(view) == {"there"}
         assert view.serves("smollm2") is True and view.is_live("there", "smollm2") is True
         await there.unsubscribe()  # now the last one dies too
         await workers.flush()
-        await eventually(lambda: _is(view.serves("smollm2") is None), 5, "its answer aged out")
+        await eventually(lambda: holds(view.serves("smollm2") is None), 5, "its answer aged out")
         models._asked.clear()  # a new round at once
         models.ask_workers("smollm2")
-        await eventually(lambda: _is(view.serves("smollm2") is False), 5, "the pool gone")
+        await eventually(lambda: holds(view.serves("smollm2") is False), 5, "the pool gone")
         await kv.put(node_key("worker", "new", "smollm2"), _value("new"))  # anyone speaks
-        await eventually(lambda: _is(view.serves("smollm2") is True), 5, "the new one seen")
+        await eventually(lambda: holds(view.serves("smollm2") is True), 5, "the new one seen")
         assert not view.silent
     finally:
         await models.close()
@@ -141,10 +141,6 @@ async def test_a_registry_gone_silent_as_a_whole_says_nothing_of_its_workers(
 
 def _ids(view: NodeView) -> set[str]:
     return {info.node_id for info in view.askable()}
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 async def test_a_stopping_worker_that_still_answers_is_counted_out(
@@ -166,10 +162,10 @@ async def test_a_stopping_worker_that_still_answers_is_counted_out(
         models = CloudModels(conn, settings.stream, view, "scope-a")
         try:
             answering = asyncio.ensure_future(client.complete("x", max_tokens=30, via="cloud"))
-            await eventually(lambda: _is(backend.started == 1), what="the answer under way")
+            await eventually(lambda: holds(backend.started == 1), what="the answer under way")
             assert not await models._is_gone(worker.node_id)  # there, taking work
             stopping = asyncio.ensure_future(worker.stop())
-            await eventually(lambda: _is(worker._stopping), what="the worker stopping")
+            await eventually(lambda: holds(worker._stopping), what="the worker stopping")
             assert await models._is_gone(worker.node_id)
             answer = await asyncio.wait_for(answering, 30)  # drained, whole
             assert answer.text == expected_text("t", 30)

@@ -11,13 +11,9 @@ from nats.aio.msg import Msg
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 READERS = 50
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 async def test_readers_asking_at_once_share_one_look_at_the_hub(nats_server: NatsServer) -> None:
@@ -39,7 +35,7 @@ async def test_readers_asking_at_once_share_one_look_at_the_hub(nats_server: Nat
         await hub_conn.nc.subscribe("$JS.hub.API.STREAM.INFO.>", cb=hub)
         await hub_conn.nc.flush()
         looks = [asyncio.ensure_future(conn.hub_answers(5.0)) for _ in range(READERS)]
-        await eventually(lambda: _is(asked >= 1), what="the hub asked")
+        await eventually(lambda: holds(asked >= 1), what="the hub asked")
         looks[0].cancel()  # one reader gives up: the others' look goes on
         answer_now.set()
         answers = await asyncio.gather(*looks[1:])

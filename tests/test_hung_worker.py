@@ -22,11 +22,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import MeshProcess, expected_text, paused, worker_env
 from tests.conftest import make_settings
-from tests.helpers import eventually
-
-
-async def _is(value: bool) -> bool:
-    return value
+from tests.helpers import eventually, holds
 
 
 async def test_a_lone_hung_worker_is_not_waited_for(own_server: NatsServer, tmp_path: Path) -> None:
@@ -43,14 +39,14 @@ async def test_a_lone_hung_worker_is_not_waited_for(own_server: NatsServer, tmp_
             MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
         ):
             await eventually(
-                lambda: _is(edge.nodes.serves(model) is True), 30, what="the worker seen"
+                lambda: holds(edge.nodes.serves(model) is True), 30, what="the worker seen"
             )
             answer = await client.complete("[tag:a] x", route="cloud", max_tokens=3)
             assert answer.path == "cloud" and answer.text == expected_text("a", 3)
             with paused(worker.pid):
                 hung = time.monotonic()
                 await eventually(
-                    lambda: _is(edge.models.live(model) is False),
+                    lambda: holds(edge.models.live(model) is False),
                     timeout=10,
                     what="the hung worker out of the view",
                 )
@@ -67,7 +63,7 @@ async def test_a_lone_hung_worker_is_not_waited_for(own_server: NatsServer, tmp_
             )
             assert took < settings.edge.cloud_start_timeout / 2, took
             await eventually(
-                lambda: _is(edge.nodes.serves(model) is True), 10, what="the worker back"
+                lambda: holds(edge.nodes.serves(model) is True), 10, what="the worker back"
             )
             answer = await client.complete("[tag:c] x", route="cloud", max_tokens=3)
             assert answer.path == "cloud" and answer.text == expected_text("c", 3)

@@ -18,7 +18,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.proxy import TcpProxy
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 
 @contextlib.asynccontextmanager
@@ -133,18 +133,14 @@ async def test_a_look_still_under_way_ends_with_its_publish_and_with_the_connect
         listener = await conn.nc.subscribe(subject)
         with pytest.raises(nats.errors.TimeoutError):
             await conn.publish_acked(subject, b"x", timeout=1.3, gone=gone)
-        await eventually(lambda: _is(len(hung) == 1), what="the look cancelled with its publish")
+        await eventually(lambda: holds(len(hung) == 1), what="the look cancelled with its publish")
         waiting = asyncio.ensure_future(conn.publish_acked(subject, b"y", timeout=30, gone=gone))
         acks = conn._acks
         assert acks is not None
-        await eventually(lambda: _is(bool(acks._looks)), what="its look under way")
+        await eventually(lambda: holds(bool(acks._looks)), what="its look under way")
         await listener.unsubscribe()
-    await eventually(lambda: _is(len(hung) == 2), what="the look cancelled with the connection")
+    await eventually(lambda: holds(len(hung) == 2), what="the look cancelled with the connection")
     waiting.cancel()
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 async def test_publishes_are_acked_again_after_the_link_comes_back(

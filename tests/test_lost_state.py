@@ -41,7 +41,7 @@ from protocol.subjects import (
     site_consumer,
 )
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 from tests.test_edge_site import (  # noqa: F401 - topology is a fixture
     Topology,
     running_mesh,
@@ -78,7 +78,7 @@ async def test_a_worker_puts_back_its_queue_deleted_under_it(
             what=f"the worker to put back its {what}",
         )
         back = time.monotonic() - lost
-        await eventually(lambda: _is(worker.status()["health"] == "ok"), what="health ok again")
+        await eventually(lambda: holds(worker.status()["health"] == "ok"), what="health ok again")
         answer = await client.complete("after", via="cloud", max_tokens=4)
         assert answer.text and answer.end.served_by == f"cloud:{worker.node_id}"
         print(f"\n{what} deleted: back after {back:.3f} s")
@@ -102,7 +102,7 @@ async def _worker_and_edge(
         MeshClient(settings=settings, edge_id=settings.edge.edge_id) as client,
     ):
         model = settings.edge.cloud_model
-        await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
+        await eventually(lambda: holds(edge.nodes.serves(model) is True), what="the worker seen")
         yield worker, edge, op, client
 
 
@@ -144,7 +144,7 @@ async def test_an_edge_goes_on_sending_to_the_cloud_while_the_registry_is_silent
         await jsm.update_stream(config)
         # No heartbeat lands for a ttl; the worker's answer to the edge's question keeps it in
         # the view (before that question, every entry aged out at once).
-        await eventually(lambda: _is(edge.nodes.quiet), what="no update for a ttl")
+        await eventually(lambda: holds(edge.nodes.quiet), what="no update for a ttl")
         for i in range(3):
             answer = await client.complete(f"[tag:s{i}] x", route="cloud", max_tokens=3)
             assert answer.text == expected_text(f"s{i}", 3)
@@ -218,10 +218,6 @@ async def _worker_and_client(
         MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
     ):
         yield settings, worker, op, client
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 async def _cloud_answer_in(client: MeshClient, tag: str, request_id: str) -> float:
@@ -356,10 +352,10 @@ async def test_a_worker_whose_announcement_fails_says_so(own_server: NatsServer)
         config.sealed = True
         await jsm.update_stream(config)
         await eventually(
-            lambda: _is(worker.status()["health"] == "unannounced"), what="health unannounced"
+            lambda: holds(worker.status()["health"] == "unannounced"), what="health unannounced"
         )
         await jsm.delete_stream(NODES_STREAM)
-        await eventually(lambda: _is(worker.status()["health"] == "ok"), what="health ok again")
+        await eventually(lambda: holds(worker.status()["health"] == "ok"), what="health ok again")
 
 
 async def test_a_request_queued_when_the_hub_lost_its_store_is_queued_again(
@@ -384,7 +380,7 @@ async def test_a_request_queued_when_the_hub_lost_its_store_is_queued_again(
             MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
         ):
             busy = asyncio.ensure_future(client.complete("[tag:a] x", via="cloud", max_tokens=20))
-            await eventually(lambda: _is(backend.started >= 1), what="the slot taken")
+            await eventually(lambda: holds(backend.started >= 1), what="the slot taken")
             waiting = asyncio.ensure_future(client.complete("[tag:b] x", via="cloud", max_tokens=4))
             await eventually(
                 lambda: _queued(client.conn, settings.stream.name, 1), what="one request queued"
@@ -428,7 +424,7 @@ async def test_a_hub_restarted_on_an_empty_store_serves_the_cloud_again(tmp_path
             MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
         ):
             await eventually(
-                lambda: _is(edge.nodes.serves(settings.edge.cloud_model) is True),
+                lambda: holds(edge.nodes.serves(settings.edge.cloud_model) is True),
                 what="the edge to see the worker",
             )
             before = await client.complete("[tag:a] x", route="cloud", max_tokens=8)
@@ -472,7 +468,7 @@ async def test_a_site_collects_again_as_soon_as_its_uplink_returns(
             uplink.restore()
             restored = time.monotonic()
             await eventually(
-                lambda: _is(edge.site.links.forwarded >= 2),  # type: ignore[union-attr]
+                lambda: holds(edge.site.links.forwarded >= 2),  # type: ignore[union-attr]
                 timeout=15,
                 what="the held request forwarded",
             )
@@ -511,7 +507,7 @@ async def test_an_uplink_blip_mid_answer_leaves_the_cloud_answer_going(
                 events.append(event)
 
         reading = asyncio.ensure_future(read())
-        await eventually(lambda: _is(len(times) >= 10), what="the answer streaming")
+        await eventually(lambda: holds(len(times) >= 10), what="the answer streaming")
         topology.uplinks[site].cut(0.4)
         cut_at = time.time()
         await asyncio.wait_for(reading, 60)

@@ -17,7 +17,7 @@ from mesh.nats_server import NatsServer
 from mesh.pull import RESET_TRIES, Pull, PullLost, Refused
 from mesh.testing.proxy import TcpProxy
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 STREAM, CONSUMER = "PULLTEST", "c"
 LONG_PULL_S = 30.0
@@ -151,7 +151,7 @@ async def test_what_came_and_was_not_fetched_is_handed_back_at_stop(conn: Connec
     await got[0].ack()
     await conn.js.publish("pt.b", b"two")  # taken by the request still open, not fetched
     await conn.js.publish("pt.c", b"three")
-    await eventually(lambda: _is(len(pull._got) == 2), timeout=5, what="both delivered")
+    await eventually(lambda: holds(len(pull._got) == 2), timeout=5, what="both delivered")
     await pull.stop()
     again = await _pull(conn)
     try:
@@ -161,10 +161,6 @@ async def test_what_came_and_was_not_fetched_is_handed_back_at_stop(conn: Connec
         assert sorted(m.data for m in got) == [b"three", b"two"]
     finally:
         await again.stop()
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 async def test_heartbeats_keep_a_quiet_pull_open(conn: Connection) -> None:

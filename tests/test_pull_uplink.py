@@ -22,7 +22,7 @@ from mesh.nats_server import NatsServer
 from mesh.pull import Pull, PullLost
 from mesh.testing.proxy import TcpProxy
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 MARKER = b"lost-in-the-uplink"
 
@@ -31,10 +31,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 async def test_a_delivery_lost_in_the_uplink_comes_again_at_once(tmp_path: Path) -> None:
@@ -101,12 +97,12 @@ async def _lose_one(conn: Connection, op: Connection, uplink: TcpProxy, pull_s: 
     task = asyncio.ensure_future(loop())
     try:
         await op.js.publish("ans.warm", b"warm")  # the pull works through the uplink
-        await eventually(lambda: _is(len(got) == 1), what="the first delivery")
+        await eventually(lambda: holds(len(got) == 1), what="the first delivery")
         uplink.lose(MARKER, 0.3)
         await op.js.publish("ans.x", MARKER)
-        await eventually(lambda: _is(uplink.lost == 1), what="the delivery lost")
+        await eventually(lambda: holds(uplink.lost == 1), what="the delivery lost")
         lost = time.monotonic()
-        await eventually(lambda: _is(len(got) == 2), timeout=40, what="the delivery again")
+        await eventually(lambda: holds(len(got) == 2), timeout=40, what="the delivery again")
         assert got[1].data == MARKER
         return time.monotonic() - lost
     finally:

@@ -23,7 +23,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import expected_text
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 from tests.test_edge_site import (  # noqa: F401 - topology is a fixture
     Topology,
     site_edge_and_worker,
@@ -34,10 +34,6 @@ from tests.test_security import certs  # noqa: F401 - a fixture
 
 async def _queued(conn: Connection, stream: str, n: int) -> bool:
     return (await conn.jsm().stream_info(stream)).state.messages >= n
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 @pytest.mark.parametrize("via", ["cloud", "edge"])
@@ -59,9 +55,9 @@ async def test_a_request_waiting_when_its_queue_is_deleted_is_answered(
         MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
     ):
         model = settings.edge.cloud_model
-        await eventually(lambda: _is(edge.nodes.serves(model) is True), what="the worker seen")
+        await eventually(lambda: holds(edge.nodes.serves(model) is True), what="the worker seen")
         busy = asyncio.ensure_future(client.complete("[tag:a] x", max_tokens=20, **how))  # type: ignore[arg-type]
-        await eventually(lambda: _is(backend.started >= 1), what="the slot taken")
+        await eventually(lambda: holds(backend.started >= 1), what="the slot taken")
         waiting = asyncio.ensure_future(client.complete("[tag:b] x", max_tokens=4, **how))  # type: ignore[arg-type]
         took = await _deleted_under(op, settings.stream.name, 2, waiting)
         first = await asyncio.wait_for(busy, 30)
@@ -86,7 +82,7 @@ async def test_a_site_edge_gets_its_waiting_request_answered_after_the_queue_is_
             asyncio.ensure_future(client.complete(f"[tag:a{i}] x", route="cloud", max_tokens=20))
             for i in range(slots)
         ]
-        await eventually(lambda: _is(backend.started >= slots), what="the slots taken")
+        await eventually(lambda: holds(backend.started >= slots), what="the slots taken")
         waiting = asyncio.ensure_future(client.complete("[tag:b] x", route="cloud", max_tokens=4))
         took = await _deleted_under(op, hub.stream.name, slots + 1, waiting)
         for i, answer in enumerate(await asyncio.gather(*busy)):

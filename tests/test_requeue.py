@@ -26,7 +26,7 @@ from mesh.queue_watch import LOOK_S, QueueWatch, queue_watch
 from mesh.testing.proxy import TcpProxy
 from protocol.messages import InferRequest
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 WINDOW_S, TIMEOUT_S = 4.0, 1.0
 """The queue's duplicate window, and the request timeout a copy is given on its way: a copy is
@@ -85,12 +85,12 @@ async def test_a_reconnect_that_lost_nothing_sends_nothing_again(tmp_path: Path)
             call = await _call(conn, settings, "r1")
             watch = queue_watch(conn, settings.stream)
             await eventually(  # else the next look could not tell what changed, and sends it
-                lambda: _is(isinstance(watch._created.get("m"), datetime)),
+                lambda: holds(isinstance(watch._created.get("m"), datetime)),
                 what="the watch's first look at the pool",
             )
             drops = conn.reconnects
             proxy.cut(0.2)
-            await eventually(lambda: _is(conn.reconnects > drops), what="the reconnect")
+            await eventually(lambda: holds(conn.reconnects > drops), what="the reconnect")
             await asyncio.sleep(1.5)  # the watch looked: the queue is the one it was
             assert call._requeuing is None
             assert await _held(op, settings.stream.name) == ["s1.r1"]
@@ -159,10 +159,6 @@ async def test_no_copy_past_the_window_nor_after_a_withdrawal(own_server: NatsSe
 
 async def _empty(op: Connection, settings: MeshSettings) -> bool:
     return await _held(op, settings.stream.name) == []
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 class _Waiting:

@@ -18,7 +18,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.connection import Connection
 from mesh.provision import provision
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 from tests.test_edge_site import Topology, topology  # noqa: F401 - a fixture
 from tests.test_security import certs  # noqa: F401 - a fixture
 
@@ -56,7 +56,7 @@ async def test_a_site_tries_a_full_queue_less_and_less_often(
             )
         )
         try:
-            await eventually(lambda: _is(len(tries) >= 1), timeout=10, what="the first try")
+            await eventually(lambda: holds(len(tries) >= 1), timeout=10, what="the first try")
             await asyncio.sleep(3.5)
             gaps = [round(b - a, 2) for a, b in itertools.pairwise(tries)]
             span = tries[-1] - tries[0]
@@ -75,7 +75,3 @@ async def test_a_site_tries_a_full_queue_less_and_less_often(
 
 async def _queued(op: Connection, stream: str) -> bool:
     return (await op.jsm().stream_info(stream)).state.messages >= 1
-
-
-async def _is(value: bool) -> bool:
-    return value

@@ -35,7 +35,7 @@ from mesh.testing.chaos import expected_text
 from protocol.messages import InferRequest
 from protocol.subjects import consumer_name
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 TOKENS = 12
 
@@ -66,10 +66,6 @@ def one_chain(text: str) -> bool:
     in_order = [int(i) for _, i in labels] == list(range(TOKENS))
     said = "".join(label for label, _ in labels)
     return whole and in_order and said.lstrip("A").lstrip("B") == ""
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 async def _copy_queued(op: Connection, settings: MeshSettings, _model: str) -> None:
@@ -109,10 +105,10 @@ async def test_two_workers_generating_one_request_give_one_answer(
         MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
     ):
         asking = asyncio.ensure_future(client.complete("x", max_tokens=TOKENS, via="cloud"))
-        await eventually(lambda: _is(a.started == 1), what="the original taken")
+        await eventually(lambda: holds(a.started == 1), what="the original taken")
         await fault(op, settings, a.model)
         async with Worker(settings, bconn, b):
-            await eventually(lambda: _is(b.started == 1), what="the other worker's taken it")
+            await eventually(lambda: holds(b.started == 1), what="the other worker's taken it")
             answer = await asyncio.wait_for(asking, 30)
     assert answer.path == "cloud"
     assert one_chain(answer.text), answer.text
