@@ -59,6 +59,7 @@ class AnswerPublisher:
         self._sent: list[tuple[WireEvent, bytes]] = []
         self._reconnects = conn.reconnects
         self._failures = conn.write_batch.failures
+        self._losses = store.losses
         self._lock = asyncio.Lock()
         self.republished = 0
         self.last_token: float | None = None
@@ -131,9 +132,13 @@ class AnswerPublisher:
         self._sent.append((event, data))
         await self.conn.write_batch.flush()  # the events before it go first
         stored = await self._publish_stored(data)
-        unbroken = self.conn.write_batch.failures == self._failures  # no burst of events dropped
+        unbroken = (  # no burst of events dropped, no store lost meanwhile
+            self.conn.write_batch.failures == self._failures and self.store.losses == self._losses
+        )
         if stored and unbroken and self.conn.reconnects == self._reconnects:
             return True
+        if self.store.missing:  # the settler makes it whole once the store is back
+            return False
         if await self.catch_up():
             return True
         await asyncio.sleep(CATCH_UP_RETRY_S)  # a store that just came back may refuse a read
@@ -163,7 +168,7 @@ class AnswerPublisher:
     async def _catch_up(self) -> bool:
         # The counters move on only once the store is known to hold everything: a catch-up
         # that failed leaves them behind, so that finish() checks again.
-        reconnects = self.conn.reconnects
+        reconnects, losses = self.conn.reconnects, self.store.losses
         await self.conn.write_batch.flush()  # what is still queued is not missing
         failures = self.conn.write_batch.failures
         try:
@@ -174,7 +179,7 @@ class AnswerPublisher:
         have = {_key(e) for e in kept}
         missing = [data for event, data in self._sent if _key(event) not in have]
         if not missing:
-            self._reconnects, self._failures = reconnects, failures
+            self._reconnects, self._failures, self._losses = reconnects, failures, losses
             return True
         log.info("publishing lost events again", count=len(missing), of=len(self._sent))
         try:
@@ -186,7 +191,7 @@ class AnswerPublisher:
         if not await self._publish_stored(missing[-1]):
             return False
         self.republished += len(missing)
-        self._reconnects, self._failures = reconnects, failures
+        self._reconnects, self._failures, self._losses = reconnects, failures, losses
         return True
 
     def take_republished(self) -> int:
@@ -196,8 +201,8 @@ class AnswerPublisher:
 
     async def _publish_stored(self, data: bytes) -> bool:
         """Publish through JetStream (waits for the store's ack), or plainly when the store is
-        off or does not answer."""
-        if self.store.enabled:
+        off, known gone, or does not answer."""
+        if self.store.enabled and not self.store.missing:
             try:
                 await self.conn.publish_acked(
                     self.subject,

@@ -43,13 +43,14 @@ from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection, stop_service
-from mesh.hub import provision_hub
+from mesh.hub import hub_streams, provision_hub
 from mesh.lifecycle import Lifecycle, start_or_undo
 from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
 from mesh.provision import provisioned
 from mesh.registry import Heartbeat, NodeInfo, live_workers
+from mesh.stream_deleted import watch_deleted
 from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
 from protocol.errors import MeshError
@@ -240,6 +241,9 @@ class Worker(Lifecycle):
         )
         subs += await self.orphans.subscribe()
         subs += await self.store_service.subscribe()
+        deleted = dict.fromkeys(hub_streams(self._stream), self._lost)  # put back now
+        deleted[self._stream.answer_stream] = self.store.deleted  # (and ends waits for acks)
+        subs += await watch_deleted(nc, deleted)
         self._service = await micro.add_service(
             nc,
             name="mesh-worker",
@@ -286,6 +290,7 @@ class Worker(Lifecycle):
             )
         )
         self.leases.enabled = hub.leases
+        self.store.back()
         back = self._leases_back
         if not hub.leases and (back is None or back.done()):  # until it is: Leases.restore
             config = kept.leases_config(self._stream)

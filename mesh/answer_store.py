@@ -191,19 +191,39 @@ class AnswerStore:
         """The largest page asked of the store service (default: the connection's max
         payload)."""
         self.on_missing: Callable[[str], None] | None = None
-        """Told when :meth:`gone` finds the stream missing (a worker puts it back)."""
+        """Told when the stream is found missing (a worker puts it back, then :meth:`back`)."""
+        self.missing = False
+        """The stream is known to be gone and not yet put back: a publish to it waits for no
+        ack (none would come)."""
+        self.losses = 0
+        """How many times the stream was found gone: an answer under way across one lacks
+        what it published before the stream came back (its publisher checks)."""
 
     async def gone(self) -> bool:
         """Whether the answer stream is missing (JetStream says so); :attr:`on_missing` is told.
         Raises when JetStream cannot say now."""
-        name = self.settings.answer_stream
         try:
-            await self.conn.jsm().stream_info(name)
+            await self.conn.jsm().stream_info(self.settings.answer_stream)
         except NotFoundError:
-            if self.on_missing is not None:
-                self.on_missing(f"{name} is gone: an answer's end got no ack")
+            self._missing(f"{self.settings.answer_stream} is gone: an answer's end got no ack")
             return True
         return False
+
+    def deleted(self, why: str) -> None:
+        """JetStream says the stream was deleted (:mod:`mesh.stream_deleted`): the publishes
+        waiting for its ack end now, and :attr:`on_missing` is told."""
+        self._missing(why)
+        self.conn.stream_gone(self.gone)
+
+    def back(self) -> None:
+        """The stream was put back (its publishes wait for acks again)."""
+        self.missing = False
+
+    def _missing(self, why: str) -> None:
+        self.missing = True
+        self.losses += 1
+        if self.on_missing is not None:
+            self.on_missing(why)
 
     async def replay(self, subject: str, timeout: float | None = None) -> list[WireEvent]:
         """Every stored event of one answer, by its token ``subject`` (empty when none are kept

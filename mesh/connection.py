@@ -121,6 +121,10 @@ class Connection(Lifecycle):
             gone=gone,
         )
 
+    def stream_gone(self, gone: Gone) -> int:
+        """End now the acked publishes given ``gone`` that wait (:meth:`Acks.stream_gone`)."""
+        return 0 if self._acks is None else self._acks.stream_gone(gone)
+
     async def flush_write_batch(self) -> None:
         """Publish what the write batch holds now (nothing to do when not connected)."""
         if self._write_batch is not None:

@@ -20,6 +20,7 @@ from mesh.config import StreamSettings
 from mesh.logs import get_logger
 from mesh.provision import provision
 from protocol.errors import MeshError
+from protocol.subjects import ANSWERS_STREAM, LEASES_STREAM
 
 log = get_logger(__name__)
 
@@ -30,6 +31,12 @@ class Hub:
     """The streams in place, in the order they were provisioned."""
     leases: bool
     """Whether the lease stream is among them."""
+
+
+def hub_streams(settings: StreamSettings) -> list[str]:
+    """The streams :func:`provision_hub` puts in place, lease stream last."""
+    stored = [settings.answer_stream] if settings.answer_storage != "off" else []
+    return [settings.name, *stored, ANSWERS_STREAM, LEASES_STREAM]
 
 
 async def provision_hub(
@@ -46,15 +53,12 @@ async def provision_hub(
     await ensure_answer_stream(jsm, settings)
     answers = kept.answers_config(settings)
     await kept.ensure(jsm, answers)
-    streams = [settings.name, str(answers.name)]
-    if settings.answer_storage != "off":
-        streams.insert(1, settings.answer_stream)
-    leases = kept.leases_config(settings)
+    streams = hub_streams(settings)
     try:
-        await kept.ensure(jsm, leases)
+        await kept.ensure(jsm, kept.leases_config(settings))
     except (MeshError, nats.errors.Error, APIError) as exc:
         if leases_required:
             raise
         log.warning("lease stream unavailable; serving without leases", error=repr(exc))
-        return Hub(streams, leases=False)
-    return Hub([*streams, str(leases.name)], leases=True)
+        return Hub(streams[:-1], leases=False)
+    return Hub(streams, leases=True)

@@ -60,6 +60,8 @@ class Acks:
         self._subscribing = asyncio.Lock()
         self._looks: dict[asyncio.Future[Msg], asyncio.Task[None]] = {}
         """The looks under way, by the publish they look for (cancelled when it ends)."""
+        self._given: dict[asyncio.Future[Msg], Gone] = {}
+        """The publishes waiting for their ack that were given a ``gone`` check, with it."""
 
     async def publish(
         self,
@@ -90,7 +92,10 @@ class Acks:
         acked: asyncio.Future[Msg] = loop.create_future()
         self._pending[token] = acked
         timer = loop.call_later(timeout, self._expire, token)
-        look = None if gone is None else loop.call_later(LOOK_AFTER_S, self._look, acked, gone)
+        look = None
+        if gone is not None:
+            look = loop.call_later(LOOK_AFTER_S, self._look, acked, gone)
+            self._given[acked] = gone
         if MSG_ID in hdr:
             self._unacked[token] = (subject, payload, hdr)
         try:
@@ -103,6 +108,7 @@ class Acks:
             timer.cancel()
             if look is not None:
                 look.cancel()
+                del self._given[acked]
                 looking = self._looks.pop(acked, None)
                 if looking is not None:  # its answer no longer matters
                     looking.cancel()
@@ -122,6 +128,16 @@ class Acks:
         for token, (subject, payload, hdr) in unacked:
             await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}", headers=hdr)
         return len(unacked)
+
+    def stream_gone(self, gone: Gone) -> int:
+        """End now, with ``NoStreamResponseError``, every publish waiting for its ack that was
+        given ``gone``: its stream was deleted (JetStream said so), so no ack will come; how
+        many."""
+        waiting = [acked for acked, given in self._given.items() if given == gone]
+        for acked in waiting:
+            if not acked.done():
+                acked.set_exception(nats.js.errors.NoStreamResponseError())
+        return len(waiting)
 
     async def _subscribe(self) -> None:
         async with self._subscribing:

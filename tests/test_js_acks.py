@@ -112,6 +112,41 @@ async def test_a_slow_ack_asks_whether_its_stream_is_gone(conn: Connection, miss
         await listener.unsubscribe()
 
 
+async def test_told_its_stream_is_gone_a_waiting_publish_ends_at_once(conn: Connection) -> None:
+    """JetStream said the stream was deleted (``Connection.stream_gone``): the publishes waiting
+    for its ack that were given that ``gone`` check end now, typed as "no stream"; one given
+    another check, or none, waits on."""
+    subject = f"silent.{uuid.uuid4().hex}"
+    listener = await conn.nc.subscribe(subject)
+
+    async def gone() -> bool:
+        return False
+
+    async def other() -> bool:
+        return False
+
+    try:
+        told = asyncio.ensure_future(conn.publish_acked(subject, b"x", timeout=30, gone=gone))
+        others = [
+            asyncio.ensure_future(conn.publish_acked(subject, b"y", timeout=30, gone=other)),
+            asyncio.ensure_future(conn.publish_acked(subject, b"z", timeout=30)),
+        ]
+        acks = conn._acks
+        assert acks is not None
+        await eventually(lambda: holds(len(acks._pending) == 3), what="three publishes waiting")
+        began = time.monotonic()
+        assert conn.stream_gone(gone) == 1
+        with pytest.raises(NoStreamResponseError):
+            await told
+        assert time.monotonic() - began < 0.5
+        assert not any(o.done() for o in others)
+        for waiting in others:
+            waiting.cancel()
+        assert conn.stream_gone(gone) == 0
+    finally:
+        await listener.unsubscribe()
+
+
 async def test_a_look_still_under_way_ends_with_its_publish_and_with_the_connection(
     nats_server: NatsServer,
 ) -> None:
