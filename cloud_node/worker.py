@@ -50,7 +50,7 @@ from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
 from mesh.provision import provisioned
 from mesh.registry import Heartbeat, NodeInfo, live_workers
-from mesh.stream_deleted import watch_deleted
+from mesh.stream_deleted import consumer_deleted, stream_deleted, watch_deleted
 from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
 from protocol.errors import MeshError
@@ -241,9 +241,10 @@ class Worker(Lifecycle):
         )
         subs += await self.orphans.subscribe()
         subs += await self.store_service.subscribe()
-        deleted = dict.fromkeys(hub_streams(self._stream), self._lost)  # put back now
-        deleted[self._stream.answer_stream] = self.store.deleted  # (and ends waits for acks)
-        subs += await watch_deleted(nc, deleted)
+        told = {stream_deleted(s): self._lost for s in hub_streams(self._stream)}  # put back now
+        told[stream_deleted(self._stream.answer_stream)] = self.store.deleted  # (ends ack waits)
+        told[consumer_deleted(self._stream.name, self.consumer)] = self._lost  # even while full
+        subs += await watch_deleted(nc, told)
         self._service = await micro.add_service(
             nc,
             name="mesh-worker",

@@ -1,15 +1,18 @@
-"""JetStream's word that a stream was deleted, taken as it comes.
+"""JetStream's word that a stream or a consumer was deleted, taken as it comes.
 
-``nats stream rm`` deletes a hub stream under nodes that stay connected. Nothing on the
-connection says so: a publish whose subject a reader also subscribes to gets neither an ack nor
-"no responders", and a node that waited for a missing ack to tell it lost a second or more on
-the first answer after it. The server says it at once, on
-``$JS.EVENT.ADVISORY.STREAM.DELETED.<stream>``: a node subscribes there for each stream it puts
-back and acts when the word comes.
+``nats stream rm`` or ``nats consumer rm`` deletes a hub stream or the queue's consumer under
+nodes that stay connected. Nothing on the connection need say so: a publish whose subject a
+reader also subscribes to gets neither an ack nor "no responders", and a worker with every slot
+busy has no pull open that could end "consumer deleted". A node that waited for a missing ack
+or its next pull to tell it lost a second or more. The server says it at once, on
+``$JS.EVENT.ADVISORY.STREAM.DELETED.<stream>`` and
+``$JS.EVENT.ADVISORY.CONSUMER.DELETED.<stream>.<consumer>``: a node subscribes there for what
+it puts back and acts when the word comes.
 
-Anyone allowed to publish on that subject could say it falsely (least-privilege credentials let
-nobody but the server). A false word costs a provisioning pass, which leaves a stream in place
-as it is, and publishes that end unconfirmed and are published again later: nothing is lost.
+Anyone allowed to publish on those subjects could say it falsely (least-privilege credentials
+let nobody but the server). A false word costs a provisioning pass, which leaves what is in
+place as it is, and publishes that end unconfirmed and are published again later: nothing is
+lost.
 """
 
 from __future__ import annotations
@@ -20,28 +23,30 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-DELETED_PREFIX = "$JS.EVENT.ADVISORY.STREAM.DELETED."
 
-
-def deleted_subject(stream: str) -> str:
+def stream_deleted(stream: str) -> str:
     """Where JetStream says ``stream`` was deleted."""
-    return f"{DELETED_PREFIX}{stream}"
+    return f"$JS.EVENT.ADVISORY.STREAM.DELETED.{stream}"
+
+
+def consumer_deleted(stream: str, consumer: str) -> str:
+    """Where JetStream says ``consumer`` of ``stream`` was deleted."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.DELETED.{stream}.{consumer}"
 
 
 async def watch_deleted(
-    nc: Client, streams: Mapping[str, Callable[[str], None]]
+    nc: Client, told: Mapping[str, Callable[[str], None]]
 ) -> list[Subscription]:
-    """Subscribe for the deletion of each stream of ``streams``; its callback is told why
-    ("<stream> was deleted"). The subscriptions are plain ones: nats-py makes them again after a
-    reconnect."""
+    """Subscribe to each advisory subject of ``told``; its callback is told why (what was
+    deleted). The subscriptions are plain ones: nats-py makes them again after a reconnect."""
 
-    def told(stream: str, then: Callable[[str], None]) -> Callable[[Msg], Awaitable[None]]:
+    def then(subject: str, tell: Callable[[str], None]) -> Callable[[Msg], Awaitable[None]]:
+        kind, _, name = subject.removeprefix("$JS.EVENT.ADVISORY.").partition(".DELETED.")
+        why = f"{kind.lower()} {name} was deleted"
+
         async def handle(_msg: Msg) -> None:
-            then(f"{stream} was deleted")
+            tell(why)
 
         return handle
 
-    return [
-        await nc.subscribe(deleted_subject(stream), cb=told(stream, then))
-        for stream, then in streams.items()
-    ]
+    return [await nc.subscribe(subject, cb=then(subject, tell)) for subject, tell in told.items()]

@@ -33,7 +33,7 @@ from pathlib import Path
 from edge_node.api_keys import parse_keys
 from mesh.config import StreamSettings, load_settings
 from mesh.hub import hub_streams
-from mesh.stream_deleted import deleted_subject
+from mesh.stream_deleted import consumer_deleted, stream_deleted
 from mesh_app import nats_jwt
 from mesh_app.accounts import account_jwts
 from mesh_app.nats_jwt import Key, Permissions
@@ -160,7 +160,8 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             worker_alives(node),
             f"{PREFIX}.worker.{node}.status",
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{infer}.*",
-            *(deleted_subject(s) for s in hub_streams(stream)),  # put back at once
+            *(stream_deleted(s) for s in hub_streams(stream)),  # put back at once
+            consumer_deleted(infer, "*"),
             f"{inbox}.>",
             *_micro("mesh-worker"),
         ),

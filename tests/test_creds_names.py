@@ -86,6 +86,7 @@ def test_mesh_creds_names_the_streams_of_its_settings(
     assert "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.OTHER_INFER.*" in worker["sub"]
     for stream in ("OTHER_INFER", "OTHER_TOK"):  # a stream deleted under it: put back at once
         assert f"$JS.EVENT.ADVISORY.STREAM.DELETED.{stream}" in worker["sub"], stream
+    assert "$JS.EVENT.ADVISORY.CONSUMER.DELETED.OTHER_INFER.*" in worker["sub"]
     # Nothing is left of the default names, which this mesh does not use.
     for stream in DEFAULTS:
         for who in (edge, worker):
