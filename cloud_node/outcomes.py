@@ -99,7 +99,8 @@ class Outcomes:
                 )
                 writer = AnswerWriter(request_id, attempt=attempt, node=self.node)
                 with contextlib.suppress(MeshError):
-                    await publisher.finish(writer.error(err))
+                    if not await publisher.finish(writer.error(err)):
+                        self.settle(publisher)  # the store gets it when it can
         except Exception:  # answering is best effort; terminating is not
             log.exception("answering a rejected request failed")
         with contextlib.suppress(nats.errors.Error):
@@ -220,16 +221,14 @@ class Outcomes:
                 # Above every attempt the store holds (a second copy of a request that can
                 # wait numbers after the first's), so readers take it as the newest.
                 writer = AnswerWriter(request_id, attempt=max(1, deliveries, state.attempt))
-                await publisher.finish(
-                    writer.error(
-                        MaxDeliveriesError(
-                            f"{deliveries} deliveries ended without an answer (workers "
-                            "stopped mid-request)",
-                            request_id=request_id,
-                            retryable=False,
-                        )
-                    )
+                exhausted = MaxDeliveriesError(
+                    f"{deliveries} deliveries ended without an answer (workers stopped "
+                    "mid-request)",
+                    request_id=request_id,
+                    retryable=False,
                 )
+                if not await publisher.finish(writer.error(exhausted)):
+                    self.settle(publisher)  # the store gets it when it can
                 self.counts.max_deliveries()
                 log.warning("request exhausted its deliveries", request_id=request_id)
             await jsm.delete_msg(self.stream.name, stream_seq)

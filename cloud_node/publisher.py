@@ -153,7 +153,7 @@ class AnswerPublisher:
         deadline = loop.time() + within
         pause = 1.0
         while (left := deadline - loop.time()) > 0:
-            await asyncio.sleep(min(pause, left))
+            await self.store.came_back(min(pause, left))  # its return: the one to wait for
             if await self.catch_up():
                 return True
             pause = min(pause * 2, 10.0)

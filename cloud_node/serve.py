@@ -424,7 +424,8 @@ class Handler(ABC):
                 log.info("request cancelled by client")
                 cancelled = CancelledByClientError("cancelled", request_id=request.id)
                 with contextlib.suppress(MeshError, nats.errors.Error):
-                    await publisher.finish(writer.error(cancelled))
+                    if not await publisher.finish(writer.error(cancelled)):
+                        self.settler.later(publisher)  # the store gets it when it can
                     await release.cancelled(cancelled)
                 return  # the cancel was ours to act on; the task ends normally
             if keepalive.stopped:  # a newer attempt took it over while this worker stood still

@@ -43,14 +43,14 @@ from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection, stop_service
-from mesh.hub import hub_streams, provision_hub
+from mesh.hub import hub_deletions, provision_hub
 from mesh.lifecycle import Lifecycle, start_or_undo
 from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
 from mesh.provision import provisioned
 from mesh.registry import Heartbeat, NodeInfo, live_workers
-from mesh.stream_deleted import consumer_deleted, stream_deleted, watch_deleted
+from mesh.stream_deleted import stream_deleted, watch_deleted
 from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
 from protocol.errors import MeshError
@@ -241,10 +241,6 @@ class Worker(Lifecycle):
         )
         subs += await self.orphans.subscribe()
         subs += await self.store_service.subscribe()
-        told = {stream_deleted(s): self._lost for s in hub_streams(self._stream)}  # put back now
-        told[stream_deleted(self._stream.answer_stream)] = self.store.deleted  # (ends ack waits)
-        told[consumer_deleted(self._stream.name, self.consumer)] = self._lost  # even while full
-        subs += await watch_deleted(nc, told)
         self._service = await micro.add_service(
             nc,
             name="mesh-worker",
@@ -263,6 +259,10 @@ class Worker(Lifecycle):
             self.conn.on_reconnect(RESTORE, self._restore),
         ]
         self._undo_reconnect = lambda: [u() for u in undo]
+        told = dict.fromkeys(hub_deletions(self._stream, self.consumer), self._lost)  # put back
+        if self.store.enabled:  # now (and answers' ends stop waiting for the store's acks)
+            told[stream_deleted(self._stream.answer_stream)] = self.store.deleted
+        subs += await watch_deleted(nc, told)  # once RESTORE is there to run
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             self._page.add(registry)
         watch_gc(self._page)
@@ -285,13 +285,15 @@ class Worker(Lifecycle):
     async def _provision(self) -> None:
         """Idempotent; asked again while JetStream answers slowly or not yet
         (:func:`mesh.provision.provisioned`)."""
+        since = self.store.losses
         hub = await provisioned(
             lambda: provision_hub(
                 self.conn.jsm(), self._stream, [self.backend.model], leases_required=False
             )
         )
         self.leases.enabled = hub.leases
-        self.store.back()
+        self.store.back(since)
+        await self.handler.epoch.look(self._stream.name, self.consumer)  # ahead of deliveries
         back = self._leases_back
         if not hub.leases and (back is None or back.done()):  # until it is: Leases.restore
             config = kept.leases_config(self._stream)
@@ -319,9 +321,8 @@ class Worker(Lifecycle):
             )
 
     async def _restore(self) -> None:
-        """After a reconnect: a server restart may have lost memory-stored state (the queue's
-        consumer, the registry bucket): put it back (idempotent), announce this worker, and
-        cover its free slots (the pull requests of a lost consumer ended with it)."""
+        """After a reconnect or a loss: put back what may be lost (idempotent), announce this
+        worker, and cover its free slots (the pulls of a lost consumer ended with it)."""
         self.handler.epoch.forget()  # the consumer may have been made anew
         await self._provision()
         await self._heartbeat.beat()
@@ -336,9 +337,9 @@ class Worker(Lifecycle):
         return {**word, "stopping": True} if self._stopping else word
 
     def _lost(self, why: str) -> None:
-        """The server says a stream or the queue's consumer is gone (a pull request ended with
-        "Consumer Deleted", or nobody answered one or a kept answer's publish): put them back
-        now, as after a reconnect, not at the next one."""
+        """The server says a stream or the queue's consumer is gone (its deletion's advisory, a
+        pull ended "Consumer Deleted", no answer to a publish): put it back now, not at the
+        next reconnect."""
         if not self._stopping:
             self.handler.epoch.forget()
             self.conn.recovery.again(RESTORE, why)
@@ -348,6 +349,7 @@ class Worker(Lifecycle):
         if self._stopping:
             return
         self._stopping = True
+        self.store.on_missing = None  # nobody puts it back now: ends wait for acks and look
         if self._undo_reconnect is not None:
             self._undo_reconnect()
         await self._heartbeat.stop()  # edges stop counting on us before intake stops

@@ -191,13 +191,16 @@ class AnswerStore:
         """The largest page asked of the store service (default: the connection's max
         payload)."""
         self.on_missing: Callable[[str], None] | None = None
-        """Told when the stream is found missing (a worker puts it back, then :meth:`back`)."""
+        """Told when the stream is found missing: whoever puts it back (a worker, which then
+        calls :meth:`back`). None: nobody does (a worker that stops)."""
         self.missing = False
-        """The stream is known to be gone and not yet put back: a publish to it waits for no
-        ack (none would come)."""
+        """The stream is known to be gone, and is being put back: a publish to it waits for
+        no ack (none would come)."""
         self.losses = 0
-        """How many times the stream was found gone: an answer under way across one lacks
-        what it published before the stream came back (its publisher checks)."""
+        """A generation, moved on when the stream is found gone and when it is back: an
+        answer under way across either lacks what it published meanwhile, and its publisher
+        catches up at its end."""
+        self._back = asyncio.Event()
 
     async def gone(self) -> bool:
         """Whether the answer stream is missing (JetStream says so); :attr:`on_missing` is told.
@@ -215,14 +218,26 @@ class AnswerStore:
         self._missing(why)
         self.conn.stream_gone(self.gone)
 
-    def back(self) -> None:
-        """The stream was put back (its publishes wait for acks again)."""
-        self.missing = False
+    def back(self, since: int) -> None:
+        """A pass that began when :attr:`losses` read ``since`` put the stream back: its
+        publishes wait for acks again, unless it was lost again meanwhile (that pass may have
+        run before; the pass after it says so)."""
+        if self.missing and self.losses == since:
+            self.missing = False
+            self.losses += 1
+            self._back.set()
+            self._back = asyncio.Event()
+
+    async def came_back(self, within: float) -> None:
+        """Wait ``within`` seconds, less when the stream is put back meanwhile (an answer
+        settling then goes on at once)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._back.wait(), within)
 
     def _missing(self, why: str) -> None:
-        self.missing = True
         self.losses += 1
-        if self.on_missing is not None:
+        if self.on_missing is not None:  # someone puts it back
+            self.missing = True
             self.on_missing(why)
 
     async def replay(self, subject: str, timeout: float | None = None) -> list[WireEvent]:

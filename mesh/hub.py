@@ -19,6 +19,7 @@ from mesh.answer_store import ensure_answer_stream
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
 from mesh.provision import provision
+from mesh.stream_deleted import consumer_deleted, stream_deleted
 from protocol.errors import MeshError
 from protocol.subjects import ANSWERS_STREAM, LEASES_STREAM
 
@@ -37,6 +38,13 @@ def hub_streams(settings: StreamSettings) -> list[str]:
     """The streams :func:`provision_hub` puts in place, lease stream last."""
     stored = [settings.answer_stream] if settings.answer_storage != "off" else []
     return [settings.name, *stored, ANSWERS_STREAM, LEASES_STREAM]
+
+
+def hub_deletions(settings: StreamSettings, consumer: str) -> list[str]:
+    """Where JetStream says a hub stream, or the queue's ``consumer`` of ``settings.name``, was
+    deleted: what a worker watches to put it back at once (``*``: any consumer)."""
+    streams = [stream_deleted(name) for name in hub_streams(settings)]
+    return [*streams, consumer_deleted(settings.name, consumer)]
 
 
 async def provision_hub(

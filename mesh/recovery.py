@@ -8,8 +8,10 @@ leader, JetStream has no quorum yet, the request timed out) runs it again with a
 leave an edge answering every cloud request locally for good while every worker was healthy.
 
 State can also go without a reconnect (an operator's ``nats consumer rm``, a stream lost on a hub
-server the node is not connected to); a node that hears so from the server (a pull request ended
-with "Consumer Deleted") calls :meth:`Recovery.again` for the step that puts it back.
+server the node is not connected to); a node that hears so from the server (JetStream's advisory
+that it was deleted, a pull request ended with "Consumer Deleted") calls :meth:`Recovery.again`
+for the step that puts it back. Heard while that step runs, the step runs once more after it:
+the run under way may have put things back before the loss.
 
 A newer reconnect restarts a step still being retried. While any step is not restored,
 :attr:`Recovery.pending` names it, and readiness (the edge's ``/ready``, a worker's status and
@@ -48,6 +50,8 @@ class Recovery:
         self._running: dict[int, tuple[str, asyncio.Task[None]]] = {}
         self._next = 0
         self._closed = False
+        self._rerun: set[int] = set()
+        """Steps asked for again while they ran: they run once more when they succeed."""
         self._again: dict[int, tuple[float, float]] = {}
         """Each step run by :meth:`again`: when it last succeeded (``time.monotonic()``), and the
         pause before the next such run if it is asked for within :data:`MAX_DELAY` of that."""
@@ -63,6 +67,7 @@ class Recovery:
 
         def undo() -> None:
             self._steps.pop(key, None)
+            self._rerun.discard(key)
             running = self._running.pop(key, None)
             if running is not None:
                 running[1].cancel()
@@ -79,6 +84,7 @@ class Recovery:
         if self._closed:
             return
         for key, (name, step) in list(self._steps.items()):
+            self._rerun.discard(key)  # the run starting now covers it
             old = self._running.pop(key, None)
             if old is not None:
                 old[1].cancel()
@@ -86,19 +92,23 @@ class Recovery:
 
     def again(self, name: str, why: str) -> bool:
         """Run the steps named ``name`` now, without a reconnect: what they put back was lost
-        (``why``, for the log). One still being retried is left to go on; True when a step
-        started. Asked for again within :data:`MAX_DELAY` of its last success (the state it
-        put back lost at once again, or a sign of loss that outlives it: a pull answered 503
-        while provisioning succeeds), a step waits first, 0.1 s doubling to 2 s: never a storm
-        of provisioning."""
+        (``why``, for the log). One running already runs once more when it succeeds (it may
+        have put things back before the loss); True when a step started. Asked for again
+        within :data:`MAX_DELAY` of its last success (the state it put back lost at once again,
+        or a sign of loss that outlives it: a pull answered 503 while provisioning succeeds), a
+        step waits first, 0.1 s doubling to 2 s: never a storm of provisioning."""
         if self._closed:
             return False
         now = time.monotonic()
-        due = [
-            (key, step)
-            for key, (named, step) in self._steps.items()
-            if named == name and key not in self._running
-        ]
+        due = []
+        for key, (named, step) in self._steps.items():
+            if named != name:
+                continue
+            running = self._running.get(key)
+            if running is not None and not running[1].done():
+                self._rerun.add(key)
+            else:
+                due.append((key, step))
         for key, step in due:
             succeeded, pause = self._again.get(key, (-MAX_DELAY, 0.0))
             wait = pause if now - succeeded < MAX_DELAY else 0.0
@@ -161,6 +171,13 @@ class Recovery:
                 log.info(
                     "restored after a reconnect", connection=self._owner, step=name, tries=tries
                 )
+            if key in self._rerun:  # lost again while it ran: once more, paced as again()
+                self._rerun.discard(key)
+                _succeeded, pause = self._again.get(key, (0.0, FIRST_DELAY))
+                self._again[key] = (time.monotonic(), min(max(pause * 2, FIRST_DELAY), MAX_DELAY))
+                await asyncio.sleep(pause)
+                tries, delay = 0, FIRST_DELAY
+                continue
             if key in self._again:
                 self._again[key] = (time.monotonic(), self._again[key][1])
             return

@@ -32,8 +32,7 @@ from pathlib import Path
 
 from edge_node.api_keys import parse_keys
 from mesh.config import StreamSettings, load_settings
-from mesh.hub import hub_streams
-from mesh.stream_deleted import consumer_deleted, stream_deleted
+from mesh.hub import hub_deletions
 from mesh_app import nats_jwt
 from mesh_app.accounts import account_jwts
 from mesh_app.nats_jwt import Key, Permissions
@@ -160,8 +159,7 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             worker_alives(node),
             f"{PREFIX}.worker.{node}.status",
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{infer}.*",
-            *(stream_deleted(s) for s in hub_streams(stream)),  # put back at once
-            consumer_deleted(infer, "*"),
+            *hub_deletions(stream, "*"),  # put back at once
             f"{inbox}.>",
             *_micro("mesh-worker"),
         ),
