@@ -330,9 +330,8 @@ class Worker(Lifecycle):
 
     def _alive(self, address: str) -> dict[str, bool]:
         """What this worker says to "are you there?" about the request on ``address``
-        (:meth:`cloud_node.serve.Handler.alive`), and that it is stopping when it is: it takes no
-        more work, so an edge asking whether the pool's workers are there counts it out (its
-        registry entry's delete may have been lost)."""
+        (:meth:`cloud_node.serve.Handler.alive`), and that it is stopping when it is: an edge
+        asking then counts it out of the pool (its registry entry's delete may be lost)."""
         word = self.handler.alive(address)
         return {**word, "stopping": True} if self._stopping else word
 
@@ -349,7 +348,8 @@ class Worker(Lifecycle):
         if self._stopping:
             return
         self._stopping = True
-        self.store.on_missing = None  # nobody puts it back now: ends wait for acks and look
+        self.store.let_go()  # nobody puts it back now
+        self.handler.epoch.close()
         if self._undo_reconnect is not None:
             self._undo_reconnect()
         await self._heartbeat.stop()  # edges stop counting on us before intake stops

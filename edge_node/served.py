@@ -75,7 +75,7 @@ class CloudModels:
     ) -> None:
         self._conn = conn
         self._scope = scope
-        self._deployed = ServedModels(conn.jsm, stream)
+        self._deployed = ServedModels(conn.jsm, stream, stale_yes=True)
         self._nodes = nodes
         self._asked: dict[str, float] = {}
         self._asking: set[asyncio.Task[None]] = set()

@@ -234,6 +234,12 @@ class AnswerStore:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._back.wait(), within)
 
+    def let_go(self) -> None:
+        """Nobody puts the stream back from now on (the worker stops): publishes wait for its
+        acks again, and a missing stream is found by the look at a missing ack."""
+        self.on_missing = None
+        self.missing = False
+
     def _missing(self, why: str) -> None:
         self.losses += 1
         if self.on_missing is not None:  # someone puts it back

@@ -235,7 +235,13 @@ class ServedModels:
     ``no_for`` (an edge answering many clients asks once for a burst of requests naming a model
     nobody serves; the SDK passes 0: its own caller may be deploying the pool). When JetStream
     cannot tell now, the answer is yes, whatever was known before, and nothing is remembered:
-    the publish decides, and fails typed if the queue cannot take the request."""
+    the publish decides, and fails typed if the queue cannot take the request.
+
+    ``stale_yes`` (the edge): a yes older than ``yes_for`` still answers at once, and a look in
+    the background brings it up to date. Waited for, that look cost each request that came
+    more than ``yes_for`` after the last one a round trip to the hub before it was queued: on a
+    site's edge, a round trip over its uplink. The edge needs no fresh yes: a pool whose workers
+    are gone shows none live in the registry, and the edge answers locally at once."""
 
     def __init__(
         self,
@@ -244,11 +250,15 @@ class ServedModels:
         *,
         yes_for: float = 30.0,
         no_for: float = 3.0,
+        stale_yes: bool = False,
     ) -> None:
         self._jsm = jsm
         self._settings = settings
         self._for = {True: yes_for, False: no_for}
+        self._stale_yes = stale_yes
         self._known: dict[str, tuple[bool, float]] = {}
+        self._looking: dict[str, asyncio.Task[bool]] = {}
+        """The background looks under way, by model."""
 
     def forget(self, model: str) -> None:
         """Ask JetStream again next time (what is known of ``model`` is out of date)."""
@@ -259,11 +269,30 @@ class ServedModels:
         known = self._known.get(model)
         if known is not None and known[1] > now:
             return known[0]
+        if known is not None and known[0] and self._stale_yes:
+            if model not in self._looking:
+                look = asyncio.get_running_loop().create_task(self._look(model))
+                self._looking[model] = look
+                look.add_done_callback(self._looked)
+            return True
+        return await self._look(model)
+
+    def _looked(self, look: asyncio.Task[bool]) -> None:
+        for model, task in list(self._looking.items()):
+            if task is look:
+                del self._looking[model]
+        failed = None if look.cancelled() else look.exception()
+        if failed is not None:  # the next request asks again
+            log.info("cannot tell whether a pool serves the model now", error=repr(failed))
+
+    async def _look(self, model: str) -> bool:
         served = await model_is_served(self._jsm(), self._settings, model)
         if served is None:
             return True
         if self._for[served] > 0:
-            self._known[model] = (served, now + self._for[served])
+            self._known[model] = (served, time.monotonic() + self._for[served])
+        else:
+            self._known.pop(model, None)  # a stale yes must not stand for it
         return served
 
 

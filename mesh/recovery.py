@@ -171,11 +171,13 @@ class Recovery:
                 log.info(
                     "restored after a reconnect", connection=self._owner, step=name, tries=tries
                 )
-            if key in self._rerun:  # lost again while it ran: once more, paced as again()
+            if key in self._rerun:  # lost again while it ran: once more, paced as again() is
                 self._rerun.discard(key)
-                _succeeded, pause = self._again.get(key, (0.0, FIRST_DELAY))
-                self._again[key] = (time.monotonic(), min(max(pause * 2, FIRST_DELAY), MAX_DELAY))
-                await asyncio.sleep(pause)
+                now = time.monotonic()
+                succeeded, pause = self._again.get(key, (-MAX_DELAY, 0.0))
+                wait = pause if now - succeeded < MAX_DELAY else 0.0  # flapping: slower
+                self._again[key] = (now, min(max(wait * 2, FIRST_DELAY), MAX_DELAY))
+                await asyncio.sleep(wait)
                 tries, delay = 0, FIRST_DELAY
                 continue
             if key in self._again:

@@ -39,9 +39,8 @@ async def test_a_consumer_made_anew_is_seen_without_sequences_going_back(
     conn: Connection, heard: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``lost``: the worker heard the consumer was lost (JetStream's advisory, a pull ended
-    "Consumer Deleted"); ``late``: it heard nothing, and its look has grown old: the delivery
-    that finds it old starts a look without waiting for it, and those after it see the
-    consumer made anew."""
+    "Consumer Deleted"); ``late``: it heard nothing (the advisory lost), and its look has grown
+    old (no look ahead made it young)."""
     await conn.jsm().add_stream(api.StreamConfig(name=STREAM, subjects=["ep.>"]))
     try:
         await _consumer(conn)
@@ -57,37 +56,37 @@ async def test_a_consumer_made_anew_is_seen_without_sequences_going_back(
         assert later.metadata.sequence.consumer > first.metadata.sequence.consumer
         if heard == "lost":
             watch.forget()
-            assert await watch.predates(later)
         else:
             monkeypatch.setattr(epoch, "LOOK_AGAIN_S", 0.0)
-            assert not await watch.predates(later)  # what it knew: the look runs meanwhile
-            await eventually(lambda: watch.predates(later), what="the consumer made anew seen")
+        assert await watch.predates(later)
     finally:
         await conn.jsm().delete_stream(STREAM)
 
 
-async def test_a_delivery_waits_for_no_look_at_a_consumer_it_knows(
+async def test_looks_are_made_ahead_so_that_a_delivery_waits_for_none(
     conn: Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A look runs ahead of the deliveries (a worker's start), and once it is old a delivery
-    starts the next without waiting for it: before, the first delivery after 5 s quiet paid a
-    ``CONSUMER.INFO`` round trip (0.63 ms p50 on loopback) before its engine was asked."""
+    """A look that succeeds has the next made a while later, with no delivery asking: a
+    delivery then finds a young look and does not wait. Before, the first delivery after 5 s
+    quiet paid a ``CONSUMER.INFO`` round trip (0.63 ms p50 on loopback) before its engine was
+    asked: every request did, when requests came further apart than that."""
+    monkeypatch.setattr(epoch, "LOOK_AHEAD_S", 0.05)
     await conn.jsm().add_stream(api.StreamConfig(name=STREAM, subjects=["ep.>"]))
     try:
         await _consumer(conn)
         watch = QueueEpoch(conn, timeout=5.0)
-        await watch.look(STREAM, CONSUMER)  # ahead, as the worker's start does
-        for i in range(2):
-            await conn.js.publish(f"ep.{i}", b"x")
-        first, second = await _fetch(conn, 2)
         looks, slow = _slow_looks(conn, monkeypatch)
+        slow.set()  # the first look (the worker's start) as usual
+        await watch.look(STREAM, CONSUMER)
+        await eventually(lambda: holds(len(looks) >= 3), what="looks made ahead, none asked")
+        await conn.js.publish("ep.0", b"x")
+        (first,) = await _fetch(conn, 1)
+        monkeypatch.setattr(epoch, "LOOK_AGAIN_S", 0.2)  # not stale within the test
         began = time.monotonic()
-        assert not await watch.predates(first)  # known: no look, and no wait
-        monkeypatch.setattr(epoch, "LOOK_AGAIN_S", 0.0)
-        assert not await watch.predates(second)  # old: a look starts, not waited for
-        assert time.monotonic() - began < 0.5
-        await eventually(lambda: holds(looks == [CONSUMER]), what="the look under way")
-        slow.set()
+        assert not await watch.predates(first)
+        assert time.monotonic() - began < 0.05  # no round trip: the look is young
+        watch.close()  # the worker stops: no more looks
+        assert not watch._ahead
     finally:
         await conn.jsm().delete_stream(STREAM)
 
@@ -98,6 +97,7 @@ async def test_a_look_begun_before_the_consumer_was_heard_lost_counts_for_nothin
     """A look still under way when the worker hears its consumer was lost may have seen the
     consumer before it was made anew: what it brings back must not stand over the look made
     after (a delivery of the new consumer would be taken for one nobody holds)."""
+    monkeypatch.setattr(epoch, "LOOK_AHEAD_S", 0.05)
     await conn.jsm().add_stream(api.StreamConfig(name=STREAM, subjects=["ep.>"]))
     try:
         await _consumer(conn)
@@ -106,9 +106,11 @@ async def test_a_look_begun_before_the_consumer_was_heard_lost_counts_for_nothin
         for i in range(3):
             await conn.js.publish(f"ep.{i}", b"x")
         (first,) = await _fetch(conn, 1)
+        assert not await watch.predates(first)
         looks, slow = _slow_looks(conn, monkeypatch)
-        monkeypatch.setattr(epoch, "LOOK_AGAIN_S", 0.0)
-        assert not await watch.predates(first)  # starts a look, which sees the old consumer
+        # The next look ahead reads the consumer now and comes back only once told.
+        await eventually(lambda: holds(len(looks) == 1), what="a look ahead under way")
+        monkeypatch.setattr(epoch, "LOOK_AHEAD_S", 60.0)
         await conn.jsm().delete_consumer(STREAM, CONSUMER)
         await _consumer(conn)  # made anew
         old = watch._looking[CONSUMER]
@@ -117,12 +119,12 @@ async def test_a_look_begun_before_the_consumer_was_heard_lost_counts_for_nothin
         assert await watch.predates(again[1])  # a look of its own, after the forget
         slow.set()  # the old look comes back now
         await old
-        monkeypatch.setattr(epoch, "LOOK_AGAIN_S", 60.0)
         (third,) = await _fetch(conn, 1)
         assert third.metadata.sequence.consumer == 3
         assert await watch.predates(third)  # the old look's word did not stand
         assert len(looks) == 2
     finally:
+        watch.close()
         await conn.jsm().delete_stream(STREAM)
 
 

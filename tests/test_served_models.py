@@ -1,0 +1,98 @@
+"""Whether a pool serves a model (:class:`mesh.provision.ServedModels`), against a real
+nats-server: remembered for a while, and on the edge a yes gone stale still answers at once
+while a look in the background brings it up to date. Before, a request that came more than
+30 s after the last waited for that look (a round trip to the hub, over a site's uplink)
+before it was queued."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.js import api
+
+from mesh.config import MeshSettings
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.provision import ServedModels, ensure_consumer, ensure_stream
+from protocol.subjects import consumer_name
+from tests.conftest import make_settings
+from tests.helpers import eventually, holds
+
+MODEL = "served-test"
+
+
+@pytest.fixture
+async def hub(own_server: NatsServer) -> AsyncIterator[tuple[MeshSettings, Connection]]:
+    settings = make_settings(own_server.url)  # a server of its own: the queue's subjects
+    async with Connection(settings.nats, "served") as conn:
+        await ensure_stream(conn.jsm(), settings.stream)
+        await ensure_consumer(conn.jsm(), settings.stream, MODEL)
+        yield settings, conn
+
+
+def _slow_looks(
+    conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[str], asyncio.Event]:
+    """Looks at a consumer from here on wait for the event; the looks asked, by consumer."""
+    jsm = conn.jsm()
+    info = type(jsm).consumer_info
+    looks: list[str] = []
+    release = asyncio.Event()
+
+    async def consumer_info(
+        self: object, stream: str, consumer: str, *a: object, **k: object
+    ) -> api.ConsumerInfo:
+        looks.append(consumer)
+        await release.wait()
+        return await info(self, stream, consumer, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(jsm), "consumer_info", consumer_info)
+    return looks, release
+
+
+async def test_a_stale_yes_answers_at_once_and_is_brought_up_to_date_behind(
+    hub: tuple[MeshSettings, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, conn = hub
+    served = ServedModels(conn.jsm, settings.stream, stale_yes=True)
+    assert await served(MODEL)  # looked up: a pool serves it
+    _stale(served)
+    looks, release = _slow_looks(conn, monkeypatch)
+    began = time.monotonic()
+    assert await served(MODEL)  # at once, not after the look
+    assert await served(MODEL)  # one look under way serves both
+    assert time.monotonic() - began < 0.05
+    await eventually(lambda: holds(looks == [consumer_name(MODEL)]), what="one look")
+    await conn.jsm().delete_consumer(settings.stream.name, consumer_name(MODEL))
+    release.set()  # the look finds the pool gone
+    await eventually(lambda: _says(served, False), what="the pool's end seen")
+
+
+async def test_without_stale_yes_a_request_waits_for_the_look(
+    hub: tuple[MeshSettings, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SDK's rule: it has no registry to tell it a pool's workers are gone, so an old yes
+    is looked up again, waited for."""
+    settings, conn = hub
+    served = ServedModels(conn.jsm, settings.stream, no_for=0.0)
+    assert await served(MODEL)
+    _stale(served)
+    looks, release = _slow_looks(conn, monkeypatch)
+    asking = asyncio.ensure_future(served(MODEL))
+    await eventually(lambda: holds(len(looks) == 1), what="the look asked")
+    assert not asking.done()  # waits for it
+    release.set()
+    assert await asyncio.wait_for(asking, 5)
+
+
+def _stale(served: ServedModels) -> None:
+    """What it knows of the model, as if ``yes_for`` had passed."""
+    answer, _until = served._known[MODEL]
+    served._known[MODEL] = (answer, time.monotonic() - 1)
+
+
+async def _says(served: ServedModels, answer: bool) -> bool:
+    return await served(MODEL) is answer
