@@ -18,8 +18,9 @@ look is :data:`LOOK_AGAIN_S` old (word of a deletion that never came: an advisor
 live link). A look that fails counts every delivery as maybe held for :data:`FAILED_LOOK_S`:
 the safe side (the store read first, the attempt numbered high).
 
-A look that succeeds has the next one made :data:`LOOK_AHEAD_S` later, in the background, so
-that a delivery finds a look younger than :data:`LOOK_AGAIN_S` and waits for none. Before, the
+Each look has the next made :data:`LOOK_AHEAD_S` later, in the background, so that a
+delivery finds a look younger than :data:`LOOK_AGAIN_S` and waits for none (a look ahead that
+fails leaves a good one in place: it counts only once that is old). Before, the
 first delivery after 5 s quiet waited for a round trip to the hub (0.63 ms p50 here, on
 loopback) before its engine was asked: every request did, when requests came further apart
 than that. The cost: one ``CONSUMER.INFO`` per :data:`LOOK_AHEAD_S` per worker and model.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from asyncio import current_task
 from datetime import datetime, timezone
 
 from nats.aio.msg import Msg
@@ -59,7 +61,7 @@ class QueueEpoch:
         self._looking: dict[str, asyncio.Future[None]] = {}
         self._forgotten = 0
         """How many times :meth:`forget` was called: a look begun before counts for nothing."""
-        self._ahead: dict[str, asyncio.TimerHandle] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         """By consumer: the next look, made ahead of deliveries."""
         self._closed = False
 
@@ -79,9 +81,9 @@ class QueueEpoch:
     def close(self) -> None:
         """No more looks ahead (the worker stops)."""
         self._closed = True
-        for timer in self._ahead.values():
+        for timer in self._timers.values():
             timer.cancel()
-        self._ahead.clear()
+        self._timers.clear()
 
     async def predates(self, msg: Msg) -> bool:
         """Whether ``msg`` was stored before the consumer that delivered it was made (each of
@@ -94,7 +96,8 @@ class QueueEpoch:
         now = time.monotonic()
         stale = known is None or now - known[1] > (LOOK_AGAIN_S if known[0] else FAILED_LOOK_S)
         if stale or seq <= self._last.get(consumer, 0):
-            await self._look(meta.stream, consumer)
+            # Counting from lower: a look under way may predate the consumer made anew.
+            await self._look(meta.stream, consumer, fresh=not stale)
             self._last[consumer] = seq
         else:
             self._last[consumer] = max(seq, self._last.get(consumer, 0))
@@ -102,18 +105,23 @@ class QueueEpoch:
         created = known[0] if known is not None else None
         return created is None or meta.timestamp < created
 
-    async def _look(self, stream: str, consumer: str) -> None:
-        await asyncio.shield(self._looking_for(stream, consumer))
+    async def _look(self, stream: str, consumer: str, *, fresh: bool = False) -> None:
+        await asyncio.shield(self._looking_for(stream, consumer, fresh=fresh))
 
-    def _looking_for(self, stream: str, consumer: str) -> asyncio.Future[None]:
-        """The look at ``consumer`` under way, started when none is."""
+    def _looking_for(
+        self, stream: str, consumer: str, *, fresh: bool = False, ahead: bool = False
+    ) -> asyncio.Future[None]:
+        """The look at ``consumer`` under way, started when none is (or ``fresh``: anew)."""
         looking = self._looking.get(consumer)
-        if looking is None or looking.done():
-            looking = asyncio.ensure_future(self._lookup(stream, consumer))
+        if fresh or looking is None or looking.done():
+            looking = asyncio.ensure_future(self._lookup(stream, consumer, ahead))
             self._looking[consumer] = looking
         return looking
 
-    async def _lookup(self, stream: str, consumer: str) -> None:
+    def _ahead(self, stream: str, consumer: str) -> None:
+        self._looking_for(stream, consumer, ahead=True)
+
+    async def _lookup(self, stream: str, consumer: str, ahead: bool = False) -> None:
         forgotten = self._forgotten
         try:
             info = await asyncio.wait_for(
@@ -124,12 +132,14 @@ class QueueEpoch:
             # out of a delivery's handler, before its request is even read)
             log.info("cannot tell when the queue's consumer was made", error=repr(exc))
             created = None
-        if forgotten != self._forgotten:
-            return
-        self._created[consumer] = (created, time.monotonic())
-        if created is not None and not self._closed:  # the next, ahead of deliveries
-            if (ahead := self._ahead.get(consumer)) is not None:
-                ahead.cancel()
-            self._ahead[consumer] = asyncio.get_running_loop().call_later(
-                LOOK_AHEAD_S, self._looking_for, stream, consumer
+        if forgotten != self._forgotten or self._looking.get(consumer) is not current_task():
+            return  # begun before a forget, or a fresher look was begun since
+        known = self._created.get(consumer)
+        if created is not None or not ahead or known is None or known[0] is None:
+            self._created[consumer] = (created, time.monotonic())
+        if not self._closed:  # the next, ahead of deliveries
+            if (timer := self._timers.get(consumer)) is not None:
+                timer.cancel()
+            self._timers[consumer] = asyncio.get_running_loop().call_later(
+                LOOK_AHEAD_S, self._ahead, stream, consumer
             )

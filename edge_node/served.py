@@ -75,7 +75,11 @@ class CloudModels:
     ) -> None:
         self._conn = conn
         self._scope = scope
-        self._deployed = ServedModels(conn.jsm, stream, stale_yes=True)
+        # A stale yes stands while a look brings it up to date, for a model whose workers the
+        # registry can tell live or gone (no live one: the edge answers locally at once).
+        self._deployed = ServedModels(
+            conn.jsm, stream, stale_yes=lambda model: nodes.serves(model) is not None
+        )
         self._nodes = nodes
         self._asked: dict[str, float] = {}
         self._asking: set[asyncio.Task[None]] = set()

@@ -238,7 +238,9 @@ class AnswerStore:
         """Nobody puts the stream back from now on (the worker stops): publishes wait for its
         acks again, and a missing stream is found by the look at a missing ack."""
         self.on_missing = None
-        self.missing = False
+        if self.missing:  # an answer under way lacks what it sent meanwhile: caught up
+            self.missing = False
+            self.losses += 1
 
     def _missing(self, why: str) -> None:
         self.losses += 1

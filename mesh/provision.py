@@ -237,11 +237,12 @@ class ServedModels:
     cannot tell now, the answer is yes, whatever was known before, and nothing is remembered:
     the publish decides, and fails typed if the queue cannot take the request.
 
-    ``stale_yes`` (the edge): a yes older than ``yes_for`` still answers at once, and a look in
-    the background brings it up to date. Waited for, that look cost each request that came
-    more than ``yes_for`` after the last one a round trip to the hub before it was queued: on a
-    site's edge, a round trip over its uplink. The edge needs no fresh yes: a pool whose workers
-    are gone shows none live in the registry, and the edge answers locally at once."""
+    ``stale_yes`` (the edge): for a model it holds for, a yes older than ``yes_for`` still
+    answers at once, and a look in the background brings it up to date. Waited for, that look
+    cost each request that came more than ``yes_for`` after the last one a round trip to the hub
+    before it was queued: on a site's edge, a round trip over its uplink. The edge holds it for
+    the models whose workers its registry view can tell live or gone: a pool whose workers are
+    gone shows none live there, and the edge answers locally at once."""
 
     def __init__(
         self,
@@ -250,7 +251,7 @@ class ServedModels:
         *,
         yes_for: float = 30.0,
         no_for: float = 3.0,
-        stale_yes: bool = False,
+        stale_yes: Callable[[str], bool] = lambda _model: False,
     ) -> None:
         self._jsm = jsm
         self._settings = settings
@@ -269,7 +270,7 @@ class ServedModels:
         known = self._known.get(model)
         if known is not None and known[1] > now:
             return known[0]
-        if known is not None and known[0] and self._stale_yes:
+        if known is not None and known[0] and self._stale_yes(model):
             if model not in self._looking:
                 look = asyncio.get_running_loop().create_task(self._look(model))
                 self._looking[model] = look

@@ -66,28 +66,48 @@ async def test_a_consumer_made_anew_is_seen_without_sequences_going_back(
 async def test_looks_are_made_ahead_so_that_a_delivery_waits_for_none(
     conn: Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A look that succeeds has the next made a while later, with no delivery asking: a
-    delivery then finds a young look and does not wait. Before, the first delivery after 5 s
-    quiet paid a ``CONSUMER.INFO`` round trip (0.63 ms p50 on loopback) before its engine was
-    asked: every request did, when requests came further apart than that."""
+    """Each look has the next made a while later, with no delivery asking: a delivery long
+    after the worker's first look finds a young one and does not wait. Before, the first
+    delivery after 5 s quiet paid a ``CONSUMER.INFO`` round trip (0.63 ms p50 on loopback)
+    before its engine was asked: every request did, when requests came further apart than
+    that. A look ahead that fails leaves the good one in place, and the looks go on."""
     monkeypatch.setattr(epoch, "LOOK_AHEAD_S", 0.05)
+    monkeypatch.setattr(epoch, "LOOK_AGAIN_S", 0.3)
     await conn.jsm().add_stream(api.StreamConfig(name=STREAM, subjects=["ep.>"]))
+    watch = QueueEpoch(conn, timeout=5.0)
     try:
         await _consumer(conn)
-        watch = QueueEpoch(conn, timeout=5.0)
         looks, slow = _slow_looks(conn, monkeypatch)
-        slow.set()  # the first look (the worker's start) as usual
-        await watch.look(STREAM, CONSUMER)
-        await eventually(lambda: holds(len(looks) >= 3), what="looks made ahead, none asked")
+        slow.set()  # looks answer at once, until told otherwise
+        await watch.look(STREAM, CONSUMER)  # as the worker's start does
         await conn.js.publish("ep.0", b"x")
         (first,) = await _fetch(conn, 1)
-        monkeypatch.setattr(epoch, "LOOK_AGAIN_S", 0.2)  # not stale within the test
+        fail = True
+        manager = type(conn.jsm())
+        info = manager.consumer_info
+
+        async def failing_once(self: object, stream: str, consumer: str) -> object:
+            nonlocal fail
+            if fail:  # the first look ahead fails
+                fail = False
+                raise TimeoutError
+            return await info(self, stream, consumer)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(manager, "consumer_info", failing_once)
         began = time.monotonic()
-        assert not await watch.predates(first)
-        assert time.monotonic() - began < 0.05  # no round trip: the look is young
+        await eventually(lambda: holds(len(looks) >= 8), what="looks made ahead, none asked")
+        assert not fail and time.monotonic() - began > 0.3  # the first look is old by now
+        looks.clear()
+        slow.clear()  # the next look will not come back...
+        await eventually(lambda: holds(len(looks) == 1), what="a look ahead under way")
+        # ...and the delivery does not wait for it: the look it knows is young.
+        assert not await asyncio.wait_for(watch.predates(first), 0.2)
+        timer = watch._timers[CONSUMER]
         watch.close()  # the worker stops: no more looks
-        assert not watch._ahead
+        assert timer.cancelled()
+        slow.set()
     finally:
+        watch.close()
         await conn.jsm().delete_stream(STREAM)
 
 

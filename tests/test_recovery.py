@@ -146,3 +146,27 @@ async def test_settled_waits_for_the_named_step_and_says_whether_it_is_back() ->
         assert next(fails) >= 2
     finally:
         await recovery.close()
+
+
+async def test_a_rerun_after_a_quiet_spell_waits_for_no_pause_left_from_before() -> None:
+    """A step asked for again while it runs runs once more, paced as ``again`` paces: a pause
+    that grew while an earlier loss flapped counts only within 2 s of the last success. Before,
+    the rerun waited that old pause (2 s) on the way to putting a deleted store back."""
+    recovery = Recovery("test")
+    runs: list[float] = []
+    release = asyncio.Event()
+
+    async def step() -> None:
+        runs.append(time.monotonic())
+        await release.wait()
+
+    recovery.add("store", step)
+    recovery._again[0] = (time.monotonic() - 60, 2.0)  # flapped long ago: the pause grew
+    assert recovery.again("store", "deleted")
+    await eventually(lambda: _true(len(runs) == 1), what="the step")
+    assert not recovery.again("store", "deleted again")  # while it runs
+    released = time.monotonic()
+    release.set()
+    await eventually(lambda: _true(len(runs) == 2), what="the step once more")
+    assert runs[1] - released < 0.5, runs[1] - released
+    await recovery.close()

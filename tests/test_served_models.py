@@ -57,7 +57,7 @@ async def test_a_stale_yes_answers_at_once_and_is_brought_up_to_date_behind(
     hub: tuple[MeshSettings, Connection], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings, conn = hub
-    served = ServedModels(conn.jsm, settings.stream, stale_yes=True)
+    served = ServedModels(conn.jsm, settings.stream, stale_yes=lambda model: model == MODEL)
     assert await served(MODEL)  # looked up: a pool serves it
     _stale(served)
     looks, release = _slow_looks(conn, monkeypatch)

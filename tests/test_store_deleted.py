@@ -13,6 +13,8 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from cloud_node import worker as worker_module
+from mesh.answer_store import AnswerStore
+from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import expected_text
@@ -102,3 +104,20 @@ async def _missing(worker: worker_module.Worker) -> bool:
 
 async def _settled(worker: worker_module.Worker) -> bool:
     return not worker.conn.recovery.pending
+
+
+async def test_a_worker_that_stops_lets_the_store_go(
+    conn: Connection, settings: MeshSettings
+) -> None:
+    """Once nobody puts the store back (the worker stops), it is not "missing" any more: ends
+    wait for its acks again, and an answer under way while it was gone is caught up at its
+    end (its generation moves). Before, a stop during the restore left it missing for good."""
+    told: list[str] = []
+    store = AnswerStore(conn, settings.stream, filtered=False)
+    store.on_missing = told.append
+    store.deleted("stream MESH_TOK was deleted")
+    assert store.missing and store.losses == 1 and told
+    store.let_go()
+    assert not store.missing and store.losses == 2
+    store.deleted("again")  # nobody to put it back: nothing claims it is being put back
+    assert not store.missing and store.losses == 3 and len(told) == 1
