@@ -10,7 +10,6 @@ import asyncio
 import time
 
 import pytest
-from nats.js.errors import NotFoundError
 
 from cloud_node import worker as worker_module
 from mesh.answer_store import AnswerStore
@@ -19,15 +18,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import expected_text
 from tests.helpers import eventually
-from tests.test_lost_state import _worker_and_client, stored_whole
-
-
-async def _exists(conn: Connection, stream: str) -> bool:
-    try:
-        await conn.jsm().stream_info(stream)
-    except NotFoundError:
-        return False
-    return True
+from tests.test_lost_state import _stream_exists, _worker_and_client, stored_whole
 
 
 async def test_an_answer_that_starts_while_the_store_is_put_back_is_stored_whole(
@@ -86,7 +77,7 @@ async def test_a_store_deleted_while_the_restore_runs_is_put_back_too(
         await op.jsm().delete_consumer(settings.stream.name, worker.consumer)
         await asyncio.wait_for(deleted.wait(), 10)
         began = time.monotonic()
-        await eventually(lambda: _exists(op, name), timeout=10, what="the store back")
+        await eventually(lambda: _stream_exists(op, name), timeout=10, what="the store back")
         back = time.monotonic() - began
         await eventually(lambda: _settled(worker), what="the worker's restore done")
         assert not worker.store.missing
