@@ -42,7 +42,7 @@ log = get_logger(__name__)
 LOOK_AGAIN_S = 5.0
 """How old a look may be before a delivery looks again (and waits for it)."""
 LOOK_AHEAD_S = 4.0
-"""How long after a look that succeeded the next is made, ahead of deliveries."""
+"""How long after a look the next is made, ahead of deliveries."""
 FAILED_LOOK_S = 1.0
 """How long a failed look stands (every delivery meanwhile counted as maybe held)."""
 NEVER = datetime.min.replace(tzinfo=timezone.utc)

@@ -189,7 +189,7 @@ async def test_a_worker_puts_back_its_answer_store_deleted_under_it(
     stops waiting. The answers ended meanwhile reach the store once it is back (the settler).
     Before the advisory, the end of the next answer got no ack (its reader's subscription takes
     the message, so no "no responders" comes either), and the worker looked a second later:
-    the answer after it waited 1.26 s for the slot (before that, the whole 5 s timeout)."""
+    the answer after it waited 1.27 s for the slot (before that, the whole 5 s timeout)."""
     async with _worker_and_client(own_server, slots=1) as (settings, worker, op, client):
         stream = settings.stream.answer_stream
         assert (await client.complete("[tag:a] x", via="cloud", max_tokens=4)).text
