@@ -222,10 +222,8 @@ class AnswerStore:
         """A pass that began when :attr:`losses` read ``since`` put the stream back: its
         publishes wait for acks again, unless it was lost again meanwhile (that pass may have
         run before; the pass after it says so)."""
-        if self.missing and self.losses == since:
-            self.missing = False
-            self.losses += 1
-            self._back.set()
+        if self.losses == since and self._missing_no_more():
+            self._back.set()  # those settling go on
             self._back = asyncio.Event()
 
     async def came_back(self, within: float) -> None:
@@ -238,9 +236,16 @@ class AnswerStore:
         """Nobody puts the stream back from now on (the worker stops): publishes wait for its
         acks again, and a missing stream is found by the look at a missing ack."""
         self.on_missing = None
-        if self.missing:  # an answer under way lacks what it sent meanwhile: caught up
-            self.missing = False
-            self.losses += 1
+        self._missing_no_more()
+
+    def _missing_no_more(self) -> bool:
+        """No longer take the stream for missing; whether it was. An answer under way then
+        lacks what it sent meanwhile, so its generation moves (caught up at its end)."""
+        if not self.missing:
+            return False
+        self.missing = False
+        self.losses += 1
+        return True
 
     def _missing(self, why: str) -> None:
         self.losses += 1

@@ -7,6 +7,7 @@ consumer is updated to the configured limits, never recreated (queued requests s
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -274,14 +275,12 @@ class ServedModels:
             if model not in self._looking:
                 look = asyncio.get_running_loop().create_task(self._look(model))
                 self._looking[model] = look
-                look.add_done_callback(self._looked)
+                look.add_done_callback(functools.partial(self._looked, model))
             return True
         return await self._look(model)
 
-    def _looked(self, look: asyncio.Task[bool]) -> None:
-        for model, task in list(self._looking.items()):
-            if task is look:
-                del self._looking[model]
+    def _looked(self, model: str, look: asyncio.Task[bool]) -> None:
+        del self._looking[model]
         failed = None if look.cancelled() else look.exception()
         if failed is not None:  # the next request asks again
             log.info("cannot tell whether a pool serves the model now", error=repr(failed))

@@ -110,10 +110,7 @@ class Recovery:
             else:
                 due.append((key, step))
         for key, step in due:
-            succeeded, pause = self._again.get(key, (-MAX_DELAY, 0.0))
-            wait = pause if now - succeeded < MAX_DELAY else 0.0
-            self._again[key] = (succeeded, min(max(wait * 2, FIRST_DELAY), MAX_DELAY))
-            self._start(key, name, step, wait)
+            self._start(key, name, step, self._pace(key, now))
         if due:
             log.warning(
                 "lost without a reconnect; restoring", connection=self._owner, step=name, why=why
@@ -171,18 +168,24 @@ class Recovery:
                 log.info(
                     "restored after a reconnect", connection=self._owner, step=name, tries=tries
                 )
-            if key in self._rerun:  # lost again while it ran: once more, paced as again() is
-                self._rerun.discard(key)
-                now = time.monotonic()
-                succeeded, pause = self._again.get(key, (-MAX_DELAY, 0.0))
-                wait = pause if now - succeeded < MAX_DELAY else 0.0  # flapping: slower
-                self._again[key] = (now, min(max(wait * 2, FIRST_DELAY), MAX_DELAY))
-                await asyncio.sleep(wait)
-                tries, delay = 0, FIRST_DELAY
-                continue
-            if key in self._again:
+            rerun = key in self._rerun  # lost again while it ran: once more, paced as again()
+            self._rerun.discard(key)
+            wait = self._pace(key, time.monotonic()) if rerun else 0.0
+            if key in self._again:  # its success, after the pace read the one before
                 self._again[key] = (time.monotonic(), self._again[key][1])
-            return
+            if not rerun:
+                return
+            await asyncio.sleep(wait)
+            tries, delay = 0, FIRST_DELAY
+
+    def _pace(self, key: int, now: float) -> float:
+        """How long a step asked for again waits first: its last pause doubled while it is
+        asked for within :data:`MAX_DELAY` of its last success (flapping), none after a quiet
+        spell."""
+        succeeded, pause = self._again.get(key, (-MAX_DELAY, 0.0))
+        wait = pause if now - succeeded < MAX_DELAY else 0.0
+        self._again[key] = (succeeded, min(max(wait * 2, FIRST_DELAY), MAX_DELAY))
+        return wait
 
     async def close(self) -> None:
         self._closed = True  # nothing starts any more: a late again() would run on for ever

@@ -17,7 +17,7 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import expected_text
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 from tests.test_lost_state import _stream_exists, _worker_and_client, stored_whole
 
 
@@ -70,7 +70,7 @@ async def test_a_store_deleted_while_the_restore_runs_is_put_back_too(
                 await op.jsm().delete_stream(name)
                 deleted.set()
                 # Its advisory comes while this restore still runs.
-                await eventually(lambda: _missing(worker), what="the deletion heard")
+                await eventually(lambda: holds(worker.store.missing), what="the deletion heard")
             return hub
 
         monkeypatch.setattr(worker_module, "provision_hub", deleting_after)
@@ -79,7 +79,9 @@ async def test_a_store_deleted_while_the_restore_runs_is_put_back_too(
         began = time.monotonic()
         await eventually(lambda: _stream_exists(op, name), timeout=10, what="the store back")
         back = time.monotonic() - began
-        await eventually(lambda: _settled(worker), what="the worker's restore done")
+        await eventually(
+            lambda: holds(not worker.conn.recovery.pending), what="the worker's restore done"
+        )
         assert not worker.store.missing
         began = time.monotonic()
         answer = await client.complete("[tag:r] x", via="cloud", max_tokens=4, request_id="r1")
@@ -87,14 +89,6 @@ async def test_a_store_deleted_while_the_restore_runs_is_put_back_too(
         took = time.monotonic() - began
         print(f"\nstore deleted during a restore: back in {back:.2f} s; next answer {took:.2f} s")
         assert back < 1.0 and took < 0.5, (back, took)
-
-
-async def _missing(worker: worker_module.Worker) -> bool:
-    return worker.store.missing
-
-
-async def _settled(worker: worker_module.Worker) -> bool:
-    return not worker.conn.recovery.pending
 
 
 async def test_a_worker_that_stops_lets_the_store_go(
