@@ -19,6 +19,13 @@ whoever put the queue back made it anew), means the queue may have lost what it 
   (:meth:`mesh.queue.CloudCall.requeue`). A queue that still holds it drops the copy as a
   duplicate; one made anew takes it.
 
+The look comes at once when JetStream says a consumer of the queue was made
+(``$JS.EVENT.ADVISORY.CONSUMER.CREATED.<stream>.*``, heard from the first request on): the
+worker that put a lost queue back made its consumer anew, so the waiting requests go again
+within a round trip of it rather than at the next look (1.1 s after a deletion, before). The
+looks stay for what the word does not reach: a sender whose credentials may not hear it, a
+word lost with a link.
+
 One look serves every request of the pool on the connection, so a reconnect costs one API call
 per pool, not one publish per waiting request (before, every request not started was queued
 again after every reconnect, each with its own retries on the same schedule).
@@ -37,11 +44,14 @@ from datetime import datetime
 from typing import Protocol, cast
 
 import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.stream_deleted import consumer_created
 from protocol.subjects import consumer_name
 
 log = get_logger(__name__)
@@ -98,11 +108,17 @@ class QueueWatch:
         self._looking: asyncio.Task[None] | None = None
         self._reconnects = conn.reconnects
         self._undo_loss: Callable[[], None] | None = None
+        self._hearing: asyncio.Task[Subscription | None] | None = None
+        """Subscribing to the queue's "consumer created" word, from the first request on."""
         self._closed = False
 
     def add(self, call: Waiting) -> None:
         """Watch ``call``, queued just now, until :meth:`discard`."""
         self._calls.setdefault(call.model, set()).add(call)
+        if self._hearing is None:
+            self._hearing = asyncio.get_running_loop().create_task(
+                self._hear(), name="queue-watch-hear"
+            )
         if self._undo_loss is None:
             self._reconnects = self._conn.reconnects
             self._undo_loss = self._conn.on_loss(self._after_loss)
@@ -136,6 +152,23 @@ class QueueWatch:
         self._reconnects = self._conn.reconnects
         self._every, self._pause = True, LOOK_S
         self._look_now()
+
+    async def _hear(self) -> Subscription | None:
+        """Subscribe to the word that a consumer of the queue was made (a plain subscription:
+        nats-py makes it again after a reconnect). Refused (credentials minted before senders
+        heard it), the looks alone go on."""
+        subject = consumer_created(self._stream.name, "*")
+        try:
+            return await self._conn.nc.subscribe(subject, cb=self._made)
+        except (nats.errors.Error, RuntimeError) as exc:
+            log.warning("cannot hear the queue put back; looking only", error=repr(exc))
+            return None
+
+    async def _made(self, _msg: Msg) -> None:
+        """A consumer of the queue was made: look at once at every pool with requests."""
+        if self._calls:
+            self._every, self._pause = True, LOOK_S
+            self._look_now()
 
     def _arm(self, delay: float) -> None:
         if self._timer is not None:
@@ -239,6 +272,9 @@ class QueueWatch:
     async def close(self) -> None:
         """Stop looking (its connection closes: its requests end with it)."""
         self._closed = True
+        hearing, self._hearing = self._hearing, None
+        if hearing is not None:
+            await _unsubscribe(hearing)
         if self._undo_loss is not None:
             self._undo_loss()
             self._undo_loss = None
@@ -250,6 +286,16 @@ class QueueWatch:
             looking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await looking
+
+
+async def _unsubscribe(hearing: asyncio.Task[Subscription | None]) -> None:
+    if not hearing.done():
+        hearing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        sub = await hearing
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error, RuntimeError):
+                await sub.unsubscribe()
 
 
 def queue_watch(conn: Connection, stream: StreamSettings) -> QueueWatch:

@@ -7,12 +7,13 @@ busy has no pull open that could end "consumer deleted". A node that waited for 
 or its next pull to tell it lost a second or more. The server says it at once, on
 ``$JS.EVENT.ADVISORY.STREAM.DELETED.<stream>`` and
 ``$JS.EVENT.ADVISORY.CONSUMER.DELETED.<stream>.<consumer>``: a node subscribes there for what
-it puts back and acts when the word comes.
+it puts back and acts when the word comes. A sender hears the other half,
+``$JS.EVENT.ADVISORY.CONSUMER.CREATED.<stream>.<consumer>``: its queue put back.
 
 Anyone allowed to publish on those subjects could say it falsely (least-privilege credentials
 let nobody but the server). A false word costs a provisioning pass, which leaves what is in
-place as it is, and publishes that end unconfirmed and are published again later: nothing is
-lost.
+place as it is, and publishes that end unconfirmed and are published again later; a false
+"created" costs a sender one look at the consumer. Nothing is lost.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from nats.aio.subscription import Subscription
 def stream_deleted(stream: str) -> str:
     """Where JetStream says ``stream`` was deleted."""
     return f"$JS.EVENT.ADVISORY.STREAM.DELETED.{stream}"
+
+
+def consumer_created(stream: str, consumer: str) -> str:
+    """Where JetStream says ``consumer`` of ``stream`` was made (``*``: any consumer): a sender
+    whose queue was lost hears there that it is back (:mod:`mesh.queue_watch`)."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.CREATED.{stream}.{consumer}"
 
 
 def consumer_deleted(stream: str, consumer: str) -> str:

@@ -10,7 +10,8 @@ and the ``MESH`` account (JetStream, the workers, the operator) exports to it on
   requests to workers, its orphan reports, reads of its own stored answers through the workers,
   whether a model's consumer exists, pulls and acks on its site's collector consumer, and the
   node registry (direct gets and the bucket's stream info);
-- streams: its token subjects, and the registry's republished updates.
+- streams: its token subjects, the registry's republished updates, and JetStream's word that a
+  consumer of the queue was made (its queue put back: :mod:`mesh.queue_watch`).
 
 Every export but the registry's needs an activation token, which ``MESH`` signs per edge for
 that edge's own subjects only. Reply and deliver subjects then live in the edge's account: a
@@ -24,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.config import StreamSettings
+from mesh.stream_deleted import consumer_created
 from mesh_app import nats_jwt
 from mesh_app.nats_jwt import Key
 from protocol.subjects import (
@@ -68,29 +70,33 @@ def _lanes(stream: StreamSettings) -> list[tuple[str, str, str | None]]:
         ("stream", f"{PREFIX}.tok.{{edge}}.*", None),
         ("stream", REGISTRY, None),
         ("stream", STATUS_ASK, None),
+        ("stream", consumer_created(infer, "*"), None),
     ]
 
 
-_PUBLIC = {
-    f"$JS.API.DIRECT.GET.{NODES_STREAM}",
-    f"$JS.API.STREAM.INFO.{NODES_STREAM}",
-    REGISTRY,
-    STATUS_ASK,
-    NOOP,
-}
-"""Exports any account may import: the registry is every edge's to read, and every edge hears
-``mesh status`` ask."""
+def _public(stream: StreamSettings) -> set[str]:
+    """Exports any account may import: the registry is every edge's to read, and every edge hears
+    ``mesh status`` ask and its queue put back."""
+    return {
+        f"$JS.API.DIRECT.GET.{NODES_STREAM}",
+        f"$JS.API.STREAM.INFO.{NODES_STREAM}",
+        REGISTRY,
+        STATUS_ASK,
+        NOOP,
+        consumer_created(stream.name, "*"),
+    }
 
 
 def mesh_exports(stream: StreamSettings) -> list[dict[str, Any]]:
     """The exports of the ``MESH`` account (the same whatever the edges)."""
     out: list[dict[str, Any]] = []
+    public = _public(stream)
     for kind, template, response in [*_lanes(stream), ("service", NOOP, "Singleton")]:
         subject = template.format(edge="*", site="*")
         export: dict[str, Any] = {"name": subject, "subject": subject, "type": kind}
         if response is not None:
             export["response_type"] = response
-        if subject not in _PUBLIC:
+        if subject not in public:
             export["token_req"] = True
         out.append(export)
     return out
@@ -129,6 +135,7 @@ def edge_imports(
     mesh: Key, account: Key, edge: str, stream: StreamSettings
 ) -> list[dict[str, Any]]:
     """The imports of edge ``edge``'s account, each with its activation token where needed."""
+    public = _public(stream)
 
     def entry(subject: str, kind: str, local: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -137,7 +144,7 @@ def edge_imports(
             "account": mesh.public,
             "type": kind,
         }
-        if subject not in _PUBLIC:
+        if subject not in public:
             out["token"] = activation(mesh, account, subject, kind)
         if local:
             out["local_subject"] = local
