@@ -33,9 +33,9 @@ import nats.errors
 from mesh.config import StreamSettings
 from mesh.connection import Connection, request_or_nobody
 from mesh.logs import get_logger
-from mesh.provision import ServedModels
 from mesh.queue import ALIVE_WAIT_S
 from mesh.registry import NodeInfo
+from mesh.served_models import ServedModels
 from protocol.subjects import model_token, worker_alive_subject
 
 log = get_logger(__name__)

@@ -39,10 +39,10 @@ from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection, request_or_nobody
 from mesh.inline_sub import Inboxes
 from mesh.lifecycle import Lifecycle
-from mesh.provision import ServedModels
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
 from mesh.repair import Repair, SourceGone
+from mesh.served_models import ServedModels
 from mesh.tasks import by_deadline, raise_if_cancelled
 from mesh.write_now import write_queued
 from protocol.codec import (
@@ -142,9 +142,11 @@ class MeshClient(Lifecycle):
         self.conn = connection or Connection(self.settings.nats, "mesh-client")
         self._pending_limit = pending_limit
         self._secret = secrets.token_bytes(16)
-        self._is_served = ServedModels(self.conn.jsm, self.settings.stream, no_for=0.0)
+        self._is_served = ServedModels(
+            self.conn.jsm, self.settings.stream, no_for=0.0, hear=self.conn
+        )
         """Whether a worker pool serves a model (a no is never remembered: the caller may be
-        deploying the pool)."""
+        deploying the pool; a yes is forgotten when JetStream says its consumer was deleted)."""
         self._inboxes: Inboxes | None = None
 
     async def connect(self) -> MeshClient:
@@ -159,6 +161,7 @@ class MeshClient(Lifecycle):
         return self._inboxes
 
     async def close(self) -> None:
+        await self._is_served.close()
         if self._inboxes is not None:  # its prefix stays: the edge scopes this client's ids to it
             await self._inboxes.close()
         if self._own_conn:

@@ -2,7 +2,8 @@
 nats-server: remembered for a while, and on the edge a yes gone stale still answers at once
 while a look in the background brings it up to date. Before, a request that came more than
 30 s after the last waited for that look (a round trip to the hub, over a site's uplink)
-before it was queued."""
+before it was queued. The SDK, which has no registry, holds a stale yes while it hears
+JetStream's word that a consumer was deleted, and forgets a yes the moment it does."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from nats.js import api
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.provision import ServedModels, ensure_consumer, ensure_stream
+from mesh.provision import ensure_consumer, ensure_stream
+from mesh.served_models import ServedModels
 from protocol.subjects import consumer_name
 from tests.conftest import make_settings
 from tests.helpers import eventually, holds
@@ -86,6 +88,33 @@ async def test_without_stale_yes_a_request_waits_for_the_look(
     assert not asking.done()  # waits for it
     release.set()
     assert await asyncio.wait_for(asking, 5)
+
+
+async def test_the_sdk_holds_a_stale_yes_while_it_hears_deletions(
+    hub: tuple[MeshSettings, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, it waited for a look at every request 30 s after the last (a round trip to the
+    hub), and a pool deleted went on reading as served until its yes ran out."""
+    settings, conn = hub
+    served = ServedModels(conn.jsm, settings.stream, no_for=0.0, hear=conn)
+    try:
+        assert await served(MODEL)
+        _stale(served)
+        looks, release = _slow_looks(conn, monkeypatch)
+        assert await asyncio.wait_for(served(MODEL), 5)  # answered with the look held
+        await eventually(lambda: holds(len(looks) == 1), what="a look behind")
+        assert not release.is_set()
+        release.set()
+        await eventually(lambda: holds(MODEL in served._known and not served._looking))
+        assert served._known[MODEL][1] > time.monotonic()  # the look behind renewed it
+        await conn.jsm().delete_consumer(settings.stream.name, consumer_name(MODEL))
+        await eventually(lambda: _says(served, False), what="the deletion heard")  # not in 30 s
+        await ensure_consumer(conn.jsm(), settings.stream, MODEL)
+        assert await served(MODEL)
+        conn._lost()  # a loss on the connection (dropped messages): a word may have been missed
+        assert MODEL not in served._known
+    finally:
+        await served.close()
 
 
 def _stale(served: ServedModels) -> None:

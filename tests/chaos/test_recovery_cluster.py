@@ -19,9 +19,10 @@ import pytest
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.node_view import NodeView
-from mesh.provision import model_is_served, provision
+from mesh.provision import provision
 from mesh.queue import publish_request
 from mesh.registry import Heartbeat, NodeInfo
+from mesh.served_models import model_is_served
 from mesh.testing.chaos import JsCluster
 from mesh.testing.proxy import TcpProxy
 from protocol.errors import MeshError
