@@ -13,6 +13,7 @@ whatever of its own events is missing. Readers drop the duplicates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -36,6 +37,10 @@ past that the worker settles the answer in the background (:meth:`AnswerPublishe
 so that a store that is away does not hold the request's slot."""
 MAX_SETTLING = 256
 """Answers whose store copy is made whole in the background at once, at most."""
+CATCH_UPS_AT_ONCE = 8
+"""Of those, how many read the store and publish again at one time: a store that comes back
+under many answers settling is not read by all of them in one burst, which would hold up the
+answers streaming meanwhile."""
 
 
 class AnswerPublisher:
@@ -60,6 +65,8 @@ class AnswerPublisher:
         self._reconnects = conn.reconnects
         self._failures = conn.write_batch.failures
         self._losses = store.losses
+        self._missed_at: int | None = None
+        """The store's generation when :meth:`finish` found it missing (None: it did not)."""
         self._lock = asyncio.Lock()
         self.republished = 0
         self.last_token: float | None = None
@@ -138,24 +145,31 @@ class AnswerPublisher:
         if stored and unbroken and self.conn.reconnects == self._reconnects:
             return True
         if self.store.missing:  # the settler makes it whole once the store is back
+            self._missed_at = self.store.losses
             return False
         if await self.catch_up():
             return True
         await asyncio.sleep(CATCH_UP_RETRY_S)  # a store that just came back may refuse a read
         return await self.catch_up()
 
-    async def settle(self, within: float) -> bool:
+    async def settle(self, within: float, gate: asyncio.Semaphore | None = None) -> bool:
         """After :meth:`finish` could not confirm the store: keep trying, with backoff, to make
-        it whole. A reader waiting on a gap reads the store again now and then, so what is
-        published here still reaches it. True once the store holds every event; False after
-        ``within`` seconds."""
+        it whole, each try within ``gate``. A reader waiting on a gap reads the store again now
+        and then, so what is published here still reaches it. True once the store holds every
+        event; False after ``within`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         pause = 1.0
+        # A store found missing at the end and back since (in the loop turns before this began)
+        # is not waited for: its return has been and gone.
+        wait = self.store.missing or self._missed_at in (None, self.store.losses)
         while (left := deadline - loop.time()) > 0:
-            await self.store.came_back(min(pause, left))  # its return: the one to wait for
-            if await self.catch_up():
-                return True
+            if wait:
+                await self.store.came_back(min(pause, left))  # its return: the one to wait for
+            wait = True
+            async with gate or contextlib.nullcontext():
+                if await self.catch_up():
+                    return True
             pause = min(pause * 2, 10.0)
         return False
 
@@ -252,6 +266,7 @@ class Settler:
         self.within = within
         self._counted = counted
         self._tasks = TaskSet("settle")
+        self._gate = asyncio.Semaphore(CATCH_UPS_AT_ONCE)
         self.publishers: dict[str, AnswerPublisher] = {}
         """The publishers settling, by token subject (a reader's resend finds them here)."""
 
@@ -267,7 +282,7 @@ class Settler:
     async def _settle(self, publisher: AnswerPublisher) -> None:
         self.publishers[publisher.subject] = publisher
         try:
-            whole = await publisher.settle(self.within)
+            whole = await publisher.settle(self.within, self._gate)
         finally:
             if self.publishers.get(publisher.subject) is publisher:
                 del self.publishers[publisher.subject]

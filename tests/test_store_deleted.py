@@ -12,11 +12,16 @@ import time
 import pytest
 
 from cloud_node import worker as worker_module
-from mesh.answer_store import AnswerStore
+from cloud_node.publisher import CATCH_UPS_AT_ONCE, AnswerPublisher, Settler
+from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.chaos import expected_text
+from protocol.codec import WireFormat
+from protocol.messages import Usage
+from protocol.stream import AnswerWriter
+from tests.conftest import make_settings
 from tests.helpers import eventually, holds
 from tests.test_lost_state import _stream_exists, _worker_and_client, stored_whole
 
@@ -106,3 +111,83 @@ async def test_a_worker_that_stops_lets_the_store_go(
     assert not store.missing and store.losses == 2
     store.deleted("again")  # nobody to put it back: nothing claims it is being put back
     assert not store.missing and store.losses == 3 and len(told) == 1
+
+
+async def _missing_then_back(
+    conn: Connection, settings: MeshSettings, ends: int
+) -> tuple[AnswerStore, list[AnswerPublisher]]:
+    """``ends`` answers whose ends found the store deleted (each then goes to the settler),
+    and the store put back after all of them, before any settles."""
+    await ensure_answer_stream(conn.jsm(), settings.stream)
+    store = AnswerStore(conn, settings.stream, filtered=False)
+    store.on_missing = lambda _why: None  # the test puts it back
+    await conn.jsm().delete_stream(settings.stream.answer_stream)
+    store.deleted("deleted by the test")
+    publishers = []
+    for i in range(ends):
+        publisher = AnswerPublisher(conn, store, "settle", f"r{i}", WireFormat.MSGPACK, timeout=5)
+        writer = AnswerWriter(f"r{i}", attempt=1, node="cloud:test")
+        await publisher.send(writer.start())
+        await publisher.send(writer.token("a"))
+        assert not await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
+        publishers.append(publisher)
+    since = store.losses
+    await ensure_answer_stream(conn.jsm(), settings.stream)
+    store.back(since)
+    assert not store.missing
+    return store, publishers
+
+
+async def test_an_answer_settling_after_the_store_came_back_waits_for_nothing(
+    own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store back in the loop turns between an answer's end and its settling: before, the
+    settling waited out its first pause (1 s) for a return that had been and gone."""
+    settings = make_settings(own_server.url)
+    async with Connection(settings.nats, "settle") as conn:
+        store, [publisher] = await _missing_then_back(conn, settings, 1)
+        waits: list[float] = []
+        came_back = store.came_back
+
+        async def counted(within: float) -> None:
+            waits.append(within)
+            await came_back(within)
+
+        monkeypatch.setattr(store, "came_back", counted)
+        assert await publisher.settle(30)
+        assert waits == []
+        kept = await store.replay(publisher.subject, timeout=5)
+        assert [e.t for e in kept] == [e.t for e in publisher.sent()]
+
+
+async def test_answers_settling_read_the_store_a_few_at_a_time(
+    own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many answers settling when the store comes back: before, each read it and published
+    again at once, in one burst that held up the answers streaming meanwhile."""
+    settings = make_settings(own_server.url)
+    async with Connection(settings.nats, "settle") as conn:
+        store, publishers = await _missing_then_back(conn, settings, 3 * CATCH_UPS_AT_ONCE)
+        at_once, most = 0, 0
+        catch_up = AnswerPublisher.catch_up
+
+        async def counted(self: AnswerPublisher) -> bool:
+            nonlocal at_once, most
+            at_once += 1
+            most = max(most, at_once)
+            try:
+                return await catch_up(self)
+            finally:
+                at_once -= 1
+
+        monkeypatch.setattr(AnswerPublisher, "catch_up", counted)
+        settled: list[AnswerPublisher] = []
+        settler = Settler(30, settled.append)
+        for publisher in publishers:
+            settler.later(publisher)
+        await eventually(lambda: holds(len(settled) == len(publishers)), what="all settled")
+        await settler.close()
+        assert most == CATCH_UPS_AT_ONCE
+        for publisher in publishers:
+            kept = await store.replay(publisher.subject, timeout=5)
+            assert len(kept) == len(publisher.sent())
