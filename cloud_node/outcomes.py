@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from cloud_node.counts import WorkerCounts
 from cloud_node.keeper import Keeper
 from cloud_node.publisher import AnswerPublisher
+from cloud_node.takeover import unseen_attempt
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
@@ -219,8 +220,11 @@ class Outcomes:
                     timeout=self.publish_timeout,
                 )
                 # Above every attempt the store holds (a second copy of a request that can
-                # wait numbers after the first's), so readers take it as the newest.
-                writer = AnswerWriter(request_id, attempt=max(1, deliveries, state.attempt))
+                # wait numbers after the first's), and above any a worker numbered unseen
+                # whose start a reader has and the store lost (its deliveries were these), so
+                # readers take it as the newest.
+                attempt = max(deliveries, state.attempt, unseen_attempt(deliveries + 1))
+                writer = AnswerWriter(request_id, attempt=attempt)
                 exhausted = MaxDeliveriesError(
                     f"{deliveries} deliveries ended without an answer (workers stopped "
                     "mid-request)",

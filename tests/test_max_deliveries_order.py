@@ -1,0 +1,69 @@
+"""The error that ends a request whose deliveries ran out outranks every attempt of it.
+
+A worker that could not read the answer store numbers its attempt above any the store could
+hold (:func:`cloud_node.takeover.unseen_attempt`). When that attempt's start reached the
+client but not the store (the store lost meanwhile), and its worker then died on the last
+delivery, the worker that hears JetStream give up on the request numbered its error from what
+the store held: below the start the client had. The client dropped the error as stale and
+waited, silent, for its timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from nats.aio.msg import Msg
+
+from cloud_node.publisher import AnswerPublisher
+from cloud_node.takeover import unseen_attempt
+from cloud_node.worker import Worker
+from mesh.answer_store import AnswerStore, ensure_answer_stream
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.client import MeshClient
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.provision import provision
+from protocol.codec import reply_target, sniff
+from protocol.errors import MaxDeliveriesError
+from protocol.stream import AnswerWriter
+from protocol.subjects import scope_of
+from tests.conftest import make_settings
+from tests.helpers import eventually
+
+
+async def _held(conn: Connection, stream: str, n: int) -> bool:
+    return (await conn.jsm().stream_info(stream)).state.messages >= n
+
+
+async def test_the_max_deliveries_error_outranks_a_start_the_store_lost(
+    own_server: NatsServer,
+) -> None:
+    settings = make_settings(own_server.url)
+    stream = settings.stream
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Connection(settings.nats, "operator") as op,
+        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+    ):
+        await provision(op.jsm(), stream, [settings.edge.cloud_model])
+        await ensure_answer_stream(op.jsm(), stream)
+        asking = asyncio.ensure_future(client.complete("x", via="cloud", max_tokens=4))
+        await eventually(lambda: _held(op, stream.name, 1), what="the request queued")
+        queued = await op.jsm().get_msg(stream.name, 1)
+        request_id, _ = reply_target(queued.data or b"", queued.headers)
+        scope = scope_of(queued.subject or "")
+        assert request_id is not None and scope is not None
+        # The last delivery's worker could not read the store: its start reaches the client...
+        store = AnswerStore(op, stream, filtered=False)
+        fmt = sniff(queued.data or b"", queued.headers).reply_format
+        started = AnswerPublisher(op, store, scope, request_id, fmt, timeout=5)
+        await started.send(AnswerWriter(request_id, attempt=unseen_attempt(), node="w").start())
+        await op.write_batch.flush()
+        await eventually(lambda: _held(op, stream.answer_stream, 1), what="the start stored")
+        await op.jsm().purge_stream(stream.answer_stream)  # ...and not the store; it dies
+        worker = Worker(settings, wconn, DeterministicBackend(settings.worker.model))
+        advisory = json.dumps({"stream_seq": 1, "deliveries": stream.max_deliver}).encode()
+        await worker.outcomes.on_max_deliveries(Msg(wconn.nc, subject="advisory", data=advisory))
+        with pytest.raises(MaxDeliveriesError):
+            await asyncio.wait_for(asking, 10)
