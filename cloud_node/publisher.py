@@ -13,9 +13,9 @@ whatever of its own events is missing. Readers drop the duplicates.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import nats.errors
 from nats.js.errors import APIError, NoStreamResponseError
@@ -154,24 +154,43 @@ class AnswerPublisher:
 
     async def settle(self, within: float, gate: asyncio.Semaphore | None = None) -> bool:
         """After :meth:`finish` could not confirm the store: keep trying, with backoff, to make
-        it whole, each try within ``gate``. A reader waiting on a gap reads the store again now
-        and then, so what is published here still reaches it. True once the store holds every
-        event; False after ``within`` seconds."""
+        it whole, each try within a place in ``gate`` had in time. A reader waiting on a gap
+        reads the store again now and then, so what is published here still reaches it. True
+        once the store holds every event; False after ``within`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
-        pause = 1.0
         # A store found missing at the end and back since (in the loop turns before this began)
         # is not waited for: its return has been and gone.
-        wait = self.store.missing or self._missed_at in (None, self.store.losses)
-        while (left := deadline - loop.time()) > 0:
-            if wait:
+        back = not self.store.missing and self._missed_at not in (None, self.store.losses)
+        for pause in _pauses(back):
+            if (left := deadline - loop.time()) <= 0:
+                break
+            if pause:
                 await self.store.came_back(min(pause, left))  # its return: the one to wait for
-            wait = True
-            async with gate or contextlib.nullcontext():
-                if await self.catch_up():
-                    return True
-            pause = min(pause * 2, 10.0)
+            if await self._gated_catch_up(gate, deadline):
+                return True
         return False
+
+    async def _gated_catch_up(self, gate: asyncio.Semaphore | None, deadline: float) -> bool:
+        if gate is None:
+            return await self.catch_up()
+        acquiring = asyncio.ensure_future(gate.acquire())
+        try:
+            timeout = max(deadline - asyncio.get_running_loop().time(), 0)
+            await asyncio.wait({acquiring}, timeout=timeout)
+        except asyncio.CancelledError:  # a place it gets all the same is given back
+            acquiring.cancel()
+            acquiring.add_done_callback(functools.partial(_give_back, gate))
+            raise
+        if not acquiring.done():  # none in time
+            acquiring.cancel()
+            await asyncio.wait({acquiring})
+        if acquiring.cancelled():
+            return False
+        try:
+            return await self.catch_up()
+        finally:
+            gate.release()
 
     async def catch_up(self) -> bool:
         """Publish again what the store lacks of this attempt's events (after a reconnect, so
@@ -239,6 +258,23 @@ class AnswerPublisher:
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             log.warning("cannot publish the end", error=repr(exc))
         return not self.store.enabled
+
+
+def _give_back(gate: asyncio.Semaphore, acquiring: asyncio.Future[bool]) -> None:
+    if not acquiring.cancelled():
+        gate.release()
+
+
+def _pauses(back: bool) -> Iterator[float]:
+    """The pauses before each try to settle: 1 s, doubling to 10 s. For a store back already,
+    a try at once, then one after :data:`CATCH_UP_RETRY_S` (a store just back may refuse a
+    read), then the same."""
+    if back:
+        yield from (0.0, CATCH_UP_RETRY_S)
+    pause = 1.0
+    while True:
+        yield pause
+        pause = min(pause * 2, 10.0)
 
 
 def _key(event: WireEvent) -> tuple[str, int | None, int]:

@@ -12,7 +12,12 @@ import time
 import pytest
 
 from cloud_node import worker as worker_module
-from cloud_node.publisher import CATCH_UPS_AT_ONCE, AnswerPublisher, Settler
+from cloud_node.publisher import (
+    CATCH_UP_RETRY_S,
+    CATCH_UPS_AT_ONCE,
+    AnswerPublisher,
+    Settler,
+)
 from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.config import MeshSettings
 from mesh.connection import Connection
@@ -158,6 +163,46 @@ async def test_an_answer_settling_after_the_store_came_back_waits_for_nothing(
         assert waits == []
         kept = await store.replay(publisher.subject, timeout=5)
         assert [e.t for e in kept] == [e.t for e in publisher.sent()]
+
+
+async def test_a_store_just_back_that_refuses_a_read_is_tried_again_soon(
+    own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a settling answer's try at once that failed was followed by one 2 s later (its
+    backoff doubled as if it had waited 1 s), later than its first try had been before."""
+    settings = make_settings(own_server.url)
+    async with Connection(settings.nats, "settle") as conn:
+        store, [publisher] = await _missing_then_back(conn, settings, 1)
+        waits: list[float] = []
+        came_back, catch_up = store.came_back, AnswerPublisher.catch_up
+
+        async def counted(within: float) -> None:
+            waits.append(within)
+            await came_back(within)
+
+        async def refused_once(self: AnswerPublisher) -> bool:
+            return len(waits) > 0 and await catch_up(self)
+
+        monkeypatch.setattr(store, "came_back", counted)
+        monkeypatch.setattr(AnswerPublisher, "catch_up", refused_once)
+        assert await publisher.settle(30)
+        assert waits == [CATCH_UP_RETRY_S]
+
+
+async def test_an_answer_waiting_for_its_turn_to_settle_stops_at_its_time(
+    own_server: NatsServer,
+) -> None:
+    """Before, a settling answer waited for a place among those reading the store however long
+    it took, past its own time (and held its place among those settling meanwhile)."""
+    settings = make_settings(own_server.url)
+    async with Connection(settings.nats, "settle") as conn:
+        _store, [publisher] = await _missing_then_back(conn, settings, 1)
+        gate = asyncio.Semaphore(1)
+        await gate.acquire()  # every place taken, for longer than it may wait
+        assert not await asyncio.wait_for(publisher.settle(0.3, gate), 10)
+        gate.release()
+        assert not gate.locked()  # the place it asked for was not kept
+        assert await asyncio.wait_for(publisher.settle(5, gate), 10)
 
 
 async def test_answers_settling_read_the_store_a_few_at_a_time(
