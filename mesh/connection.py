@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -78,6 +79,12 @@ class Connection(Lifecycle):
         """When the connection last dropped (``time.monotonic()``); what this process wrote
         just before may not have reached the server."""
         self._loss_listeners: set[Callable[[], None]] = set()
+        self.claims: dict[str, Any] | None = None
+        """The user JWT's claims when the connection has a credentials file: its permissions."""
+        self.refused_subscriptions: set[str] = set()
+        """Subjects the server refused this connection a subscription to (its permissions),
+        lower-cased as nats-py hands on the server's word: it comes after the subscription, not
+        as its answer (:func:`mesh.stream_deleted.hear`)."""
         self.queue_watches: dict[str, Any] = {}
         """This connection's :class:`mesh.queue_watch.QueueWatch` per queue stream, made at its
         first queued request (kept here: the watch lives and goes with its connection)."""
@@ -231,7 +238,7 @@ class Connection(Lifecycle):
     async def connect(self) -> Connection:
         servers = self.settings.servers()
         if self.settings.creds_file:
-            check_creds_file(self.settings.creds_file)
+            self.claims = check_creds_file(self.settings.creds_file)
         client = Client()
         refused: list[str] = []
         failures: list[str] = []
@@ -246,6 +253,8 @@ class Connection(Lifecycle):
                     nobody_listens.set()
             if isinstance(exc, nats.errors.SlowConsumerError):
                 self._lost()
+            if (refused_to := _SUB_REFUSED.search(str(exc))) is not None:
+                self.refused_subscriptions.add(refused_to.group(1).lower())
             if _is_auth_error(exc):
                 refused.append(str(exc))
             elif isinstance(exc, ssl.SSLError) and not self.connected:
@@ -404,6 +413,10 @@ async def stop_service(conn: Connection, service: Service | None, timeout: float
 
 def _reason(exc: ssl.SSLError) -> str:
     return f"TLS handshake failed ({exc.reason or exc}); check MESH_NATS_TLS_CA_FILE"
+
+
+_SUB_REFUSED = re.compile(r'permissions violation for subscription to "([^"]+)"', re.IGNORECASE)
+"""How the server refuses a subscription (nats-py hands it to the error callback)."""
 
 
 def _is_auth_error(exc: BaseException) -> bool:

@@ -51,3 +51,39 @@ def check_creds_file(path: str, now: float | None = None) -> dict[str, Any]:
             "mint new ones with `mesh creds`"
         )
     return claims
+
+
+def may_subscribe(claims: dict[str, Any] | None, subject: str) -> bool:
+    """Whether a user with these claims (None: no credentials file, so nothing to tell by) may
+    subscribe to ``subject``, by its JWT's permissions: every subject it matches allowed, none
+    denied. The server decides; this tells ahead what it would refuse."""
+    sub = ((claims or {}).get("nats") or {}).get("sub") or {}
+    allow, deny = sub.get("allow") or [], sub.get("deny") or []
+    if allow and not any(_covers(pattern, subject) for pattern in allow):
+        return False
+    return not any(_overlaps(pattern, subject) for pattern in deny)
+
+
+def _covers(pattern: str, subject: str) -> bool:
+    """Every subject that ``subject`` (wildcards and all) matches, ``pattern`` matches too."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, part in enumerate(want):
+        if part == ">":
+            return len(have) > i
+        if i >= len(have) or have[i] == ">" or part not in ("*", have[i]):
+            return False
+    return len(want) == len(have)
+
+
+def _overlaps(pattern: str, subject: str) -> bool:
+    """Some subject matches both."""
+    a, b = pattern.split("."), subject.split(".")
+    for i in range(max(len(a), len(b))):
+        x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+        if ">" in (x, y):
+            return x is not None and y is not None
+        if x is None or y is None:
+            return False
+        if x != y and "*" not in (x, y):
+            return False
+    return True

@@ -51,7 +51,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from mesh.stream_deleted import consumer_created
+from mesh.stream_deleted import consumer_created, hear
 from protocol.subjects import consumer_name
 
 log = get_logger(__name__)
@@ -108,8 +108,12 @@ class QueueWatch:
         self._looking: asyncio.Task[None] | None = None
         self._reconnects = conn.reconnects
         self._undo_loss: Callable[[], None] | None = None
-        self._hearing: asyncio.Task[Subscription | None] | None = None
-        """Subscribing to the queue's "consumer created" word, from the first request on."""
+        self._hearing: asyncio.Task[None] | None = None
+        """Subscribing to the queue's "consumer created" word, from the first request on (None
+        again after a try that got no answer: the next request tries again)."""
+        self._heard: Subscription | None = None
+        self._due: set[str] = set()
+        """Pools whose consumer was made since the last look: looked at, at once."""
         self._closed = False
 
     def add(self, call: Waiting) -> None:
@@ -153,21 +157,26 @@ class QueueWatch:
         self._every, self._pause = True, LOOK_S
         self._look_now()
 
-    async def _hear(self) -> Subscription | None:
+    async def _hear(self) -> None:
         """Subscribe to the word that a consumer of the queue was made (a plain subscription:
         nats-py makes it again after a reconnect). Refused (credentials minted before senders
         heard it), the looks alone go on."""
         subject = consumer_created(self._stream.name, "*")
         try:
-            return await self._conn.nc.subscribe(subject, cb=self._made)
-        except (nats.errors.Error, RuntimeError) as exc:
-            log.warning("cannot hear the queue put back; looking only", error=repr(exc))
-            return None
+            self._heard = await hear(self._conn, subject, self._made)
+        except (nats.errors.Error, asyncio.TimeoutError, RuntimeError) as exc:
+            log.info("cannot hear the queue put back now", error=repr(exc))
+            self._hearing = None  # the next request tries again
+            return
+        if self._heard is None:
+            log.warning("may not hear the queue put back (credentials): looking only")
 
-    async def _made(self, _msg: Msg) -> None:
-        """A consumer of the queue was made: look at once at every pool with requests."""
-        if self._calls:
-            self._every, self._pause = True, LOOK_S
+    async def _made(self, msg: Msg) -> None:
+        """A consumer of the queue was made: look at once at its pool, if requests wait for it."""
+        made = msg.subject.rpartition(".")[2]
+        due = {model for model in self._calls if consumer_name(model) == made}
+        if due:
+            self._due |= due
             self._look_now()
 
     def _arm(self, delay: float) -> None:
@@ -187,11 +196,13 @@ class QueueWatch:
     async def _look(self) -> None:
         try:
             every, self._every = self._every, False
+            made, self._due = self._due, set()
             now = time.monotonic()
             soon = every
             for model, calls in list(self._calls.items()):
                 due = (
                     every
+                    or model in made
                     or model not in self._created
                     or model in self._lost
                     or any(not c.started and now - c.queued_at >= LOOK_S for c in calls)
@@ -205,7 +216,7 @@ class QueueWatch:
             self._looking = None
         if self._closed:
             return  # its requests end with its connection
-        if self._every:
+        if self._every or self._due:
             self._look_now()
         elif self._timer is None:
             delay = self._next_due()
@@ -273,8 +284,14 @@ class QueueWatch:
         """Stop looking (its connection closes: its requests end with it)."""
         self._closed = True
         hearing, self._hearing = self._hearing, None
+        heard, self._heard = self._heard, None
         if hearing is not None:
-            await _unsubscribe(hearing)
+            hearing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await hearing
+        if heard is not None:
+            with contextlib.suppress(nats.errors.Error, RuntimeError):
+                await heard.unsubscribe()
         if self._undo_loss is not None:
             self._undo_loss()
             self._undo_loss = None
@@ -286,16 +303,6 @@ class QueueWatch:
             looking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await looking
-
-
-async def _unsubscribe(hearing: asyncio.Task[Subscription | None]) -> None:
-    if not hearing.done():
-        hearing.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        sub = await hearing
-        if sub is not None:
-            with contextlib.suppress(nats.errors.Error, RuntimeError):
-                await sub.unsubscribe()
 
 
 def queue_watch(conn: Connection, stream: StreamSettings) -> QueueWatch:

@@ -23,7 +23,7 @@ from nats.js.manager import JetStreamManager
 
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
-from mesh.stream_deleted import consumer_deleted, stream_deleted
+from mesh.stream_deleted import consumer_deleted, hear
 from protocol.subjects import consumer_name
 
 if TYPE_CHECKING:
@@ -67,10 +67,12 @@ class ServedModels:
     gone shows none live there, and the edge answers locally at once.
 
     ``hear`` (the SDK, which has no registry): a stale yes answers at once for every model
-    while this hears JetStream say a consumer (or the queue) was deleted on that connection;
-    the word forgets the model's yes at once, and a loss on the connection (a reconnect, dropped
-    messages: a word may have been missed) forgets every yes. Subscribed at the first ask;
-    :meth:`close` ends it."""
+    once the server has taken this one's subscription to JetStream's word that a consumer of the
+    queue was deleted (a deleted queue deletes its consumers, each with its word). The word
+    forgets the model's yes at once, a loss on the connection (a reconnect, dropped messages: a
+    word may have been missed) forgets every yes, and a look under way across either is not
+    remembered. Subscribed at the first ask, in the background; credentials that may not hear
+    it leave the stale yes waited for, as before. :meth:`close` ends it."""
 
     def __init__(
         self,
@@ -86,10 +88,13 @@ class ServedModels:
         self._settings = settings
         self._for = {True: yes_for, False: no_for}
         self._stale_yes = stale_yes
-        self._hear = hear
-        self._heard: list[Subscription] = []
-        """The deletion words subscribed to (empty: none heard, or not asked to)."""
+        self._conn = hear
+        self._listening: asyncio.Task[None] | None = None
+        self._heard: Subscription | None = None
+        """The word's subscription, once the server took it."""
         self._undo_loss: Callable[[], None] | None = None
+        self._generation = 0
+        """Moved by every word and loss: a look under way across one is out of date."""
         self._known: dict[str, tuple[bool, float]] = {}
         self._looking: dict[str, asyncio.Task[bool]] = {}
         """The background looks under way, by model."""
@@ -99,13 +104,13 @@ class ServedModels:
         self._known.pop(model, None)
 
     async def __call__(self, model: str) -> bool:
-        if self._hear is not None:
-            await self._listen(self._hear)
+        if self._conn is not None and self._listening is None:
+            self._listening = asyncio.get_running_loop().create_task(self._listen(self._conn))
         now = time.monotonic()
         known = self._known.get(model)
         if known is not None and known[1] > now:
             return known[0]
-        if known is not None and known[0] and (self._heard or self._stale_yes(model)):
+        if known is not None and known[0] and (self._heard is not None or self._stale_yes(model)):
             if model not in self._looking:
                 look = asyncio.get_running_loop().create_task(self._look(model))
                 self._looking[model] = look
@@ -114,44 +119,55 @@ class ServedModels:
         return await self._look(model)
 
     async def _listen(self, conn: Connection) -> None:
-        self._hear = None
-        name = self._settings.name
-        self._undo_loss = conn.on_loss(self._known.clear)
+        if self._undo_loss is None:
+            self._undo_loss = conn.on_loss(self._forget_all)
         try:
-            for subject in (consumer_deleted(name, "*"), stream_deleted(name)):
-                self._heard.append(await conn.nc.subscribe(subject, cb=self._deleted))
-        except (nats.errors.Error, RuntimeError) as exc:  # a stale yes is looked up, waited for
-            log.warning("cannot hear a pool's consumer deleted", error=repr(exc))
-            await self.close()
-
-    async def _deleted(self, msg: Msg) -> None:
-        if msg.subject == stream_deleted(self._settings.name):
-            self._known.clear()
+            self._heard = await hear(conn, consumer_deleted(self._settings.name, "*"), self._word)
+        except (nats.errors.Error, asyncio.TimeoutError, RuntimeError) as exc:
+            log.info("cannot hear a pool's consumer deleted now", error=repr(exc))
+            self._listening = None  # the next ask tries again
             return
+        if self._heard is None:
+            log.warning("may not hear a pool's consumer deleted: an old yes is looked up again")
+
+    def _forget_all(self) -> None:
+        self._generation += 1
+        self._known.clear()
+
+    async def _word(self, msg: Msg) -> None:
+        self._generation += 1
         gone = msg.subject.rpartition(".")[2]
         for model in [m for m in self._known if consumer_name(m) == gone]:
             del self._known[model]
 
     async def close(self) -> None:
-        """Stop hearing deletions (the SDK's connection stays with its owner)."""
-        heard, self._heard = self._heard, []
+        """Stop hearing deletions and looking (the SDK's connection stays with its owner)."""
+        listening, self._listening = self._listening, None
+        heard, self._heard = self._heard, None
         if self._undo_loss is not None:
             self._undo_loss()
             self._undo_loss = None
-        for sub in heard:
+        tasks = [t for t in (listening, *self._looking.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if heard is not None:
             with contextlib.suppress(nats.errors.Error, RuntimeError):
-                await sub.unsubscribe()
+                await heard.unsubscribe()
 
     def _looked(self, model: str, look: asyncio.Task[bool]) -> None:
-        del self._looking[model]
+        self._looking.pop(model, None)
         failed = None if look.cancelled() else look.exception()
         if failed is not None:  # the next request asks again
             log.info("cannot tell whether a pool serves the model now", error=repr(failed))
 
     async def _look(self, model: str) -> bool:
+        generation = self._generation
         served = await model_is_served(self._jsm(), self._settings, model)
         if served is None:
             return True
+        if generation != self._generation:  # a word or a loss came meanwhile: not for later
+            return served
         if self._for[served] > 0:
             self._known[model] = (served, time.monotonic() + self._for[served])
         else:

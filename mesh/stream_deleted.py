@@ -18,11 +18,19 @@ place as it is, and publishes that end unconfirmed and are published again later
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+
+from mesh.credentials import may_subscribe
+
+if TYPE_CHECKING:
+    from mesh.connection import Connection
 
 
 def stream_deleted(stream: str) -> str:
@@ -57,3 +65,26 @@ async def watch_deleted(
         return handle
 
     return [await nc.subscribe(subject, cb=then(subject, tell)) for subject, tell in told.items()]
+
+
+async def hear(
+    conn: Connection, subject: str, cb: Callable[[Msg], Awaitable[None]]
+) -> Subscription | None:
+    """Subscribe to ``subject``, sure that the server took it: None when it refused (the
+    connection's credentials were minted before they allowed it). A sender may only count on
+    the word once it is sure to hear it: its credentials allow it, and the server said no
+    refusal before it answered a flush (it may say one after: credentials are the sure part).
+    Raises when the server does not answer in time."""
+    if not may_subscribe(conn.claims, subject):
+        return None
+    sub = await conn.nc.subscribe(subject, cb=cb)
+    try:
+        await conn.nc.flush(timeout=max(1, round(conn.settings.request_timeout)))
+    except BaseException:  # not sure of it (or cancelled): not kept
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+        raise
+    if subject.lower() in conn.refused_subscriptions:  # said before the flush's answer
+        await sub.unsubscribe()
+        return None
+    return sub

@@ -11,7 +11,8 @@ and the ``MESH`` account (JetStream, the workers, the operator) exports to it on
   whether a model's consumer exists, pulls and acks on its site's collector consumer, and the
   node registry (direct gets and the bucket's stream info);
 - streams: its token subjects, the registry's republished updates, and JetStream's word that a
-  consumer of the queue was made (its queue put back: :mod:`mesh.queue_watch`).
+  consumer of the queue was made (its queue put back: :mod:`mesh.queue_watch`) or deleted (a
+  pool gone: :mod:`mesh.served_models`).
 
 Every export but the registry's needs an activation token, which ``MESH`` signs per edge for
 that edge's own subjects only. Reply and deliver subjects then live in the edge's account: a
@@ -25,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.config import StreamSettings
-from mesh.stream_deleted import consumer_created
+from mesh.stream_deleted import consumer_created, consumer_deleted
 from mesh_app import nats_jwt
 from mesh_app.nats_jwt import Key
 from protocol.subjects import (
@@ -71,12 +72,13 @@ def _lanes(stream: StreamSettings) -> list[tuple[str, str, str | None]]:
         ("stream", REGISTRY, None),
         ("stream", STATUS_ASK, None),
         ("stream", consumer_created(infer, "*"), None),
+        ("stream", consumer_deleted(infer, "*"), None),
     ]
 
 
 def _public(stream: StreamSettings) -> set[str]:
     """Exports any account may import: the registry is every edge's to read, and every edge hears
-    ``mesh status`` ask and its queue put back."""
+    ``mesh status`` ask and its queue's consumers made and deleted."""
     return {
         f"$JS.API.DIRECT.GET.{NODES_STREAM}",
         f"$JS.API.STREAM.INFO.{NODES_STREAM}",
@@ -84,6 +86,7 @@ def _public(stream: StreamSettings) -> set[str]:
         STATUS_ASK,
         NOOP,
         consumer_created(stream.name, "*"),
+        consumer_deleted(stream.name, "*"),
     }
 
 

@@ -22,7 +22,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.config import StreamSettings, load_settings
 from mesh.connection import Connection
-from mesh.credentials import check_creds_file
+from mesh.credentials import check_creds_file, may_subscribe
 from mesh.nats_server import NatsServer
 from mesh_app.cli import main
 from mesh_app.creds import mint
@@ -87,6 +87,15 @@ def test_mesh_creds_names_the_streams_of_its_settings(
     for stream in ("OTHER_INFER", "OTHER_TOK"):  # a stream deleted under it: put back at once
         assert f"$JS.EVENT.ADVISORY.STREAM.DELETED.{stream}" in worker["sub"], stream
     assert "$JS.EVENT.ADVISORY.CONSUMER.DELETED.OTHER_INFER.*" in worker["sub"]
+    # The edge hears its queue's consumers made and deleted (its queue put back, a pool gone),
+    # through its account's imports; an app of the edge does not, and can tell so ahead.
+    for word in ("CREATED", "DELETED"):
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.{word}.OTHER_INFER.*"
+        assert subject in edge["sub"], subject
+        assert subject in {i["subject"] for i in imports}, subject
+        assert subject in {e["subject"] for e in exports}, subject
+        assert may_subscribe(check_creds_file(creds["edge-e1"]), subject)
+        assert not may_subscribe(check_creds_file(creds["client-e1"]), subject)
     # Nothing is left of the default names, which this mesh does not use.
     for stream in DEFAULTS:
         for who in (edge, worker):

@@ -15,16 +15,19 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 from nats.js.errors import APIError
 
+import mesh.queue_watch
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
-from mesh.provision import provision
+from mesh.provision import ensure_consumer, provision
 from mesh.queue import COPY_HEADER, CloudCall, new_cancel_key
 from mesh.queue_watch import LOOK_S, QueueWatch, queue_watch
 from mesh.testing.proxy import TcpProxy
 from protocol.messages import InferRequest
+from protocol.subjects import consumer_name
 from tests.conftest import make_settings
 from tests.helpers import eventually, holds
 
@@ -224,6 +227,40 @@ async def test_a_backlog_in_a_queue_that_stays_the_same_is_looked_at_less_often(
         looks = await _looks_over(queue_watch(conn, settings.stream), 7.5)
         gaps = [round(b - a, 1) for a, b in itertools.pairwise(looks)]
         assert len(looks) <= 5 and gaps[-1] >= 3.5, gaps  # 0, 1, 3, 7 s: before, every second
+
+
+async def test_only_the_pool_whose_consumer_was_made_is_looked_at(
+    own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JetStream's word that a consumer of the queue was made brings a look at once at its pool
+    only. Before, any pool's consumer made (a pool deployed, an operator's ``nats consumer add``)
+    made every sender with requests waiting look at every pool, and set its pace back to a look
+    a second."""
+    monkeypatch.setattr(mesh.queue_watch, "LOOK_S", 60.0)  # no look but the first and the word's
+    settings = _settings(own_server.url)
+    async with (
+        Connection(settings.nats, "sender") as conn,
+        Connection(settings.nats, "operator") as op,
+    ):
+        await provision(op.jsm(), settings.stream, ["m"])
+        watch = queue_watch(conn, settings.stream)
+        looks: list[str] = []
+        look_at = watch._look_at
+
+        async def counting(model: str) -> bool:
+            looks.append(model)
+            return await look_at(model)
+
+        watch._look_at = counting  # type: ignore[method-assign]
+        call = _Waiting("m")
+        watch.add(call)
+        await eventually(lambda: holds(looks == ["m"] and watch._heard is not None))
+        await ensure_consumer(op.jsm(), settings.stream, "other")  # another pool's
+        await op.jsm().delete_consumer(settings.stream.name, consumer_name("m"))
+        await ensure_consumer(op.jsm(), settings.stream, "m")  # this pool's, made anew
+        await eventually(lambda: holds(call.requeued == 1), what="queued again")
+        assert looks == ["m", "m"]
+        watch.discard(call)
 
 
 async def test_a_closed_connection_stops_its_watch(own_server: NatsServer) -> None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from nats.aio.msg import Msg
 from nats.js import api
 
 from mesh.config import MeshSettings
@@ -19,9 +20,12 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import ensure_consumer, ensure_stream
 from mesh.served_models import ServedModels
+from mesh.stream_deleted import consumer_created, consumer_deleted, hear
 from protocol.subjects import consumer_name
 from tests.conftest import make_settings
 from tests.helpers import eventually, holds
+from tests.test_security import Hub
+from tests.test_security import hub as hub_with_creds  # noqa: F401 - a fixture
 
 MODEL = "served-test"
 
@@ -36,9 +40,10 @@ async def hub(own_server: NatsServer) -> AsyncIterator[tuple[MeshSettings, Conne
 
 
 def _slow_looks(
-    conn: Connection, monkeypatch: pytest.MonkeyPatch
+    conn: Connection, monkeypatch: pytest.MonkeyPatch, *, answered_first: bool = False
 ) -> tuple[list[str], asyncio.Event]:
-    """Looks at a consumer from here on wait for the event; the looks asked, by consumer."""
+    """Looks at a consumer from here on wait for the event (``answered_first``: with their
+    answer in hand, as one whose answer is on its way back); the looks asked, by consumer."""
     jsm = conn.jsm()
     info = type(jsm).consumer_info
     looks: list[str] = []
@@ -48,6 +53,10 @@ def _slow_looks(
         self: object, stream: str, consumer: str, *a: object, **k: object
     ) -> api.ConsumerInfo:
         looks.append(consumer)
+        if answered_first:
+            answer = await info(self, stream, consumer, *a, **k)  # type: ignore[arg-type]
+            await release.wait()
+            return answer
         await release.wait()
         return await info(self, stream, consumer, *a, **k)  # type: ignore[arg-type]
 
@@ -99,6 +108,7 @@ async def test_the_sdk_holds_a_stale_yes_while_it_hears_deletions(
     served = ServedModels(conn.jsm, settings.stream, no_for=0.0, hear=conn)
     try:
         assert await served(MODEL)
+        await eventually(lambda: holds(served._heard is not None), what="the word heard")
         _stale(served)
         looks, release = _slow_looks(conn, monkeypatch)
         assert await asyncio.wait_for(served(MODEL), 5)  # answered with the look held
@@ -115,6 +125,70 @@ async def test_the_sdk_holds_a_stale_yes_while_it_hears_deletions(
         assert MODEL not in served._known
     finally:
         await served.close()
+
+
+async def test_a_look_under_way_when_the_pool_is_deleted_is_not_remembered(
+    hub: tuple[MeshSettings, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look's yes was on its way back when the deletion's word came: before, it was
+    written over the word, and the pool deleted read as served for 30 s more."""
+    settings, conn = hub
+    served = ServedModels(conn.jsm, settings.stream, no_for=0.0, hear=conn)
+    try:
+        assert await served(MODEL)
+        await eventually(lambda: holds(served._heard is not None), what="the word heard")
+        _stale(served)
+        looks, release = _slow_looks(conn, monkeypatch, answered_first=True)
+        assert await served(MODEL)  # stale: a look behind, its answer held on its way
+        await eventually(lambda: holds(len(looks) == 1), what="a look behind")
+        await conn.jsm().delete_consumer(settings.stream.name, consumer_name(MODEL))
+        await eventually(lambda: holds(MODEL not in served._known), what="the deletion heard")
+        release.set()  # the look's yes, read before the deletion, arrives after its word
+        await eventually(lambda: holds(not served._looking), what="the look done")
+        monkeypatch.undo()
+        assert not await served(MODEL)
+    finally:
+        await served.close()
+
+
+async def test_hearing_a_pool_come_and_go_needs_the_servers_yes(
+    hub_with_creds: Hub,  # noqa: F811 - the fixture
+) -> None:
+    """Under ``mesh creds``, an edge's user (and an SDK given the edge's credentials) hears a
+    consumer of the queue made and deleted, through its account's imports; a user that may not
+    (an app of the edge) is told so, and its stale yeses are looked up again, waited for."""
+    operator = hub_with_creds.settings("operator")
+    stream = operator.stream
+    async with (
+        Connection(operator.nats, "operator") as op,
+        Connection(hub_with_creds.settings("edge-site-a").nats, "edge") as edge,
+        Connection(hub_with_creds.settings("client-site-a").nats, "app") as app,
+    ):
+        await ensure_stream(op.jsm(), stream)
+        heard: list[str] = []
+
+        async def word(msg: Msg) -> None:
+            heard.append(msg.subject)
+
+        made, deleted = consumer_created(stream.name, "*"), consumer_deleted(stream.name, "*")
+        assert await hear(edge, made, word) is not None
+        assert await hear(edge, deleted, word) is not None
+        assert await hear(app, deleted, word) is None  # told by its credentials, ahead
+        assert hub_with_creds.violations() == []
+        await ensure_consumer(op.jsm(), stream, MODEL)
+        await op.jsm().delete_consumer(stream.name, consumer_name(MODEL))
+        name = consumer_name(MODEL)
+        words = [consumer_created(stream.name, name), consumer_deleted(stream.name, name)]
+        await eventually(lambda: holds(heard == words), what="both words at the edge")
+        served = ServedModels(app.jsm, stream, no_for=0.0, hear=app)
+        try:
+            await served("nobody-serves-this")
+            await eventually(
+                lambda: holds(served._listening is not None and served._listening.done())
+            )
+            assert served._heard is None  # refused: a stale yes is waited for
+        finally:
+            await served.close()
 
 
 def _stale(served: ServedModels) -> None:
