@@ -162,11 +162,13 @@ class AnswerPublisher:
         # A store found missing at the end and back since (in the loop turns before this began)
         # is not waited for: its return has been and gone.
         back = not self.store.missing and self._missed_at not in (None, self.store.losses)
-        for pause in _pauses(back):
-            if (left := deadline - loop.time()) <= 0:
-                break
-            if pause:
-                await self.store.came_back(min(pause, left))  # its return: the one to wait for
+        pauses = _pauses(back)
+        while (left := deadline - loop.time()) > 0:
+            pause = next(pauses)
+            # Its return: the one to wait for. Back now, it is tried at once, then soon again.
+            if pause and await self.store.came_back(min(pause, left)):
+                pauses = _pauses(True)
+                next(pauses)
             if await self._gated_catch_up(gate, deadline):
                 return True
         return False

@@ -226,11 +226,14 @@ class AnswerStore:
             self._back.set()  # those settling go on
             self._back = asyncio.Event()
 
-    async def came_back(self, within: float) -> None:
+    async def came_back(self, within: float) -> bool:
         """Wait ``within`` seconds, less when the stream is put back meanwhile (an answer
-        settling then goes on at once)."""
-        with contextlib.suppress(asyncio.TimeoutError):
+        settling then goes on at once); whether it was."""
+        try:
             await asyncio.wait_for(self._back.wait(), within)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def let_go(self) -> None:
         """Nobody puts the stream back from now on (the worker stops): publishes wait for its

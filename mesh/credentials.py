@@ -57,11 +57,14 @@ def may_subscribe(claims: dict[str, Any] | None, subject: str) -> bool:
     """Whether a user with these claims (None: no credentials file, so nothing to tell by) may
     subscribe to ``subject``, by its JWT's permissions: every subject it matches allowed, none
     denied. The server decides; this tells ahead what it would refuse."""
-    sub = ((claims or {}).get("nats") or {}).get("sub") or {}
-    allow, deny = sub.get("allow") or [], sub.get("deny") or []
-    if allow and not any(_covers(pattern, subject) for pattern in allow):
+    try:
+        sub = ((claims or {}).get("nats") or {}).get("sub") or {}
+        allow, deny = sub.get("allow") or [], sub.get("deny") or []
+        if allow and not any(_covers(str(pattern), subject) for pattern in allow):
+            return False
+        return not any(_overlaps(str(pattern), subject) for pattern in deny)
+    except (AttributeError, TypeError):  # permissions of a shape not known here: say no
         return False
-    return not any(_overlaps(pattern, subject) for pattern in deny)
 
 
 def _covers(pattern: str, subject: str) -> bool:

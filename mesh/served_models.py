@@ -95,7 +95,10 @@ class ServedModels:
         self._undo_loss: Callable[[], None] | None = None
         self._generation = 0
         """Moved by every word and loss: a look under way across one is out of date."""
-        self._known: dict[str, tuple[bool, float]] = {}
+        self._known: dict[str, tuple[bool, float, bool]] = {}
+        """By model: the answer, until when it holds, and whether the word was heard from
+        before its look began (only such a yes may answer stale: a deletion before the server
+        took the subscription was never heard)."""
         self._looking: dict[str, asyncio.Task[bool]] = {}
         """The background looks under way, by model."""
 
@@ -110,7 +113,7 @@ class ServedModels:
         known = self._known.get(model)
         if known is not None and known[1] > now:
             return known[0]
-        if known is not None and known[0] and (self._heard is not None or self._stale_yes(model)):
+        if known is not None and known[0] and (self._hearing(known) or self._stale_yes(model)):
             if model not in self._looking:
                 look = asyncio.get_running_loop().create_task(self._look(model))
                 self._looking[model] = look
@@ -129,6 +132,12 @@ class ServedModels:
             return
         if self._heard is None:
             log.warning("may not hear a pool's consumer deleted: an old yes is looked up again")
+
+    def _hearing(self, known: tuple[bool, float, bool]) -> bool:
+        """Whether the word that would have forgotten ``known`` was sure to be heard."""
+        if self._heard is None or not known[2] or self._conn is None:
+            return False
+        return self._heard.subject.lower() not in self._conn.refused_subscriptions
 
     def _forget_all(self) -> None:
         self._generation += 1
@@ -162,14 +171,14 @@ class ServedModels:
             log.info("cannot tell whether a pool serves the model now", error=repr(failed))
 
     async def _look(self, model: str) -> bool:
-        generation = self._generation
+        generation, heard = self._generation, self._heard is not None
         served = await model_is_served(self._jsm(), self._settings, model)
         if served is None:
             return True
         if generation != self._generation:  # a word or a loss came meanwhile: not for later
             return served
         if self._for[served] > 0:
-            self._known[model] = (served, time.monotonic() + self._for[served])
+            self._known[model] = (served, time.monotonic() + self._for[served], heard)
         else:
             self._known.pop(model, None)  # a stale yes must not stand for it
         return served

@@ -73,13 +73,17 @@ async def hear(
     """Subscribe to ``subject``, sure that the server took it: None when it refused (the
     connection's credentials were minted before they allowed it). A sender may only count on
     the word once it is sure to hear it: its credentials allow it, and the server said no
-    refusal before it answered a flush (it may say one after: credentials are the sure part).
-    Raises when the server does not answer in time."""
+    refusal before it answered a flush sent after the subscription (a refusal comes after the
+    subscription, not as its answer). Raises when the server does not answer in time."""
     if not may_subscribe(conn.claims, subject):
         return None
     sub = await conn.nc.subscribe(subject, cb=cb)
+    timeout = max(1, round(conn.settings.request_timeout))
     try:
-        await conn.nc.flush(timeout=max(1, round(conn.settings.request_timeout)))
+        # Twice: nats-py writes a flush's PING at once but the SUB from its buffer a turn later,
+        # so the first answer may come before the server read the SUB; the second follows it.
+        await conn.nc.flush(timeout=timeout)
+        await conn.nc.flush(timeout=timeout)
     except BaseException:  # not sure of it (or cancelled): not kept
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()

@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import api
 
+import mesh.served_models
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
@@ -107,8 +110,7 @@ async def test_the_sdk_holds_a_stale_yes_while_it_hears_deletions(
     settings, conn = hub
     served = ServedModels(conn.jsm, settings.stream, no_for=0.0, hear=conn)
     try:
-        assert await served(MODEL)
-        await eventually(lambda: holds(served._heard is not None), what="the word heard")
+        await _heard_then_looked(served)
         _stale(served)
         looks, release = _slow_looks(conn, monkeypatch)
         assert await asyncio.wait_for(served(MODEL), 5)  # answered with the look held
@@ -135,8 +137,7 @@ async def test_a_look_under_way_when_the_pool_is_deleted_is_not_remembered(
     settings, conn = hub
     served = ServedModels(conn.jsm, settings.stream, no_for=0.0, hear=conn)
     try:
-        assert await served(MODEL)
-        await eventually(lambda: holds(served._heard is not None), what="the word heard")
+        await _heard_then_looked(served)
         _stale(served)
         looks, release = _slow_looks(conn, monkeypatch, answered_first=True)
         assert await served(MODEL)  # stale: a look behind, its answer held on its way
@@ -147,6 +148,37 @@ async def test_a_look_under_way_when_the_pool_is_deleted_is_not_remembered(
         await eventually(lambda: holds(not served._looking), what="the look done")
         monkeypatch.undo()
         assert not await served(MODEL)
+    finally:
+        await served.close()
+
+
+async def test_a_yes_looked_up_before_the_word_could_be_heard_is_not_held_stale(
+    hub: tuple[MeshSettings, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first look runs beside the subscription to the word: a deletion between the two was
+    never heard. Before, once the subscription was taken, that yes answered stale at once too."""
+    settings, conn = hub
+    taken = asyncio.Event()
+    real_hear = mesh.served_models.hear
+
+    async def slow_hear(*args: Any) -> Subscription | None:
+        await taken.wait()
+        return await real_hear(*args)
+
+    monkeypatch.setattr(mesh.served_models, "hear", slow_hear)
+    served = ServedModels(conn.jsm, settings.stream, no_for=0.0, hear=conn)
+    try:
+        assert await served(MODEL)  # looked up while nothing listened
+        taken.set()
+        await eventually(lambda: holds(served._heard is not None), what="the word heard")
+        _stale(served)
+        looks, release = _slow_looks(conn, monkeypatch)
+        asking = asyncio.ensure_future(served(MODEL))
+        await eventually(lambda: holds(len(looks) == 1), what="the look asked")
+        assert not asking.done()  # waits for it, as without the word
+        release.set()
+        assert await asyncio.wait_for(asking, 5)
+        assert served._known[MODEL][2]  # this yes was looked up with the word heard
     finally:
         await served.close()
 
@@ -191,10 +223,19 @@ async def test_hearing_a_pool_come_and_go_needs_the_servers_yes(
             await served.close()
 
 
+async def _heard_then_looked(served: ServedModels) -> None:
+    """A yes looked up once the word is sure to be heard (the first look runs beside the
+    subscription)."""
+    assert await served(MODEL)
+    await eventually(lambda: holds(served._heard is not None), what="the word heard")
+    served.forget(MODEL)
+    assert await served(MODEL)
+
+
 def _stale(served: ServedModels) -> None:
     """What it knows of the model, as if ``yes_for`` had passed."""
-    answer, _until = served._known[MODEL]
-    served._known[MODEL] = (answer, time.monotonic() - 1)
+    answer, _until, heard = served._known[MODEL]
+    served._known[MODEL] = (answer, time.monotonic() - 1, heard)
 
 
 async def _says(served: ServedModels, answer: bool) -> bool:

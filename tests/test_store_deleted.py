@@ -119,10 +119,11 @@ async def test_a_worker_that_stops_lets_the_store_go(
 
 
 async def _missing_then_back(
-    conn: Connection, settings: MeshSettings, ends: int
+    conn: Connection, settings: MeshSettings, ends: int, *, back: bool = True
 ) -> tuple[AnswerStore, list[AnswerPublisher]]:
     """``ends`` answers whose ends found the store deleted (each then goes to the settler),
-    and the store put back after all of them, before any settles."""
+    and the store put back after all of them, before any settles (``back``; else the caller
+    puts it back with :func:`_put_back`)."""
     await ensure_answer_stream(conn.jsm(), settings.stream)
     store = AnswerStore(conn, settings.stream, filtered=False)
     store.on_missing = lambda _why: None  # the test puts it back
@@ -136,11 +137,16 @@ async def _missing_then_back(
         await publisher.send(writer.token("a"))
         assert not await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
         publishers.append(publisher)
+    if back:
+        await _put_back(conn, settings, store)
+    return store, publishers
+
+
+async def _put_back(conn: Connection, settings: MeshSettings, store: AnswerStore) -> None:
     since = store.losses
     await ensure_answer_stream(conn.jsm(), settings.stream)
     store.back(since)
     assert not store.missing
-    return store, publishers
 
 
 async def test_an_answer_settling_after_the_store_came_back_waits_for_nothing(
@@ -187,6 +193,35 @@ async def test_a_store_just_back_that_refuses_a_read_is_tried_again_soon(
         monkeypatch.setattr(AnswerPublisher, "catch_up", refused_once)
         assert await publisher.settle(30)
         assert waits == [CATCH_UP_RETRY_S]
+
+
+async def test_a_store_back_while_an_answer_settles_is_tried_again_soon(
+    own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store put back while a settling answer waits: tried at once, and when a store just
+    back refuses that read, again 0.25 s later. Before, 2 s later (then 4, 8, 10)."""
+    settings = make_settings(own_server.url)
+    async with Connection(settings.nats, "settle") as conn:
+        store, [publisher] = await _missing_then_back(conn, settings, 1, back=False)
+        waits: list[float] = []
+        tries: list[bool] = []
+        came_back, catch_up = store.came_back, AnswerPublisher.catch_up
+
+        async def counted(within: float) -> bool:
+            waits.append(within)
+            return await came_back(within)
+
+        async def refused_once(self: AnswerPublisher) -> bool:
+            tries.append(not store.missing)
+            return tries.count(True) > 1 and await catch_up(self)
+
+        monkeypatch.setattr(store, "came_back", counted)
+        monkeypatch.setattr(AnswerPublisher, "catch_up", refused_once)
+        settling = asyncio.ensure_future(publisher.settle(30))
+        await eventually(lambda: holds(waits == [1.0]), what="waiting for the store")
+        await _put_back(conn, settings, store)
+        assert await asyncio.wait_for(settling, 10)
+        assert waits == [1.0, CATCH_UP_RETRY_S], waits
 
 
 async def test_an_answer_waiting_for_its_turn_to_settle_stops_at_its_time(
