@@ -51,7 +51,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from mesh.stream_deleted import consumer_created, hear
+from mesh.stream_deleted import consumer_created, listen
 from protocol.subjects import consumer_name
 
 log = get_logger(__name__)
@@ -162,14 +162,9 @@ class QueueWatch:
         nats-py makes it again after a reconnect). Refused (credentials minted before senders
         heard it), the looks alone go on."""
         subject = consumer_created(self._stream.name, "*")
-        try:
-            self._heard = await hear(self._conn, subject, self._made)
-        except (nats.errors.Error, asyncio.TimeoutError, RuntimeError) as exc:
-            log.info("cannot hear the queue put back now", error=repr(exc))
+        self._heard, again = await listen(self._conn, subject, self._made, "the queue put back")
+        if again:
             self._hearing = None  # the next request tries again
-            return
-        if self._heard is None:
-            log.warning("may not hear the queue put back (credentials): looking only")
 
     async def _made(self, msg: Msg) -> None:
         """A consumer of the queue was made: look at once at its pool, if requests wait for it."""

@@ -23,7 +23,7 @@ from nats.js.manager import JetStreamManager
 
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
-from mesh.stream_deleted import consumer_deleted, hear
+from mesh.stream_deleted import consumer_deleted, listen
 from protocol.subjects import consumer_name
 
 if TYPE_CHECKING:
@@ -124,14 +124,10 @@ class ServedModels:
     async def _listen(self, conn: Connection) -> None:
         if self._undo_loss is None:
             self._undo_loss = conn.on_loss(self._forget_all)
-        try:
-            self._heard = await hear(conn, consumer_deleted(self._settings.name, "*"), self._word)
-        except (nats.errors.Error, asyncio.TimeoutError, RuntimeError) as exc:
-            log.info("cannot hear a pool's consumer deleted now", error=repr(exc))
+        subject = consumer_deleted(self._settings.name, "*")
+        self._heard, again = await listen(conn, subject, self._word, "a pool's consumer deleted")
+        if again:
             self._listening = None  # the next ask tries again
-            return
-        if self._heard is None:
-            log.warning("may not hear a pool's consumer deleted: an old yes is looked up again")
 
     def _hearing(self, known: tuple[bool, float, bool]) -> bool:
         """Whether the word that would have forgotten ``known`` was sure to be heard."""

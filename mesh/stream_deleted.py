@@ -18,6 +18,7 @@ place as it is, and publishes that end unconfirmed and are published again later
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
@@ -28,9 +29,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from mesh.credentials import may_subscribe
+from mesh.logs import get_logger
 
 if TYPE_CHECKING:
     from mesh.connection import Connection
+
+log = get_logger(__name__)
 
 
 def stream_deleted(stream: str) -> str:
@@ -92,3 +96,18 @@ async def hear(
         await sub.unsubscribe()
         return None
     return sub
+
+
+async def listen(
+    conn: Connection, subject: str, cb: Callable[[Msg], Awaitable[None]], what: str
+) -> tuple[Subscription | None, bool]:
+    """:func:`hear`, said in the log: the subscription (None: not heard), and whether to try
+    again later (the server did not answer in time, or the link was down)."""
+    try:
+        sub = await hear(conn, subject, cb)
+    except (nats.errors.Error, asyncio.TimeoutError, RuntimeError) as exc:
+        log.info(f"cannot hear {what} now", error=repr(exc))
+        return None, True
+    if sub is None:
+        log.warning(f"may not hear {what} (its credentials): looking instead")
+    return sub, False

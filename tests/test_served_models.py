@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
-import mesh.served_models
+import mesh.stream_deleted
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
@@ -159,13 +159,13 @@ async def test_a_yes_looked_up_before_the_word_could_be_heard_is_not_held_stale(
     never heard. Before, once the subscription was taken, that yes answered stale at once too."""
     settings, conn = hub
     taken = asyncio.Event()
-    real_hear = mesh.served_models.hear
+    real_hear = mesh.stream_deleted.hear
 
     async def slow_hear(*args: Any) -> Subscription | None:
         await taken.wait()
         return await real_hear(*args)
 
-    monkeypatch.setattr(mesh.served_models, "hear", slow_hear)
+    monkeypatch.setattr(mesh.stream_deleted, "hear", slow_hear)
     served = ServedModels(conn.jsm, settings.stream, no_for=0.0, hear=conn)
     try:
         assert await served(MODEL)  # looked up while nothing listened
