@@ -53,6 +53,12 @@ def consumer_deleted(stream: str, consumer: str) -> str:
     return f"$JS.EVENT.ADVISORY.CONSUMER.DELETED.{stream}.{consumer}"
 
 
+def queue_words(stream: str) -> list[str]:
+    """Where JetStream says a consumer of the queue ``stream`` was made or deleted: what a
+    sender hears (its queue put back, a pool gone), and what edges may hear."""
+    return [consumer_created(stream, "*"), consumer_deleted(stream, "*")]
+
+
 async def watch_deleted(
     nc: Client, told: Mapping[str, Callable[[str], None]]
 ) -> list[Subscription]:

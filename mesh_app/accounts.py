@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.config import StreamSettings
-from mesh.stream_deleted import consumer_created, consumer_deleted
+from mesh.stream_deleted import queue_words
 from mesh_app import nats_jwt
 from mesh_app.nats_jwt import Key
 from protocol.subjects import (
@@ -71,8 +71,7 @@ def _lanes(stream: StreamSettings) -> list[tuple[str, str, str | None]]:
         ("stream", f"{PREFIX}.tok.{{edge}}.*", None),
         ("stream", REGISTRY, None),
         ("stream", STATUS_ASK, None),
-        ("stream", consumer_created(infer, "*"), None),
-        ("stream", consumer_deleted(infer, "*"), None),
+        *(("stream", word, None) for word in queue_words(infer)),
     ]
 
 
@@ -85,8 +84,7 @@ def _public(stream: StreamSettings) -> set[str]:
         REGISTRY,
         STATUS_ASK,
         NOOP,
-        consumer_created(stream.name, "*"),
-        consumer_deleted(stream.name, "*"),
+        *queue_words(stream.name),
     }
 
 

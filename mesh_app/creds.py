@@ -33,7 +33,7 @@ from pathlib import Path
 from edge_node.api_keys import parse_keys
 from mesh.config import StreamSettings, load_settings
 from mesh.hub import hub_deletions
-from mesh.stream_deleted import consumer_created, consumer_deleted
+from mesh.stream_deleted import queue_words
 from mesh_app import nats_jwt
 from mesh_app.accounts import account_jwts
 from mesh_app.nats_jwt import Key, Permissions
@@ -107,8 +107,9 @@ def edge_permissions(
         sub_allow=(
             f"{PREFIX}.tok.{edge}.*",
             f"{REGISTRY_UPDATES}.worker.>",  # the registry's updates (republished)
-            consumer_created(infer, "*"),  # its queue put back: its waiting requests go again
-            consumer_deleted(infer, "*"),  # a pool gone (an SDK under an edge's credentials)
+            # Its queue put back (its waiting requests go again), a pool gone (an SDK under an
+            # edge's credentials).
+            *queue_words(infer),
             STATUS_ASK,
             f"{PREFIX}.edge.{edge}.*",
             f"{inbox}.>",

@@ -149,6 +149,20 @@ async def _put_back(conn: Connection, settings: MeshSettings, store: AnswerStore
     assert not store.missing
 
 
+def _recorded_waits(store: AnswerStore, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The pauses an answer settling waits for the store's return, as they begin (each still
+    waited, and told whether the store came back meanwhile)."""
+    waits: list[float] = []
+    came_back = store.came_back
+
+    async def counted(within: float) -> bool:
+        waits.append(within)
+        return await came_back(within)
+
+    monkeypatch.setattr(store, "came_back", counted)
+    return waits
+
+
 async def test_an_answer_settling_after_the_store_came_back_waits_for_nothing(
     own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -157,14 +171,7 @@ async def test_an_answer_settling_after_the_store_came_back_waits_for_nothing(
     settings = make_settings(own_server.url)
     async with Connection(settings.nats, "settle") as conn:
         store, [publisher] = await _missing_then_back(conn, settings, 1)
-        waits: list[float] = []
-        came_back = store.came_back
-
-        async def counted(within: float) -> None:
-            waits.append(within)
-            await came_back(within)
-
-        monkeypatch.setattr(store, "came_back", counted)
+        waits = _recorded_waits(store, monkeypatch)
         assert await publisher.settle(30)
         assert waits == []
         kept = await store.replay(publisher.subject, timeout=5)
@@ -179,17 +186,12 @@ async def test_a_store_just_back_that_refuses_a_read_is_tried_again_soon(
     settings = make_settings(own_server.url)
     async with Connection(settings.nats, "settle") as conn:
         store, [publisher] = await _missing_then_back(conn, settings, 1)
-        waits: list[float] = []
-        came_back, catch_up = store.came_back, AnswerPublisher.catch_up
-
-        async def counted(within: float) -> None:
-            waits.append(within)
-            await came_back(within)
+        waits = _recorded_waits(store, monkeypatch)
+        catch_up = AnswerPublisher.catch_up
 
         async def refused_once(self: AnswerPublisher) -> bool:
             return len(waits) > 0 and await catch_up(self)
 
-        monkeypatch.setattr(store, "came_back", counted)
         monkeypatch.setattr(AnswerPublisher, "catch_up", refused_once)
         assert await publisher.settle(30)
         assert waits == [CATCH_UP_RETRY_S]
@@ -203,19 +205,14 @@ async def test_a_store_back_while_an_answer_settles_is_tried_again_soon(
     settings = make_settings(own_server.url)
     async with Connection(settings.nats, "settle") as conn:
         store, [publisher] = await _missing_then_back(conn, settings, 1, back=False)
-        waits: list[float] = []
+        waits = _recorded_waits(store, monkeypatch)
         tries: list[bool] = []
-        came_back, catch_up = store.came_back, AnswerPublisher.catch_up
-
-        async def counted(within: float) -> bool:
-            waits.append(within)
-            return await came_back(within)
+        catch_up = AnswerPublisher.catch_up
 
         async def refused_once(self: AnswerPublisher) -> bool:
             tries.append(not store.missing)
             return tries.count(True) > 1 and await catch_up(self)
 
-        monkeypatch.setattr(store, "came_back", counted)
         monkeypatch.setattr(AnswerPublisher, "catch_up", refused_once)
         settling = asyncio.ensure_future(publisher.settle(30))
         await eventually(lambda: holds(waits == [1.0]), what="waiting for the store")
