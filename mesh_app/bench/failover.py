@@ -189,6 +189,7 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
     silences: dict[str, list[float]] = {"leader kill": [], "hub lame duck": []}
     kinds: dict[str, dict[str, int]] = {fault: {} for fault in silences}
     elections: list[float] = []
+    edge_during: list[dict[str, Any]] = []
     try:
         async with (
             Connection(settings.nats, "bench") as conn,
@@ -206,6 +207,9 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
                         continue
                     killed = time.monotonic()
                     await cluster.kill(leader)
+                    # New work via an edge meanwhile: its own model, or the cloud if back.
+                    during = await ask(client, f"e{n}", 1, via="edge", route="cloud")
+                    edge_during.append({"s": during.elapsed, "path": during.path or during.kind})
                     for _probe in range(1200):  # a fresh answer, every 0.1 s, up to 2 min
                         if (await ask(client, f"p{n}", 1, via="cloud")).kind == "correct":
                             break
@@ -234,7 +238,7 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
             "answers": kinds[fault],
         }
         for fault, s in silences.items()
-    } | {"election_s": elections}
+    } | {"election_s": elections, "edge_during_election": edge_during}
 
 
 async def _caught_up(conn: Connection, stream: str, timeout: float = 120.0) -> None:
@@ -327,5 +331,10 @@ def render(results: dict[str, Any]) -> str:
                 "\nleader kill: the first new answer after "
                 + ", ".join(f"{e:.2f}" for e in elections)
                 + " s (nats-server's election)"
+            )
+        during = hub.get("edge_during_election") or []
+        if during:
+            text += "\nleader kill: new work via an edge meanwhile answered in " + ", ".join(
+                f"{d['s']:.3f} s ({d['path']})" for d in during
             )
     return text
