@@ -27,8 +27,6 @@ site refuses it (:meth:`EdgeHTTP._parse`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -40,28 +38,27 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_node.api_keys import REQUEST_APP, ApiKeys, require_keys
-from edge_node.openai_api import Kind, Shaper, mesh_fields, parse, to_request
+from edge_node.http_sinks import CLIENT_STALL_S, CollectSink, SSESink, error_body
+from edge_node.openai_api import Kind, Shaper, parse, to_request
 from edge_node.parts import EdgeCounts, Serve
+from edge_node.records import Sink
 from edge_node.served import CloudModels
 from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import bound, get_logger
 from mesh.metrics import cannot_listen, exposition
 from mesh.queue import trace_headers
-from mesh.tasks import raise_if_cancelled
 from protocol.codec import (
     WireFormat,
     check_nesting,
-    compact_json,
-    error_event,
     load,
     to_exception,
 )
 from protocol.errors import (
     ErrorCode,
-    IncompleteAnswerError,
     InvalidRequestError,
     MeshError,
     PayloadTooLargeError,
+    UnavailableError,
     UnknownModelError,
     status_of,
 )
@@ -69,35 +66,14 @@ from protocol.messages import (
     EndEvent,
     ErrorEvent,
     InferRequest,
-    StartEvent,
-    TokenEvent,
-    WireEvent,
 )
-from protocol.stream import AnswerState, starts_over
 from protocol.subjects import is_token
 
 log = get_logger(__name__)
-CLIENT_STALL_S = 10.0
-"""How long a streaming client's full socket may hold an event back before the client is taken
-for gone (it stopped reading): the connection is closed and the request cancelled, so that it
-does not hold its place at the edge for as long as the client keeps the connection open."""
 ROUTES = (
     "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, "
     "GET /health, GET /ready and GET /metrics"
 )
-
-
-def error_body(err: MeshError) -> dict[str, Any]:
-    """OpenAI's error object, with the mesh's stable code as its type and code."""
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.code.value,
-            "code": err.code.value,
-            "param": (err.details or [{}])[0].get("loc"),
-            "retryable": err.retryable,
-        }
-    }
 
 
 def error_response(
@@ -144,126 +120,6 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(MeshError("edge failure", code=ErrorCode.INTERNAL))
 
 
-class _CollectSink:
-    """Gathers a whole answer (and its logprobs) for a non-streaming HTTP request."""
-
-    streaming = False
-    takes_tokens_now = True
-
-    def __init__(self, request_id: str) -> None:
-        self.answer = AnswerState(request_id)
-
-    async def send(self, event: WireEvent) -> None:
-        self.answer.feed(event)
-
-    def send_now(self, event: TokenEvent) -> None:
-        self.answer.feed(event)
-
-    def send_token(self, seq: int, text: str, attempt: int, n: int) -> None:
-        self.answer.feed_token(attempt, seq, text, n)
-
-
-class _SSESink:
-    """Streams the OpenAI chunks of one answer. The HTTP response starts with the first event,
-    so an error before any token is still a proper HTTP status. SSE cannot take text back: an
-    answer that starts over after text went out ends this stream in a typed error."""
-
-    streaming = True
-
-    def __init__(self, request: web.Request, req: InferRequest, shaper: Shaper, usage: bool):
-        self._request = request
-        self._req = req
-        self._shaper = shaper
-        self._usage = usage
-        self.response: web.StreamResponse | None = None
-        self.sent = 0
-        self.closed = False
-        self.last_error: ErrorEvent | None = None
-
-    async def _send(self, payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        await self._write(f"data: {data}\n\n".encode())
-
-    async def _write(self, event: bytes) -> None:
-        """One server-sent event, encoded."""
-        if self.response is None:
-            self.response = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": self._req.id,
-                }
-            )
-            await self.response.prepare(self._request)
-        try:
-            await self._patiently(self.response.write(event))
-        except (ConnectionError, RuntimeError) as exc:
-            self.closed = True
-            raise MeshError(f"HTTP client gone: {type(exc).__name__}") from None
-
-    async def _patiently(self, write: Awaitable[None]) -> None:
-        """A write, waited for while the client reads, however slowly; when its socket is full
-        and stays full for ``CLIENT_STALL_S``, the client is taken for gone (it stopped reading):
-        the connection is closed, and aiohttp cancels the request's handler."""
-        transport = self._request.transport
-        if transport is None or not transport.get_write_buffer_size():
-            await write  # the socket takes it: nothing to time (the hot path)
-            return
-        try:
-            await asyncio.wait_for(write, CLIENT_STALL_S)
-        except asyncio.TimeoutError:
-            raise_if_cancelled()
-            self.closed = True
-            transport.abort()
-            raise MeshError(f"HTTP client stopped reading for {CLIENT_STALL_S:g}s") from None
-
-    async def finish(self) -> None:
-        """The stream's end, written with the same patience as its events (aiohttp's own
-        ``write_eof`` waits for a full socket without end)."""
-        if self.response is not None:
-            with contextlib.suppress(MeshError, ConnectionError, RuntimeError):
-                await self._patiently(self.response.write_eof())
-
-    async def send(self, event: WireEvent) -> None:
-        if self.closed:
-            return
-        if isinstance(event, TokenEvent):
-            chunk = self._shaper.chunk(event.text, first=self.sent == 0, logprobs=event.logprobs)
-            self.sent += 1
-            if event.logprobs is None:  # no floats in it: orjson's compact JSON (compact_json)
-                await self._write(b"data: " + compact_json(chunk) + b"\n\n")
-            else:
-                await self._send(chunk)
-        elif isinstance(event, StartEvent):
-            if starts_over(event, self.sent):
-                why = event.reason or "a worker stopped"
-                await self._fail(
-                    IncompleteAnswerError(
-                        f"the answer started over after streaming began ({why}); retry",
-                        request_id=self._req.id,
-                    )
-                )
-        elif isinstance(event, EndEvent):
-            final = self._shaper.chunk(None, first=self.sent == 0, finish=event.finish_reason)
-            final["mesh"] = mesh_fields(event)
-            await self._send(final)
-            if self._usage:
-                await self._send(self._shaper.usage_chunk(event))
-            await self._send("[DONE]")
-            self.closed = True
-        else:
-            await self._fail(to_exception(event))
-
-    async def _fail(self, error: MeshError) -> None:
-        self.last_error = error_event(error, self._req.id)
-        if self.response is None:
-            self.closed = True
-            return  # the handler answers with a plain HTTP error
-        await self._send(error_body(error))
-        await self._send("[DONE]")
-        self.closed = True
-
-
 @dataclass(frozen=True)
 class HTTPParts:
     """What the HTTP API uses of the edge."""
@@ -295,6 +151,8 @@ class EdgeHTTP:
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
+        self._answering: set[asyncio.Task[Any]] = set()
+        self._stopping = False
         self._created = int(time.time())
         """The ``created`` of the models this edge lists (when it began serving them)."""
 
@@ -334,10 +192,23 @@ class EdgeHTTP:
             self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         log.info("edge HTTP API listening", url=self.url)
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop listening; answers under way get ``grace`` to end, then each ends with a typed
+        ``unavailable`` written to its client (aiohttp's own shutdown would close their sockets
+        under them: a dropped connection, a stream cut short) before the server goes."""
         runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
+        if runner is None:
+            return
+        self._stopping = True
+        for site in list(runner.sites):
+            await site.stop()
+        if self._answering:
+            _, late = await asyncio.wait(set(self._answering), timeout=grace)
+            for task in late:
+                task.cancel()  # the edge's serve tells the sink; the handler answers with it
+            if late:
+                await asyncio.wait(late, timeout=CLIENT_STALL_S)
+        await runner.cleanup()
 
     def _listed(self) -> dict[str, str]:
         """The models ``GET /v1/models`` lists, by name: who owns each (edge or cloud)."""
@@ -392,21 +263,51 @@ class EdgeHTTP:
         except MeshError as err:
             self.parts.counts.refused(err)
             return error_response(err)
+        if self._stopping:  # a connection kept open asks again while the edge stops
+            return error_response(
+                UnavailableError("edge is shutting down", retry_after=1.0, request_id=req.id)
+            )
+        answering = asyncio.current_task()
+        assert answering is not None
+        self._answering.add(answering)
+        try:
+            return await self._answer_with(request, req, kind, model, include_usage, received)
+        finally:
+            self._answering.discard(answering)
+
+    async def _serve(self, req: InferRequest, sink: Sink, **kwargs: Any) -> None:
+        """The edge's serve; past the grace of a stop it ends (cancelled) with a typed
+        ``unavailable`` in the sink, and the handler goes on to answer with it."""
+        try:
+            await self.parts.serve(req, sink, **kwargs)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+
+    async def _answer_with(  # noqa: PLR0917 - one handler's parts
+        self,
+        request: web.Request,
+        req: InferRequest,
+        kind: Kind,
+        model: str,
+        include_usage: bool,
+        received: float,
+    ) -> web.StreamResponse:
         shaper = Shaper(kind, req.id, model)
         scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other
         trace = trace_headers(request.headers)
         app = REQUEST_APP.get()  # the app its API key names, on every line of its request
         with bound(**({"app": app} if app else {})):
             if req.stream:
-                sink = _SSESink(request, req, shaper, include_usage)
-                await self.parts.serve(req, sink, scope=scope, received=received, trace=trace)
+                sink = SSESink(request, req, shaper, include_usage)
+                await self._serve(req, sink, scope=scope, received=received, trace=trace)
                 if sink.response is None:
                     error = to_exception(sink.last_error) if sink.last_error else None
                     return error_response(error or MeshError("no answer was produced"))
                 await sink.finish()
                 return sink.response
-            collected = _CollectSink(req.id)
-            await self.parts.serve(req, collected, scope=scope, received=received, trace=trace)
+            collected = CollectSink(req.id)
+            await self._serve(req, collected, scope=scope, received=received, trace=trace)
             end = collected.answer.outcome
             if not isinstance(end, EndEvent):
                 error = to_exception(end) if isinstance(end, ErrorEvent) else None

@@ -269,7 +269,7 @@ class EdgeNode(Lifecycle):
         await self._background.close()
         self._undo_resync()
         if self.http is not None:
-            await self.http.stop()  # stops accepting; in-flight HTTP answers get the grace
+            await self.http.stop(max(0.0, ends - time.monotonic()))  # then a typed end
         await self.tasks.close(grace=max(0.0, ends - time.monotonic()))
         if self.site is not None:
             await self.site.stop()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from edge_node import http_api
+from edge_node import http_sinks
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
@@ -24,7 +24,7 @@ from mesh.connection import Connection
 async def test_a_streaming_client_that_stops_reading_is_let_go(
     settings: MeshSettings, conn: Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(http_api, "CLIENT_STALL_S", 0.5)
+    monkeypatch.setattr(http_sinks, "CLIENT_STALL_S", 0.5)
     settings.edge.http_port = 0
     backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
     edge = EdgeNode(settings, conn, backend, HeuristicRouter())
