@@ -165,6 +165,10 @@ class CloudRelay:
         self.local_fits = local_fits
         self.tried = tried
         """Earlier cloud pools of the edge's fallback chain that could not serve it, and why."""
+        self.after = record.state.attempt
+        """The attempts the record holds already (an earlier pool's): this pool's worker
+        numbers its own from 1, so each is passed on numbered above them. Its start is then the
+        answer starting over, not the earlier pool's answer going on with another's text."""
         self.first_token: float | None = None
 
     def ready(self) -> bool:
@@ -176,12 +180,14 @@ class CloudRelay:
         """In-order tokens, from the reader's subscription callback, while :meth:`_follow`
         waits: on to the clients at once (``mesh.reader.Passer``)."""
         self.first_token = self.first_token or time.perf_counter()
+        if self.after:
+            tokens = [t.model_copy(update={"attempt": t.attempt + self.after}) for t in tokens]
         self.record.emit_now(tokens)  # under the client's id
 
     def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
         """:meth:`take` for the answer's next token, from its fields."""
         self.first_token = self.first_token or time.perf_counter()
-        self.record.emit_token_now(seq, text, attempt, n)
+        self.record.emit_token_now(seq, text, attempt + self.after, n)
 
     def _give_up(self, reason: str, kind: str) -> Fallback:
         if self.local_fits:
@@ -299,12 +305,7 @@ class CloudRelay:
                     raise self._give_up(
                         f"the cloud failed: {event.code}: {event.message}", "cloud_error"
                     )
-                passed = (
-                    self._edge_end(event)
-                    if isinstance(event, EndEvent)
-                    else with_id(event, self.req.id)
-                )
-                await self.record.emit([passed])
+                await self.record.emit([self._ours(event)])
             if state.done:  # after the whole batch: a repair brings many events at once
                 return
             if moving:  # what follows asks whether the worker went quiet, stopped or stalled
@@ -367,6 +368,20 @@ class CloudRelay:
                 raise self._give_up(
                     f"nothing from worker {worker} for {es.cloud_idle_timeout:g}s", "idle"
                 )
+
+    def _ours(self, event: WireEvent) -> WireEvent:
+        """The worker's event as the edge's client gets it: under the client's id, numbered
+        above an earlier pool's attempts (:attr:`after`)."""
+        passed = (
+            self._edge_end(event) if isinstance(event, EndEvent) else with_id(event, self.req.id)
+        )
+        attempt = getattr(passed, "attempt", None)
+        if not self.after or attempt is None:
+            return passed
+        update: dict[str, object] = {"attempt": attempt + self.after}
+        if isinstance(passed, StartEvent) and passed.reason is None:
+            update["reason"] = f"answering from the {self.req.model!r} pool after {self.tried}"
+        return passed.model_copy(update=update)
 
     def _edge_end(self, end: EndEvent) -> EndEvent:
         """The worker's end under the client's id (:func:`with_id`, in the same copy), with
