@@ -43,6 +43,9 @@ NOT_CONNECTED = "not connected to NATS: call connect() or use 'async with' first
 HUB_ANSWERED_S = 0.25
 """How long the hub's answer to :meth:`Connection.hub_answers` is taken to hold (the readers of
 one worker that died all hear "no responders" at once)."""
+STALE_AFTER_PINGS = 3
+"""Pings the server may leave unanswered: at the next tick with none answered, the link is taken
+for dead (``ping_interval`` apart: after 3 to 4 s of silence at 1 s; a server paused 2 s is not)."""
 
 
 class Connection(Lifecycle):
@@ -295,6 +298,8 @@ class Connection(Lifecycle):
                     name=self.name,
                     connect_timeout=max(1, round(self.settings.connect_timeout)),
                     reconnect_time_wait=self.settings.reconnect_wait,  # type: ignore[arg-type]
+                    ping_interval=self.settings.ping_interval,  # type: ignore[arg-type]
+                    max_outstanding_pings=STALE_AFTER_PINGS,
                     max_reconnect_attempts=self.settings.max_reconnect_attempts,
                     drain_timeout=max(1, round(self.settings.drain_timeout)),
                     error_cb=on_error,

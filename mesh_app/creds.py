@@ -341,6 +341,10 @@ def _leaf_conf(edge: str, hub_url: str, creds_path: str, tls_ca: str | None, sto
 # holds everything crossing the link to edge {edge}'s permissions.
 server_name: leaf-{edge}
 port: 4222
+# An uplink gone silent (the hub's host lost, a NAT's drop) is taken for dead once three pings a
+# second apart go unanswered, and redialled (nats-server's own default: minutes).
+ping_interval: "1s"
+ping_max: 3
 
 # The site's own JetStream (domain {edge}): requests that can wait are held here while the
 # uplink is down, and their answers are kept here. The hub is domain {HUB_DOMAIN}.

@@ -5,6 +5,8 @@
 read and thrown away (a route that lost its way), while the server's side still comes through;
 the next cut ends it. ``lose(marker, seconds)`` throws away the next piece the server sends that
 holds ``marker`` (a delivery in flight when the link went) and cuts the link with it.
+``freeze()`` makes it silent both ways with every socket left open (a host lost without a reset,
+a partition, a NAT that dropped the connection): nothing comes through until ``restore()``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class TcpProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._cut_until = 0.0
         self._swallowing = False
+        self._frozen = False
         self.swallowed = bytearray()
         """What the link threw away (see :meth:`swallow`)."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -61,9 +64,15 @@ class TcpProxy:
         client, and cut the link for ``seconds`` with it: what was in flight when a link went."""
         self._lose = (marker, seconds)
 
+    def freeze(self) -> None:
+        """Throw away what either side sends, on every connection through the link, old and
+        new, until :meth:`restore`: no socket closes, so neither side hears of it."""
+        self._frozen = True
+
     def restore(self) -> None:
-        """End a cut now: new connections go through again."""
+        """End a cut or a freeze now: what is sent, and new connections, go through again."""
         self._cut_until = 0.0
+        self._frozen = False
 
     def _drop(self) -> None:
         for writer in list(self._writers):
@@ -101,6 +110,8 @@ class TcpProxy:
     ) -> None:
         try:
             while data := await src.read(65536):
+                if self._frozen:
+                    continue
                 if upward and self._swallowing:
                     self.swallowed += data
                     continue
