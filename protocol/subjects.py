@@ -113,10 +113,13 @@ def sender_scope(reply: str) -> str:
     """The part of a reply inbox that names its connection: all but the last token.
 
     NATS clients make one inbox prefix per connection (``_INBOX.<nuid>``) and one last token per
-    request, so two requests from one client share a scope and two clients never do. Request ids
-    are only unique within a scope.
+    request (``_INBOX.<nuid>.<n>``), so two requests from one client share a scope and two
+    clients never do. Request ids are only unique within a scope. A reply of fewer than three
+    tokens is a scope of its own: an inbox made for one request (``_INBOX.<nuid>``, an old-style
+    request of nats-py or nats.js) names no connection, and cut short it would make every such
+    client one sender, whose ids clash or join another's request.
     """
-    return reply.rsplit(".", 1)[0] if "." in reply else reply
+    return reply.rsplit(".", 1)[0] if reply.count(".") >= 2 else reply
 
 
 @functools.lru_cache(maxsize=256)
