@@ -387,6 +387,12 @@ class EdgeNode(Lifecycle):
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(err, req.id))
             return None
+        except Exception:  # never silence: the client hears of it
+            log.exception("request crashed before it began", request_id=req.id)
+            failure = MeshError("edge failure", code=ErrorCode.INTERNAL, request_id=req.id)
+            with contextlib.suppress(MeshError):
+                await sink.send(error_event(failure, req.id))
+            return None
         if not new:
             self.stats.inc("rejoined")
             try:

@@ -61,8 +61,13 @@ def unicode_text(value: Any) -> Any:
     return value
 
 
+_JSON_LEAVES = (str, int, float, bool, type(None))
+
+
 def unicode_tree(value: Any) -> Any:
-    """:func:`unicode_text` for every key and string inside nested maps and lists."""
+    """:func:`unicode_text` for every key and string inside nested maps and lists, each leaf a
+    value JSON holds: msgpack can carry bytes or an extension type there, which no JSON encoder
+    (a request's fingerprint, an engine's HTTP body) takes."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -71,8 +76,10 @@ def unicode_tree(value: Any) -> Any:
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-        else:
+        elif isinstance(item, _JSON_LEAVES):
             unicode_text(item)
+        else:
+            raise ValueError(f"JSON values only, not {type(item).__name__}")
     return value
 
 

@@ -35,6 +35,22 @@ BAD_EDGE_INPUTS = [
     ),
     ("unknown model", b'{"prompt": "hi", "model": "gpt-9-ultra"}', "unknown_model"),
     ("payload over the limit", json.dumps({"prompt": "x" * 300_000}).encode(), "payload_too_large"),
+    (
+        # msgpack carries bytes where JSON cannot: the request's fingerprint (worked out when
+        # the same id comes again) raised on them, and that request was never answered.
+        "bytes in a JSON schema",
+        msgpack.packb(
+            {
+                "id": "bin-schema",
+                "prompt": "hi",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "object", "x": b"\x00"}},
+                },
+            }
+        ),
+        "invalid_request",
+    ),
 ]
 
 
@@ -174,3 +190,18 @@ async def test_worker_refuses_a_queued_lone_surrogate_at_once(
     assert event.id == "w-surrogate" and "not valid Unicode" in event.message
     await stat_reaches(worker.stats, "rejected", 1)
     await eventually(lambda: queue_drained(conn, settings), what="terminated, not redelivered")
+
+
+async def test_a_request_whose_record_cannot_be_opened_is_answered(
+    edge: EdgeNode, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails before the request begins at the edge, its client hears of it, typed: the
+    task that served it used to die with it, and the client waited out its own timeout."""
+
+    def broken(*_args: object) -> None:
+        raise TypeError("a fingerprint that cannot be made")
+
+    monkeypatch.setattr(edge.records, "open", broken)
+    reply = await conn.nc.request(edge.subject, b'{"prompt": "hi"}', timeout=10)
+    event = decode_event(reply.data, reply.headers)
+    assert isinstance(event, ErrorEvent) and event.code == "internal"
