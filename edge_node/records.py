@@ -120,6 +120,8 @@ class NatsSink:
         self._answer = AnswerState(request_id)
         self._tokens = 0
         self._on_error = on_error
+        self._error_sent: ErrorEvent | None = None
+        """The one reply of a requester, when it was an error (:meth:`send_again`)."""
 
     async def send(self, event: WireEvent) -> None:
         if isinstance(event, ErrorEvent):
@@ -158,7 +160,7 @@ class NatsSink:
         answer's ``last`` event (a client that has it drops it); else the one ``answer`` or
         ``err`` once it was sent (a requester takes the first reply only). Raises
         :class:`MeshError` as :meth:`send` does."""
-        event = last if self.streaming else self._answer.whole()
+        event = last if self.streaming else self._error_sent or self._answer.whole()
         if event is None:
             return  # the one reply has not been sent yet: nothing was lost
         headers = (
@@ -169,6 +171,7 @@ class NatsSink:
         await self._publish(dump_event(event, self.fmt), headers)
 
     async def _error(self, event: ErrorEvent) -> None:
+        self._error_sent = event
         await self._publish(dump(event, self.fmt), {**self._headers, **error_headers(event)})
         if self._on_error is not None:
             self._on_error(event)

@@ -97,10 +97,13 @@ async def test_a_tail_lost_in_the_edges_dying_link_reaches_its_client_once_the_l
         await proxy.stop()
 
 
+@pytest.mark.parametrize("outcome", ["answer", "err"])
 async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once_it_is_back(
-    nats_server: NatsServer,
+    nats_server: NatsServer, outcome: str
 ) -> None:
-    """What the `nats` CLI does: JSON in, one JSON reply, no msgpack, no resend of its own."""
+    """What the `nats` CLI does: JSON in, one JSON reply, no msgpack, no resend of its own. The
+    reply is sent again whether it was the answer or a typed error (the engine failing after 15
+    tokens; before, an error was not sent again, and the requester waited out its timeout)."""
     proxy = await TcpProxy(nats_server.port).start()
     edge_settings = _linked(proxy.url)
     cli: RawNatsClient | None = None
@@ -112,7 +115,8 @@ async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once
             # The CLI connects once the edge's subscriptions are in, or its request can miss
             # them (see docs/performance.md, the subscription window).
             cli = await RawNatsClient().connect(nats_server.url)
-            body = {"prompt": prompt("req"), "max_tokens": 20, "route": "local"}
+            fails = ("[fail-after:15]",) if outcome == "err" else ()
+            body = {"prompt": prompt("req", *fails), "max_tokens": 20, "route": "local"}
             reply = asyncio.create_task(
                 cli.request(
                     edge_infer_subject(edge_settings.edge.edge_id),
@@ -131,10 +135,14 @@ async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once
                 return all(r.done for r in edge.records.since(0.0))
 
             await eventually(answered_here, 10, "the edge to send its answer")
-            assert not reply.done(), "the reply came through a link that swallowed it"
+            assert not reply.done(), (
+                f"the reply came through a link that swallowed it: {reply.result().json()}"
+            )
             proxy.cut(0.2)
             answer = (await asyncio.wait_for(reply, 10)).json()
-            assert answer["t"] == "answer" and answer["text"] == expected_text("req", 20), answer
+            assert answer["t"] == outcome, answer
+            if outcome == "answer":
+                assert answer["text"] == expected_text("req", 20), answer
     finally:
         if cli is not None:
             await cli.close()
