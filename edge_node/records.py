@@ -244,10 +244,15 @@ class Record:
             self._expiry.stop()
 
     async def emit(self, events: list[WireEvent]) -> None:
-        """Pass events on to every sink, in order (a sink that fails is skipped, logged)."""
+        """Pass events on to every sink, in order (a sink that fails is skipped, logged). When an
+        answer starts over and every sink has closed for it (an SSE stream cannot take text
+        back: it ended in ``incomplete``), nobody reads the rest: the request's task is
+        cancelled, and the answer is not made to its end for no one."""
+        restarted = False
         for event in events:
             if starts_over(event, self.state.positions):
                 self.restarts += 1
+                restarted = True
             self.state.feed(event)
             self.log.append(_logged(event))
             for sink in list(self.sinks):
@@ -255,6 +260,12 @@ class Record:
                     await sink.send(event)
                 except MeshError as err:
                     log_unreachable(self.client_id, err)
+        if restarted and self.task is not None and not self.state.done and self._unread():
+            log.info("nobody reads the answer that started over: stopping it")
+            self.task.cancel()
+
+    def _unread(self) -> bool:
+        return bool(self.sinks) and all(getattr(s, "closed", False) for s in self.sinks)
 
     def can_emit_now(self) -> bool:
         """Whether every sink takes tokens without waiting (:meth:`emit_now` may be used). A
