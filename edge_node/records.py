@@ -28,7 +28,13 @@ from mesh.logs import get_logger
 from mesh.tasks import CancelAt
 from mesh.write_batch import CONTENT_TYPE_BLOCKS, Headers
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event, dump_token
-from protocol.errors import DuplicateRequestError, MeshError, OverloadedError, status_of
+from protocol.errors import (
+    DuplicateRequestError,
+    ErrorCode,
+    MeshError,
+    OverloadedError,
+    status_of,
+)
 from protocol.messages import (
     EndEvent,
     ErrorEvent,
@@ -82,8 +88,6 @@ def error_headers(event: ErrorEvent) -> dict[str, str]:
 
 
 def _status(code: str) -> int:
-    from protocol.errors import ErrorCode
-
     try:
         return status_of(ErrorCode(code))
     except ValueError:
@@ -384,6 +388,12 @@ class Records:
         :class:`DuplicateRequestError` when the id is taken by other content in this scope
         (``fingerprint`` gives the request's: called only then, for each of the two)."""
         existing = self.get(scope, client_id)
+        if existing is not None and existing.finished_at is not None and _may_change(existing):
+            # Ended in an error a new try may not meet (overloaded, unavailable, cancelled, a
+            # deadline passed): the same id sent again is that new try, not a replay of it.
+            del self._records[(scope, client_id)]
+            self._finished.pop((scope, client_id), None)
+            existing = None
         if existing is not None:
             if existing.fingerprint_of() != fingerprint():
                 raise DuplicateRequestError(
@@ -424,6 +434,14 @@ class Records:
                 break
             del self._finished[key]
             self._records.pop(key, None)
+
+
+def _may_change(record: Record) -> bool:
+    """Whether the record ended in an error that another try of the request may not meet."""
+    outcome = record.state.outcome
+    return isinstance(outcome, ErrorEvent) and (
+        outcome.retryable or outcome.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)
+    )
 
 
 def log_unreachable(request_id: str, err: MeshError) -> None:
