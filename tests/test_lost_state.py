@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from nats.js.api import DiscardPolicy
 from nats.js.errors import NotFoundError
 
 from cloud_node.worker import Worker
@@ -39,6 +40,7 @@ from protocol.subjects import (
     LEASES_STREAM,
     NODES_STREAM,
     OUTBOX_STREAM,
+    kept_subject,
     site_consumer,
     token_subject,
 )
@@ -589,3 +591,38 @@ def _leaf_linked_at(leaf: NatsServer, after: float) -> float:
             if at > after:
                 return at
     raise AssertionError("the leaf never linked again")
+
+
+async def test_an_answer_the_site_could_not_keep_for_a_moment_is_kept_a_second_later(
+    topology: Topology,  # noqa: F811 - the fixture
+) -> None:
+    """The site's store of answers refuses writes for a moment (full, here): the collector hands
+    the hub's delivery back, and it comes again a second later. Before, it was neither acked nor
+    handed back, and came again only after the site consumer's 30 s ack wait: for half a minute
+    after the site could keep it, the answer was not at the site for whoever asks for it by id
+    and does not hold it in memory (another replica of the edge, the edge restarted)."""
+    site = "site-a"
+    async with running_mesh(topology):
+        edge = topology.edges[site]
+        async with MeshClient(settings=topology.site_settings(site, "client")) as client:
+            await _cloud_answer_in(client, "s", "before-1")
+            jsm = edge.conn.site_jsm()
+
+            async def kept(request_id: str) -> bool:  # where another replica, or the edge
+                with contextlib.suppress(NotFoundError):  # restarted, reads it
+                    return bool(await jsm.get_last_msg(KEPT_STREAM, kept_subject(request_id)))
+                return False
+
+            await eventually(lambda: kept("before-1"), what="the first answer kept")
+            info = await jsm.stream_info(KEPT_STREAM)  # then full: it takes no more
+            full = info.config.evolve(max_msgs=info.state.messages, discard=DiscardPolicy.NEW)
+            await jsm.update_stream(full)
+            await _cloud_answer_in(client, "v", "after-1")  # answered live, not kept
+            await asyncio.sleep(1.0)  # the fault's length: the collector tried meanwhile
+            assert not await kept("after-1")
+            await jsm.update_stream(info.config)
+            back = time.monotonic()
+            await eventually(lambda: kept("after-1"), timeout=40, what="the answer kept")
+            took = time.monotonic() - back
+        print(f"\nsite store full for 1 s: the answer kept {took:.2f} s after it took writes again")
+        assert took < 5.0, took  # about 29 s before: the site consumer's ack wait
