@@ -46,7 +46,7 @@ from mesh import kept
 from mesh.logs import get_logger
 from mesh.provision import provisioned
 from mesh.queue import MSG_ID_HEADER
-from mesh.tasks import by_deadline, raise_if_cancelled
+from mesh.tasks import by_deadline, first_of, raise_if_cancelled
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
@@ -147,7 +147,7 @@ class SiteStore:
                 wait_until, self._held_or_kept(queued, fingerprint, req, record)
             )
             if found is None:
-                found = await self._wait(sub, wait_until)
+                found = await self._wait(sub, wait_until, req.id)
         except asyncio.TimeoutError:
             raise_if_cancelled()
             raise wait_ended(req, held=record.held) from None
@@ -321,15 +321,28 @@ class SiteStore:
         return _found(msg.data or b"", msg.headers)
 
     async def _wait(
-        self, sub: Any, until: float
+        self, sub: Any, until: float, request_id: str
     ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
-        while (left := until - time.time()) > 0:
-            try:
-                msg = await sub.next_msg(timeout=min(left, 5.0))
-            except nats.errors.TimeoutError:
-                continue
-            return _found(msg.data, msg.headers)
-        return None
+        """The kept answer, as it comes; after a loss on the link, once read from the site's
+        store too: one kept meanwhile (by another replica of this edge) came to nobody here."""
+        lost = asyncio.Event()
+        undo = self.conn.on_loss(lost.set)
+        try:
+            while (left := until - time.time()) > 0:
+                if lost.is_set():
+                    lost.clear()
+                    with contextlib.suppress(UnavailableError):  # the link is down again
+                        if (found := await self.kept_with_fingerprint(request_id)) is not None:
+                            return found
+                try:
+                    came, msg = await first_of(sub.next_msg(timeout=left), lost, left)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    continue
+                if came:
+                    return _found(msg.data, msg.headers)
+            return None
+        finally:
+            undo()
 
 
 def _found(
