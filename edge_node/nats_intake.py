@@ -335,6 +335,7 @@ class NatsIntake:
                         await sink.send(error_event(error, record.client_id))
             else:
                 log.info("cancel from the client", request_id=record.client_id)
+                record.cancelled = True
                 record.task.cancel()
         elif record is None and inbox:
             self.parts.counts.inc("refused.cancel")  # not the sender's inbox, or an unknown id

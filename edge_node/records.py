@@ -224,6 +224,8 @@ class Record:
     """It waits for the cloud at the edge's site (:func:`edge_node.site.wait_ended`)."""
     held: bool = False
     """The site's outbox holds it."""
+    cancelled: bool = False
+    """Its client's cancel reached it: it is ending (see :meth:`Records.open`)."""
     _expiry: CancelAt | None = field(default=None, init=False, repr=False)
 
     @property
@@ -266,6 +268,7 @@ class Record:
                     log_unreachable(self.client_id, err)
         if restarted and self.task is not None and not self.state.done and self._unread():
             log.info("nobody reads the answer that started over: stopping it")
+            self.cancelled = True
             self.task.cancel()
 
     def _unread(self) -> bool:
@@ -388,9 +391,10 @@ class Records:
         :class:`DuplicateRequestError` when the id is taken by other content in this scope
         (``fingerprint`` gives the request's: called only then, for each of the two)."""
         existing = self.get(scope, client_id)
-        if existing is not None and existing.finished_at is not None and _may_change(existing):
-            # Ended in an error a new try may not meet (overloaded, unavailable, cancelled, a
-            # deadline passed): the same id sent again is that new try, not a replay of it.
+        if existing is not None and _may_change(existing):
+            # Ended, or ending, in an error a new try may not meet (overloaded, unavailable,
+            # cancelled, a deadline passed): the same id sent again is that new try, not a
+            # replay of it (nor a reader of an answer that is being cancelled).
             del self._records[(scope, client_id)]
             self._finished.pop((scope, client_id), None)
             existing = None
@@ -437,7 +441,10 @@ class Records:
 
 
 def _may_change(record: Record) -> bool:
-    """Whether the record ended in an error that another try of the request may not meet."""
+    """Whether the record ended, or is ending (a cancel, its deadline), in an error that another
+    try of the request may not meet."""
+    if record.finished_at is None:
+        return record.cancelled or record.expired
     outcome = record.state.outcome
     return isinstance(outcome, ErrorEvent) and (
         outcome.retryable or outcome.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)

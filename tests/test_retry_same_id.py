@@ -18,7 +18,7 @@ from mesh.client import Completion, MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.testing.chaos import expected_text, prompt
-from protocol.errors import OverloadedError
+from protocol.errors import MeshTimeoutError, OverloadedError
 from tests.helpers import eventually, holds
 
 
@@ -48,3 +48,23 @@ async def test_a_retry_under_the_same_id_after_a_retryable_error_is_answered(
         before = backend.started
         once_more = await job()
         assert once_more.text == again.text and backend.started == before
+
+
+async def test_a_retry_right_after_a_timeout_is_not_given_the_cancel_of_the_first(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """The SDK gives up waiting (its timeout), sends its cancel, and the app retries at once
+    under the same id: the retry came while the first was still ending, joined it, and got its
+    ``cancelled`` (not retryable, for a request nobody cancelled)."""
+    backend = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=2, token_delay_ms=400, faults=False)
+    )
+    async with (
+        EdgeNode(settings, conn, backend, HeuristicRouter()),
+        MeshClient(settings=settings, first_event_timeout=0.2, idle_timeout=0.2) as client,
+    ):
+        with pytest.raises(MeshTimeoutError):
+            await client.complete(prompt("sd"), route="local", max_tokens=5, request_id="job-5")
+        client.first_event_timeout = client.idle_timeout = 10
+        again = await client.complete(prompt("sd"), route="local", max_tokens=5, request_id="job-5")
+        assert again.text == expected_text("sd", 5)
