@@ -109,17 +109,24 @@ def is_reply_inbox(value: str) -> bool:
     return is_subject(value) and not value.startswith(_RESERVED_PREFIXES)
 
 
-def sender_scope(reply: str) -> str:
-    """The part of a reply inbox that names its connection: all but the last token.
+_NUID = re.compile(r"[A-Za-z0-9]{22}")
+"""A NATS client's unique id (22 base62 characters): what it names a connection's inboxes by."""
 
-    NATS clients make one inbox prefix per connection (``_INBOX.<nuid>``) and one last token per
-    request (``_INBOX.<nuid>.<n>``), so two requests from one client share a scope and two
-    clients never do. Request ids are only unique within a scope. A reply of fewer than three
-    tokens is a scope of its own: an inbox made for one request (``_INBOX.<nuid>``, an old-style
-    request of nats-py or nats.js) names no connection, and cut short it would make every such
-    client one sender, whose ids clash or join another's request.
+
+def sender_scope(reply: str) -> str:
+    """The part of a reply inbox that names its connection: all but the last token, when the
+    token before it is a NUID.
+
+    NATS clients make one inbox prefix per connection (``<prefix>.<nuid>``) and one last token
+    per request under it (``<prefix>.<nuid>.<token>``: nats-py, Go and the `nats` CLI, the SDK),
+    so two requests from one client share a scope and two clients never do. Request ids are
+    only unique within a scope. An inbox made for one request (``<prefix>.<nuid>``: an
+    old-style request of nats-py, nats.js ``noMux``), or a reply subject of the client's own
+    choosing, is a scope of its own: cut short, it could make many clients one sender (all of
+    ``_INBOX``, or of an app's ``_INBOX.client.<app>``), whose ids clash or join another's.
     """
-    return reply.rsplit(".", 1)[0] if reply.count(".") >= 2 else reply
+    head, _, _ = reply.rpartition(".")
+    return head if _NUID.fullmatch(head.rpartition(".")[2]) else reply
 
 
 @functools.lru_cache(maxsize=256)

@@ -217,7 +217,7 @@ async def test_rejoins_of_one_request_are_bounded(
     # One client re-sends its in-flight request under many inboxes of its own scope: each used
     # to become another reader of the answer, for good, with every later token published to
     # each (no bound: memory and an amplifier). Beyond a few, a re-send gets a typed error.
-    prefix = f"_INBOX.{secrets.token_hex(6)}"
+    prefix = f"_INBOX.{secrets.token_hex(11)}"  # a connection's: named by a 22-character NUID
     got: dict[str, list[dict[str, object]]] = {}
 
     async def record(msg: object) -> None:
@@ -269,16 +269,17 @@ async def _async(value: bool) -> bool:
 async def test_a_second_sender_of_the_same_request_cannot_cancel_the_first(
     det_edge: EdgeNode, settings: MeshSettings
 ) -> None:
-    # `nats req`-style inboxes of one token (_INBOX.<random>) all fall in one scope, `_INBOX`,
-    # so another connection sending the same request under the same id joins it. Its cancel
+    # Another connection replying under the first sender's inbox prefix (a server without
+    # permissions lets it) sends the same request under the same id: it joins it. Its cancel
     # must end its own reading only, not the first sender's answer.
     victim, attacker = await raw_client(settings), await raw_client(settings)
     try:
         payload = {"id": "job-1", "prompt": "[tag:v] x", "max_tokens": 120, "route": "local"}
-        victim_inbox = f"_INBOX.{secrets.token_hex(8)}"
+        prefix = f"_INBOX.{secrets.token_hex(11)}"  # the victim's connection's
+        victim_inbox = f"{prefix}.v"
         await victim.subscribe(victim_inbox)
         await victim.publish(det_edge.subject, json.dumps(payload).encode(), reply=victim_inbox)
-        attacker_inbox = f"_INBOX.{secrets.token_hex(8)}"
+        attacker_inbox = f"{prefix}.a"
         await attacker.subscribe(attacker_inbox)
         joined = json.dumps({**payload, "stream": True}).encode()
         await attacker.publish(det_edge.subject, joined, reply=attacker_inbox)

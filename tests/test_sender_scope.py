@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import nats
+import pytest
 
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
@@ -20,23 +21,33 @@ from mesh.nats_server import NatsServer
 from mesh.testing.chaos import expected_text
 from protocol.subjects import sender_scope
 
+NUID = "Abcdefghij0123456789XY"  # what a NATS client names its connection's inboxes by
+
 
 def test_a_scope_is_the_connections_part_of_an_inbox() -> None:
-    assert sender_scope("_INBOX.abc.7") == "_INBOX.abc"  # one connection, many requests
-    assert sender_scope("site1_inbox.abc.7") == "site1_inbox.abc"
-    assert sender_scope("_INBOX.abc") == "_INBOX.abc"  # made for one request: its own
+    # One connection, many requests: nats-py, Go (the `nats` CLI), the SDK.
+    assert sender_scope(f"_INBOX.{NUID}.7") == f"_INBOX.{NUID}"
+    assert sender_scope(f"_INBOX.{NUID}.{NUID}") == f"_INBOX.{NUID}"
+    assert sender_scope(f"_INBOX.client.app1.{NUID}.x8Yz") == f"_INBOX.client.app1.{NUID}"
+    # An inbox made for one request, or a reply of the client's choosing: a scope of its own.
+    assert sender_scope(f"_INBOX.{NUID}") == f"_INBOX.{NUID}"
+    assert sender_scope(f"_INBOX.client.app1.{NUID}") == f"_INBOX.client.app1.{NUID}"
+    assert sender_scope("replies.mine.7") == "replies.mine.7"
     assert sender_scope("reply") == "reply"
 
 
+@pytest.mark.parametrize("prefix", [None, "_INBOX.client.app1"])
 async def test_two_clients_of_one_request_inboxes_do_not_share_ids(
-    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection, prefix: str | None
 ) -> None:
+    """Each with nats-py's own prefix, or both as processes of one app under `mesh creds`."""
     backend = DeterministicBackend(
         ModelSettings(backend="deterministic", slots=4, token_delay_ms=20, faults=False)
     )
     subject = f"mesh.v1.edge.{settings.edge.edge_id}.infer"
-    alice = await nats.connect(nats_server.url)
-    bob = await nats.connect(nats_server.url)
+    inboxes = {"inbox_prefix": prefix} if prefix else {}
+    alice = await nats.connect(nats_server.url, **inboxes)
+    bob = await nats.connect(nats_server.url, **inboxes)
     try:
         async with EdgeNode(settings, conn, backend, HeuristicRouter()):
 
