@@ -47,6 +47,7 @@ from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import bound, get_logger
 from mesh.metrics import cannot_listen, exposition
 from mesh.queue import trace_headers
+from mesh.tasks import answered_cancel
 from protocol.codec import (
     WireFormat,
     check_nesting,
@@ -283,6 +284,7 @@ class EdgeHTTP:
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
+            answered_cancel()  # acted on: what the handler still writes is not cut by it
 
     async def _answer_with(  # noqa: PLR0917 - one handler's parts
         self,
