@@ -318,7 +318,7 @@ class SiteLinks:
             )
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             log.warning("refused request not answered; retrying in a second", error=repr(exc))
-            await _hand_back(msg)  # the outbox takes one at a time: not its ack wait (30 s)
+            await hand_back([msg], RETRY_S)  # one at a time: not after its ack wait (30 s)
             return
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
             await msg.ack_sync(timeout=self.conn.settings.request_timeout)
@@ -355,7 +355,7 @@ class SiteLinks:
             )
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             log.warning("answer not kept at the site; the hub sends it again", error=repr(exc))
-            await _hand_back(msg)  # in a second, not after the consumer's ack wait (30 s)
+            await hand_back([msg], RETRY_S)  # not after the consumer's ack wait (30 s)
             return
         self.collected += 1
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
@@ -374,13 +374,6 @@ async def with_site_streams(conn: Connection, op: Callable[[], Awaitable[T]]) ->
         conn.recovery.again(SITE_STREAMS, f"a site stream is gone: {exc!r}")
         await conn.recovery.settled(SITE_STREAMS, STREAMS_BACK_S)
     return await op()
-
-
-async def _hand_back(msg: Msg) -> None:
-    """Give a delivery back to be sent again in :data:`RETRY_S` (a nak that fails in a link
-    that dropped leaves it to the ack wait)."""
-    with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-        await msg.nak(delay=RETRY_S)
 
 
 def _queue_full(exc: APIError) -> bool:

@@ -307,8 +307,9 @@ class Pull:
         return answer
 
 
-async def hand_back(msgs: list[Msg]) -> None:
-    """Nak ``msgs`` (best effort): the server delivers them again now, not after ack wait."""
+async def hand_back(msgs: list[Msg], delay: float | None = None) -> None:
+    """Nak ``msgs`` (best effort): the server delivers them again now (or ``delay`` seconds
+    from now), not after ack wait."""
     for msg in msgs:
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-            await asyncio.wait_for(msg.nak(), NAK_WITHIN_S)
+            await asyncio.wait_for(msg.nak(delay=delay), NAK_WITHIN_S)

@@ -51,7 +51,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from mesh.stream_deleted import consumer_created, listen
+from mesh.stream_deleted import consumer_created, listen, models_named, unlisten
 from protocol.subjects import consumer_name
 
 log = get_logger(__name__)
@@ -168,8 +168,7 @@ class QueueWatch:
 
     async def _made(self, msg: Msg) -> None:
         """A consumer of the queue was made: look at once at its pool, if requests wait for it."""
-        made = msg.subject.rpartition(".")[2]
-        due = {model for model in self._calls if consumer_name(model) == made}
+        due = set(models_named(msg, self._calls))
         if due:
             self._due |= due
             self._look_now()
@@ -280,13 +279,7 @@ class QueueWatch:
         self._closed = True
         hearing, self._hearing = self._hearing, None
         heard, self._heard = self._heard, None
-        if hearing is not None:
-            hearing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await hearing
-        if heard is not None:
-            with contextlib.suppress(nats.errors.Error, RuntimeError):
-                await heard.unsubscribe()
+        await unlisten(hearing, heard)
         if self._undo_loss is not None:
             self._undo_loss()
             self._undo_loss = None

@@ -9,7 +9,6 @@ edge's registry of workers, or (the SDK) JetStream's word that the consumer was 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from nats.js.manager import JetStreamManager
 
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
-from mesh.stream_deleted import consumer_deleted, listen
+from mesh.stream_deleted import consumer_deleted, listen, models_named, unlisten
 from protocol.subjects import consumer_name
 
 if TYPE_CHECKING:
@@ -141,8 +140,7 @@ class ServedModels:
 
     async def _word(self, msg: Msg) -> None:
         self._generation += 1
-        gone = msg.subject.rpartition(".")[2]
-        for model in [m for m in self._known if consumer_name(m) == gone]:
+        for model in models_named(msg, self._known):
             del self._known[model]
 
     async def close(self) -> None:
@@ -152,13 +150,11 @@ class ServedModels:
         if self._undo_loss is not None:
             self._undo_loss()
             self._undo_loss = None
-        tasks = [t for t in (listening, *self._looking.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if heard is not None:
-            with contextlib.suppress(nats.errors.Error, RuntimeError):
-                await heard.unsubscribe()
+        looks = list(self._looking.values())
+        for look in looks:
+            look.cancel()
+        await asyncio.gather(*looks, return_exceptions=True)
+        await unlisten(listening, heard)
 
     def _looked(self, model: str, look: asyncio.Task[bool]) -> None:
         self._looking.pop(model, None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import nats.errors
@@ -30,6 +30,7 @@ from nats.aio.subscription import Subscription
 
 from mesh.credentials import may_subscribe
 from mesh.logs import get_logger
+from protocol.subjects import consumer_name
 
 if TYPE_CHECKING:
     from mesh.connection import Connection
@@ -117,3 +118,20 @@ async def listen(
     if sub is None:
         log.warning(f"may not hear {what} (its credentials): looking instead")
     return sub, False
+
+
+async def unlisten(listening: asyncio.Task[None] | None, sub: Subscription | None) -> None:
+    """Undo :func:`listen`: the task subscribing, cancelled and waited for, then the
+    subscription it made, ended (best effort: the link may be gone)."""
+    if listening is not None:
+        listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
+    if sub is not None:
+        with contextlib.suppress(nats.errors.Error, RuntimeError):
+            await sub.unsubscribe()
+
+
+def models_named(word: Msg, models: Iterable[str]) -> list[str]:
+    """The models whose pool's consumer a consumer word (made, deleted) names."""
+    consumer = word.subject.rpartition(".")[2]
+    return [model for model in models if consumer_name(model) == consumer]
