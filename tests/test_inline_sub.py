@@ -194,6 +194,7 @@ async def test_reply_inboxes_share_one_subscription_and_each_gets_its_own_messag
         assert len(set(names)) == 3 and all(n.startswith(inboxes.prefix + ".") for n in names)
         assert len(nc._subs) == subs_before + 1  # one wildcard, not one per inbox
         await nc.flush()
+        await pub.flush()  # connected before the subscription: see the first test
         for round_ in range(2):
             for i, name in enumerate(names):
                 await pub.publish(name, f"{i}-{round_}".encode())
