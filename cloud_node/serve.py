@@ -76,8 +76,7 @@ class Parts:
     outcomes: Outcomes
     settler: Settler
     cancels: CancelBook
-    tasks: TaskSet
-    """Where progress reports run (the worker's own tasks)."""
+    tasks: TaskSet  # where progress reports run (the worker's own tasks)
     tracing: Tracing
 
 
@@ -88,13 +87,11 @@ class Delivery:
     msg: Msg
     attempt: int
     """The delivery count: it decides retries (an answer's attempt may number higher)."""
-    received: float
-    """The loop time it arrived."""
+    received: float  # the loop time it arrived
     drops: int
     stalls: int
     """The connection's drops and the process's stand-stills when it arrived (either since
     means the delivery may have been handed to another worker: :mod:`cloud_node.orphans`)."""
-
     maybe_held: bool = False
     """Whether another worker may hold the request already, generating it unseen: its sender
     queued it again (:data:`mesh.queue.COPY_HEADER`), or it is older than the consumer that
@@ -297,7 +294,9 @@ class Handler(ABC):
                 ):
                     yield
             finally:
-                self.inflight.pop(address, None)
+                # Its own only: a later delivery here (after a stand-still, a copy) runs on.
+                if self.inflight.get(address, (None,))[0] is task:
+                    del self.inflight[address]
 
     def _publisher(self, scope: str, request: InferRequest, fmt: WireFormat) -> AnswerPublisher:
         return AnswerPublisher(
@@ -453,8 +452,10 @@ class Handler(ABC):
         finally:
             expiry.stop()
             keepalive.stop()
-            self.publishers.pop(address, None)
-            self.keepalives.pop(address, None)
+            if self.publishers.get(address) is publisher:  # only its own (see _serving)
+                del self.publishers[address]
+            if self.keepalives.get(address) is keepalive:
+                del self.keepalives[address]
 
     # -- what the worker asks of the requests being served -----------------------------------
     def alive(self, address: str) -> dict[str, bool]:
