@@ -22,9 +22,14 @@ class LocalGate:
     def waiting(self) -> int:
         return self._waiting
 
+    @property
+    def full(self) -> bool:
+        """No slot free and no place left in the wait queue: :meth:`slot` would refuse."""
+        return self._slots.locked() and self._waiting >= self._queue
+
     @asynccontextmanager
     async def slot(self, request_id: str) -> AsyncIterator[None]:
-        if self._slots.locked() and self._waiting >= self._queue:
+        if self.full:
             raise OverloadedError(
                 f"the local model is busy and {self._waiting} requests already wait for it",
                 retry_after=1.0,

@@ -112,6 +112,7 @@ class Paths:
                 request_id=req.id,
             )
         decision = self._too_long_for_local(req) or decide(self.router, req)
+        decision = self._busy_local(req, decision) or decision
         self.counts.inc(f"route.{decision.decision}" + (".forced" if decision.forced else ""))
         self.counts.metrics.decisions.labels(
             decision=decision.decision, forced=str(decision.forced).lower()
@@ -179,6 +180,26 @@ class Paths:
             reason=f"prompt too long for the local model "
             f"(~{estimate_prompt_tokens(req)} tokens, context {self._es.model.n_ctx})",
             budget=budget.snapshot() if budget is not None else None,
+        )
+
+    def _busy_local(self, req: InferRequest, decision: RouteDecision) -> RouteDecision | None:
+        """A request the router kept local while the local model has no room for it (every
+        slot busy, its wait queue full) goes to the cloud rather than back to its client as
+        ``overloaded``, within the budget's per-minute cap. Should the cloud not take it
+        either, the local model's answer is still ``overloaded``."""
+        if decision.decision != "local" or decision.forced or not self._gate.full:
+            return None
+        if req.model is not None and req.model != self._es.cloud_model:
+            return None  # a client that names its model gets that model or nothing
+        budget = self.budget
+        if budget is not None and not budget.local_busy():
+            return None
+        return decision.model_copy(
+            update={
+                "decision": "cloud",
+                "reason": f"the local model is busy ({decision.reason})",
+                "budget": budget.snapshot() if budget is not None else decision.budget,
+            }
         )
 
     def _too_long(self, req: InferRequest) -> bool:

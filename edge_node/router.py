@@ -98,6 +98,7 @@ class CloudBudget:
             "forced_local": 0,
             "forced_cloud": 0,
             "mid_answer": 0,
+            "local_busy": 0,
         }
         self.restored = self._load()
         self._unsaved = 0
@@ -173,6 +174,17 @@ class CloudBudget:
         """Whether a request the router kept local may escalate on its own low confidence:
         not past the per-minute cap. Counted apart (``mid_answer``), on top of the router's
         share; an allowed one takes a place under the cap."""
+        return self.beyond_share("mid_answer")
+
+    def local_busy(self) -> bool:
+        """Whether a request the router kept local may go to the cloud because the local model
+        has no room for it (a slot or a place in its wait queue): as :meth:`mid_answer`,
+        counted as ``local_busy``."""
+        return self.beyond_share("local_busy")
+
+    def beyond_share(self, kind: str) -> bool:
+        """An escalation the router did not choose, counted as ``kind`` on top of its share:
+        whether the per-minute cap allows it (then it takes a place under the cap)."""
         if self.cap is not None:
             now = self._clock()
             while self._cap_times and self._cap_times[0] <= now - 60.0:
@@ -182,7 +194,7 @@ class CloudBudget:
                 self._changed()
                 return False
             self._cap_times.append(now)
-        self.totals["mid_answer"] += 1
+        self.totals[kind] += 1
         self._changed()
         return True
 
@@ -204,6 +216,7 @@ class CloudBudget:
             "forced_local": self.totals["forced_local"],
             "forced_cloud": self.totals["forced_cloud"],
             "mid_answer": self.totals["mid_answer"],
+            "local_busy": self.totals["local_busy"],
             "cap_per_minute": self.cap,
             "cap_used": used,
             "capped": capped,
