@@ -252,7 +252,7 @@ class Worker(Lifecycle):
         await self._service.add_endpoint(
             name="status", subject=worker_status_subject(self.node_id), handler=self._on_status
         )
-        await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
+        await self.conn.subscribed()
         await self._heartbeat.start()
         undo = [
             self.conn.on_reconnect("answers in flight", self._catch_up),

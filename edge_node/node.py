@@ -217,8 +217,7 @@ class EdgeNode(Lifecycle):
         self._service = await self.intake.start(self._metadata)
         self._status_sub = await nc.subscribe(STATUS_ASK, cb=self._on_status_ask)
         self._undo_resync = self.conn.on_reconnect("client streams", self.intake.resync)
-        # Once start() returns, the server knows our subscriptions: clients can reach us.
-        await nc.flush(timeout=max(1, round(self.conn.settings.request_timeout)))
+        await self.conn.subscribed()  # once start() returns, clients can reach us
         self.accepting = True
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.add(registry)

@@ -131,6 +131,16 @@ class Connection(Lifecycle):
             gone=gone,
         )
 
+    async def subscribed(self) -> None:
+        """Until the server has every subscription made on this connection so far: a message
+        another client sends after this returns finds them. Two flushes: nats-py writes a
+        flush's PING at once but a SUB from its buffer a turn later, so the first PONG may
+        come before the server read the SUB (a client's request right after an edge started
+        then heard "no responders", about one time in 40)."""
+        timeout = max(1, round(self.settings.request_timeout))
+        await self.nc.flush(timeout=timeout)
+        await self.nc.flush(timeout=timeout)
+
     def stream_gone(self, gone: Gone) -> int:
         """End now the acked publishes given ``gone`` that wait (:meth:`Acks.stream_gone`)."""
         return 0 if self._acks is None else self._acks.stream_gone(gone)

@@ -89,12 +89,8 @@ async def hear(
     if not may_subscribe(conn.claims, subject):
         return None
     sub = await conn.nc.subscribe(subject, cb=cb)
-    timeout = max(1, round(conn.settings.request_timeout))
     try:
-        # Twice: nats-py writes a flush's PING at once but the SUB from its buffer a turn later,
-        # so the first answer may come before the server read the SUB; the second follows it.
-        await conn.nc.flush(timeout=timeout)
-        await conn.nc.flush(timeout=timeout)
+        await conn.subscribed()
     except BaseException:  # not sure of it (or cancelled): not kept
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()

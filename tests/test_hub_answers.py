@@ -33,7 +33,7 @@ async def test_readers_asking_at_once_share_one_look_at_the_hub(nats_server: Nat
         Connection(make_settings(nats_server.url).nats, "hub") as hub_conn,
     ):
         await hub_conn.nc.subscribe("$JS.hub.API.STREAM.INFO.>", cb=hub)
-        await hub_conn.nc.flush()
+        await hub_conn.subscribed()  # the edge's first ask finds it
         looks = [asyncio.ensure_future(conn.hub_answers(5.0)) for _ in range(READERS)]
         await eventually(lambda: holds(asked >= 1), what="the hub asked")
         looks[0].cancel()  # one reader gives up: the others' look goes on

@@ -96,7 +96,7 @@ async def test_a_pull_nobody_answers_is_lost_after_two_heartbeats(conn: Connecti
     to the hub, where nobody takes it. Here something takes pulls and never answers them."""
     async with Connection(conn.settings, "black hole") as hole:
         await hole.nc.subscribe("silence.API.>")
-        await hole.nc.flush()
+        await hole.subscribed()  # the first pull finds it
         pull = await _pull(conn, prefix="silence.API", hb=0.2)
         try:
             began = time.monotonic()
@@ -112,7 +112,7 @@ async def test_the_first_heartbeat_is_waited_for_a_round_trip_longer(conn: Conne
     whose caller measured 1 s of round trip is not given up before that."""
     async with Connection(conn.settings, "black hole") as hole:
         await hole.nc.subscribe("silence.API.>")
-        await hole.nc.flush()
+        await hole.subscribed()  # the first pull finds it
         pull = await _pull(conn, prefix="silence.API", hb=0.2)
         pull.rtt = 1.0
         try:
