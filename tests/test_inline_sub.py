@@ -51,9 +51,9 @@ async def test_messages_reach_the_handler_in_order_from_the_read_loop(
     try:
         sub = await subscribe_inline(nc, "inline.order", handler)
         await nc.flush()
-        # The publisher connects once the subscription is in: messages another connection sends
-        # within about 0.3 ms of the subscriber's flush can miss it, all of a burst (nats-server
-        # 2.15.1; docs/performance.md).
+        # The publisher connects once the subscription is in. One flush right after a subscribe
+        # can be answered before the server read the SUB (nats-py writes the PING at once, the
+        # SUB a loop turn later; mesh.connection.Connection.subscribed flushes twice).
         pub = await nats.connect(nats_server.url)
         for i in range(N):
             await pub.publish("inline.order", str(i).encode())
@@ -194,7 +194,7 @@ async def test_reply_inboxes_share_one_subscription_and_each_gets_its_own_messag
         assert len(set(names)) == 3 and all(n.startswith(inboxes.prefix + ".") for n in names)
         assert len(nc._subs) == subs_before + 1  # one wildcard, not one per inbox
         await nc.flush()
-        await pub.flush()  # connected before the subscription: see the first test
+        await pub.flush()  # after nc's flush: see the first test
         for round_ in range(2):
             for i, name in enumerate(names):
                 await pub.publish(name, f"{i}-{round_}".encode())

@@ -50,12 +50,8 @@ async def test_two_clients_of_one_request_inboxes_do_not_share_ids(
     bob = await nats.connect(nats_server.url, **inboxes)
     try:
         async with EdgeNode(settings, conn, backend, HeuristicRouter()):
-            # Both connected before the edge subscribed: a flush on each first, or a request
-            # sent within about 0.3 ms of the edge's flush can miss its subscription and come
-            # back "no responders" (nats-server 2.15.1; docs/performance.md).
-            await alice.flush()
-            await bob.flush()
-
+            # Both connected before the edge subscribed, and Alice asks at once: the edge's start
+            # makes sure the server has its subscriptions (Connection.subscribed).
             def ask(tag: str) -> bytes:
                 body = {"id": "job-1", "prompt": f"[tag:{tag}] count", "max_tokens": 10}
                 return json.dumps({**body, "route": "local"}).encode()

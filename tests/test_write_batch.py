@@ -293,9 +293,9 @@ async def test_a_header_block_is_written_as_nats_py_writes_those_headers(
 
     await reader.subscribe("batch.headers", cb=note)
     await reader.flush()
-    # The publisher connects after the subscription is in, and flushes once: a message another
-    # connection publishes within about 0.3 ms of the subscriber's flush can miss it
-    # (nats-server 2.15.1; figures in docs/performance.md).
+    # The publisher connects after the subscription is in, and flushes once: one flush right
+    # after a subscribe can be answered before the server read the SUB (nats-py writes the PING
+    # at once, the SUB a loop turn later; mesh.connection.Connection.subscribed).
     nc = await nats.connect(nats_server.url)
     await nc.flush()
     try:
