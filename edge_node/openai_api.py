@@ -11,9 +11,9 @@ every answer.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from protocol.codec import invalid_request_error
 from protocol.errors import InvalidRequestError
@@ -28,6 +28,12 @@ from protocol.messages import (
 Kind = Literal["chat", "completion"]
 # Fields that would change the answer in ways the mesh does not support.
 _REFUSED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix")
+
+
+def _null_is(default: object) -> BeforeValidator:
+    """A JSON ``null`` read as the field's default, as OpenAI reads one (clients and proxies send
+    explicit nulls for optional fields)."""
+    return BeforeValidator(lambda value: default if value is None else value)
 
 
 class StreamOptions(BaseModel):
@@ -46,6 +52,23 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _content(cls, data: Any) -> Any:
+        """An assistant turn may have no content (OpenAI's ``null``, as after a tool call);
+        a content part other than text is named as such, not as a failed union."""
+        if not isinstance(data, dict):
+            return data
+        content = data.get("content")
+        if content is None and data.get("role") == "assistant":
+            return {**data, "content": ""}
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported, not {kind!r}")
+        return data
+
     def text(self) -> str:
         return (
             self.content
@@ -62,9 +85,9 @@ class _Body(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: Annotated[bool, _null_is(False)] = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: Annotated[int, _null_is(1)] = Field(default=1, ge=1, le=1)
     response_format: ResponseFormat | None = None
     route: RouteChoice | None = None
     """Mesh extension: force the local model or the cloud."""
@@ -77,14 +100,14 @@ class _Body(BaseModel):
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: Annotated[bool, _null_is(False)] = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionBody(_Body):
     prompt: str | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: Annotated[bool, _null_is(False)] = False
 
 
 def parse(kind: Kind, raw: dict[str, Any]) -> ChatBody | CompletionBody:

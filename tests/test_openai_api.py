@@ -139,6 +139,60 @@ async def test_bad_bodies_get_openai_shaped_400s(api_edge: EdgeNode) -> None:
             assert resp.status == 400 and (await resp.json())["error"]["code"] == "bad_payload"
 
 
+async def test_explicit_nulls_read_as_the_field_s_default(oai: openai.AsyncOpenAI) -> None:
+    """OpenAI reads ``null`` in an optional field as absent, and clients and proxies send it;
+    before, each of these was a 400 (``n: Input should be a valid integer``...)."""
+    user = {"role": "user", "content": PROMPT}
+    for nulls in ({"n": None}, {"logprobs": None}, {"stream": None}, {"top_logprobs": None}):
+        answer = await oai.chat.completions.create(
+            model="smollm2", messages=[user], max_tokens=6, **nulls
+        )
+        assert answer.choices[0].message.content == WANT, nulls
+    turns = [user, {"role": "assistant", "content": None}, user]  # as after a tool call
+    answer = await oai.chat.completions.create(model="smollm2", messages=turns, max_tokens=6)
+    assert answer.choices[0].message.content == WANT
+    text = await oai.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=6, echo=None, n=None, logprobs=None
+    )
+    assert text.choices[0].text == WANT
+
+
+async def test_content_a_turn_cannot_have_is_named_in_its_400(api_edge: EdgeNode) -> None:
+    assert api_edge.http is not None
+    url = f"{api_edge.http.url}/v1/chat/completions"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    cases = [
+        ([{"role": "user", "content": None}], "messages.0.content"),  # only an assistant's
+        ([{"role": "user", "content": [image]}], "only text content parts are supported"),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for messages, named in cases:
+            async with http.post(url, json={"messages": messages}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["code"] == "invalid_request", error
+                assert named in json.dumps(error), error
+
+
+async def test_an_error_echoes_the_request_s_id_as_an_answer_does(api_edge: EdgeNode) -> None:
+    """docs/http-api.md: the ``X-Request-Id`` sent is the response's; before, only answers had
+    it, and a failed request could not be found in the edge's log by it."""
+    assert api_edge.http is not None
+    url = f"{api_edge.http.url}/v1/chat/completions"
+    turn = [{"role": "user", "content": PROMPT}]
+    cases = [
+        ({"model": "smollm2", "messages": turn, "max_tokens": 2}, 200),
+        ({"model": "nope", "messages": turn, "max_tokens": 2}, 404),
+        ({"model": "nope", "messages": turn, "max_tokens": 2, "stream": True}, 404),
+        ({"model": "smollm2", "messages": [], "max_tokens": 2}, 400),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for n, (body, status) in enumerate(cases):
+            sent = f"my-id-{n}"
+            async with http.post(url, json=body, headers={"X-Request-Id": sent}) as resp:
+                assert resp.status == status, await resp.text()
+                assert resp.headers.get("X-Request-Id") == sent, (body, dict(resp.headers))
+
+
 async def test_logprobs_from_a_model_loaded_without_them_is_a_typed_400(
     settings: MeshSettings, conn: Connection, edge_backend: LlamaCppBackend
 ) -> None:
