@@ -91,6 +91,11 @@ def error_response(
     )
 
 
+def _id_header(request_id: str | None) -> dict[str, str]:
+    """The request's id, echoed on its error as on its answer (when it has one)."""
+    return {"X-Request-Id": request_id} if request_id else {}
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every route's errors in OpenAI's shape: a handler's typed error, aiohttp's own 404, 405
@@ -263,10 +268,14 @@ class EdgeHTTP:
             req, model, include_usage = await self._parse(request, kind)
         except MeshError as err:
             self.parts.counts.refused(err)
-            return error_response(err)
+            asked = request.headers.get("X-Request-Id")
+            return error_response(
+                err, headers=_id_header(asked if asked and is_token(asked) else None)
+            )
         if self._stopping:  # a connection kept open asks again while the edge stops
             return error_response(
-                UnavailableError("edge is shutting down", retry_after=1.0, request_id=req.id)
+                UnavailableError("edge is shutting down", retry_after=1.0, request_id=req.id),
+                headers=_id_header(req.id),
             )
         answering = asyncio.current_task()
         assert answering is not None
@@ -305,7 +314,9 @@ class EdgeHTTP:
                 await self._serve(req, sink, scope=scope, received=received, trace=trace)
                 if sink.response is None:
                     error = to_exception(sink.last_error) if sink.last_error else None
-                    return error_response(error or MeshError("no answer was produced"))
+                    return error_response(
+                        error or MeshError("no answer was produced"), headers=_id_header(req.id)
+                    )
                 await sink.finish()
                 return sink.response
             collected = CollectSink(req.id)
@@ -313,7 +324,9 @@ class EdgeHTTP:
             end = collected.answer.outcome
             if not isinstance(end, EndEvent):
                 error = to_exception(end) if isinstance(end, ErrorEvent) else None
-                return error_response(error or MeshError("no answer was produced"))
+                return error_response(
+                    error or MeshError("no answer was produced"), headers=_id_header(req.id)
+                )
             logprobs = collected.answer.logprobs() if req.logprobs else None
             headers = {
                 "X-Request-Id": req.id,
