@@ -41,7 +41,7 @@ from mesh.inline_sub import Inboxes
 from mesh.lifecycle import Lifecycle
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
-from mesh.repair import Repair, SourceGone
+from mesh.repair import ASK_S, Repair, SourceGone
 from mesh.served_models import ServedModels
 from mesh.tasks import by_deadline, raise_if_cancelled
 from mesh.write_now import write_queued
@@ -387,7 +387,7 @@ class MeshClient(Lifecycle):
 
     async def _ask_edge(self, subject: str, payload: dict[str, object]) -> Msg | None:
         """The edge's reply; None when the server says, twice, that nobody answers for it."""
-        data, timeout = json.dumps(payload).encode(), self.conn.settings.request_timeout
+        data, timeout = json.dumps(payload).encode(), min(self.conn.settings.request_timeout, ASK_S)
         try:
             return await request_or_nobody(self.conn.nc, subject, data, timeout)
         except (nats.errors.TimeoutError, nats.errors.Error) as exc:

@@ -424,15 +424,17 @@ class AnswerReader:
         return max(now, due)
 
     async def _repair_beside(self, _state: AnswerState) -> None:
-        """A repair, run beside the reading: what it releases is passed on next, in order
-        (tokens that come while it waits go on meanwhile, when nothing before them is
-        missing)."""
+        """A repair beside the reading: what it releases is passed on next, in order (tokens
+        that come meanwhile go on when nothing before them is missing)."""
         try:
             out = await self._run_repair()
         except (MeshError, nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
-            # Not one of the repair's own errors: tried again later, never in a tight loop.
-            log.warning("repair failed; will retry", source=self.what, error=repr(exc))
-            self._repair_at = time.monotonic() + self._gap_retry
+            # Tried again soon, later each time in a row: never in a tight loop.
+            (log.info if isinstance(exc, MeshError) else log.warning)(
+                "repair failed; will retry", source=self.what, error=repr(exc)
+            )
+            self._last_probe = time.monotonic()
+            self._repair_at = self._last_probe + self._gap_retry
             self._gap_retry = min(self._gap_retry * 2, _QUIET_MAX_S)
             return
         self._ready.extend(out)
@@ -445,9 +447,7 @@ class AnswerReader:
         except SourceGone as gone:  # what was lost is gone for good
             log.warning("answer cannot be repaired", source=self.what, error=str(gone))
             return self.state.fail(gone.error).out
-        except MeshError as err:
-            log.info("repair failed; will retry", source=self.what, error=err.message)
-            events = []
+        # Another error is no word from the source, not a probe's silence: retried soon.
         self.repairs += 1
         step = self.state.feed_all(events)
         self.repaired_events += len(step.out)

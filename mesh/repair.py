@@ -20,6 +20,13 @@ Watch = Callable[[AnswerState], Awaitable[None]]
 :meth:`mesh.queue.CloudCall.watch_worker`)."""
 
 
+ASK_S = 1.0
+"""The longest wait for the reply to one repair's ask of a source that answers from memory (an
+edge): it answers within milliseconds, so a silence this long means the ask or its reply was
+lost (a link gone silent for a while drops what it carried), and the next try goes at once. At
+the request timeout, a repair sent into a 2 s silence held the answer back 5 s after it."""
+
+
 class SourceGone(Exception):
     """Raised by a repair when what the reader lacks is gone for good (an edge that restarted
     or died held what it relayed in its memory only): the answer ends at once in ``error``,

@@ -14,14 +14,22 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mesh.config import MeshSettings
+from edge_node.node import EdgeNode
+from edge_node.router import HeuristicRouter
+from mesh.backends.deterministic import DeterministicBackend
+from mesh.client import MeshClient
+from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
+from mesh.testing.chaos import expected_text
 from mesh.testing.proxy import TcpProxy
+from protocol.messages import EndEvent, TokenEvent
 from tests.helpers import eventually, holds
 
 NOTICED_WITHIN_S = 8.0
 """Generous beside the 3 to 4 s it takes (printed), far below nats-py's default 360 s."""
+AFTER_RETURN_S = 2.5
+"""Generous beside the 0.2 to 1 s it takes (printed), below the 6 s it took before."""
 
 
 @pytest.fixture
@@ -68,3 +76,50 @@ async def test_a_short_silence_is_not_taken_for_a_loss(
     proxy.restore()
     await conn.nc.flush(timeout=5)  # the pings held back meanwhile are answered now
     assert conn.drops == 0 and conn.connected
+
+
+async def test_an_answer_a_short_silence_cut_into_goes_on_once_the_link_is_back(
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+) -> None:
+    """The SDK's link to an edge goes silent for 2 s mid-answer, too short to be taken for a
+    loss: what was sent meanwhile is lost, and the reader's repair, asked during the silence, is
+    lost too. Its next try goes within a second of the link's return, not after the request
+    timeout (5 s) and a doubled quiet spell: the answer ended 6 s after the link was back."""
+    backend = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=2, token_delay_ms=50, faults=False)
+    )
+    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
+    linked = settings.model_copy(deep=True)
+    linked.nats.url = proxy.url
+    try:
+        async with (
+            EdgeNode(settings, conn, backend, HeuristicRouter()),
+            MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
+        ):
+            tokens: list[str] = []
+            under_way = asyncio.Event()
+            restored: list[float] = []
+
+            async def silence() -> None:  # beside the reading, which goes on meanwhile
+                await under_way.wait()
+                proxy.freeze()
+                await asyncio.sleep(2.0)  # the answer's last 1.75 s go into it
+                proxy.restore()
+                restored.append(time.monotonic())
+
+            silent = asyncio.ensure_future(silence())
+            async for event in client.stream("[tag:sl] count", max_tokens=40, route="local"):
+                if isinstance(event, TokenEvent):
+                    tokens.append(event.text)
+                    if len(tokens) == 5:
+                        under_way.set()
+                elif isinstance(event, EndEvent):
+                    assert restored, "the answer ended before the link was back"
+                    after = time.monotonic() - restored[0]
+                    print(f"\nthe answer ended {after:.2f} s after the link was back")
+                    assert after < AFTER_RETURN_S
+            await silent
+            assert "".join(tokens) == expected_text("sl", 40)
+            assert client.conn.drops == 0  # a silence too short to be taken for a loss
+    finally:
+        await proxy.stop()
