@@ -18,8 +18,12 @@ reconnect.
 A publish whose ack has not come when the connection comes back may have gone into the dying
 link. One that carries a ``Nats-Msg-Id`` is published again at once (:meth:`Acks.again`): the
 stream stores it once whatever reached it, and the first ack to come answers it (a duplicate's
-says so). Through nats-py it waited out its timeout (5 s) and failed. One without an id waits
-for its ack, as through nats-py: published twice, it might be stored twice.
+says so). Through nats-py it waited out its timeout (5 s) and failed. Such a publish is also
+sent again each :data:`RESEND_AFTER_S` its ack does not come while the connection stays up:
+what a link that went silent for a moment carried is lost with no reconnect to tell (a leaf's
+uplink or a cluster route that dropped and came back, a client's link frozen without a reset),
+and the request waited out the whole timeout. One without an id waits for its ack, as through
+nats-py: published twice, it might be stored twice.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ MSG_ID = "Nats-Msg-Id"
 LOOK_AFTER_S = 1.0
 """How long a publish given a ``gone`` check waits for its ack before it looks whether its
 stream is still there (an ack takes milliseconds; a store electing a leader, seconds)."""
+RESEND_AFTER_S = 1.0
+"""How long a publish with a ``Nats-Msg-Id`` waits for its ack before it is sent again (and
+again each time as long), while its timeout lasts: an ack takes milliseconds, a hub electing a
+leader seconds (the copies cost it a duplicate check each)."""
 Gone = Callable[[], Awaitable[bool]]
 
 
@@ -62,6 +70,9 @@ class Acks:
         """The looks under way, by the publish they look for (cancelled when it ends)."""
         self._given: dict[asyncio.Future[Msg], Gone] = {}
         """The publishes waiting for their ack that were given a ``gone`` check, with it."""
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        """Each publish's next timer: its timeout, or before it its next time to send again."""
+        self._sending: set[asyncio.Task[None]] = set()
 
     async def publish(
         self,
@@ -91,13 +102,16 @@ class Acks:
         loop = asyncio.get_running_loop()
         acked: asyncio.Future[Msg] = loop.create_future()
         self._pending[token] = acked
-        timer = loop.call_later(timeout, self._expire, token)
+        deadline = loop.time() + timeout
+        first = timeout
+        if MSG_ID in hdr:
+            self._unacked[token] = (subject, payload, hdr)
+            first = min(timeout, RESEND_AFTER_S)
+        self._timers[token] = loop.call_later(first, self._due, token, deadline)
         look = None
         if gone is not None:
             look = loop.call_later(LOOK_AFTER_S, self._look, acked, gone)
             self._given[acked] = gone
-        if MSG_ID in hdr:
-            self._unacked[token] = (subject, payload, hdr)
         try:
             await self._nc.publish(
                 subject, payload, reply=f"{self._prefix}.{token}", headers=hdr or None
@@ -105,7 +119,7 @@ class Acks:
             write_queued(self._nc)  # a burst leaves in groups (mesh.write_now)
             msg = await acked
         finally:
-            timer.cancel()
+            self._timers.pop(token).cancel()
             if look is not None:
                 look.cancel()
                 del self._given[acked]
@@ -151,8 +165,8 @@ class Acks:
             acked.set_result(msg)
 
     def close(self) -> None:
-        """Cancel the looks under way (the connection closes)."""
-        for task in self._looks.values():
+        """Cancel the looks and the sends again under way (the connection closes)."""
+        for task in [*self._looks.values(), *self._sending]:
             task.cancel()
         self._looks.clear()
 
@@ -169,6 +183,31 @@ class Acks:
                 del self._looks[acked]
         if missing and not acked.done():
             acked.set_exception(nats.js.errors.NoStreamResponseError())
+
+    def _due(self, token: str, deadline: float) -> None:
+        """A publish's timer: past its deadline it times out; before, it is sent again (when
+        the connection is up: a reconnect sends it again by itself) and its timer set anew."""
+        loop = asyncio.get_running_loop()
+        left = deadline - loop.time()
+        if left <= 0.001 or token not in self._unacked:
+            self._expire(token)
+            return
+        if self._nc.is_connected:
+            task = loop.create_task(self._send_again(token))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+        self._timers[token] = loop.call_later(min(left, RESEND_AFTER_S), self._due, token, deadline)
+
+    async def _send_again(self, token: str) -> None:
+        entry = self._unacked.get(token)
+        if entry is None:
+            return
+        subject, payload, hdr = entry
+        try:
+            await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}", headers=hdr)
+        except nats.errors.Error:
+            return  # the link went meanwhile: the reconnect sends it again
+        write_queued(self._nc)
 
     def _expire(self, token: str) -> None:
         acked = self._pending.pop(token, None)

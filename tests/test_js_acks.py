@@ -229,6 +229,40 @@ async def test_a_publish_lost_in_the_dying_link_is_published_again_once_the_link
         assert info.state.messages == 2  # the warm-up, and the one published again once
 
 
+async def test_a_publish_lost_to_a_short_silence_is_sent_again_without_a_reconnect(
+    nats_server: NatsServer, js_stream: tuple[str, str]
+) -> None:
+    """A link that goes silent for a moment (a leaf's uplink or a route that dropped and came
+    back, a client's link frozen) loses what it carried, and no reconnect comes to send it
+    again: with a message id it is sent again each second its ack does not come, acked within
+    a second of the link's return and stored once; before, it waited out its timeout. Without
+    an id it is left to its timeout, as through nats-py."""
+    name, subject = js_stream
+    async with _through_a_proxy(nats_server, "acks-silent") as (proxy, link):
+        await link.publish_acked(f"{subject}.warm", b"subscribed", stream=name)
+        proxy.freeze()
+        with_id = asyncio.create_task(
+            link.publish_acked(
+                f"{subject}.a", b"kept", stream=name, headers={"Nats-Msg-Id": "s1"}, timeout=10
+            )
+        )
+        without = asyncio.create_task(
+            link.publish_acked(f"{subject}.b", b"left", stream=name, timeout=4)
+        )
+        await asyncio.sleep(1.5)  # the fault's length: shorter than a ping can tell
+        proxy.restore()
+        back = time.monotonic()
+        ack = await asyncio.wait_for(with_id, 10)
+        took = time.monotonic() - back
+        print(f"\nthe link back -> the ack of the publish sent again: {took:.3f} s")
+        assert took < 1.5 and ack.seq == 2 and not ack.duplicate
+        with pytest.raises(nats.errors.TimeoutError):
+            await without
+        assert link.drops == 0  # no reconnect sent it again
+        info = await link.jsm().stream_info(name)
+        assert info.state.messages == 2  # the warm-up, and the lost one once
+
+
 async def test_before_connect_and_after_close_it_says_so(nats_server: NatsServer) -> None:
     conn = Connection(make_settings(nats_server.url).nats, "acks-closed")
     with pytest.raises(RuntimeError, match="not connected"):
