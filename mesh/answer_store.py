@@ -256,9 +256,12 @@ class AnswerStore:
             self.missing = True
             self.on_missing(why)
 
-    async def replay(self, subject: str, timeout: float | None = None) -> list[WireEvent]:
+    async def replay(
+        self, subject: str, timeout: float | None = None, silence: float | None = None
+    ) -> list[WireEvent]:
         """Every stored event of one answer, by its token ``subject`` (empty when none are kept
-        or the store is off).
+        or the store is off). ``silence``: the longest wait for the store's next word within
+        ``timeout`` (a reader's repair: its ask or the answer lost, tried again at once).
 
         Raises :class:`MeshTimeoutError` or :class:`UnavailableError` when the store cannot be
         read now: a caller cannot tell "nothing kept" from "cannot look".
@@ -269,7 +272,7 @@ class AnswerStore:
         events: list[WireEvent] = []
         fetch = self._ask_workers if self.filtered else self._fetch
         try:
-            found = await fetch(subject, timeout)
+            found = await fetch(subject, timeout, silence)
         except nats.errors.ConnectionClosedError:
             raise UnavailableError(
                 "NATS connection closed while reading the answer store"
@@ -285,14 +288,16 @@ class AnswerStore:
                     events.append(event)
         return events
 
-    async def _fetch(self, subject: str, timeout: float) -> list[bytes]:
+    async def _fetch(self, subject: str, timeout: float, silence: float | None) -> list[bytes]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         found: list[bytes] = []
         seq = 1
         async with self._inbox() as (inbox, sub):
             while True:
-                got, pending = await self._batch(inbox, sub, subject, seq, deadline, timeout)
+                got, pending = await self._batch(
+                    inbox, sub, subject, seq, deadline, timeout, silence=silence
+                )
                 found.extend(data for _seq, data in got)
                 if got:
                     seq = got[-1][0] + 1
@@ -325,7 +330,9 @@ class AnswerStore:
             last = seq
         return Page(events, last, more=pending > 0 and bool(got))
 
-    async def _ask_workers(self, subject: str, timeout: float) -> list[bytes]:
+    async def _ask_workers(
+        self, subject: str, timeout: float, silence: float | None
+    ) -> list[bytes]:
         """Every kept message on token ``subject``, page by page from the workers' store
         service; a page that does not come is a timeout, never a silent gap."""
         address = addressed(subject)
@@ -343,13 +350,14 @@ class AnswerStore:
             if left <= 0:
                 raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s")
             try:
-                reply = await nc.request(ask, page_request(after, max_bytes), timeout=left)
+                wait = left if silence is None else min(left, silence)
+                reply = await nc.request(ask, page_request(after, max_bytes), timeout=wait)
             except nats.errors.NoRespondersError:
                 raise UnavailableError(
                     "no worker answers for the answer store", retry_after=1.0
                 ) from None
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s") from None
+                raise MeshTimeoutError(f"the answer store did not answer in {wait:g}s") from None
             page = Page.decode(reply.data)
             if (page.events and page.last <= after) or (page.more and not page.events):
                 raise UnavailableError("the answer store service answered a page out of order")
@@ -381,6 +389,7 @@ class AnswerStore:
         deadline: float,
         timeout: float,
         max_bytes: int = 0,
+        silence: float | None = None,
     ) -> tuple[list[tuple[int, bytes]], int]:
         """One batch direct get from stream sequence ``seq``: the messages found (sequence,
         data), and how many more on ``subject`` the stream held past them."""
@@ -398,9 +407,12 @@ class AnswerStore:
             left = deadline - loop.time()
             if left <= 0:
                 raise MeshTimeoutError(f"the answer store did not answer in {timeout:g}s")
+            wait = left if silence is None else min(left, silence)
             try:
-                msg = await sub.next_msg(timeout=left)
+                msg = await sub.next_msg(timeout=wait)
             except nats.errors.TimeoutError:
+                if wait < left:
+                    raise MeshTimeoutError(f"the answer store said nothing for {wait:g}s") from None
                 continue  # the loop head raises once the deadline passed
             headers = msg.headers or {}
             status = headers.get("Status")

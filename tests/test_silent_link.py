@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
@@ -121,5 +122,55 @@ async def test_an_answer_a_short_silence_cut_into_goes_on_once_the_link_is_back(
             await silent
             assert "".join(tokens) == expected_text("sl", 40)
             assert client.conn.drops == 0  # a silence too short to be taken for a loss
+    finally:
+        await proxy.stop()
+
+
+async def test_an_edge_whose_link_goes_silent_mid_answer_goes_on_once_it_is_back(
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+) -> None:
+    """The same silence on the edge's link to the hub while it relays a cloud answer: the
+    worker's tokens sent meanwhile are lost to the edge, and its read of the answer store, asked
+    during the silence, too. The read waits at most a second for the store's word and is tried
+    again: the answer ended 4.2 s after the link was back, waiting out the read's 5 s."""
+    cloud = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=2, token_delay_ms=50, faults=False)
+    )
+    local = DeterministicBackend(ModelSettings(backend="deterministic", slots=2, faults=False))
+    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
+    linked = settings.model_copy(deep=True)
+    linked.nats.url = proxy.url
+    try:
+        async with (
+            Worker(settings, conn, cloud),
+            Connection(linked.nats, "edge") as edge_conn,
+            EdgeNode(linked, edge_conn, local, HeuristicRouter()),
+            MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
+        ):
+            tokens: list[str] = []
+            under_way = asyncio.Event()
+            restored: list[float] = []
+
+            async def silence() -> None:
+                await under_way.wait()
+                proxy.freeze()
+                await asyncio.sleep(2.0)
+                proxy.restore()
+                restored.append(time.monotonic())
+
+            silent = asyncio.ensure_future(silence())
+            async for event in client.stream("[tag:se] count", max_tokens=40, route="cloud"):
+                if isinstance(event, TokenEvent):
+                    tokens.append(event.text)
+                    if len(tokens) == 5:
+                        under_way.set()
+                elif isinstance(event, EndEvent):
+                    assert restored, "the answer ended before the link was back"
+                    after = time.monotonic() - restored[0]
+                    print(f"\nthe answer ended {after:.2f} s after the edge's link was back")
+                    assert after < AFTER_RETURN_S and event.path == "cloud"
+            await silent
+            assert "".join(tokens) == expected_text("se", 40)
+            assert edge_conn.drops == 0
     finally:
         await proxy.stop()
