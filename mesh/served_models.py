@@ -31,15 +31,26 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+LOOK_S = 1.0
+"""The longest wait for JetStream's word on a model (it answers in milliseconds): past it, or
+when the link drops meanwhile, it cannot say now, and the publish decides. A look asked into a
+link that dropped or went silent held the request 5 s before it was queued."""
+
+
 async def model_is_served(
-    jsm: JetStreamManager, settings: StreamSettings, model: str
+    jsm: JetStreamManager,
+    settings: StreamSettings,
+    model: str,
+    conn: Connection | None = None,
 ) -> bool | None:
     """True when a consumer exists for ``model`` (some worker pool was deployed for it), False
-    when none does, None when JetStream cannot say now (no answer in time, a leader election,
-    no quorum, a dropped link): then callers let the publish decide, which fails typed if the
-    queue cannot take the request. :class:`ServedModels` is how the edge and the SDK ask it."""
+    when none does, None when JetStream cannot say now (no answer within :data:`LOOK_S`, a
+    leader election, no quorum, a dropped link: ``conn``'s drop ends the look at once): then
+    callers let the publish decide, which fails typed if the queue cannot take the request.
+    :class:`ServedModels` is how the edge and the SDK ask it."""
+    look = jsm.consumer_info(settings.name, consumer_name(model), timeout=LOOK_S)
     try:
-        await jsm.consumer_info(settings.name, consumer_name(model))
+        await (look if conn is None else conn.while_linked(look, LOOK_S + 1))
     except NotFoundError:
         return False
     except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
@@ -164,7 +175,7 @@ class ServedModels:
 
     async def _look(self, model: str) -> bool:
         generation, heard = self._generation, self._heard is not None
-        served = await model_is_served(self._jsm(), self._settings, model)
+        served = await model_is_served(self._jsm(), self._settings, model, self._conn)
         if served is None:
             return True
         if generation != self._generation:  # a word or a loss came meanwhile: not for later

@@ -174,3 +174,48 @@ async def test_an_edge_whose_link_goes_silent_mid_answer_goes_on_once_it_is_back
             assert edge_conn.drops == 0
     finally:
         await proxy.stop()
+
+
+async def test_a_look_at_the_served_models_ends_when_the_link_drops(
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+) -> None:
+    """The SDK's look at whether a pool serves the model, asked as its link went: the drop
+    ends it at once (JetStream cannot say now: the publish decides, and goes once the link is
+    back). Before, it waited out its 5 s, and the request was queued 3 s after the link was."""
+    cloud = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=2, token_delay_ms=20, faults=False)
+    )
+    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
+    linked = settings.model_copy(deep=True)
+    linked.nats.url = proxy.url
+    linked.nats.reconnect_wait = 0.1
+    try:
+        async with (
+            Worker(settings, conn, cloud),
+            MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
+        ):
+            warm = await client.complete("[tag:sw] count", max_tokens=2, via="cloud")
+            assert warm.text == expected_text("sw", 2)
+            client._is_served.forget(cloud.model)  # the next request looks again
+            proxy.swallow()
+            first: list[float] = []
+
+            async def ask() -> str:
+                tokens = []
+                async for event in client.stream("[tag:sq] count", max_tokens=8, via="cloud"):
+                    if isinstance(event, TokenEvent):
+                        first.append(time.monotonic())
+                        tokens.append(event.text)
+                return "".join(tokens)
+
+            asking = asyncio.ensure_future(ask())
+            await eventually(
+                lambda: holds(b"CONSUMER.INFO" in proxy.swallowed), what="the look sent"
+            )
+            proxy.cut(2.0)
+            cut = time.monotonic()
+            assert await asyncio.wait_for(asking, 20) == expected_text("sq", 8)
+            print(f"\nthe first token came {first[0] - cut:.2f} s after the link dropped (2 s)")
+            assert first[0] - cut < 3.5
+    finally:
+        await proxy.stop()
