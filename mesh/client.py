@@ -13,8 +13,8 @@ Leaving a stream early (break, cancel) cancels the request.
 Every stream is checked with the stream contract (:mod:`protocol.stream`): what the SDK yields
 is one gap-free answer. Events missed on the way (a dropped connection, a slow consumer) are
 fetched again, from the edge or from the answer store. If an answer has to start over, the SDK
-yields a :class:`RestartEvent` first: drop the text received so far. Sending a request again
-under the same ``request_id`` from the same client joins the first one and gets its answer.
+yields a :class:`RestartEvent` first: drop the text received so far. The same ``request_id`` sent
+again from one client joins the first request (a new try once it withdrew it: mesh.try_ids).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from mesh.reader import AnswerReader
 from mesh.repair import ASK_S, Repair, SourceGone
 from mesh.served_models import ServedModels
 from mesh.tasks import by_deadline, raise_if_cancelled
+from mesh.try_ids import TryIds, as_asked
 from mesh.write_now import write_queued
 from protocol.codec import (
     CONTENT_TYPE,
@@ -86,8 +87,7 @@ from protocol.subjects import (
 Via = Literal["edge", "cloud"]
 StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
-"""How long a request the edge was not subscribed for is sent again (an edge daemon restarting)
-before the client says nobody serves it."""
+"""How long a request no edge was subscribed for is sent again (an edge restarting)."""
 T = TypeVar("T")
 _CLOCK_SLACK_S = 0.001
 """A wait that ends this near the deadline ended at it (timers run a little early or late)."""
@@ -145,9 +145,8 @@ class MeshClient(Lifecycle):
         self._is_served = ServedModels(
             self.conn.jsm, self.settings.stream, no_for=0.0, hear=self.conn
         )
-        """Whether a worker pool serves a model (a no is never remembered: the caller may be
-        deploying the pool; a yes is forgotten when JetStream says its consumer was deleted)."""
         self._inboxes: Inboxes | None = None
+        self._tries = TryIds()
 
     async def connect(self) -> MeshClient:
         if self._own_conn:
@@ -211,8 +210,7 @@ class MeshClient(Lifecycle):
         yours to fetch after a restart). Past its ``deadline`` it is over (no worker starts it):
         for an answer kept beyond this call's wait, give a far deadline, or none.
         """
-        # Built once with what it needs, no copy after: via the cloud its model, and a cancel key
-        # (what proves it is ours, asked again) via the cloud or when it can wait.
+        # Via the cloud with its model; a cancel key (proof it is ours) then or if it can wait.
         pool = self.settings.edge.cloud_model if model is None else model
         if (via == "cloud" or deferrable) and cancel_key is None:
             request_id = new_request_id() if request_id is None else request_id
@@ -397,29 +395,33 @@ class MeshClient(Lifecycle):
         self, request: InferRequest, model: str
     ) -> AsyncGenerator[StreamItem, None]:
         """``request`` as :meth:`stream` built it: for ``model``, under its cancel key."""
-        deadline = request.deadline
-        if not await _within(deadline, self._is_served(model), request.id):
-            raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=request.id)
+        asked, deadline = request.id, request.deadline
+        if not await _within(deadline, self._is_served(model), asked):
+            raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=asked)
         finished = False
-        call = CloudCall(
-            self.conn,
-            self.settings.stream,
-            request,
-            scope=self.settings.nats.scope_or(DEFAULT_SCOPE),
-            pending_limit=self._pending_limit,
-        )
         async with contextlib.AsyncExitStack() as stack:
-            await _within(deadline, stack.enter_async_context(call), request.id)
+            request = self._tries.sent_as(request)  # mesh.try_ids: open until the stack closes
+            stack.callback(self._tries.closed, asked)
+            call = CloudCall(
+                self.conn,
+                self.settings.stream,
+                request,
+                scope=self.settings.nats.scope_or(DEFAULT_SCOPE),
+                pending_limit=self._pending_limit,
+            )
+            await _within(deadline, stack.enter_async_context(call), asked)
             try:
                 async for event in self._read(call.reader, deadline):
                     finished = isinstance(event, EndEvent)
-                    yield event
+                    yield as_asked(event, asked)
             except MeshError as err:
                 finished = not isinstance(err, (MeshTimeoutError, DeadlineExceededError))
+                err.request_id = asked if err.request_id == request.id else err.request_id
                 raise
             finally:
-                if not finished:
+                if not finished and self._tries.alone(asked):  # else another call reads it on
                     await call.withdraw()
+                    self._tries.withdrawn(asked)
 
     async def _read(
         self, reader: AnswerReader, deadline: float | None
@@ -476,8 +478,7 @@ class MeshClient(Lifecycle):
 
 
 async def _within(deadline: float | None, work: Awaitable[T], request_id: str) -> T:
-    """``work``, given until ``deadline`` (Unix seconds; None: its own timeouts only); past it,
-    ``deadline_exceeded`` (a JetStream that does not answer takes its whole timeout)."""
+    """``work`` until ``deadline`` (Unix seconds; None: its own timeouts), then a typed error."""
     if deadline is None:
         return await work
     try:

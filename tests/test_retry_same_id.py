@@ -11,6 +11,7 @@ from collections.abc import Awaitable
 
 import pytest
 
+from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
@@ -19,6 +20,7 @@ from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.testing.chaos import expected_text, prompt
 from protocol.errors import MeshTimeoutError, OverloadedError
+from protocol.messages import TokenEvent
 from tests.helpers import eventually, holds
 
 
@@ -68,3 +70,55 @@ async def test_a_retry_right_after_a_timeout_is_not_given_the_cancel_of_the_firs
         client.first_event_timeout = client.idle_timeout = 10
         again = await client.complete(prompt("sd"), route="local", max_tokens=5, request_id="job-5")
         assert again.text == expected_text("sd", 5)
+
+
+@pytest.mark.parametrize("left", ["started", "queued", "break"])
+async def test_a_request_the_sdk_withdrew_from_the_cloud_is_a_new_try_under_its_id(
+    settings: MeshSettings, conn: Connection, left: str
+) -> None:
+    """The SDK withdraws a cloud request its call gave up on (a timeout, a break out of the
+    stream): cancelled at its worker, or deleted from the queue. The same id sent again from
+    that client is a new try (mesh.try_ids), and answered. Before, the queue dropped it as a
+    duplicate: the retry got the withdrawn try's ``cancelled`` at once, a cancel its caller
+    never sent, or, withdrawn while still queued, nothing until its own timeout."""
+    backend = DeterministicBackend(
+        ModelSettings(
+            backend="deterministic",
+            slots=1,
+            token_delay_ms=20,
+            prefill_delay_ms=1500 if left == "started" else 0,
+            faults=False,
+        )
+    )
+    job = f"job-{left}"  # the queue's duplicate window spans the cases
+    async with (
+        Worker(settings, conn, backend),
+        MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client,
+    ):
+        busy = None
+        if left == "queued":  # the worker's one slot is taken: the request waits in the queue
+            busy = asyncio.ensure_future(
+                client.complete(prompt("busy"), via="cloud", max_tokens=60)
+            )
+            await eventually(lambda: holds(backend.started == 1), what="the slot taken")
+        if left == "break":
+            async for event in client.stream(
+                prompt("job"), via="cloud", max_tokens=30, request_id=job
+            ):
+                if isinstance(event, TokenEvent):
+                    break
+        else:
+            client.first_event_timeout = 0.7
+            with pytest.raises(MeshTimeoutError):
+                await client.complete(prompt("job"), via="cloud", max_tokens=5, request_id=job)
+            client.first_event_timeout = 10
+        tokens = 30 if left == "break" else 5
+        retried = await client.complete(
+            prompt("job"), via="cloud", max_tokens=tokens, request_id=job
+        )
+        assert retried.text == expected_text("job", tokens) and retried.path == "cloud"
+        assert all(e.id == job for e in retried.events)  # under the id it was asked with
+        again = await client.complete(prompt("job"), via="cloud", max_tokens=tokens, request_id=job)
+        assert again.text == retried.text  # the same id once more joins the try that ended
+        if busy is not None:
+            assert (await busy).text == expected_text("busy", 60)
