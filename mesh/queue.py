@@ -34,7 +34,7 @@ from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.queue_watch import QueueWatch, queue_watch
 from mesh.reader import AnswerReader
-from mesh.repair import ASK_S, store_repair
+from mesh.repair import store_repair
 from mesh.tasks import cancel_and_wait
 from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.errors import MeshError, MeshTimeoutError, OverloadedError, UnavailableError
@@ -235,7 +235,7 @@ class CloudCall(Lifecycle):
         self.reader = AnswerReader(
             conn,
             AnswerState(queued.id, fingerprint=fingerprint),
-            store_repair(lambda subject: self.store.replay(subject, silence=ASK_S), self.subject),
+            store_repair(self.store.replay, self.subject),
             what="the cloud",
             pending_limit=pending_limit,
             watch=self.watch_worker,

@@ -271,9 +271,9 @@ async def test_an_event_neither_the_store_nor_the_reader_got_is_sent_again_by_it
         real_on_msg(self, msg)
 
     async def replay(
-        self: AnswerStore, subject: str, timeout: float | None = None
+        self: AnswerStore, subject: str, timeout: float | None = None, silence: float | None = None
     ) -> list[WireEvent]:
-        events = await real_replay(self, subject, timeout)
+        events = await real_replay(self, subject, timeout, silence)
         if self.conn is client.conn:  # what the surviving replicas hold
             events = [e for e in events if not is_lost(e)]
         return events
