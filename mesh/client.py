@@ -41,7 +41,7 @@ from mesh.inline_sub import Inboxes
 from mesh.lifecycle import Lifecycle
 from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
-from mesh.repair import ASK_S, Repair, SourceGone
+from mesh.repair import Patience, Repair, SourceGone
 from mesh.served_models import ServedModels
 from mesh.tasks import by_deadline, raise_if_cancelled
 from mesh.try_ids import TryIds, as_asked
@@ -348,13 +348,14 @@ class MeshClient(Lifecycle):
         the answer that came in between show the edge was back: its next absence is timed anew.
         """
         away_since: float | None = None
-        away_at = (0, 0)  # where the answer stood then (attempt, positions)
+        away_at, patience = (0, 0), Patience()  # where the answer stood then; the ask's wait
 
         async def repair(state: AnswerState) -> list[WireEvent]:
             nonlocal away_since, away_at
             payload = {"id": request_id, "inbox": inbox, "attempt": state.attempt}
             payload["seq"] = state.positions
-            reply = await self._ask_edge(edge_resend_subject(self.edge_id), payload)
+            subject = edge_resend_subject(self.edge_id)
+            reply = await patience.run(lambda wait: self._ask_edge(subject, payload, wait))
             begun = state.started or bool(state.held)
             if reply is None:
                 now = time.monotonic()
@@ -383,9 +384,9 @@ class MeshClient(Lifecycle):
 
         return repair
 
-    async def _ask_edge(self, subject: str, payload: dict[str, object]) -> Msg | None:
+    async def _ask_edge(self, subject: str, payload: dict[str, object], wait: float) -> Msg | None:
         """The edge's reply; None when the server says, twice, that nobody answers for it."""
-        data, timeout = json.dumps(payload).encode(), min(self.conn.settings.request_timeout, ASK_S)
+        data, timeout = json.dumps(payload).encode(), min(self.conn.settings.request_timeout, wait)
         try:
             return await request_or_nobody(self.conn.nc, subject, data, timeout)
         except (nats.errors.TimeoutError, nats.errors.Error) as exc:
@@ -395,10 +396,9 @@ class MeshClient(Lifecycle):
         self, request: InferRequest, model: str
     ) -> AsyncGenerator[StreamItem, None]:
         """``request`` as :meth:`stream` built it: for ``model``, under its cancel key."""
-        asked, deadline = request.id, request.deadline
+        asked, deadline, finished = request.id, request.deadline, False
         if not await _within(deadline, self._is_served(model), asked):
             raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=asked)
-        finished = False
         async with contextlib.AsyncExitStack() as stack:
             request = self._tries.sent_as(request)  # mesh.try_ids: open until the stack closes
             stack.callback(self._tries.closed, asked)
@@ -409,8 +409,8 @@ class MeshClient(Lifecycle):
                 scope=self.settings.nats.scope_or(DEFAULT_SCOPE),
                 pending_limit=self._pending_limit,
             )
-            await _within(deadline, stack.enter_async_context(call), asked)
             try:
+                await _within(deadline, stack.enter_async_context(call), asked)
                 async for event in self._read(call.reader, deadline):
                     finished = isinstance(event, EndEvent)
                     yield as_asked(event, asked)
@@ -420,8 +420,8 @@ class MeshClient(Lifecycle):
                 raise
             finally:
                 if not finished and self._tries.alone(asked):  # else another call reads it on
+                    self._tries.withdrawn(asked)  # first: a retry meanwhile is a new try
                     await call.withdraw()
-                    self._tries.withdrawn(asked)
 
     async def _read(
         self, reader: AnswerReader, deadline: float | None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 
@@ -13,6 +14,7 @@ from protocol.errors import MeshError, UnavailableError
 from protocol.messages import WireEvent
 from protocol.stream import AnswerState
 
+T = TypeVar("T")
 Repair = Callable[[AnswerState], Awaitable[list[WireEvent]]]
 """Fetch what was kept of the answer, given what the reader has; events in their stored order."""
 Watch = Callable[[AnswerState], Awaitable[None]]
@@ -21,10 +23,30 @@ Watch = Callable[[AnswerState], Awaitable[None]]
 
 
 ASK_S = 1.0
-"""The longest wait for the reply to one repair's ask of a source that answers from memory (an
-edge): it answers within milliseconds, so a silence this long means the ask or its reply was
-lost (a link gone silent for a while drops what it carried), and the next try goes at once. At
-the request timeout, a repair sent into a 2 s silence held the answer back 5 s after it."""
+"""The first wait for the word of a repair's source (an edge answers from memory, the answer
+store's next batch comes, within milliseconds): a silence this long means the ask or its reply
+was likely lost (a link gone silent for a while drops what it carried), and the next try goes
+soon. Waiting the request timeout, a repair sent into a 2 s silence held the answer back 5 s
+after it. Each try in a row that gets no word waits twice as long (:class:`Patience`), up to
+:data:`MOST_S`: over a link slower than that, a repair still ends."""
+MOST_S = 8.0
+
+
+class Patience:
+    """How long one reader's repairs wait for their source's word (see :data:`ASK_S`)."""
+
+    def __init__(self) -> None:
+        self.wait = ASK_S
+
+    async def run(self, ask: Callable[[float], Awaitable[T]]) -> T:
+        """``ask(wait)``; a failure doubles the next wait, a reply sets it back."""
+        try:
+            result = await ask(self.wait)
+        except Exception:
+            self.wait = min(self.wait * 2, MOST_S)
+            raise
+        self.wait = ASK_S
+        return result
 
 
 class SourceGone(Exception):
@@ -38,12 +60,14 @@ class SourceGone(Exception):
         self.error = error
 
 
-def store_repair(replay: Callable[[str], Awaitable[list[WireEvent]]], subject: str) -> Repair:
-    """A repair that reads everything the answer store kept on token ``subject``."""
+def store_repair(replay: Callable[..., Awaitable[list[WireEvent]]], subject: str) -> Repair:
+    """A repair that reads everything the answer store kept on token ``subject``, waiting for
+    its word with :class:`Patience` (``replay``'s ``silence``)."""
+    patience = Patience()
 
     async def repair(_state: AnswerState) -> list[WireEvent]:
         try:
-            return await replay(subject)
+            return await patience.run(lambda wait: replay(subject, silence=wait))
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(f"answer store unreadable: {type(exc).__name__}") from None
 

@@ -219,3 +219,35 @@ async def test_a_look_at_the_served_models_ends_when_the_link_drops(
             assert first[0] - cut < 3.5
     finally:
         await proxy.stop()
+
+
+async def test_an_answer_cut_over_a_slow_link_is_repaired_whole(
+    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+) -> None:
+    """The SDK's link to the hub is slow (what the server sends comes 1.2 s late) and drops
+    mid-answer: its repair from the answer store waits a second for the store's word at first,
+    then twice as long after each try that got none, so the answer still ends whole. A wait held
+    at a second failed every try over this link, and the answer ended in a timeout."""
+    cloud = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=1, token_delay_ms=30, faults=False)
+    )
+    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
+    proxy.delay_down = 1.2
+    linked = settings.model_copy(deep=True)
+    linked.nats.url = proxy.url
+    linked.nats.reconnect_wait = 0.1
+    try:
+        async with (
+            Worker(settings, conn, cloud),
+            MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
+        ):
+            tokens: list[str] = []
+            async for event in client.stream("[tag:sk] count", max_tokens=80, via="cloud"):
+                if isinstance(event, TokenEvent):
+                    tokens.append(event.text)
+                    if len(tokens) == 10:
+                        proxy.cut(0.1)
+            assert "".join(tokens) == expected_text("sk", 80)
+            assert client.conn.drops == 1
+    finally:
+        await proxy.stop()
