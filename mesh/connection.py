@@ -347,7 +347,10 @@ class Connection(Lifecycle):
         self._write_batch = WriteBatch(
             client, gap_s(self.settings.write_gap_ms, source=self.source)
         )
-        self._acks = Acks(client)
+        began = time.monotonic()  # the link's round trip: a slow one's acks come late
+        with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error):
+            await client.flush(timeout=max(1, round(self.settings.connect_timeout)))
+        self._acks = Acks(client, round_trip=time.monotonic() - began)
         self._js = client.jetstream(
             timeout=self.settings.request_timeout, domain=self.settings.hub_domain
         )

@@ -19,11 +19,13 @@ A publish whose ack has not come when the connection comes back may have gone in
 link. One that carries a ``Nats-Msg-Id`` is published again at once (:meth:`Acks.again`): the
 stream stores it once whatever reached it, and the first ack to come answers it (a duplicate's
 says so). Through nats-py it waited out its timeout (5 s) and failed. Such a publish is also
-sent again each :data:`RESEND_AFTER_S` its ack does not come while the connection stays up:
-what a link that went silent for a moment carried is lost with no reconnect to tell (a leaf's
-uplink or a cluster route that dropped and came back, a client's link frozen without a reset),
-and the request waited out the whole timeout. One without an id waits for its ack, as through
-nats-py: published twice, it might be stored twice.
+sent again each :data:`RESEND_AFTER_S` (or three times the connection's usual ack time, if
+longer: a slow link) its ack does not come in which the connection heard nothing at all: what
+a link that went silent for a moment carried is lost with no reconnect to tell (a client's link
+frozen without a reset, a quiet leaf whose uplink dropped and came back), and the request
+waited out the whole timeout. A connection that hears other messages is alive, its ack only
+late (a busy hub, an election): nothing is sent again. One without an id waits for its ack, as
+through nats-py: published twice, it might be stored twice.
 """
 
 from __future__ import annotations
@@ -48,16 +50,15 @@ LOOK_AFTER_S = 1.0
 """How long a publish given a ``gone`` check waits for its ack before it looks whether its
 stream is still there (an ack takes milliseconds; a store electing a leader, seconds)."""
 RESEND_AFTER_S = 1.0
-"""How long a publish with a ``Nats-Msg-Id`` waits for its ack before it is sent again (and
-again each time as long), while its timeout lasts: an ack takes milliseconds, a hub electing a
-leader seconds (the copies cost it a duplicate check each)."""
+"""How long a publish with a ``Nats-Msg-Id`` waits for its ack, hearing nothing, before it is
+sent again (and again each time as long, while its timeout lasts): an ack takes milliseconds."""
 Gone = Callable[[], Awaitable[bool]]
 
 
 class Acks:
     """The acks of one connection's JetStream publishes (see the module's docstring)."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, round_trip: float = 0.0) -> None:
         self._nc = nc
         self._prefix = nc.new_inbox()
         self._pending: dict[str, asyncio.Future[Msg]] = {}
@@ -73,6 +74,9 @@ class Acks:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         """Each publish's next timer: its timeout, or before it its next time to send again."""
         self._sending: set[asyncio.Task[None]] = set()
+        self._ack_s = round_trip
+        """The usual time to an ack here (a moving average from the link's round trip): a slow
+        link's acks come late."""
 
     async def publish(
         self,
@@ -106,8 +110,9 @@ class Acks:
         first = timeout
         if MSG_ID in hdr:
             self._unacked[token] = (subject, payload, hdr)
-            first = min(timeout, RESEND_AFTER_S)
-        self._timers[token] = loop.call_later(first, self._due, token, deadline)
+            first = min(timeout, max(RESEND_AFTER_S, 3 * self._ack_s))
+        heard = self._nc.stats["in_msgs"]
+        self._timers[token] = loop.call_later(first, self._due, token, deadline, heard)
         look = None
         if gone is not None:
             look = loop.call_later(LOOK_AFTER_S, self._look, acked, gone)
@@ -118,6 +123,7 @@ class Acks:
             )
             write_queued(self._nc)  # a burst leaves in groups (mesh.write_now)
             msg = await acked
+            self._ack_s += 0.1 * (loop.time() - (deadline - timeout) - self._ack_s)
         finally:
             self._timers.pop(token).cancel()
             if look is not None:
@@ -184,19 +190,24 @@ class Acks:
         if missing and not acked.done():
             acked.set_exception(nats.js.errors.NoStreamResponseError())
 
-    def _due(self, token: str, deadline: float) -> None:
-        """A publish's timer: past its deadline it times out; before, it is sent again (when
-        the connection is up: a reconnect sends it again by itself) and its timer set anew."""
+    def _due(self, token: str, deadline: float, heard: int) -> None:
+        """A publish's timer: past its deadline it times out; before, it is sent again when the
+        connection, up, heard nothing since ``heard`` (a reconnect sends it again by itself),
+        and its timer is set anew."""
         loop = asyncio.get_running_loop()
         left = deadline - loop.time()
         if left <= 0.001 or token not in self._unacked:
             self._expire(token)
             return
-        if self._nc.is_connected:
+        now_heard = self._nc.stats["in_msgs"]
+        if self._nc.is_connected and now_heard == heard:
             task = loop.create_task(self._send_again(token))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
-        self._timers[token] = loop.call_later(min(left, RESEND_AFTER_S), self._due, token, deadline)
+        pause = max(RESEND_AFTER_S, 3 * self._ack_s)
+        self._timers[token] = loop.call_later(
+            min(left, pause), self._due, token, deadline, now_heard
+        )
 
     async def _send_again(self, token: str) -> None:
         entry = self._unacked.get(token)

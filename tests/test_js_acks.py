@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import nats.errors
 import pytest
+from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError
 
 from mesh.connection import Connection
@@ -261,6 +262,44 @@ async def test_a_publish_lost_to_a_short_silence_is_sent_again_without_a_reconne
         assert link.drops == 0  # no reconnect sent it again
         info = await link.jsm().stream_info(name)
         assert info.state.messages == 2  # the warm-up, and the lost one once
+
+
+async def test_acks_a_slow_link_brings_late_are_not_taken_for_losses(
+    nats_server: NatsServer, conn: Connection, js_stream: tuple[str, str]
+) -> None:
+    """Over a link whose acks come 1.1 s late (its round trip, measured at connect), nothing is
+    sent again: each publish reaches the server once (with a resend each second its ack had
+    not come, twice, 100 kB each)."""
+    name, subject = js_stream
+    copies: list[bytes] = []
+
+    async def seen(msg: Msg) -> None:
+        copies.append(msg.data)
+
+    listener = await conn.nc.subscribe(f"{subject}.slow.>", cb=seen)
+    await conn.subscribed()
+    proxy = await TcpProxy(nats_server.port).start()
+    proxy.delay_down = 1.1
+    try:
+        async with Connection(make_settings(proxy.url).nats, "acks-slow") as slow:
+            acks = await asyncio.gather(
+                *(
+                    slow.publish_acked(
+                        f"{subject}.slow.{i}",
+                        b"x" * 100_000,
+                        stream=name,
+                        headers={"Nats-Msg-Id": f"slow{i}"},
+                        timeout=6,
+                    )
+                    for i in range(5)
+                )
+            )
+            assert sorted(a.seq for a in acks) == [1, 2, 3, 4, 5]
+            await conn.nc.flush(timeout=2)
+            assert len(copies) == 5, f"{len(copies)} copies of 5 publishes reached the server"
+    finally:
+        await listener.unsubscribe()
+        await proxy.stop()
 
 
 async def test_before_connect_and_after_close_it_says_so(nats_server: NatsServer) -> None:

@@ -72,7 +72,7 @@ async def test_a_retry_right_after_a_timeout_is_not_given_the_cancel_of_the_firs
         assert again.text == expected_text("sd", 5)
 
 
-@pytest.mark.parametrize("left", ["started", "queued", "break"])
+@pytest.mark.parametrize("left", ["started", "queued", "break", "break, then a moment"])
 async def test_a_request_the_sdk_withdrew_from_the_cloud_is_a_new_try_under_its_id(
     settings: MeshSettings, conn: Connection, left: str
 ) -> None:
@@ -90,7 +90,7 @@ async def test_a_request_the_sdk_withdrew_from_the_cloud_is_a_new_try_under_its_
             faults=False,
         )
     )
-    job = f"job-{left}"  # the queue's duplicate window spans the cases
+    job = f"job-{left.replace(', ', '-').replace(' ', '')}"  # the window spans the cases
     async with (
         Worker(settings, conn, backend),
         MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client,
@@ -101,18 +101,21 @@ async def test_a_request_the_sdk_withdrew_from_the_cloud_is_a_new_try_under_its_
                 client.complete(prompt("busy"), via="cloud", max_tokens=60)
             )
             await eventually(lambda: holds(backend.started == 1), what="the slot taken")
-        if left == "break":
+        if left.startswith("break"):
             async for event in client.stream(
                 prompt("job"), via="cloud", max_tokens=30, request_id=job
             ):
                 if isinstance(event, TokenEvent):
                     break
+            if left != "break":  # the stream left closes a loop turn later, and withdraws
+                for _turn in range(5):
+                    await asyncio.sleep(0)
         else:
             client.first_event_timeout = 0.7
             with pytest.raises(MeshTimeoutError):
                 await client.complete(prompt("job"), via="cloud", max_tokens=5, request_id=job)
             client.first_event_timeout = 10
-        tokens = 30 if left == "break" else 5
+        tokens = 30 if left.startswith("break") else 5
         retried = await client.complete(
             prompt("job"), via="cloud", max_tokens=tokens, request_id=job
         )
@@ -122,3 +125,29 @@ async def test_a_request_the_sdk_withdrew_from_the_cloud_is_a_new_try_under_its_
         assert again.text == retried.text  # the same id once more joins the try that ended
         if busy is not None:
             assert (await busy).text == expected_text("busy", 60)
+
+
+async def test_an_error_of_a_new_try_names_the_id_it_was_asked_with(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """A new try under a withdrawn id goes under an id of its own: refused by the queue (this
+    sender's share of it is full), its error still names the caller's id, not that one."""
+    settings.stream.max_msgs_per_scope = 1
+    backend = DeterministicBackend(
+        ModelSettings(
+            backend="deterministic", slots=1, prefill_delay_ms=1500, token_delay_ms=50, faults=False
+        )
+    )
+    async with (
+        Worker(settings, conn, backend),
+        MeshClient(settings=settings, first_event_timeout=0.7, idle_timeout=10) as client,
+    ):
+        with pytest.raises(MeshTimeoutError):
+            await client.complete(prompt("job"), via="cloud", max_tokens=5, request_id="job-named")
+        client.first_event_timeout = 10
+        busy = asyncio.ensure_future(client.complete(prompt("busy"), via="cloud", max_tokens=40))
+        await eventually(lambda: holds(backend.started == 2), what="the share taken")
+        with pytest.raises(OverloadedError) as refused:
+            await client.complete(prompt("job"), via="cloud", max_tokens=5, request_id="job-named")
+        assert refused.value.request_id == "job-named"
+        assert (await busy).text == expected_text("busy", 40)

@@ -7,6 +7,7 @@ the next cut ends it. ``lose(marker, seconds)`` throws away the next piece the s
 holds ``marker`` (a delivery in flight when the link went) and cuts the link with it.
 ``freeze()`` makes it silent both ways with every socket left open (a host lost without a reset,
 a partition, a NAT that dropped the connection): nothing comes through until ``restore()``.
+``delay_down`` holds what the server sends that many seconds (a slow return path).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TcpProxy:
         self._frozen = False
         self.swallowed = bytearray()
         """What the link threw away (see :meth:`swallow`)."""
+        self.delay_down = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._lose: tuple[bytes, float] | None = None
         self.lost = 0
@@ -120,6 +122,9 @@ class TcpProxy:
                     self.cut(self._lose[1])
                     self._lose = None
                     return
+                if not upward and self.delay_down > 0:  # in order: the same delay for each
+                    asyncio.get_running_loop().call_later(self.delay_down, _write, dst, data)
+                    continue
                 dst.write(data)
                 await dst.drain()
         except (OSError, asyncio.IncompleteReadError):
@@ -129,3 +134,8 @@ class TcpProxy:
                 with contextlib.suppress(Exception):
                     writer.transport.abort()
                 self._writers.discard(writer)
+
+
+def _write(dst: asyncio.StreamWriter, data: bytes) -> None:
+    if not dst.is_closing():
+        dst.write(data)
