@@ -97,30 +97,10 @@ async def test_an_answer_a_short_silence_cut_into_goes_on_once_the_link_is_back(
             EdgeNode(settings, conn, backend, HeuristicRouter()),
             MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
         ):
-            tokens: list[str] = []
-            under_way = asyncio.Event()
-            restored: list[float] = []
-
-            async def silence() -> None:  # beside the reading, which goes on meanwhile
-                await under_way.wait()
-                proxy.freeze()
-                await asyncio.sleep(2.0)  # the answer's last 1.75 s go into it
-                proxy.restore()
-                restored.append(time.monotonic())
-
-            silent = asyncio.ensure_future(silence())
-            async for event in client.stream("[tag:sl] count", max_tokens=40, route="local"):
-                if isinstance(event, TokenEvent):
-                    tokens.append(event.text)
-                    if len(tokens) == 5:
-                        under_way.set()
-                elif isinstance(event, EndEvent):
-                    assert restored, "the answer ended before the link was back"
-                    after = time.monotonic() - restored[0]
-                    print(f"\nthe answer ended {after:.2f} s after the link was back")
-                    assert after < AFTER_RETURN_S
-            await silent
-            assert "".join(tokens) == expected_text("sl", 40)
+            end = await _read_through_a_silence(
+                client.stream("[tag:sl] count", max_tokens=40, route="local"), proxy, "sl"
+            )
+            assert end.path == "local"
             assert client.conn.drops == 0  # a silence too short to be taken for a loss
     finally:
         await proxy.stop()
@@ -147,30 +127,10 @@ async def test_an_edge_whose_link_goes_silent_mid_answer_goes_on_once_it_is_back
             EdgeNode(linked, edge_conn, local, HeuristicRouter()),
             MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
         ):
-            tokens: list[str] = []
-            under_way = asyncio.Event()
-            restored: list[float] = []
-
-            async def silence() -> None:
-                await under_way.wait()
-                proxy.freeze()
-                await asyncio.sleep(2.0)
-                proxy.restore()
-                restored.append(time.monotonic())
-
-            silent = asyncio.ensure_future(silence())
-            async for event in client.stream("[tag:se] count", max_tokens=40, route="cloud"):
-                if isinstance(event, TokenEvent):
-                    tokens.append(event.text)
-                    if len(tokens) == 5:
-                        under_way.set()
-                elif isinstance(event, EndEvent):
-                    assert restored, "the answer ended before the link was back"
-                    after = time.monotonic() - restored[0]
-                    print(f"\nthe answer ended {after:.2f} s after the edge's link was back")
-                    assert after < AFTER_RETURN_S and event.path == "cloud"
-            await silent
-            assert "".join(tokens) == expected_text("se", 40)
+            end = await _read_through_a_silence(
+                client.stream("[tag:se] count", max_tokens=40, route="cloud"), proxy, "se"
+            )
+            assert end.path == "cloud"
             assert edge_conn.drops == 0
     finally:
         await proxy.stop()
@@ -251,3 +211,38 @@ async def test_an_answer_cut_over_a_slow_link_is_repaired_whole(
             assert client.conn.drops == 1
     finally:
         await proxy.stop()
+
+
+async def _read_through_a_silence(
+    stream: AsyncIterator[object], proxy: TcpProxy, tag: str
+) -> EndEvent:
+    """Read a 40-token answer whose link goes silent for 2 s after its 5th token (its last
+    1.75 s go into the silence), the reading going on meanwhile; it must be whole, and end
+    within AFTER_RETURN_S of the link's return. Its end."""
+    tokens: list[str] = []
+    under_way = asyncio.Event()
+    restored: list[float] = []
+
+    async def silence() -> None:
+        await under_way.wait()
+        proxy.freeze()
+        await asyncio.sleep(2.0)
+        proxy.restore()
+        restored.append(time.monotonic())
+
+    silent = asyncio.ensure_future(silence())
+    end = None
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            tokens.append(event.text)
+            if len(tokens) == 5:
+                under_way.set()
+        elif isinstance(event, EndEvent):
+            assert restored, "the answer ended before the link was back"
+            after = time.monotonic() - restored[0]
+            print(f"\nthe answer ended {after:.2f} s after the link was back")
+            assert after < AFTER_RETURN_S
+            end = event
+    await silent
+    assert "".join(tokens) == expected_text(tag, 40) and end is not None
+    return end
