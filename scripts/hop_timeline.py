@@ -47,6 +47,17 @@ STARTS = (  # what the client's request write carries, by path (the bench's own 
 )
 ROLES = ("edge", "bare middle", "worker", "bare relay")
 """The processes a request may cross before the engine, in the order they are reported."""
+ON_PATH = {
+    "direct": (),
+    "bare relay": ("bare relay",),
+    "bare queue": ("bare relay",),
+    "bare middle": ("bare middle", "bare relay"),
+    "bare queued middle": ("bare middle", "bare relay"),
+    "via cloud": ("worker",),
+    "via edge": ("edge", "worker"),
+}
+"""The processes each path's requests cross: another's reads and writes within a request's
+window (an idle worker's ping, a pull's heartbeat) are none of its hops."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ def _one(events: list[Event], path: str, figures: Figures) -> None:
     figures.add("to engine", post.at - t0.at)
     figures.add("back", token.at - data.at)
     figures.add("added", post.at - t0.at + token.at - data.at)
-    for role in ROLES:
+    for role in ON_PATH[path]:
         got = _first(events, t0.at, lambda e, r=role: e.role == r and e.kind == "got")
         if got is not None and got.at < post.at:
             out = _first(events, got.at, lambda e, r=role: e.role == r and e.kind == "wr")
