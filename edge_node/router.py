@@ -143,10 +143,8 @@ class CloudBudget:
         wanted = score >= threshold and not (self.fixed is None and self.level <= 0.0)
         capped = False
         now = self._clock()
-        if wanted and self.cap is not None:
-            while self._cap_times and self._cap_times[0] <= now - 60.0:
-                self._cap_times.popleft()
-            capped = len(self._cap_times) >= self.cap
+        if wanted:
+            capped = self._cap_full(now)
         escalate = wanted and not capped
         if escalate and self.cap is not None:
             self._cap_times.append(now)
@@ -187,9 +185,7 @@ class CloudBudget:
         whether the per-minute cap allows it (then it takes a place under the cap)."""
         if self.cap is not None:
             now = self._clock()
-            while self._cap_times and self._cap_times[0] <= now - 60.0:
-                self._cap_times.popleft()
-            if len(self._cap_times) >= self.cap:
+            if self._cap_full(now):
                 self.totals["capped"] += 1
                 self._changed()
                 return False
@@ -197,6 +193,15 @@ class CloudBudget:
         self.totals[kind] += 1
         self._changed()
         return True
+
+    def _cap_full(self, now: float) -> bool:
+        """Whether the per-minute cap is reached now (False without one); forgets the places
+        taken more than a minute ago."""
+        if self.cap is None:
+            return False
+        while self._cap_times and self._cap_times[0] <= now - 60.0:
+            self._cap_times.popleft()
+        return len(self._cap_times) >= self.cap
 
     def snapshot(self, capped: bool = False) -> dict[str, BudgetValue]:
         """The budget as a RouteDecision carries it (see README, "The router")."""
