@@ -23,6 +23,7 @@ from nats.js.manager import JetStreamManager
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
 from mesh.stream_deleted import consumer_deleted, listen, models_named, unlisten
+from mesh.tasks import cancel_and_wait
 from protocol.subjects import consumer_name
 
 if TYPE_CHECKING:
@@ -161,10 +162,7 @@ class ServedModels:
         if self._undo_loss is not None:
             self._undo_loss()
             self._undo_loss = None
-        looks = list(self._looking.values())
-        for look in looks:
-            look.cancel()
-        await asyncio.gather(*looks, return_exceptions=True)
+        await cancel_and_wait(list(self._looking.values()))
         await unlisten(listening, heard)
 
     def _looked(self, model: str, look: asyncio.Task[bool]) -> None:

@@ -30,6 +30,7 @@ from nats.aio.subscription import Subscription
 
 from mesh.credentials import may_subscribe
 from mesh.logs import get_logger
+from mesh.tasks import cancel_and_wait
 from protocol.subjects import consumer_name
 
 if TYPE_CHECKING:
@@ -120,8 +121,7 @@ async def unlisten(listening: asyncio.Task[None] | None, sub: Subscription | Non
     """Undo :func:`listen`: the task subscribing, cancelled and waited for, then the
     subscription it made, ended (best effort: the link may be gone)."""
     if listening is not None:
-        listening.cancel()
-        await asyncio.gather(listening, return_exceptions=True)
+        await cancel_and_wait([listening])
     if sub is not None:
         with contextlib.suppress(nats.errors.Error, RuntimeError):
             await sub.unsubscribe()
