@@ -110,7 +110,7 @@ class Acks:
         first = timeout
         if MSG_ID in hdr:
             self._unacked[token] = (subject, payload, hdr)
-            first = min(timeout, max(RESEND_AFTER_S, 3 * self._ack_s))
+            first = min(timeout, self._resend_after())
         heard = self._nc.stats["in_msgs"]
         self._timers[token] = loop.call_later(first, self._due, token, deadline, heard)
         look = None
@@ -204,10 +204,14 @@ class Acks:
             task = loop.create_task(self._send_again(token))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
-        pause = max(RESEND_AFTER_S, 3 * self._ack_s)
         self._timers[token] = loop.call_later(
-            min(left, pause), self._due, token, deadline, now_heard
+            min(left, self._resend_after()), self._due, token, deadline, now_heard
         )
+
+    def _resend_after(self) -> float:
+        """How long an unacked publish waits, hearing nothing, before it is sent again: a
+        second, or three times the usual ack time on a slow link."""
+        return max(RESEND_AFTER_S, 3 * self._ack_s)
 
     async def _send_again(self, token: str) -> None:
         entry = self._unacked.get(token)
