@@ -96,6 +96,11 @@ def _id_header(request_id: str | None) -> dict[str, str]:
     return {"X-Request-Id": request_id} if request_id else {}
 
 
+def _ended(req: InferRequest, error: MeshError | None) -> web.Response:
+    """The error a request's answer ended in (or that none was produced), with its id."""
+    return error_response(error or MeshError("no answer was produced"), headers=_id_header(req.id))
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every route's errors in OpenAI's shape: a handler's typed error, aiohttp's own 404, 405
@@ -313,20 +318,14 @@ class EdgeHTTP:
                 sink = SSESink(request, req, shaper, include_usage)
                 await self._serve(req, sink, scope=scope, received=received, trace=trace)
                 if sink.response is None:
-                    error = to_exception(sink.last_error) if sink.last_error else None
-                    return error_response(
-                        error or MeshError("no answer was produced"), headers=_id_header(req.id)
-                    )
+                    return _ended(req, to_exception(sink.last_error) if sink.last_error else None)
                 await sink.finish()
                 return sink.response
             collected = CollectSink(req.id)
             await self._serve(req, collected, scope=scope, received=received, trace=trace)
             end = collected.answer.outcome
             if not isinstance(end, EndEvent):
-                error = to_exception(end) if isinstance(end, ErrorEvent) else None
-                return error_response(
-                    error or MeshError("no answer was produced"), headers=_id_header(req.id)
-                )
+                return _ended(req, to_exception(end) if isinstance(end, ErrorEvent) else None)
             logprobs = collected.answer.logprobs() if req.logprobs else None
             headers = {
                 "X-Request-Id": req.id,
