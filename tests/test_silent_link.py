@@ -34,17 +34,29 @@ AFTER_RETURN_S = 2.5
 
 
 @pytest.fixture
-async def linked(
+async def proxied(
     nats_server: NatsServer, settings: MeshSettings
+) -> AsyncIterator[tuple[TcpProxy, MeshSettings]]:
+    """A proxy in front of the server, and a copy of the settings that goes through it."""
+    proxy = await TcpProxy(nats_server.port).start()
+    linked = settings.model_copy(deep=True)
+    linked.nats.url = proxy.url
+    try:
+        yield proxy, linked
+    finally:
+        await proxy.stop()
+
+
+@pytest.fixture
+async def linked(
+    proxied: tuple[TcpProxy, MeshSettings],
 ) -> AsyncIterator[tuple[Connection, TcpProxy]]:
-    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
-    settings.nats.url = proxy.url
+    proxy, settings = proxied
     conn = await Connection(settings.nats, "silent-link").connect()
     try:
         yield conn, proxy
     finally:
         await conn.close()
-        await proxy.stop()
 
 
 async def test_a_link_gone_silent_is_noticed_and_dialled_again(
@@ -80,7 +92,7 @@ async def test_a_short_silence_is_not_taken_for_a_loss(
 
 
 async def test_an_answer_a_short_silence_cut_into_goes_on_once_the_link_is_back(
-    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+    proxied: tuple[TcpProxy, MeshSettings], settings: MeshSettings, conn: Connection
 ) -> None:
     """The SDK's link to an edge goes silent for 2 s mid-answer, too short to be taken for a
     loss: what was sent meanwhile is lost, and the reader's repair, asked during the silence, is
@@ -89,25 +101,20 @@ async def test_an_answer_a_short_silence_cut_into_goes_on_once_the_link_is_back(
     backend = DeterministicBackend(
         ModelSettings(backend="deterministic", slots=2, token_delay_ms=50, faults=False)
     )
-    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
-    linked = settings.model_copy(deep=True)
-    linked.nats.url = proxy.url
-    try:
-        async with (
-            EdgeNode(settings, conn, backend, HeuristicRouter()),
-            MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
-        ):
-            end = await _read_through_a_silence(
-                client.stream("[tag:sl] count", max_tokens=40, route="local"), proxy, "sl"
-            )
-            assert end.path == "local"
-            assert client.conn.drops == 0  # a silence too short to be taken for a loss
-    finally:
-        await proxy.stop()
+    proxy, linked = proxied
+    async with (
+        EdgeNode(settings, conn, backend, HeuristicRouter()),
+        MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
+    ):
+        end = await _read_through_a_silence(
+            client.stream("[tag:sl] count", max_tokens=40, route="local"), proxy, "sl"
+        )
+        assert end.path == "local"
+        assert client.conn.drops == 0  # a silence too short to be taken for a loss
 
 
 async def test_an_edge_whose_link_goes_silent_mid_answer_goes_on_once_it_is_back(
-    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+    proxied: tuple[TcpProxy, MeshSettings], settings: MeshSettings, conn: Connection
 ) -> None:
     """The same silence on the edge's link to the hub while it relays a cloud answer: the
     worker's tokens sent meanwhile are lost to the edge, and its read of the answer store, asked
@@ -117,27 +124,22 @@ async def test_an_edge_whose_link_goes_silent_mid_answer_goes_on_once_it_is_back
         ModelSettings(backend="deterministic", slots=2, token_delay_ms=50, faults=False)
     )
     local = DeterministicBackend(ModelSettings(backend="deterministic", slots=2, faults=False))
-    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
-    linked = settings.model_copy(deep=True)
-    linked.nats.url = proxy.url
-    try:
-        async with (
-            Worker(settings, conn, cloud),
-            Connection(linked.nats, "edge") as edge_conn,
-            EdgeNode(linked, edge_conn, local, HeuristicRouter()),
-            MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
-        ):
-            end = await _read_through_a_silence(
-                client.stream("[tag:se] count", max_tokens=40, route="cloud"), proxy, "se"
-            )
-            assert end.path == "cloud"
-            assert edge_conn.drops == 0
-    finally:
-        await proxy.stop()
+    proxy, linked = proxied
+    async with (
+        Worker(settings, conn, cloud),
+        Connection(linked.nats, "edge") as edge_conn,
+        EdgeNode(linked, edge_conn, local, HeuristicRouter()),
+        MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
+    ):
+        end = await _read_through_a_silence(
+            client.stream("[tag:se] count", max_tokens=40, route="cloud"), proxy, "se"
+        )
+        assert end.path == "cloud"
+        assert edge_conn.drops == 0
 
 
 async def test_a_look_at_the_served_models_ends_when_the_link_drops(
-    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+    proxied: tuple[TcpProxy, MeshSettings], settings: MeshSettings, conn: Connection
 ) -> None:
     """The SDK's look at whether a pool serves the model, asked as its link went: the drop
     ends it at once (JetStream cannot say now: the publish decides, and goes once the link is
@@ -145,44 +147,37 @@ async def test_a_look_at_the_served_models_ends_when_the_link_drops(
     cloud = DeterministicBackend(
         ModelSettings(backend="deterministic", slots=2, token_delay_ms=20, faults=False)
     )
-    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
-    linked = settings.model_copy(deep=True)
-    linked.nats.url = proxy.url
+    proxy, linked = proxied
     linked.nats.reconnect_wait = 0.1
-    try:
-        async with (
-            Worker(settings, conn, cloud),
-            MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
-        ):
-            warm = await client.complete("[tag:sw] count", max_tokens=2, via="cloud")
-            assert warm.text == expected_text("sw", 2)
-            client._is_served.forget(cloud.model)  # the next request looks again
-            proxy.swallow()
-            first: list[float] = []
+    async with (
+        Worker(settings, conn, cloud),
+        MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
+    ):
+        warm = await client.complete("[tag:sw] count", max_tokens=2, via="cloud")
+        assert warm.text == expected_text("sw", 2)
+        client._is_served.forget(cloud.model)  # the next request looks again
+        proxy.swallow()
+        first: list[float] = []
 
-            async def ask() -> str:
-                tokens = []
-                async for event in client.stream("[tag:sq] count", max_tokens=8, via="cloud"):
-                    if isinstance(event, TokenEvent):
-                        first.append(time.monotonic())
-                        tokens.append(event.text)
-                return "".join(tokens)
+        async def ask() -> str:
+            tokens = []
+            async for event in client.stream("[tag:sq] count", max_tokens=8, via="cloud"):
+                if isinstance(event, TokenEvent):
+                    first.append(time.monotonic())
+                    tokens.append(event.text)
+            return "".join(tokens)
 
-            asking = asyncio.ensure_future(ask())
-            await eventually(
-                lambda: holds(b"CONSUMER.INFO" in proxy.swallowed), what="the look sent"
-            )
-            proxy.cut(2.0)
-            cut = time.monotonic()
-            assert await asyncio.wait_for(asking, 20) == expected_text("sq", 8)
-            print(f"\nthe first token came {first[0] - cut:.2f} s after the link dropped (2 s)")
-            assert first[0] - cut < 3.5
-    finally:
-        await proxy.stop()
+        asking = asyncio.ensure_future(ask())
+        await eventually(lambda: holds(b"CONSUMER.INFO" in proxy.swallowed), what="the look sent")
+        proxy.cut(2.0)
+        cut = time.monotonic()
+        assert await asyncio.wait_for(asking, 20) == expected_text("sq", 8)
+        print(f"\nthe first token came {first[0] - cut:.2f} s after the link dropped (2 s)")
+        assert first[0] - cut < 3.5
 
 
 async def test_an_answer_cut_over_a_slow_link_is_repaired_whole(
-    nats_server: NatsServer, settings: MeshSettings, conn: Connection
+    proxied: tuple[TcpProxy, MeshSettings], settings: MeshSettings, conn: Connection
 ) -> None:
     """The SDK's link to the hub is slow (what the server sends comes 1.2 s late) and drops
     mid-answer: its repair from the answer store waits a second for the store's word at first,
@@ -191,26 +186,21 @@ async def test_an_answer_cut_over_a_slow_link_is_repaired_whole(
     cloud = DeterministicBackend(
         ModelSettings(backend="deterministic", slots=1, token_delay_ms=30, faults=False)
     )
-    proxy = await TcpProxy(int(nats_server.url.rsplit(":", 1)[1])).start()
+    proxy, linked = proxied
     proxy.delay_down = 1.2
-    linked = settings.model_copy(deep=True)
-    linked.nats.url = proxy.url
     linked.nats.reconnect_wait = 0.1
-    try:
-        async with (
-            Worker(settings, conn, cloud),
-            MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
-        ):
-            tokens: list[str] = []
-            async for event in client.stream("[tag:sk] count", max_tokens=80, via="cloud"):
-                if isinstance(event, TokenEvent):
-                    tokens.append(event.text)
-                    if len(tokens) == 10:
-                        proxy.cut(0.1)
-            assert "".join(tokens) == expected_text("sk", 80)
-            assert client.conn.drops == 1
-    finally:
-        await proxy.stop()
+    async with (
+        Worker(settings, conn, cloud),
+        MeshClient(settings=linked, first_event_timeout=20, idle_timeout=20) as client,
+    ):
+        tokens: list[str] = []
+        async for event in client.stream("[tag:sk] count", max_tokens=80, via="cloud"):
+            if isinstance(event, TokenEvent):
+                tokens.append(event.text)
+                if len(tokens) == 10:
+                    proxy.cut(0.1)
+        assert "".join(tokens) == expected_text("sk", 80)
+        assert client.conn.drops == 1
 
 
 async def _read_through_a_silence(
