@@ -26,11 +26,12 @@ from collections.abc import Awaitable, Callable
 from nats.aio.msg import Msg
 
 from cloud_node.counts import WorkerCounts
+from cloud_node.delivery import Ack, Delivery, Release
 from cloud_node.keeper import Keeper
 from cloud_node.lease import OTHER_COPY, Holding, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
-from cloud_node.serve import Ack, Delivery, Handler, Parts, Release
+from cloud_node.serve import Handler, Parts
 from cloud_node.takeover import Unread, too_late
 from mesh.config import MeshSettings
 from mesh.logs import get_logger
@@ -109,7 +110,7 @@ class DeferrableHandler(Handler):
         try:
             scope = self._admit(msg, request)
         except MeshError as err:
-            await self._refuse(msg, scope_of(msg.subject), request, err, delivery.number())
+            await self.refuse(msg, scope_of(msg.subject), request, err, delivery.number())
             return
         with self._serving(delivery, request, scope):
             queued_ms = delivery.queued_ms()
@@ -144,7 +145,7 @@ class DeferrableHandler(Handler):
             # Maybe held elsewhere, its start not in the store yet: no proof none started.
             late = None if delivery.maybe_held else too_late(request, found)
             if late is not None:
-                await self._refuse(msg, scope, request, late, attempt)
+                await self.refuse(msg, scope, request, late, attempt)
                 return
             # After every attempt the store holds, another copy's too; above any, unseen, when
             # the store could not be read (see unseen_attempt).
@@ -168,7 +169,7 @@ class DeferrableHandler(Handler):
             log.warning("cannot read the answer store; starting over", error=err.message)
             return Unread.STORE
 
-    async def _refuse(
+    async def refuse(
         self, msg: Msg, scope: str | None, request: InferRequest, err: MeshError, attempt: int
     ) -> None:
         """Reject a request that will never run, its final error kept for its site first (when

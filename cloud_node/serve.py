@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from cloud_node.admission import check
 from cloud_node.cancels import CancelBook
 from cloud_node.counts import WorkerCounts
+from cloud_node.delivery import Ack, Delivery, Release, store_look_timeout
 from cloud_node.epoch import QueueEpoch
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive, LoopStalls, Renew
@@ -61,7 +62,6 @@ from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import cloud_node_name, scope_of, token_subject
 
 log = get_logger(__name__)
-Ack = Callable[[Msg], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -78,68 +78,6 @@ class Parts:
     cancels: CancelBook
     tasks: TaskSet  # where progress reports run (the worker's own tasks)
     tracing: Tracing
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One delivery of a queued request, as it arrived."""
-
-    msg: Msg
-    attempt: int
-    """The delivery count: it decides retries (an answer's attempt may number higher)."""
-    received: float  # the loop time it arrived
-    drops: int
-    stalls: int
-    """The connection's drops and the process's stand-stills when it arrived (either since
-    means the delivery may have been handed to another worker: :mod:`cloud_node.orphans`)."""
-    maybe_held: bool = False
-    """Whether another worker may hold the request already, generating it unseen: its sender
-    queued it again (:data:`mesh.queue.COPY_HEADER`), or it is older than the consumer that
-    delivered it (:mod:`cloud_node.epoch`). Its answer then numbers above any attempt the other
-    can reach, and it reads what the store holds first, as a redelivery does."""
-
-    def number(self) -> int:
-        """The attempt number of what this delivery writes with no answer to continue (a
-        rejection; a start when the store holds none): its delivery count, or above any
-        attempt another worker may reach when it may hold the request (:func:`unseen_attempt`)."""
-        return unseen_attempt(self.attempt) if self.maybe_held else self.attempt
-
-    def queued_ms(self) -> float:
-        """How long it waited in the queue, until now."""
-        return max(0.0, (time.time() - self.msg.metadata.timestamp.timestamp()) * 1000)
-
-
-class Release:
-    """How an attempt lets its queue message go once the request's outcome is out: the answer
-    is in the store, where its sender reads it, so the message is acked (terminated after a
-    final error). A request that can wait keeps its outcome for its site first
-    (:class:`cloud_node.deferred.KeepFirst`)."""
-
-    def __init__(self, msg: Msg, ack: Ack) -> None:
-        self.msg = msg
-        self.ack = ack
-
-    async def answered(self, publisher: AnswerPublisher) -> bool:
-        """The whole answer is published and stored: let the message go. False when it was
-        handed back instead (then the request does not count as completed here)."""
-        await self.ack(self.msg)
-        return True
-
-    async def cancelled(self, err: MeshError) -> None:
-        """The client cancelled it and was told: let the message go. Raising leaves it to its
-        redelivery, which the cancel refuses and answers."""
-        await self.msg.ack()
-
-    async def failed(self, err: MeshError) -> bool:
-        """Before a final error terminates the message: False when it was handed back."""
-        return True
-
-
-def store_look_timeout(settings: MeshSettings) -> float:
-    """How long a worker waits on one look in the answer store or its leases while it holds a
-    delivery: ``publish_timeout``, and at most a fifth of ``ack_wait`` (a longer wait would let
-    the delivery lapse to another worker meanwhile)."""
-    return min(settings.worker.publish_timeout, 0.2 * settings.stream.ack_wait)
 
 
 class Handler(ABC):
@@ -181,31 +119,55 @@ class Handler(ABC):
         """One delivery, in its own task; returns once the queue message is acked, handed back
         or left to its redelivery, never raising for the request's sake."""
         attempt = msg.metadata.num_delivered
-        delivery = Delivery(
-            msg,
-            attempt=attempt,
-            received=asyncio.get_running_loop().time(),
-            drops=self.conn.drops,
-            stalls=self.stalls.count(),
-            maybe_held=COPY_HEADER in (msg.headers or {}) or await self.epoch.predates(msg),
-        )
-        if attempt > 1:
-            self.counts.redelivery()
+        loop = asyncio.get_running_loop()
+        delivery = Delivery(msg, attempt, loop.time(), self.conn.drops, self.stalls.count())
+        request: InferRequest | None = None
         try:
-            request, fmt = decode_request(
-                msg.data,
-                msg.headers,
-                limits=self.settings.limits.request_limits(),
-                strict=self.settings.strict_decode,
-                on_unknown=log_unknown_fields,
-            )
-        except MeshError as err:
-            await self.outcomes.reject(msg, err, delivery.number())
-            return
-        if request.deferrable:  # its own path: cloud_node.deferred
-            await self.serve_deferrable(delivery, request, fmt.reply_format)
-        else:
-            await self.serve(delivery, request, fmt.reply_format)
+            held = COPY_HEADER in (msg.headers or {}) or await self.epoch.predates(msg)
+            delivery.maybe_held = held
+            if attempt > 1:
+                self.counts.redelivery()
+            try:
+                request, fmt = decode_request(
+                    msg.data,
+                    msg.headers,
+                    limits=self.settings.limits.request_limits(),
+                    strict=self.settings.strict_decode,
+                    on_unknown=log_unknown_fields,
+                )
+            except MeshError as err:
+                await self.outcomes.reject(msg, err, delivery.number())
+                return
+            if request.deferrable:  # its own path: cloud_node.deferred
+                await self.serve_deferrable(delivery, request, fmt.reply_format)
+            else:
+                await self.serve(delivery, request, fmt.reply_format)
+        except asyncio.CancelledError:
+            if delivery.generating or not await self._cut_short(delivery, request):
+                raise
+
+    async def _cut_short(self, delivery: Delivery, request: InferRequest | None) -> bool:
+        """Settle a delivery cancelled before its generation held it (a store or lease look):
+        a client's cancel answers it (True: the task ends normally); a shutdown hands it back at
+        once, not after ``ack_wait``."""
+        msg = delivery.msg
+        scope = scope_of(msg.subject)
+        address = None if request is None or scope is None else token_subject(scope, request.id)
+        if request is not None and address is not None and self.cancels.cancels(address, request):
+            self.counts.outcome("cancelled")
+            err = CancelledByClientError("cancelled before it started", request_id=request.id)
+            await self.refuse(msg, scope, request, err, delivery.number())
+            return True
+        self.counts.outcome("requeued")
+        with contextlib.suppress(nats.errors.Error):
+            await msg.nak()
+        return False
+
+    async def refuse(
+        self, msg: Msg, scope: str | None, request: InferRequest, err: MeshError, attempt: int
+    ) -> None:
+        """Answer a request that will never run with its typed error, and drop it."""
+        await self.outcomes.reject(msg, err, attempt)
 
     @abstractmethod
     async def serve_deferrable(
@@ -341,6 +303,7 @@ class Handler(ABC):
         msg, attempt = delivery.msg, delivery.attempt
         address = publisher.subject
         writer.delivery = msg.reply  # a survivor hands it back at once if this worker dies
+        delivery.generating = True  # from here on, the ways it ends below settle the message
         generating = asyncio.current_task()
         assert generating is not None
         ours = writer.attempt

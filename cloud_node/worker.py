@@ -29,13 +29,14 @@ from nats.micro.service import Service
 from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.counts import WorkerCounts, WorkerStats
 from cloud_node.deferred import DeferrableHandler
+from cloud_node.delivery import store_look_timeout
 from cloud_node.keeper import Keeper
 from cloud_node.lease import Leases
 from cloud_node.orphans import Orphans
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import Settler
 from cloud_node.puller import Puller, nak
-from cloud_node.serve import Parts, store_look_timeout
+from cloud_node.serve import Parts
 from cloud_node.store_service import StoreService
 from cloud_node.takeover import Takeover
 from mesh import __version__, kept
@@ -104,11 +105,9 @@ class Worker(Lifecycle):
             self._lost,
             restored=lambda within: self.conn.recovery.settled(RESTORE, within),
         )
+        look = store_look_timeout(settings)  # each look holds a delivery meanwhile
         self.leases = Leases(
-            conn,
-            settings.stream.name,
-            timeout=store_look_timeout(settings),
-            ttl=kept.lease_ttl(settings.stream),
+            conn, settings.stream.name, timeout=look, ttl=kept.lease_ttl(settings.stream)
         )
         self.leases.on_lost = self._lost
         self.takeover = Takeover(
@@ -116,7 +115,7 @@ class Worker(Lifecycle):
             node=cloud_node_name(self.node_id),
             continues=backend.continues,
             counts=self.counts,
-            timeout=store_look_timeout(settings),  # it holds the delivery meanwhile
+            timeout=look,
         )
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker

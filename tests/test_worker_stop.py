@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cloud_node.serve import store_look_timeout
+from cloud_node.delivery import store_look_timeout
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
