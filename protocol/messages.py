@@ -13,6 +13,7 @@ rules every reader applies. A non-streaming edge request gets a single ``answer`
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Annotated, Any, Literal
@@ -265,12 +266,34 @@ class Timings(_Wire):
     tokens_per_s: float | None = None
 
 
+LOGPROB_FLOOR = -9999.0
+"""What a log probability that is not a finite number reads as (a token an engine's grammar
+ruled out has minus infinity): JSON has no infinities, and OpenAI's API writes -9999.0 for a
+token of no probability."""
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
 class TokenLogprob(_Wire):
     """One engine token with its log probability and, if asked, the likeliest alternatives."""
 
     token: str
     logprob: float
     top: list[tuple[str, float]] | None = None
+
+    @field_validator("logprob")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        return finite_logprob(value)
+
+    @field_validator("top")
+    @classmethod
+    def _finite_top(cls, top: list[tuple[str, float]] | None) -> list[tuple[str, float]] | None:
+        if top is None or all(math.isfinite(p) for _t, p in top):
+            return top
+        return [(t, finite_logprob(p)) for t, p in top]
 
 
 class TokenEvent(_Wire):

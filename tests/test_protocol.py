@@ -267,3 +267,24 @@ def test_json_nested_past_the_decoders_limit_is_a_bad_payload_without_recursion(
     assert load(brackets, WireFormat.JSON)["id"] == "x"
     deep = ('{"a":' * 200 + "1" + "}" * 200).encode()
     assert isinstance(load(deep, WireFormat.JSON), dict)
+
+
+@pytest.mark.parametrize("engine_says", [float("-inf"), float("nan"), float("inf")])
+def test_a_logprob_that_is_not_a_number_goes_out_as_strict_json(engine_says: float) -> None:
+    """A token a grammar ruled out has a log probability of minus infinity (llama.cpp's, for
+    one). JSON has none: Python wrote ``-Infinity``, which ``jq``, browsers and most JSON
+    readers refuse, on the wire to a ``nats`` CLI user and in the OpenAI API's chunks. It reads
+    as OpenAI's own -9999.0."""
+
+    def refuse(constant: str) -> float:
+        raise ValueError(f"not JSON: {constant}")
+
+    token = TokenLogprob(token=" a", logprob=engine_says, top=[(" a", -0.5), (" b", engine_says)])
+    event = TokenEvent(id="r-1", seq=0, text=" a", logprobs=[token])
+    for fmt in (WireFormat.JSON, WireFormat.TEXT):
+        wire = json.loads(dump_event(event, fmt), parse_constant=refuse)
+        assert wire["logprobs"] == [
+            {"token": " a", "logprob": -9999.0, "top": [[" a", -0.5], [" b", -9999.0]]}
+        ]
+    assert decode_event(dump_event(event, WireFormat.MSGPACK)).logprobs == [token]
+    assert token.logprob == -9999.0
