@@ -43,7 +43,7 @@ from mesh.queue import CloudCall
 from mesh.reader import AnswerReader
 from mesh.repair import Patience, Repair, SourceGone
 from mesh.served_models import ServedModels
-from mesh.tasks import by_deadline, raise_if_cancelled
+from mesh.tasks import CLOCK_SLACK_S, within_deadline
 from mesh.try_ids import TryIds, as_asked
 from mesh.write_now import write_queued
 from protocol.codec import (
@@ -57,6 +57,7 @@ from protocol.codec import (
 from protocol.errors import (
     DeadlineExceededError,
     IncompleteAnswerError,
+    InvalidRequestError,
     MeshError,
     MeshTimeoutError,
     UnavailableError,
@@ -89,8 +90,6 @@ StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
 """How long a request no edge was subscribed for is sent again (an edge restarting)."""
 T = TypeVar("T")
-_CLOCK_SLACK_S = 0.001
-"""A wait that ends this near the deadline ended at it (timers run a little early or late)."""
 EDGE_GONE_AFTER_S = 10.0
 """How long an edge nobody answers for may be away mid-request, by default (see MeshClient)."""
 
@@ -210,9 +209,12 @@ class MeshClient(Lifecycle):
         yours to fetch after a restart). Past its ``deadline`` it is over (no worker starts it):
         for an answer kept beyond this call's wait, give a far deadline, or none.
         """
-        # Via the cloud with its model; a cancel key (proof it is ours) then or if it can wait.
-        pool = self.settings.edge.cloud_model if model is None else model
-        if (via == "cloud" or deferrable) and cancel_key is None:
+        if via not in ("edge", "cloud"):
+            raise InvalidRequestError(
+                f"via is 'edge' or 'cloud', not {via!r}", request_id=request_id
+            )
+        pool = self.settings.edge.cloud_model if model is None else model  # via the cloud
+        if (via == "cloud" or deferrable) and cancel_key is None:  # proof the request is ours
             request_id = new_request_id() if request_id is None else request_id
             cancel_key = self._cancel_key(request_id)
         request = self.build_request(
@@ -259,12 +261,11 @@ class MeshClient(Lifecycle):
 
         Raises the request's typed error if it failed, and :class:`UnavailableError` (retryable,
         with ``retry_after``) while it has no answer yet."""
+        ask = {"id": request_id, "key": cancel_key or self._cancel_key(request_id)}
         try:
             reply = await self.conn.nc.request(
                 edge_answer_subject(self.edge_id),
-                json.dumps(
-                    {"id": request_id, "key": cancel_key or self._cancel_key(request_id)}
-                ).encode(),
+                json.dumps(ask).encode(),
                 timeout=self.conn.settings.request_timeout,
             )
         except nats.errors.NoRespondersError:
@@ -342,10 +343,10 @@ class MeshClient(Lifecycle):
         twice into one answer). Anything of the answer came: the edge lost it, a typed error.
 
         An edge nobody answers for (the server says so twice: :func:`request_or_nobody`) is
-        away: its link is down, or it died, and what it relayed with it. The repair tries again
-        (the edge keeps its answers while its link is down); once nobody has answered for it for
-        ``edge_gone_after``, the answer ends typed, not in the idle timeout's silence. Events of
-        the answer that came in between show the edge was back: its next absence is timed anew.
+        away: its link is down (it keeps its answers meanwhile: the repair tries again), or it
+        died, and what it relayed with it. Once nobody has answered for it for ``edge_gone_after``,
+        the answer ends typed, not in the idle timeout's silence. Events of the answer that came
+        in between show the edge was back: its next absence is timed anew.
         """
         away_since: float | None = None
         away_at, patience = (0, 0), Patience()  # where the answer stood then; the ask's wait
@@ -397,7 +398,7 @@ class MeshClient(Lifecycle):
     ) -> AsyncGenerator[StreamItem, None]:
         """``request`` as :meth:`stream` built it: for ``model``, under its cancel key."""
         asked, deadline, finished = request.id, request.deadline, False
-        if not await _within(deadline, self._is_served(model), asked):
+        if not await within_deadline(deadline, self._is_served(model), asked):
             raise UnknownModelError(f"no worker pool serves model {model!r}", request_id=asked)
         async with contextlib.AsyncExitStack() as stack:
             request = self._tries.sent_as(request)  # mesh.try_ids: open until the stack closes
@@ -410,7 +411,7 @@ class MeshClient(Lifecycle):
                 pending_limit=self._pending_limit,
             )
             try:
-                await _within(deadline, stack.enter_async_context(call), asked)
+                await within_deadline(deadline, stack.enter_async_context(call), asked)
                 async for event in self._read(call.reader, deadline):
                     finished = isinstance(event, EndEvent)
                     yield as_asked(event, asked)
@@ -441,7 +442,7 @@ class MeshClient(Lifecycle):
         while True:
             out = await reader.next(max(0.0, min(wait_until, ends_at) - clock()))
             if not out:
-                if clock() >= ends_at - _CLOCK_SLACK_S:
+                if clock() >= ends_at - CLOCK_SLACK_S:
                     raise DeadlineExceededError(
                         "the request's deadline passed before its answer ended",
                         request_id=reader.state.request_id,
@@ -475,21 +476,6 @@ class MeshClient(Lifecycle):
 
     start = connect
     stop = close
-
-
-async def _within(deadline: float | None, work: Awaitable[T], request_id: str) -> T:
-    """``work`` until ``deadline`` (Unix seconds; None: its own timeouts), then a typed error."""
-    if deadline is None:
-        return await work
-    try:
-        return await by_deadline(deadline, work)
-    except asyncio.TimeoutError:
-        raise_if_cancelled()
-        if time.time() < deadline - _CLOCK_SLACK_S:
-            raise  # the work's own timeout, not the deadline
-        raise DeadlineExceededError(
-            "the request's deadline passed before it was queued", request_id=request_id
-        ) from None
 
 
 def _knows(reply: Msg) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from mesh.logs import get_logger
+from protocol.errors import DeadlineExceededError
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -96,6 +97,25 @@ def answered_cancel() -> None:
 async def by_deadline(deadline: float, work: Awaitable[T]) -> T:
     """``work``, given until ``deadline`` (Unix seconds): past it, ``asyncio.TimeoutError``."""
     return await asyncio.wait_for(work, max(0.0, deadline - time.time()))
+
+
+CLOCK_SLACK_S = 0.001
+"""A wait that ends this near a deadline ended at it (timers run a little early or late)."""
+
+
+async def within_deadline(deadline: float | None, work: Awaitable[T], request_id: str) -> T:
+    """``work`` until ``deadline`` (Unix seconds; None: its own timeouts), then a typed error."""
+    if deadline is None:
+        return await work
+    try:
+        return await by_deadline(deadline, work)
+    except asyncio.TimeoutError:
+        raise_if_cancelled()
+        if time.time() < deadline - CLOCK_SLACK_S:
+            raise  # the work's own timeout, not the deadline
+        raise DeadlineExceededError(
+            "the request's deadline passed before it was queued", request_id=request_id
+        ) from None
 
 
 class TaskSet:

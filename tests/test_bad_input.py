@@ -161,6 +161,12 @@ async def test_sdk_validates_before_sending(client: MeshClient) -> None:
     assert excinfo.value.details and excinfo.value.details[0]["loc"] == "max_tokens"
 
 
+async def test_sdk_refuses_a_misspelt_via(client: MeshClient) -> None:
+    """``via="clouds"`` went to an edge, as if ``via`` had been left out."""
+    with pytest.raises(InvalidRequestError, match="'clouds'"):
+        await client.complete("hi", via="clouds", max_tokens=4)  # type: ignore[arg-type]
+
+
 async def test_msgpack_client_gets_msgpack_tokens(edge: EdgeNode, conn: Connection) -> None:
     inbox = conn.nc.new_inbox()
     sub = await conn.nc.subscribe(inbox)
