@@ -50,6 +50,7 @@ from mesh.logs import bound, get_logger, trace_id
 from mesh.loop_lag import LoopLag
 from mesh.metrics import NatsMetrics, exposition, watch_gc
 from mesh.node_view import NodeView
+from mesh.queue import WITHDRAW_S
 from mesh.tasks import TaskSet, answered_cancel, raise_if_cancelled
 from mesh.tracing import Tracing
 from protocol.codec import error_event
@@ -101,6 +102,7 @@ class EdgeNode(Lifecycle):
         self.tasks = TaskSet("edge")
         """Requests in flight."""
         self._background = TaskSet("edge-background")
+        self._withdrawals = TaskSet("edge-withdrawals")
         self._service: Service | None = None
         self._metadata: dict[str, str] = {}
         self._status_sub: Any = None
@@ -138,6 +140,7 @@ class EdgeNode(Lifecycle):
             nodes=self.nodes,
             tracing=self.tracing,
             counts=self.counts,
+            withdrawals=self._withdrawals,
         )
         self.paths = Paths(
             PathParts(
@@ -270,6 +273,7 @@ class EdgeNode(Lifecycle):
         if self.http is not None:
             await self.http.stop(max(0.0, ends - time.monotonic()))  # then a typed end
         await self.tasks.close(grace=max(0.0, ends - time.monotonic()))
+        await self._withdrawals.close(grace=WITHDRAW_S)  # each is bounded
         if self.site is not None:
             await self.site.stop()
         await stop_service(self.conn, self._service, self.conn.settings.request_timeout)

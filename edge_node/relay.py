@@ -44,7 +44,7 @@ from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.queue import ALIVE_WAIT_S, CloudCall, new_cancel_key
 from mesh.reader import WATCH_QUIET_S, AnswerReader
-from mesh.tasks import raise_if_cancelled
+from mesh.tasks import TaskSet, raise_if_cancelled
 from mesh.tracing import Tracing
 from protocol.errors import DeadlineExceededError, ErrorCode, MeshError, UnavailableError
 from protocol.fingerprint import Fingerprints
@@ -136,6 +136,8 @@ class RelayParts:
     """Whether the worker serving a request is live."""
     tracing: Tracing
     counts: EdgeCounts
+    withdrawals: TaskSet
+    """Where a relay's escalation is withdrawn, while its client is answered."""
 
 
 class CloudRelay:
@@ -235,13 +237,16 @@ class CloudRelay:
             fingerprints=self.fingerprints,
         )
         try:
-            await call.open()
-        except MeshError as err:
-            raise self._give_up(f"cloud queue unavailable: {err}", "queue") from None
-        try:
+            try:
+                await call.open()
+            except MeshError as err:  # it may be queued all the same: its ack was lost
+                raise self._give_up(f"cloud queue unavailable: {err}", "queue") from None
             await self._follow(call, model, start_timeout, deadline)
         except BaseException:
-            await call.withdraw()
+            # Not answered from the cloud (a fallback, an error, a cancel or the deadline, as
+            # it was queued too): no worker is to answer it for nobody. The client's answer
+            # does not wait on that (a frozen worker's cancel takes its whole wait).
+            parts.withdrawals.spawn(call.withdraw(), name="withdraw")
             raise
         finally:
             parts.counts.metrics.repairs.inc(call.reader.repaired_events)

@@ -69,6 +69,8 @@ ADDRESSED_CANCEL_WAIT_S = 0.5
 cancel goes to every worker (the holder died, or handed the request on)."""
 WITHDRAW_DELETE_WAIT_S = 0.5
 """How long withdrawing a request waits for the queue to delete it (its cancel covers the rest)."""
+WITHDRAW_S = ADDRESSED_CANCEL_WAIT_S + WITHDRAW_DELETE_WAIT_S
+"""The longest a withdraw takes."""
 REQUEUE_FIRST_S = 0.1
 """The first pause before a request whose queue was lost is queued again, when the queue
 refuses it (not back yet); it doubles up to a second, each pause drawn within half of it."""
