@@ -27,12 +27,13 @@ from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.tasks import CancelAt
 from mesh.write_batch import CONTENT_TYPE_BLOCKS, Headers
-from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event, dump_token
+from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event, dump_token, error_event
 from protocol.errors import (
     DuplicateRequestError,
     ErrorCode,
     MeshError,
     OverloadedError,
+    PayloadTooLargeError,
     status_of,
 )
 from protocol.messages import (
@@ -94,6 +95,10 @@ def _status(code: str) -> int:
         return 500
 
 
+HEADERS_ROOM = 1024
+"""What a reply's headers may take of the server's ``max_payload`` (which counts them)."""
+
+
 class NatsSink:
     """A NATS client's inbox: every event (streaming), or one ``answer`` or ``err`` at the end.
 
@@ -140,7 +145,21 @@ class NatsSink:
             if isinstance(whole, ErrorEvent):  # an end that did not match its text
                 await self._error(whole)
             elif whole is not None:
-                await self._publish(dump(whole, self.fmt), self._block)
+                await self._whole(dump(whole, self.fmt))
+
+    async def _whole(self, data: bytes) -> None:
+        """A requester's one reply. One the server would refuse (larger than its
+        ``max_payload``) is the typed error that says so, not a silence until its timeout."""
+        limit = self.conn.nc.max_payload - HEADERS_ROOM
+        if len(data) <= limit:
+            await self._publish(data, self._block)
+            return
+        too_large = PayloadTooLargeError(
+            f"the whole answer is {len(data)} bytes, over the {limit} one NATS message can "
+            "carry here: ask with stream=true to have it in parts",
+            request_id=self._answer.request_id,
+        )
+        await self._error(error_event(too_large, self._answer.request_id))
 
     def send_now(self, event: TokenEvent) -> None:
         if not self.streaming:

@@ -421,3 +421,24 @@ async def test_a_seed_beyond_64_bits_is_an_invalid_request_on_every_path(
     ):
         assert resp.status == 400
         assert (await resp.json())["error"]["code"] == "invalid_request"
+
+
+async def test_a_whole_answer_too_large_for_one_message_is_a_typed_error(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """``nats req`` without ``stream``: the answer comes as one message, and the server refuses
+    one larger than its ``max_payload`` (1 MiB). The edge dropped it, and the requester heard
+    nothing until its own timeout; it now hears why, and how to get the answer."""
+    settings.edge.model.backend = "deterministic"
+    settings.edge.model.token_delay_ms = 0.0
+    tag = "x" * 300  # 4,096 tokens of over 300 bytes each: about 1.3 MB of text
+    body = {"prompt": f"[tag:{tag}] go", "max_tokens": 4096, "route": "local"}
+    backend = DeterministicBackend(settings.edge.model)
+    async with EdgeNode(settings, conn, backend, HeuristicRouter()) as edge:
+        began = time.monotonic()
+        reply = await ask_edge(settings, edge, body, timeout=30)
+        took = time.monotonic() - began
+        assert reply["t"] == "err" and reply["code"] == "payload_too_large", reply
+        assert "stream=true" in str(reply["message"])
+        assert took < 15, f"told in {took:.1f}s"
+        await answered_normally(settings, edge)
