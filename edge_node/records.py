@@ -191,7 +191,11 @@ class NatsSink:
             if isinstance(event, ErrorEvent)
             else self._block
         )
-        await self._publish(dump_event(event, self.fmt), headers)
+        data = dump_event(event, self.fmt)
+        try:
+            await self._publish(data, headers)
+        except MeshError:  # an event to this inbox was dropped: the one to send again, maybe
+            await self._publish(data, headers)  # the mark is gone: this put goes out
 
     async def _error(self, event: ErrorEvent) -> None:
         self._error_sent = event

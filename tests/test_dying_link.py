@@ -149,6 +149,51 @@ async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once
         await proxy.stop()
 
 
+async def test_a_nats_req_answer_dropped_while_the_edge_reconnects_is_sent_once_it_is_back(
+    nats_server: NatsServer,
+) -> None:
+    """The edge's link is down when the answer ends, and its reconnect buffer is full: the
+    reply is dropped (the write batch marks the inbox, and its next put raises). The resync's
+    put was that next one: it raised, and the requester waited out its timeout."""
+    proxy = await TcpProxy(nats_server.port).start()
+    edge_settings = _linked(proxy.url)
+    cli: RawNatsClient | None = None
+    try:
+        async with (
+            Connection(edge_settings.nats, "full-edge") as edge_conn,
+            _edge(edge_settings, edge_conn) as edge,
+        ):
+            cli = await RawNatsClient().connect(nats_server.url)
+            body = {"prompt": prompt("full"), "max_tokens": 20, "route": "local"}
+            reply = asyncio.create_task(
+                cli.request(
+                    edge_infer_subject(edge_settings.edge.edge_id),
+                    json.dumps(body).encode(),
+                    timeout=10,
+                )
+            )
+
+            async def taken() -> bool:
+                return bool(edge.records.since(0.0))
+
+            await eventually(taken, 10, "the edge to take the request")
+            edge_conn.nc._max_pending_size = 1  # a reconnect buffer that is full
+            proxy.cut(1.0)  # down until after the answer ends (20 tokens, 20 ms each)
+
+            async def answered_here() -> bool:
+                return all(r.done for r in edge.records.since(0.0))
+
+            await eventually(answered_here, 10, "the edge to end its answer")
+            batch = edge_conn.write_batch
+            assert batch._dropped, "nothing was dropped: the test proves nothing"
+            answer = (await asyncio.wait_for(reply, 10)).json()
+            assert answer["t"] == "answer" and answer["text"] == expected_text("full", 20)
+    finally:
+        if cli is not None:
+            await cli.close()
+        await proxy.stop()
+
+
 async def test_a_request_lost_in_the_clients_dying_link_is_sent_again_once_the_link_is_back(
     nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
