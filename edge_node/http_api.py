@@ -58,6 +58,7 @@ from protocol.errors import (
     ErrorCode,
     InvalidRequestError,
     MeshError,
+    OverloadedError,
     PayloadTooLargeError,
     UnavailableError,
     UnknownModelError,
@@ -145,6 +146,8 @@ class HTTPParts:
     workers_alive: Callable[[], int]
     counts: EdgeCounts
     serve: Serve
+    in_flight: Callable[[], int]
+    """The requests the edge is answering, from NATS and HTTP: ``max_concurrent`` bounds them."""
     has_site: bool
     """Whether the edge has a site that keeps requests that can wait (``flex``)."""
     api_keys: ApiKeys | None
@@ -233,6 +236,10 @@ class EdgeHTTP:
         data = [self._model_object(name, owner) for name, owner in self._listed().items()]
         return web.json_response({"object": "list", "data": data})
 
+    def answering(self) -> int:
+        """The requests being answered over HTTP."""
+        return len(self._answering)
+
     async def _model(self, request: web.Request) -> web.Response:
         """One model, as OpenAI's ``GET /v1/models/{model}``: a listed one, or any other a
         worker pool serves (a request naming it goes to that pool)."""
@@ -282,6 +289,12 @@ class EdgeHTTP:
                 UnavailableError("edge is shutting down", retry_after=1.0, request_id=req.id),
                 headers=_id_header(req.id),
             )
+        if self.parts.in_flight() >= self.parts.edge.max_concurrent:
+            busy = OverloadedError(
+                "edge is at its concurrency limit", retry_after=1.0, request_id=req.id
+            )
+            self.parts.counts.refused(busy)
+            return error_response(busy, headers=_id_header(req.id))
         answering = asyncio.current_task()
         assert answering is not None
         self._answering.add(answering)

@@ -149,6 +149,8 @@ class IntakeParts:
     """Requests in flight: each request is served in a task of its own."""
     serve: Serve
     accepting: Callable[[], bool]
+    in_flight: Callable[[], int]
+    """The requests the edge is answering, from NATS and HTTP: ``max_concurrent`` bounds them."""
     stats: Callable[[], dict[str, Any]]
     """The edge's counters and budget, the ``data`` of the ``infer`` endpoint's stats."""
     site: KeptAnswers | None
@@ -282,7 +284,7 @@ class NatsIntake:
             log.warning("refusing to answer into a reserved subject", reply=reply[:200])
             return
         accepting = self.parts.accepting()
-        if not accepting or len(self.parts.tasks) >= self.parts.edge.max_concurrent:
+        if not accepting or self.parts.in_flight() >= self.parts.edge.max_concurrent:
             reason = "edge is at its concurrency limit" if accepting else "edge is stopping"
             error = OverloadedError(reason, retry_after=1.0)
             self.parts.counts.refused(error)

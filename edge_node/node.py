@@ -168,6 +168,7 @@ class EdgeNode(Lifecycle):
                 tasks=self.tasks,
                 serve=self.serve,
                 accepting=lambda: self.accepting,
+                in_flight=self._in_flight,
                 stats=self.stats_data,
                 site=self.site,
             )
@@ -238,6 +239,7 @@ class EdgeNode(Lifecycle):
                 workers_alive=self._workers_alive,
                 counts=self.counts,
                 serve=self.serve,
+                in_flight=self._in_flight,
                 has_site=self.site is not None,
                 api_keys=ApiKeys(self._es.api_keys_file) if self._es.api_keys_file else None,
                 app_key=self.site.app_key if self.site is not None else partial(app_key, None),
@@ -285,6 +287,10 @@ class EdgeNode(Lifecycle):
             budget.save()  # the decisions since the last periodic save
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             exposition.remove(registry)
+
+    def _in_flight(self) -> int:
+        """The requests being answered: NATS's (a task each) and HTTP's."""
+        return len(self.tasks) + (self.http.answering() if self.http is not None else 0)
 
     def _workers_alive(self) -> int:
         return len(self.nodes.live())

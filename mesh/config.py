@@ -376,7 +376,7 @@ class EdgeSettings(_Section):
     request_timeout: float = Field(default=300.0, gt=0)
     """Longest an answer may take when the request sets no deadline."""
     max_concurrent: int = Field(default=64, ge=1)
-    """Requests the edge handles at once (local and relayed); more get 'overloaded'."""
+    """Requests the edge answers at once, NATS and HTTP together; more get 'overloaded' (429)."""
     local_queue: int = Field(default=8, ge=0)
     """Requests that may wait for the local model beyond its slots; more get 'overloaded'."""
     drain_grace: float = Field(default=1.5, ge=0)

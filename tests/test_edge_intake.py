@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
+
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
@@ -88,3 +90,46 @@ async def test_an_intake_that_fails_answers_an_error_as_a_micro_service_would(
         assert (infer.num_requests, infer.num_errors) == (1, 1)
     finally:
         await edge.stop(grace=0)
+
+
+async def test_the_limit_counts_http_and_nats_requests_together(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """``max_concurrent`` bounds what the edge answers at once, whichever way it came: HTTP
+    requests went uncounted, any number at once, and NATS ones did not see them."""
+    settings.edge.max_concurrent = 2
+    settings.edge.http_port = 0
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=4))
+    chat = {"model": "auto", "messages": [{"role": "user", "content": "[hang] hold"}]}
+    async with (
+        EdgeNode(settings, conn, backend, HeuristicRouter()) as edge,
+        aiohttp.ClientSession() as session,
+    ):
+        assert edge.http is not None
+        url = f"{edge.http.url}/v1/chat/completions"
+        held = [
+            asyncio.create_task(session.post(url, json=chat, timeout=aiohttp.ClientTimeout(30)))
+            for _ in range(2)
+        ]
+
+        async def holding() -> bool:
+            return edge.http is not None and edge.http.answering() == 2
+
+        await eventually(holding, what="two HTTP requests in flight")
+        async with session.post(url, json=chat) as refused:
+            assert refused.status == 429
+            assert refused.headers["Retry-After"] == "1"
+            body = await refused.json()
+            assert body["error"]["code"] == "overloaded", body
+        over_nats = await conn.nc.request(edge.subject, ASK, timeout=5)
+        assert error_of(over_nats.data) == ("overloaded", "edge is at its concurrency limit")
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+        async def freed() -> bool:
+            return edge.http is not None and edge.http.answering() == 0
+
+        await eventually(freed, what="the held requests gone")
+        answered = await conn.nc.request(edge.subject, ASK, timeout=5)
+        assert json.loads(answered.data)["t"] == "answer"
