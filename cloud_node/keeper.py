@@ -46,10 +46,14 @@ class Keeper:
         timeout: float,
         on_lost: Callable[[str], None] | None = None,
         restored: Callable[[float], Awaitable[bool]] | None = None,
+        *,
+        look: float | None = None,
     ) -> None:
         self.conn = conn
         self.store = store
         self.timeout = timeout
+        self.look = timeout if look is None else look
+        """How long :meth:`exists` waits: a worker looks while it holds a delivery."""
         self._on_lost = on_lost
         """Told when the hub's answer store is gone (a kept answer's publish, or its site's
         consumer, found no stream): the worker puts its streams back now."""
@@ -136,7 +140,7 @@ class Keeper:
         """True when the request's answer is kept already (False when that cannot be told:
         answering again is safe, the site keeps one answer per id)."""
         try:
-            await self.conn.jsm().get_msg(
+            await self.conn.jsm(self.look).get_msg(
                 ANSWERS_STREAM, subject=answer_subject(scope, request_id), direct=True
             )
         except NotFoundError:

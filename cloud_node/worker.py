@@ -98,14 +98,15 @@ class Worker(Lifecycle):
         # Workers may read any answer (they continue each other's); direct get is their right.
         self.store = AnswerStore(conn, settings.stream, filtered=False)
         self.store.on_missing = self._lost
+        look = store_look_timeout(settings)  # each look holds a delivery meanwhile
         self.keeper = Keeper(
             conn,
             self.store,
             settings.worker.publish_timeout,
             self._lost,
             restored=lambda within: self.conn.recovery.settled(RESTORE, within),
+            look=look,
         )
-        look = store_look_timeout(settings)  # each look holds a delivery meanwhile
         self.leases = Leases(
             conn, settings.stream.name, timeout=look, ttl=kept.lease_ttl(settings.stream)
         )

@@ -175,9 +175,11 @@ class Connection(Lifecycle):
         """True while connected (not before connect(), not while reconnecting)."""
         return self._nc is not None and self._nc.is_connected
 
-    def jsm(self) -> JetStreamManager:
-        """The hub's JetStream (through ``hub_domain`` from an edge site's leaf node)."""
-        return self.nc.jsm(timeout=self.settings.request_timeout, prefix=self.api_prefix)
+    def jsm(self, timeout: float | None = None) -> JetStreamManager:
+        """The hub's JetStream (through ``hub_domain`` from an edge site's leaf node); each call
+        waits ``timeout`` (default: ``request_timeout``)."""
+        wait = self.settings.request_timeout if timeout is None else timeout
+        return self.nc.jsm(timeout=wait, prefix=self.api_prefix)
 
     @property
     def api_prefix(self) -> str:
