@@ -183,14 +183,13 @@ class Outcomes:
             request_id, _ = reply_target(queued.data or b"", queued.headers)
             scope = scope_of(queued.subject or "")
             state: AnswerState | None = None
-            store_error: MeshError | None = None
             if request_id is not None and scope is not None:
+                state = AnswerState(request_id)
                 try:
-                    events = await self.store.replay(token_subject(scope, request_id))
+                    state.feed_all(await self.store.replay(token_subject(scope, request_id)))
+                except MeshError as err:  # its readers hear the error all the same (below)
+                    log.warning("answer store not read; ending the request", error=err.message)
                     state = AnswerState(request_id)
-                    state.feed_all(events)
-                except MeshError as err:
-                    store_error = err
             with contextlib.suppress(MeshError):  # a request that can wait: keep its outcome
                 held, _fmt = decode_request(queued.data or b"", queued.headers)
                 if held.deferrable and scope is not None and held.id == request_id:
@@ -202,8 +201,6 @@ class Outcomes:
                     )
                     outcome = stored or error_event(exhausted, held.id)
                     await self._keep_patiently(scope, held, outcome)
-            if store_error is not None:
-                raise store_error
             if (
                 request_id is not None
                 and scope is not None

@@ -25,7 +25,7 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
 from protocol.codec import reply_target, sniff
-from protocol.errors import MaxDeliveriesError
+from protocol.errors import MaxDeliveriesError, MeshError
 from protocol.stream import AnswerWriter
 from protocol.subjects import scope_of
 from tests.conftest import make_settings
@@ -67,3 +67,33 @@ async def test_the_max_deliveries_error_outranks_a_start_the_store_lost(
         await worker.outcomes.on_max_deliveries(Msg(wconn.nc, subject="advisory", data=advisory))
         with pytest.raises(MaxDeliveriesError):
             await asyncio.wait_for(asking, 10)
+
+
+async def test_the_max_deliveries_error_goes_out_when_the_store_cannot_be_read(
+    own_server: NatsServer,
+) -> None:
+    """JetStream gave up on the request (its last worker died) while the answer store could
+    not be read (its stream without a leader, say): the worker that heard gave up too, and the
+    client waited, silent, for its own timeout (30 s here); the request stayed queued."""
+    settings = make_settings(own_server.url)
+    stream = settings.stream
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Connection(settings.nats, "operator") as op,
+        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+    ):
+        await provision(op.jsm(), stream, [settings.edge.cloud_model])
+        await ensure_answer_stream(op.jsm(), stream)
+        asking = asyncio.ensure_future(client.complete("x", via="cloud", max_tokens=4))
+        await eventually(lambda: _held(op, stream.name, 1), what="the request queued")
+        worker = Worker(settings, wconn, DeterministicBackend(settings.worker.model))
+
+        async def unreadable(*_args: object, **_kwargs: object) -> list[object]:
+            raise MeshError("the answer store did not answer (scripted)", retryable=True)
+
+        worker.outcomes.store.replay = unreadable  # type: ignore[method-assign]
+        advisory = json.dumps({"stream_seq": 1, "deliveries": stream.max_deliver}).encode()
+        await worker.outcomes.on_max_deliveries(Msg(wconn.nc, subject="advisory", data=advisory))
+        with pytest.raises(MaxDeliveriesError):
+            await asyncio.wait_for(asking, 10)
+        assert (await op.jsm().stream_info(stream.name)).state.messages == 0
