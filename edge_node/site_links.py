@@ -33,7 +33,7 @@ from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.pull import Pull, PullLost, hand_back
-from mesh.queue import MSG_ID_HEADER, STORE_FULL_CODES
+from mesh.queue import CLUSTER_UNAVAILABLE, MSG_ID_HEADER, STORE_FULL_CODES
 from mesh.tasks import TaskSet, raise_if_cancelled
 from protocol.codec import WireFormat, dump, error_event
 from protocol.errors import UnavailableError
@@ -282,11 +282,12 @@ class SiteLinks:
                 log.debug("forward not answered (a link down); holding on", error=repr(exc))
                 pause = FORWARD_RETRY_S  # refused at once, by the leaf or our own client
             except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
-                if isinstance(exc, APIError) and not _queue_full(exc):
+                if isinstance(exc, APIError) and not _for_now(exc):
                     await self._refused(msg, f"the hub refused it: {exc.description}")
                     return  # for good: answered with a typed error, not held forever
                 log.debug("the hub cannot take it now; holding on", error=repr(exc))
-                busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)  # full, or too slow
+                # Full, electing a leader or too slow: the pause doubles.
+                busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)
             await asyncio.sleep(pause)
             if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
                 with contextlib.suppress(nats.errors.Error):
@@ -376,11 +377,13 @@ async def with_site_streams(conn: Connection, op: Callable[[], Awaitable[T]]) ->
     return await op()
 
 
-def _queue_full(exc: APIError) -> bool:
-    """The hub's queue is full for now (the request waits), not refusing it for good."""
+def _for_now(exc: APIError) -> bool:
+    """The hub cannot take the request now (the request waits), not refusing it for good: its
+    queue is full, or it has no leader (JetStream's 503, "temporarily unavailable": an
+    election, a lost quorum), or it failed on its side (a 5xx). A 4xx refuses it."""
     text = str(exc.description or "").lower()
-    full = exc.err_code in STORE_FULL_CODES
-    return full or "maximum messages" in text or "maximum bytes" in text
+    full = exc.err_code in STORE_FULL_CODES or "maximum messages" in text or "maximum bytes" in text
+    return full or exc.err_code == CLUSTER_UNAVAILABLE or (exc.code or 0) >= 500
 
 
 def _outbox_parts(subject: str) -> tuple[str, str]:
