@@ -21,7 +21,9 @@ from mesh import kept
 from mesh.answer_store import AnswerStore
 from mesh.connection import Connection
 from mesh.logs import get_logger
-from protocol.errors import MeshError
+from mesh.write_batch import room
+from protocol.codec import error_event
+from protocol.errors import MeshError, PayloadTooLargeError
 from protocol.fingerprint import request_fingerprint
 from protocol.messages import Answer, ErrorEvent, InferRequest, StartEvent, WireEvent
 from protocol.subjects import ANSWERS_STREAM, answer_subject
@@ -165,11 +167,19 @@ class Keeper:
             outcome = kept.whole_answer(await self._events(publisher), request_id)
         if outcome is None:
             raise MeshError("the answer's stored events hold no outcome", retryable=True)
+        data = kept.encode_outcome(outcome)
+        if len(data) > room(self.conn.nc):  # never kept as it is: its typed error is, for good
+            too_large = PayloadTooLargeError(
+                f"the answer is {len(data)} bytes, over the {room(self.conn.nc)} one kept answer "
+                "can carry: ask for it streamed, not deferred",
+                request_id=request_id,
+            )
+            data = kept.encode_outcome(error_event(too_large, request_id))
         await self.collectable(scope)
         try:
             await self.conn.publish_acked(
                 answer_subject(scope, request_id),
-                kept.encode_outcome(outcome),
+                data,
                 stream=ANSWERS_STREAM,
                 headers={
                     kept.MSG_ID_HEADER: f"{scope}.{request_id}",

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.tasks import CancelAt
-from mesh.write_batch import CONTENT_TYPE_BLOCKS, Headers
+from mesh.write_batch import CONTENT_TYPE_BLOCKS, Headers, room
 from protocol.codec import CONTENT_TYPE, WireFormat, dump, dump_event, dump_token, error_event
 from protocol.errors import (
     DuplicateRequestError,
@@ -95,10 +95,6 @@ def _status(code: str) -> int:
         return 500
 
 
-HEADERS_ROOM = 1024
-"""What a reply's headers may take of the server's ``max_payload`` (which counts them)."""
-
-
 class NatsSink:
     """A NATS client's inbox: every event (streaming), or one ``answer`` or ``err`` at the end.
 
@@ -150,7 +146,7 @@ class NatsSink:
     async def _whole(self, data: bytes) -> None:
         """A requester's one reply. One the server would refuse (larger than its
         ``max_payload``) is the typed error that says so, not a silence until its timeout."""
-        limit = self.conn.nc.max_payload - HEADERS_ROOM
+        limit = room(self.conn.nc)
         if len(data) <= limit:
             await self._publish(data, self._block)
             return

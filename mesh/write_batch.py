@@ -274,3 +274,12 @@ def _publish_now(client: Client, subject: str, data: bytes, headers: dict[str, s
     except StopIteration:
         return
     coro.close()
+
+
+HEADERS_ROOM = 1024
+"""What a message's headers may take of the server's ``max_payload`` (which counts them)."""
+
+
+def room(client: Client) -> int:
+    """The largest payload one message to ``client``'s server can carry, with its headers."""
+    return int(client.max_payload) - HEADERS_ROOM

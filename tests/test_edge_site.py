@@ -30,7 +30,12 @@ from mesh.queue import MSG_ID_HEADER
 from mesh.testing.chaos import expected_text, paused
 from mesh.testing.proxy import TcpProxy
 from mesh_app.creds import Minted, mint
-from protocol.errors import DuplicateRequestError, MeshError, UnavailableError
+from protocol.errors import (
+    DuplicateRequestError,
+    MeshError,
+    PayloadTooLargeError,
+    UnavailableError,
+)
 from protocol.subjects import infer_subject, token_subject
 from tests.helpers import eventually
 from tests.test_security import TEST_ENV, Certs, certs, read_env  # noqa: F401 - certs is a fixture
@@ -418,6 +423,25 @@ async def test_a_request_the_hub_refuses_for_good_gets_a_typed_error_and_blocks_
                 await too_big
             with pytest.raises(UnavailableError, match="refused"):
                 await client.answer("too-big")  # asked again: the same typed error
+
+
+async def test_an_answer_too_large_to_keep_is_kept_as_its_typed_error(
+    topology: Topology,
+) -> None:
+    """A whole answer larger than one message of the hub (1 MiB) cannot be kept: each keep
+    failed and handed the request back, until JetStream gave up on it and the keep failed
+    there too. The client heard nothing but its deadline, then "not yet" for ever."""
+    big = "x" * 300  # 4,096 tokens of over 300 bytes: about 1.3 MB
+    async with site_edge_and_worker(topology, "site-b", token_delay_ms=0) as (backend, _e, client):
+        began = time.monotonic()
+        with pytest.raises(PayloadTooLargeError, match="streamed, not deferred"):
+            await client.complete(
+                f"[tag:{big}] go", route="cloud", max_tokens=4096, deferrable=True, request_id="big"
+            )
+        assert time.monotonic() - began < 15
+        with pytest.raises(PayloadTooLargeError):
+            await client.answer("big")  # asked again: the same typed error
+        assert backend.started == 1, "generated once, not once per delivery"
 
 
 async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) -> None:
