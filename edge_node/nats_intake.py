@@ -46,6 +46,7 @@ from mesh.inline_sub import make_inline
 from mesh.logs import get_logger, log_unknown_fields
 from mesh.queue import trace_headers
 from mesh.tasks import TaskSet
+from mesh.write_batch import room
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
@@ -60,6 +61,7 @@ from protocol.errors import (
     InvalidRequestError,
     MeshError,
     OverloadedError,
+    PayloadTooLargeError,
     UnavailableError,
 )
 from protocol.messages import ErrorEvent
@@ -368,13 +370,21 @@ class NatsIntake:
                 )
         except MeshError as err:
             outcome = error_event(err, err.request_id)
+        data, nc = dump(outcome, fmt), self.parts.conn.nc
+        if len(data) > room(nc):  # kept in msgpack: it can grow in JSON
+            smaller = "" if fmt is WireFormat.MSGPACK else ": ask for it in msgpack (smaller)"
+            too_large = PayloadTooLargeError(
+                f"the answer is {len(data)} bytes in {fmt.value}, over the {room(nc)} one "
+                f"message can carry here{smaller}",
+                request_id=outcome.id,
+            )
+            outcome = error_event(too_large, outcome.id)
+            data = dump(outcome, fmt)
         failed = isinstance(outcome, ErrorEvent)
         headers = {CONTENT_TYPE: fmt.content_type, **(error_headers(outcome) if failed else {})}
         if reply_of(request):
             with contextlib.suppress(nats.errors.Error):
-                await self.parts.conn.nc.publish(
-                    reply_of(request), dump(outcome, fmt), headers=headers
-                )
+                await nc.publish(reply_of(request), data, headers=headers)
                 if failed:
                     self.errors["answer"].sent(outcome)
 

@@ -21,6 +21,7 @@ from cloud_node.worker import Worker
 from edge_node.api_keys import parse_keys
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
+from mesh import kept
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import Completion, MeshClient
 from mesh.config import MeshSettings, load_settings
@@ -30,13 +31,23 @@ from mesh.queue import MSG_ID_HEADER
 from mesh.testing.chaos import expected_text, paused
 from mesh.testing.proxy import TcpProxy
 from mesh_app.creds import Minted, mint
+from protocol.codec import WireFormat, dump
 from protocol.errors import (
     DuplicateRequestError,
     MeshError,
     PayloadTooLargeError,
     UnavailableError,
 )
-from protocol.subjects import infer_subject, token_subject
+from protocol.messages import Answer
+from protocol.subjects import (
+    CLAIMS_STREAM,
+    KEPT_STREAM,
+    claim_subject,
+    edge_answer_subject,
+    infer_subject,
+    kept_subject,
+    token_subject,
+)
 from tests.helpers import eventually
 from tests.test_security import TEST_ENV, Certs, certs, read_env  # noqa: F401 - certs is a fixture
 
@@ -442,6 +453,39 @@ async def test_an_answer_too_large_to_keep_is_kept_as_its_typed_error(
         with pytest.raises(PayloadTooLargeError):
             await client.answer("big")  # asked again: the same typed error
         assert backend.started == 1, "generated once, not once per delivery"
+
+
+async def test_a_kept_answer_too_large_as_json_is_a_typed_error_to_a_json_ask(
+    topology: Topology,
+) -> None:
+    """A site keeps answers in msgpack; the ``answer`` endpoint replies in the ask's format.
+    JSON escapes quotes and line ends: an answer that fit as msgpack could not go as one JSON
+    message, and the asker heard nothing until its timeout. The SDK asks in msgpack."""
+    text = '{"k": "v"}\n' * 80_000  # 880 kB of JSON lines: 1.28 MB as a JSON string
+    answer = Answer(id="big-json", text=text)
+    site = "site-b"
+    async with site_edge_and_worker(topology, site, token_delay_ms=0) as (_b, edge, client):
+        limit = edge.conn.nc.max_payload
+        assert len(dump(answer, WireFormat.MSGPACK)) < limit < len(dump(answer, WireFormat.JSON))
+        async with Connection(topology.site_settings(site).nats, "planting") as leaf:
+            await leaf.publish_acked(  # held without a key: anyone at the site may ask
+                claim_subject("big-json"),
+                json.dumps({"fp": "f", "key": None}).encode(),
+                stream=CLAIMS_STREAM,
+            )
+            await leaf.publish_acked(
+                kept_subject("big-json"),
+                dump(answer, WireFormat.MSGPACK),
+                stream=KEPT_STREAM,
+                headers={MSG_ID_HEADER: "big-json", kept.FINGERPRINT_HEADER: "f"},
+            )
+            asked = json.dumps({"id": "big-json"}).encode()  # as `nats req` sends it
+            reply = await leaf.nc.request(edge_answer_subject(edge.edge_id), asked, timeout=5)
+        event = json.loads(reply.data)
+        assert event["t"] == "err" and event["code"] == "payload_too_large", event
+        assert "msgpack" in event["message"]
+        kept_answer = await client.answer("big-json")
+        assert kept_answer.text == text
 
 
 async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) -> None:
