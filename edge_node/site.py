@@ -387,15 +387,24 @@ def wait_ended(req: InferRequest, *, held: bool) -> MeshError:
     )
 
 
+KEPT_PIECE_CHARS = 32_768
+"""The most characters of a kept answer one event carries: at most 192 kB as JSON (six bytes a
+character, escaped), well within one message."""
+
+
 async def emit_outcome(record: Record, outcome: Answer | ErrorEvent) -> None:
-    """Pass a kept answer on as one attempt: start, the whole text at one position, end."""
+    """Pass a kept answer on as one attempt: start, its text in pieces, end. A piece takes at
+    most ``KEPT_PIECE_CHARS``: the whole text at one position could be larger than one message
+    to a NATS client (JSON escapes it), and it would not reach it."""
     if isinstance(outcome, ErrorEvent):
         await record.fail(to_exception(outcome))
         return
     writer = AnswerWriter(outcome.id, attempt=record.state.attempt + 1, node=outcome.served_by)
     events: list[WireEvent] = [writer.start()]
-    if outcome.text:
-        events.append(writer.token(outcome.text, n=outcome.usage.completion_tokens or 1))
+    text, tokens = outcome.text, outcome.usage.completion_tokens or 1
+    for at in range(0, len(text), KEPT_PIECE_CHARS):  # the engine tokens go with the last
+        last = at + KEPT_PIECE_CHARS >= len(text)
+        events.append(writer.token(text[at : at + KEPT_PIECE_CHARS], n=tokens if last else 0))
     events.append(
         writer.end(
             finish_reason=outcome.finish_reason,
