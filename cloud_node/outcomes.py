@@ -30,7 +30,11 @@ from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import is_token, scope_of, token_subject
 
 log = get_logger(__name__)
-KEEP_RETRY_PAUSES_S = (0.5, 1.0, 2.0, None)
+KEEP_RETRY_FIRST_S = 0.5
+KEEP_RETRY_MAX_S = 30.0
+"""The pauses between tries to keep the outcome of a request JetStream gave up on: from half a
+second, doubling up to 30 s, for as long as the worker runs (its queue message is deleted
+after, and with it the last chance to keep anything)."""
 
 
 async def ack(msg: Msg) -> None:
@@ -160,17 +164,18 @@ class Outcomes:
     async def _keep_patiently(
         self, scope: str, request: InferRequest, outcome: Answer | ErrorEvent
     ) -> None:
-        """Keep the final outcome of a request that can wait, trying for a few seconds: the
-        queue message is deleted after this, and with it the last chance to keep anything."""
-        for pause in KEEP_RETRY_PAUSES_S:
+        """Keep the final outcome of a request that can wait, trying until it is kept (a hub
+        restarting, an election): the queue message is deleted after this, and with it the last
+        chance to keep anything. Before, it gave up after 3.5 s, and the site never heard."""
+        pause = KEEP_RETRY_FIRST_S
+        while True:
             try:
                 await self.keeper.keep(scope, request, None, outcome)
                 return
             except MeshError as err:
-                if pause is None:
-                    raise
-                log.warning("final error not kept; trying again", error=err.message)
+                log.warning("final outcome not kept; trying again", error=err.message, pause=pause)
                 await asyncio.sleep(pause)
+                pause = min(pause * 2, KEEP_RETRY_MAX_S)
 
     async def on_max_deliveries(self, msg: Msg) -> None:
         """The last delivery's worker died: tell the request's sender, typed, and drop it."""

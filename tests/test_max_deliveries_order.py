@@ -24,10 +24,11 @@ from mesh.client import MeshClient
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
-from protocol.codec import reply_target, sniff
+from protocol.codec import decode_event, reply_target, sniff
 from protocol.errors import MaxDeliveriesError, MeshError
+from protocol.messages import ErrorEvent
 from protocol.stream import AnswerWriter
-from protocol.subjects import scope_of
+from protocol.subjects import ANSWERS_STREAM, answer_subject, infer_subject, scope_of
 from tests.conftest import make_settings
 from tests.helpers import eventually
 
@@ -97,3 +98,45 @@ async def test_the_max_deliveries_error_goes_out_when_the_store_cannot_be_read(
         with pytest.raises(MaxDeliveriesError):
             await asyncio.wait_for(asking, 10)
         assert (await op.jsm().stream_info(stream.name)).state.messages == 0
+
+
+async def test_the_outcome_of_a_request_that_can_wait_is_kept_however_long_the_hub_refuses(
+    own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JetStream gave up on a request that can wait (its last worker died). Its outcome is
+    kept for its site before its queue message is deleted; the keep gave up after four tries
+    (3.5 s: a hub restarting, an election), and the message was deleted all the same: the site
+    never heard of the request again. Here the keep fails eight times, then the hub is back."""
+    monkeypatch.setattr("cloud_node.outcomes.KEEP_RETRY_FIRST_S", 0.01, raising=False)
+    monkeypatch.setattr("cloud_node.outcomes.KEEP_RETRY_MAX_S", 0.05, raising=False)
+    settings = make_settings(own_server.url)
+    stream = settings.stream
+    scope, request_id = "site-x", "waits-1"
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Worker(settings, wconn, DeterministicBackend(settings.worker.model)) as worker,
+    ):
+        body = {"id": request_id, "prompt": "x", "max_tokens": 4, "deferrable": True}
+        ack = await wconn.js.publish(  # a model no worker here takes: it stays queued
+            infer_subject("elsewhere", scope), json.dumps(body).encode(), stream=stream.name
+        )
+        keep = worker.keeper.keep
+        refused = 0
+
+        async def refusing(*args: object, **kwargs: object) -> None:
+            nonlocal refused
+            if refused < 8:
+                refused += 1
+                raise MeshError("the hub is electing a leader (scripted)", retryable=True)
+            await keep(*args, **kwargs)  # type: ignore[arg-type]
+
+        worker.keeper.keep = refusing  # type: ignore[method-assign]
+        advisory = json.dumps({"stream_seq": ack.seq, "deliveries": stream.max_deliver}).encode()
+        await worker.outcomes.on_max_deliveries(Msg(wconn.nc, subject="advisory", data=advisory))
+        assert refused == 8
+        kept = await wconn.jsm().get_msg(
+            ANSWERS_STREAM, subject=answer_subject(scope, request_id), direct=True
+        )
+        outcome = decode_event(kept.data or b"")
+        assert isinstance(outcome, ErrorEvent) and outcome.code == "max_deliveries", outcome
+        assert (await wconn.jsm().stream_info(stream.name)).state.messages == 0
