@@ -35,8 +35,8 @@ from mesh.logs import get_logger
 from mesh.pull import Pull, PullLost, hand_back
 from mesh.queue import CLUSTER_UNAVAILABLE, MSG_ID_HEADER, STORE_FULL_CODES
 from mesh.tasks import TaskSet, raise_if_cancelled
-from protocol.codec import WireFormat, dump, error_event
-from protocol.errors import UnavailableError
+from protocol.codec import WireFormat, dump, error_event, load, sniff
+from protocol.errors import DeadlineExceededError, MeshError, UnavailableError
 from protocol.subjects import (
     ANSWERS_STREAM,
     KEPT_STREAM,
@@ -262,6 +262,12 @@ class SiteLinks:
         """Publish one held request to the hub's queue, retrying until the hub acks it; then
         let the outbox copy go."""
         model, scope = _outbox_parts(msg.subject)
+        if scope != self.scope:  # anyone on the leaf may publish here; the hub never takes it
+            log.warning("dropping a held message of another scope", subject=msg.subject[:200])
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await msg.ack_sync(timeout=FORWARD_ACK_S)
+            return  # else every request held after it waited behind it, for good
+        deadline = _deadline_of(msg)
         headers = {
             k: v for k, v in (msg.headers or {}).items() if k not in (MSG_ID_HEADER, HELD_ID_HEADER)
         }
@@ -283,11 +289,18 @@ class SiteLinks:
                 pause = FORWARD_RETRY_S  # refused at once, by the leaf or our own client
             except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
                 if isinstance(exc, APIError) and not _for_now(exc):
-                    await self._refused(msg, f"the hub refused it: {exc.description}")
+                    why = UnavailableError(f"the hub refused it: {exc.description}")
+                    await self._refused(msg, why)
                     return  # for good: answered with a typed error, not held forever
                 log.debug("the hub cannot take it now; holding on", error=repr(exc))
                 # Full, electing a leader or too slow: the pause doubles.
                 busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)
+            if deadline is not None:  # tried last at its deadline; then it is over
+                if time.time() >= deadline:
+                    late = DeadlineExceededError("the request's deadline passed while held")
+                    await self._refused(msg, late)  # its client is told why, when it asks
+                    return
+                pause = min(pause, max(0.0, deadline - time.time()))
             await asyncio.sleep(pause)
             if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
                 with contextlib.suppress(nats.errors.Error):
@@ -301,12 +314,12 @@ class SiteLinks:
             await msg.ack_sync(timeout=FORWARD_ACK_S)
         log.info("held request forwarded", request_id=_held_id(msg))
 
-    async def _refused(self, msg: Msg, reason: str) -> None:
-        """A held request the hub will never take: keep a typed error as its answer (so its
-        client hears it, now or when it asks again) and let the outbox go on."""
+    async def _refused(self, msg: Msg, why: MeshError) -> None:
+        """A held request the hub will never take (or not in time): keep its typed error as its
+        answer (so its client hears it, now or when it asks again) and let the outbox go on."""
         request_id = _held_id(msg)
         fingerprint = (msg.headers or {}).get(MSG_ID_HEADER, "").rpartition(".")[2]
-        error = error_event(UnavailableError(reason, request_id=request_id), request_id)
+        error = error_event(why, request_id)
         try:
             await with_site_streams(
                 self.conn,
@@ -323,7 +336,7 @@ class SiteLinks:
             return
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
             await msg.ack_sync(timeout=self.conn.settings.request_timeout)
-        log.warning("held request refused by the hub", request_id=request_id, reason=reason)
+        log.warning("held request refused", request_id=request_id, reason=why.message)
 
     # -- collector -----------------------------------------------------------------------------
     async def _collect_loop(self) -> None:
@@ -384,6 +397,16 @@ def _for_now(exc: APIError) -> bool:
     text = str(exc.description or "").lower()
     full = exc.err_code in STORE_FULL_CODES or "maximum messages" in text or "maximum bytes" in text
     return full or exc.err_code == CLUSTER_UNAVAILABLE or (exc.code or 0) >= 500
+
+
+def _deadline_of(msg: Msg) -> float | None:
+    """A held request's deadline (Unix seconds), if it has one and it can be read."""
+    with contextlib.suppress(MeshError):
+        raw = load(msg.data, sniff(msg.data, msg.headers))
+        deadline = raw.get("deadline") if isinstance(raw, dict) else None
+        if isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
+            return float(deadline)
+    return None
 
 
 def _outbox_parts(subject: str) -> tuple[str, str]:

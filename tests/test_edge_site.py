@@ -488,6 +488,27 @@ async def test_a_kept_answer_too_large_as_json_is_a_typed_error_to_a_json_ask(
         assert kept_answer.text == text
 
 
+async def test_a_foreign_message_in_the_outbox_holds_up_nothing(topology: Topology) -> None:
+    """Anyone on a site's leaf may publish into its outbox (the leaf asks no credentials of its
+    own). A message under another site's scope is one the hub never takes from this edge: the
+    forwarder, one request at a time, tried it for ever, and every request held after it
+    waited behind it."""
+    site = "site-a"
+    async with site_edge_and_worker(topology, site, token_delay_ms=0) as (_b, edge, client):
+        model = edge.settings.edge.cloud_model
+        async with Connection(topology.site_settings(site).nats, "someone") as someone:
+            await someone.nc.publish(
+                f"mesh.v1.outbox.{model}.site-b", b"\x81\xa1x\x01", headers={"Mesh-Id": "evil-1"}
+            )
+            await someone.nc.flush()
+        began = time.monotonic()
+        answer = await client.complete(
+            "[tag:v] x", route="cloud", max_tokens=5, deferrable=True, request_id="victim-1"
+        )
+        assert answer.text == expected_text("v", 5)
+        assert time.monotonic() - began < 10
+
+
 async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) -> None:
     site = "site-a"
     settings = topology.site_settings(site, "client")
@@ -667,8 +688,9 @@ async def test_a_held_request_whose_deadline_passes_is_over_not_asked_for_again(
 ) -> None:
     """The uplink is down; a request that can wait, with a deadline 1.5 s away, is held. At its
     deadline its client hears ``deadline_exceeded``, not "held, ask again later": no worker
-    starts a request past its deadline. When the link returns, the hub refuses it so, and that
-    is what asking by id gets, once it is kept; nothing is generated for it."""
+    starts a request past its deadline. The site's forwarder keeps it so (before, it held it
+    until the link returned and the hub refused it), and that is what asking by id gets;
+    nothing is generated for it."""
     from protocol.errors import DeadlineExceededError
 
     site = "site-a"
@@ -691,7 +713,6 @@ async def test_a_held_request_whose_deadline_passes_is_over_not_asked_for_again(
             assert (event["t"], event["code"]) == ("err", "deadline_exceeded"), event
             assert time.time() - deadline < 0.5
             generated = topology.backend.started
-            topology.uplinks[site].restore()
 
             async def kept_as_past_its_deadline() -> bool:
                 try:
@@ -702,5 +723,12 @@ async def test_a_held_request_whose_deadline_passes_is_over_not_asked_for_again(
                     return False
                 raise AssertionError("answered past its deadline")
 
-            await eventually(kept_as_past_its_deadline, timeout=30, what="the kept refusal")
-            assert topology.backend.started == generated
+            # Kept so by the site's forwarder, the uplink still down: it no longer holds the
+            # requests after it back until the hub refuses it.
+            await eventually(kept_as_past_its_deadline, timeout=10, what="the kept refusal")
+            topology.uplinks[site].restore()
+            after = await client.complete(
+                "[tag:n] x", route="cloud", max_tokens=5, deferrable=True, request_id="next-1"
+            )
+            assert after.text == expected_text("n", 5)
+            assert topology.backend.started == generated + 1  # the next one only
