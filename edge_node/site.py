@@ -390,21 +390,29 @@ def wait_ended(req: InferRequest, *, held: bool) -> MeshError:
 KEPT_PIECE_CHARS = 32_768
 """The most characters of a kept answer one event carries: at most 192 kB as JSON (six bytes a
 character, escaped), well within one message."""
+KEPT_PIECE_LOGPROBS = 256
+"""The most logprobs entries one event carries (an entry with 20 alternatives takes about
+0.5 kB)."""
 
 
 async def emit_outcome(record: Record, outcome: Answer | ErrorEvent) -> None:
-    """Pass a kept answer on as one attempt: start, its text in pieces, end. A piece takes at
-    most ``KEPT_PIECE_CHARS``: the whole text at one position could be larger than one message
-    to a NATS client (JSON escapes it), and it would not reach it."""
+    """Pass a kept answer on as one attempt: start, its text (and logprobs) in pieces, end. A
+    piece takes at most ``KEPT_PIECE_CHARS`` and ``KEPT_PIECE_LOGPROBS``: the whole text at one
+    position could be larger than one message to a NATS client (JSON escapes it), and it would
+    not reach it."""
     if isinstance(outcome, ErrorEvent):
         await record.fail(to_exception(outcome))
         return
     writer = AnswerWriter(outcome.id, attempt=record.state.attempt + 1, node=outcome.served_by)
     events: list[WireEvent] = [writer.start()]
-    text, tokens = outcome.text, outcome.usage.completion_tokens or 1
-    for at in range(0, len(text), KEPT_PIECE_CHARS):  # the engine tokens go with the last
-        last = at + KEPT_PIECE_CHARS >= len(text)
-        events.append(writer.token(text[at : at + KEPT_PIECE_CHARS], n=tokens if last else 0))
+    text, tokens, logprobs = outcome.text, outcome.usage.completion_tokens or 1, outcome.logprobs
+    scored = logprobs or []
+    pieces = max(-(-len(text) // KEPT_PIECE_CHARS), -(-len(scored) // KEPT_PIECE_LOGPROBS))
+    for i in range(pieces):  # even pieces; the engine tokens go with the last
+        piece = text[i * len(text) // pieces : (i + 1) * len(text) // pieces]
+        its = scored[i * len(scored) // pieces : (i + 1) * len(scored) // pieces]
+        n = tokens if i == pieces - 1 else 0
+        events.append(writer.token(piece, n=n, logprobs=its if logprobs is not None else None))
     events.append(
         writer.end(
             finish_reason=outcome.finish_reason,

@@ -400,6 +400,8 @@ class Answer(_Outcome):
     t: Literal["answer"] = "answer"
     text: str
     digest: int | None = Field(default=None, ge=0)
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per engine token of the answer, when the request asked for logprobs."""
 
 
 class RestartEvent(_Wire):

@@ -235,7 +235,8 @@ class AnswerState:
         gets), the typed error, or None while there is no outcome yet."""
         if isinstance(self.outcome, EndEvent):
             fields = self.outcome.model_dump(exclude={"t", "seq", "attempt", "digest"})
-            return Answer(**fields, text=self.text(), digest=self.outcome.digest)
+            logprobs = self.logprobs() or None  # asked for: every token's, in order
+            return Answer(**fields, text=self.text(), digest=self.outcome.digest, logprobs=logprobs)
         return self.outcome
 
     def logprobs(self) -> list[TokenLogprob]:

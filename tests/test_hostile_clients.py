@@ -87,6 +87,21 @@ async def answered_normally(settings: MeshSettings, edge: EdgeNode) -> None:
     assert answer["t"] == "answer" and answer["text"] == expected_text("after", 5), answer
 
 
+async def test_a_nats_req_whole_answer_carries_its_logprobs(
+    settings: MeshSettings, det_edge: EdgeNode
+) -> None:
+    """``nats req`` with ``logprobs``, not streamed: the one ``answer`` came with the text
+    alone (it had no field for them), and a site's kept answers the same."""
+    body = {"prompt": "[tag:lp] hi", "max_tokens": 4, "route": "local", "logprobs": True}
+    body["top_logprobs"] = 2
+    answer = await ask_edge(settings, det_edge, body)
+    assert answer["t"] == "answer" and answer["text"] == expected_text("lp", 4), answer
+    logprobs = answer["logprobs"]
+    assert isinstance(logprobs, list) and len(logprobs) == 4
+    assert "".join(entry["token"] for entry in logprobs) == answer["text"]
+    assert all(len(entry["top"]) == 2 for entry in logprobs)
+
+
 # -- payloads that broke the decoder ---------------------------------------------------------
 
 HOSTILE_JSON = [

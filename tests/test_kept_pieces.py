@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from edge_node.site import KEPT_PIECE_CHARS, emit_outcome
 from protocol.codec import WireFormat, dump_event
-from protocol.messages import Answer, EndEvent, TokenEvent, Usage, WireEvent
+from protocol.messages import Answer, EndEvent, TokenEvent, TokenLogprob, Usage, WireEvent
 from protocol.stream import AnswerState
 
 
@@ -39,3 +39,21 @@ async def test_a_kept_answer_goes_on_in_pieces_that_each_fit_a_message() -> None
     assert record.state.done and record.state.text() == text
     whole = record.state.whole()
     assert isinstance(whole, Answer) and whole.text == text
+    assert whole.logprobs is None  # none were asked for: none come
+
+
+async def test_a_kept_answer_s_logprobs_go_on_with_it_in_pieces() -> None:
+    """The logprobs of a request that could wait were dropped where its outcome was kept (one
+    ``answer``, which had no field for them): its client got the text alone."""
+    scored = [
+        TokenLogprob(token=f" t{i}", logprob=-0.5, top=[(f" t{i}", -0.5)]) for i in range(700)
+    ]
+    text = "".join(entry.token for entry in scored)
+    usage = Usage(prompt_tokens=3, completion_tokens=702, total_tokens=705)
+    record = _Record()
+    await emit_outcome(record, Answer(id="kept-1", text=text, usage=usage, logprobs=scored))  # type: ignore[arg-type]
+    tokens = [e for e in record.sent if isinstance(e, TokenEvent)]
+    assert len(tokens) == 3  # 256 entries at most each
+    assert record.state.logprobs() == scored
+    whole = record.state.whole()
+    assert isinstance(whole, Answer) and whole.text == text and whole.logprobs == scored
