@@ -168,6 +168,9 @@ class NatsIntake:
         self._refusals = TaskSet("edge-refusals")
         """Refusals sent from the read loop: apart from the requests (``parts.tasks``), so
         that they neither count toward the concurrency limit nor are cancelled with them."""
+        self._asks = TaskSet("edge-answer-asks")
+        """Asks for kept answers, each in a task: one slow read of the site's store held up
+        every other ask behind it (the endpoint's callbacks run one at a time)."""
 
     async def start(self, metadata: dict[str, str]) -> EdgeService:
         """The micro service ``mesh-edge`` and its endpoints (``metadata``: the service keeps
@@ -187,7 +190,7 @@ class NatsIntake:
             ("infer", edge_infer_subject(parts.edge_id), self.on_request),
             ("cancel", edge_cancel_subject(parts.edge_id), self.on_cancel),
             ("resend", edge_resend_subject(parts.edge_id), self.on_resend),
-            ("answer", edge_answer_subject(parts.edge_id), self.on_answer),
+            ("answer", edge_answer_subject(parts.edge_id), self._on_answer),
         ):
             await service.add_endpoint(
                 name=name, subject=subject, handler=handler, queue_group=group
@@ -210,6 +213,7 @@ class NatsIntake:
     async def close(self, timeout: float) -> None:
         """Once the endpoints stopped: the refusals still being sent get ``timeout`` seconds."""
         await self._refusals.close(grace=timeout)
+        await self._asks.close(grace=timeout)
 
     async def resync(self) -> None:
         """After the edge's link came back (a recovery step, :meth:`Connection.on_reconnect`).
@@ -347,10 +351,16 @@ class NatsIntake:
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(json.dumps({"cancelled": cancelled}).encode())
 
+    async def _on_answer(self, request: Request) -> None:
+        if len(self._asks) >= self.parts.edge.max_concurrent:
+            busy = OverloadedError("too many asks for kept answers at once", retry_after=1.0)
+            self._refusals.spawn(self._reply(request, error_event(busy)), name="edge-refusal")
+            return
+        self._asks.spawn(self.on_answer(request), name="edge-answer")
+
     async def on_answer(self, request: Request) -> None:
         """The kept answer of a request that could wait, by its id: an ``answer``, its typed
         ``err``, or ``unavailable`` while it is not answered yet."""
-        fmt = sniff(request.data, request.headers).reply_format
         outcome: Any = None
         try:
             raw = load(request.data, sniff(request.data, request.headers))
@@ -370,6 +380,11 @@ class NatsIntake:
                 )
         except MeshError as err:
             outcome = error_event(err, err.request_id)
+        await self._reply(request, outcome)
+
+    async def _reply(self, request: Request, outcome: Any) -> None:
+        """An answer-endpoint reply, in the ask's format."""
+        fmt = sniff(request.data, request.headers).reply_format
         data, nc = dump(outcome, fmt), self.parts.conn.nc
         if len(data) > room(nc):  # kept in msgpack: it can grow in JSON
             smaller = "" if fmt is WireFormat.MSGPACK else ": ask for it in msgpack (smaller)"

@@ -509,6 +509,30 @@ async def test_a_foreign_message_in_the_outbox_holds_up_nothing(topology: Topolo
         assert time.monotonic() - began < 10
 
 
+async def test_a_slow_ask_for_a_kept_answer_holds_up_no_other(topology: Topology) -> None:
+    """The answer endpoint's callbacks run one at a time: an ask whose read of the site's store
+    was slow (its JetStream busy) held every ask after it, for up to the read's timeout each."""
+    site = "site-a"
+    async with site_edge_and_worker(topology, site, token_delay_ms=0) as (_b, edge, client):
+        assert edge.site is not None
+        fetch = edge.site.fetch
+
+        async def slow_for_one(request_id: str, key: str | None) -> object:
+            if request_id == "slow-1":
+                await asyncio.sleep(1.5)  # within the ask's own timeout
+            return await fetch(request_id, key)
+
+        edge.site.fetch = slow_for_one  # type: ignore[method-assign]
+        slow = asyncio.ensure_future(client.answer("slow-1"))
+        await asyncio.sleep(0.1)  # asked first
+        began = time.monotonic()
+        with pytest.raises(UnavailableError, match="no answer kept"):
+            await client.answer("fast-1")
+        assert time.monotonic() - began < 1.0
+        with pytest.raises(UnavailableError, match="no answer kept"):
+            await slow
+
+
 async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) -> None:
     site = "site-a"
     settings = topology.site_settings(site, "client")
