@@ -23,6 +23,7 @@ from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
+from mesh.tasks import TaskSet
 from protocol.codec import decode_request, error_event, reply_target, sniff
 from protocol.errors import ErrorCode, MaxDeliveriesError, MeshError
 from protocol.messages import Answer, ErrorEvent, InferRequest
@@ -30,6 +31,8 @@ from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import is_token, scope_of, token_subject
 
 log = get_logger(__name__)
+MAX_EXHAUSTED = 1000
+"""Requests given up on that one worker answers at once (see :meth:`Outcomes.on_max_deliveries`)."""
 KEEP_RETRY_FIRST_S = 0.5
 KEEP_RETRY_MAX_S = 30.0
 """The pauses between tries to keep the outcome of a request JetStream gave up on: from half a
@@ -75,6 +78,9 @@ class Outcomes:
         self.publish_timeout = publish_timeout
         self.counts = counts
         """Where rejections, failures (with their codes) and max_deliveries are counted."""
+        self.exhausted = TaskSet("worker-exhausted")
+        """The requests JetStream gave up on being answered, each in a task: one whose keep
+        waits for the hub holds up no other (the advisories' callbacks run one at a time)."""
 
     async def reject(self, msg: Msg, err: MeshError, attempt: int) -> None:
         """Answer a request that will never run, where its sender listens, and drop it for good.
@@ -178,7 +184,14 @@ class Outcomes:
                 pause = min(pause * 2, KEEP_RETRY_MAX_S)
 
     async def on_max_deliveries(self, msg: Msg) -> None:
-        """The last delivery's worker died: tell the request's sender, typed, and drop it."""
+        """The last delivery's worker died: tell the request's sender, typed, and drop it, in a
+        task of its own (at most ``MAX_EXHAUSTED`` at once: beyond, here)."""
+        if len(self.exhausted) < MAX_EXHAUSTED:
+            self.exhausted.spawn(self._exhausted(msg), name="max-deliveries")
+        else:
+            await self._exhausted(msg)
+
+    async def _exhausted(self, msg: Msg) -> None:
         try:
             advisory = json.loads(msg.data)
             stream_seq = int(advisory["stream_seq"])

@@ -367,10 +367,10 @@ class Worker(Lifecycle):
         await self.settler.close()
         await self.orphans.close()
         await self.store_service.close()
-        for sub in self._subs:
-            if sub is not None:
-                with contextlib.suppress(nats.errors.Error):
-                    await sub.unsubscribe()
+        for sub in filter(None, self._subs):
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        await self.outcomes.exhausted.close()  # no advisory comes now
         await stop_service(self.conn, self._service, self.conn.settings.request_timeout)
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             self._page.remove(registry)

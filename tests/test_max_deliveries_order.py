@@ -28,9 +28,15 @@ from protocol.codec import decode_event, reply_target, sniff
 from protocol.errors import MaxDeliveriesError, MeshError
 from protocol.messages import ErrorEvent
 from protocol.stream import AnswerWriter
-from protocol.subjects import ANSWERS_STREAM, answer_subject, infer_subject, scope_of
+from protocol.subjects import (
+    ANSWERS_STREAM,
+    answer_subject,
+    infer_subject,
+    scope_of,
+    token_subject,
+)
 from tests.conftest import make_settings
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 
 async def _held(conn: Connection, stream: str, n: int) -> bool:
@@ -97,6 +103,7 @@ async def test_the_max_deliveries_error_goes_out_when_the_store_cannot_be_read(
         await worker.outcomes.on_max_deliveries(Msg(wconn.nc, subject="advisory", data=advisory))
         with pytest.raises(MaxDeliveriesError):
             await asyncio.wait_for(asking, 10)
+        assert await worker.outcomes.exhausted.wait(10)
         assert (await op.jsm().stream_info(stream.name)).state.messages == 0
 
 
@@ -133,6 +140,7 @@ async def test_the_outcome_of_a_request_that_can_wait_is_kept_however_long_the_h
         worker.keeper.keep = refusing  # type: ignore[method-assign]
         advisory = json.dumps({"stream_seq": ack.seq, "deliveries": stream.max_deliver}).encode()
         await worker.outcomes.on_max_deliveries(Msg(wconn.nc, subject="advisory", data=advisory))
+        assert await worker.outcomes.exhausted.wait(10)
         assert refused == 8
         kept = await wconn.jsm().get_msg(
             ANSWERS_STREAM, subject=answer_subject(scope, request_id), direct=True
@@ -140,3 +148,49 @@ async def test_the_outcome_of_a_request_that_can_wait_is_kept_however_long_the_h
         outcome = decode_event(kept.data or b"")
         assert isinstance(outcome, ErrorEvent) and outcome.code == "max_deliveries", outcome
         assert (await wconn.jsm().stream_info(stream.name)).state.messages == 0
+
+
+async def test_a_keep_that_waits_for_the_hub_holds_up_no_other_request_given_up_on(
+    own_server: NatsServer,
+) -> None:
+    """The advisories' callbacks run one at a time: while one request that can wait had its
+    keep refused (the hub down), the next advisory, a plain request whose client listens, was
+    not handled: its client waited silent for its timeout."""
+    settings = make_settings(own_server.url)
+    stream = settings.stream
+    scope = "site-x"
+    async with (
+        Connection(settings.nats, "worker") as wconn,
+        Worker(settings, wconn, DeterministicBackend(settings.worker.model)) as worker,
+        Connection(settings.nats, "client") as client,
+    ):
+
+        async def refusing(*_args: object, **_kwargs: object) -> None:
+            raise MeshError("the hub is down (scripted)", retryable=True)
+
+        worker.keeper.keep = refusing  # type: ignore[method-assign]
+        queued = []
+        for body in (
+            {"id": "waits-1", "prompt": "x", "max_tokens": 4, "deferrable": True},
+            {"id": "plain-2", "prompt": "x", "max_tokens": 4},
+        ):
+            queued.append(
+                await client.js.publish(
+                    infer_subject("elsewhere", scope), json.dumps(body).encode(), stream=stream.name
+                )
+            )
+        told = asyncio.Event()
+
+        async def hear(msg: Msg) -> None:
+            if isinstance(decode_event(msg.data), ErrorEvent):
+                told.set()
+
+        await client.nc.subscribe(token_subject(scope, "plain-2"), cb=hear)
+        await client.subscribed()
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream.name}.{worker.consumer}"
+        for ack in queued:
+            advisory = {"stream_seq": ack.seq, "deliveries": stream.max_deliver}
+            await client.nc.publish(subject, json.dumps(advisory).encode())
+        await asyncio.wait_for(told.wait(), 10)
+        still = worker.outcomes.exhausted  # the one still trying to keep its outcome
+        await eventually(lambda: holds(len(still) == 1), what="the plain request's task done")
