@@ -58,6 +58,7 @@ from protocol.codec import (
 )
 from protocol.errors import (
     CancelledByClientError,
+    ErrorCode,
     InvalidRequestError,
     MeshError,
     OverloadedError,
@@ -380,6 +381,9 @@ class NatsIntake:
                 )
         except MeshError as err:
             outcome = error_event(err, err.request_id)
+        except Exception:  # a bug, or a site store holding what it should not: still answered
+            log.exception("ask for a kept answer failed")
+            outcome = error_event(MeshError("edge failure", code=ErrorCode.INTERNAL))
         await self._reply(request, outcome)
 
     async def _reply(self, request: Request, outcome: Any) -> None:

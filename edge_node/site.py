@@ -296,7 +296,7 @@ class SiteStore:
             return unclaimed
         except (APIError, asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:
             raise UnavailableError(f"the site's claims cannot be read: {exc!r}") from None
-        if claim.get("fp") != fingerprint:
+        if not isinstance(claim, dict) or claim.get("fp") != fingerprint:
             return False  # kept for another request under this id
         return not claim.get("key") or hmac.compare_digest(claim["key"], key_hash(key))
 

@@ -533,6 +533,24 @@ async def test_a_slow_ask_for_a_kept_answer_holds_up_no_other(topology: Topology
             await slow
 
 
+async def test_an_ask_for_a_kept_answer_that_fails_is_answered_typed(topology: Topology) -> None:
+    """An ask whose handling failed unexpectedly (a bug; a site store holding what it should
+    not) is answered ``internal``, not left to its asker's timeout."""
+    site = "site-a"
+    async with site_edge_and_worker(topology, site, token_delay_ms=0) as (_b, edge, client):
+        assert edge.site is not None
+
+        async def broken(request_id: str, key: str | None) -> object:
+            raise AttributeError("'list' object has no attribute 'get' (scripted)")
+
+        edge.site.fetch = broken  # type: ignore[method-assign]
+        began = time.monotonic()
+        with pytest.raises(MeshError) as failed:
+            await client.answer("any-1")
+        assert failed.value.code.value == "internal", failed.value
+        assert time.monotonic() - began < 1.0
+
+
 async def test_a_kept_answer_goes_only_to_who_holds_its_key(topology: Topology) -> None:
     site = "site-a"
     settings = topology.site_settings(site, "client")
