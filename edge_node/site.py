@@ -62,7 +62,14 @@ from protocol.errors import (
     UnknownModelError,
 )
 from protocol.fingerprint import request_fingerprint
-from protocol.messages import Answer, ErrorEvent, InferRequest, RouteDecision, WireEvent
+from protocol.messages import (
+    Answer,
+    ErrorEvent,
+    InferRequest,
+    RouteDecision,
+    TokenLogprob,
+    WireEvent,
+)
 from protocol.stream import AnswerWriter
 from protocol.subjects import (
     CLAIMS_STREAM,
@@ -395,6 +402,39 @@ KEPT_PIECE_LOGPROBS = 256
 0.5 kB)."""
 
 
+def _pieces(
+    text: str, logprobs: list[TokenLogprob] | None
+) -> list[tuple[str, list[TokenLogprob] | None]]:
+    """A kept answer's text and logprobs, cut in pieces that each fit one message: at its
+    tokens' bounds when they spell the text (each piece's logprobs are its own text's), else
+    evenly (the logprobs then come in order, but not with their text)."""
+    if not logprobs:
+        size = KEPT_PIECE_CHARS
+        return [(text[at : at + size], logprobs) for at in range(0, len(text), size)]
+    if "".join(entry.token for entry in logprobs) == text:
+        cut: list[tuple[str, list[TokenLogprob] | None]] = []
+        piece: list[TokenLogprob] = []
+        chars = 0
+        for entry in logprobs:
+            if piece and (
+                len(piece) == KEPT_PIECE_LOGPROBS or chars + len(entry.token) > KEPT_PIECE_CHARS
+            ):
+                cut.append(("".join(e.token for e in piece), piece))
+                piece, chars = [], 0
+            piece.append(entry)
+            chars += len(entry.token)
+        cut.append(("".join(e.token for e in piece), piece))
+        return cut
+    n = max(-(-len(text) // KEPT_PIECE_CHARS), -(-len(logprobs) // KEPT_PIECE_LOGPROBS))
+    return [
+        (
+            text[i * len(text) // n : (i + 1) * len(text) // n],
+            logprobs[i * len(logprobs) // n : (i + 1) * len(logprobs) // n],
+        )
+        for i in range(n)
+    ]
+
+
 async def emit_outcome(record: Record, outcome: Answer | ErrorEvent) -> None:
     """Pass a kept answer on as one attempt: start, its text (and logprobs) in pieces, end. A
     piece takes at most ``KEPT_PIECE_CHARS`` and ``KEPT_PIECE_LOGPROBS``: the whole text at one
@@ -405,14 +445,10 @@ async def emit_outcome(record: Record, outcome: Answer | ErrorEvent) -> None:
         return
     writer = AnswerWriter(outcome.id, attempt=record.state.attempt + 1, node=outcome.served_by)
     events: list[WireEvent] = [writer.start()]
-    text, tokens, logprobs = outcome.text, outcome.usage.completion_tokens or 1, outcome.logprobs
-    scored = logprobs or []
-    pieces = max(-(-len(text) // KEPT_PIECE_CHARS), -(-len(scored) // KEPT_PIECE_LOGPROBS))
-    for i in range(pieces):  # even pieces; the engine tokens go with the last
-        piece = text[i * len(text) // pieces : (i + 1) * len(text) // pieces]
-        its = scored[i * len(scored) // pieces : (i + 1) * len(scored) // pieces]
-        n = tokens if i == pieces - 1 else 0
-        events.append(writer.token(piece, n=n, logprobs=its if logprobs is not None else None))
+    tokens = outcome.usage.completion_tokens or 1
+    cut = _pieces(outcome.text, outcome.logprobs)
+    for i, (piece, its) in enumerate(cut):  # the engine tokens go with the last
+        events.append(writer.token(piece, n=tokens if i == len(cut) - 1 else 0, logprobs=its))
     events.append(
         writer.end(
             finish_reason=outcome.finish_reason,

@@ -54,6 +54,9 @@ async def test_a_kept_answer_s_logprobs_go_on_with_it_in_pieces() -> None:
     await emit_outcome(record, Answer(id="kept-1", text=text, usage=usage, logprobs=scored))  # type: ignore[arg-type]
     tokens = [e for e in record.sent if isinstance(e, TokenEvent)]
     assert len(tokens) == 3  # 256 entries at most each
+    for token in tokens:  # each piece with its own text's logprobs (an SSE chunk's, offsets)
+        assert token.logprobs is not None
+        assert "".join(entry.token for entry in token.logprobs) == token.text
     assert record.state.logprobs() == scored
     whole = record.state.whole()
     assert isinstance(whole, Answer) and whole.text == text and whole.logprobs == scored
