@@ -154,7 +154,6 @@ class Handler(ABC):
         scope = scope_of(msg.subject)
         address = None if request is None or scope is None else token_subject(scope, request.id)
         if request is not None and address is not None and self.cancels.cancels(address, request):
-            self.counts.outcome("cancelled")
             err = CancelledByClientError("cancelled before it started", request_id=request.id)
             await self.refuse(msg, scope, request, err, delivery.number())
             return True

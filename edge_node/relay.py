@@ -46,7 +46,13 @@ from mesh.queue import ALIVE_WAIT_S, CloudCall, new_cancel_key
 from mesh.reader import WATCH_QUIET_S, AnswerReader
 from mesh.tasks import TaskSet, raise_if_cancelled
 from mesh.tracing import Tracing
-from protocol.errors import DeadlineExceededError, ErrorCode, MeshError, UnavailableError
+from protocol.errors import (
+    DeadlineExceededError,
+    ErrorCode,
+    MeshError,
+    MeshTimeoutError,
+    UnavailableError,
+)
 from protocol.fingerprint import Fingerprints
 from protocol.messages import (
     EndEvent,
@@ -236,17 +242,20 @@ class CloudRelay:
             headers=parts.tracing.inject(self.trace),
             fingerprints=self.fingerprints,
         )
+        maybe_queued = True  # unless the queue said it took nothing
         try:
             try:
                 await call.open()
-            except MeshError as err:  # it may be queued all the same: its ack was lost
+            except MeshError as err:  # queued all the same only if its ack was lost
+                maybe_queued = isinstance(err, MeshTimeoutError)
                 raise self._give_up(f"cloud queue unavailable: {err}", "queue") from None
             await self._follow(call, model, start_timeout, deadline)
         except BaseException:
             # Not answered from the cloud (a fallback, an error, a cancel or the deadline, as
             # it was queued too): no worker is to answer it for nobody. The client's answer
             # does not wait on that (a frozen worker's cancel takes its whole wait).
-            parts.withdrawals.spawn(call.withdraw(), name="withdraw")
+            if maybe_queued:
+                parts.withdrawals.spawn(call.withdraw(), name="withdraw")
             raise
         finally:
             parts.counts.metrics.repairs.inc(call.reader.repaired_events)

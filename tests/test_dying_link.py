@@ -178,7 +178,7 @@ async def test_a_nats_req_answer_dropped_while_the_edge_reconnects_is_sent_once_
 
             await eventually(taken, 10, "the edge to take the request")
             edge_conn.nc._max_pending_size = 1  # a reconnect buffer that is full
-            proxy.cut(1.0)  # down until after the answer ends (20 tokens, 20 ms each)
+            proxy.cut(2.0)  # down until after the answer ends (20 tokens, 20 ms each)
 
             async def answered_here() -> bool:
                 return all(r.done for r in edge.records.since(0.0))
