@@ -11,7 +11,7 @@ queued copy answers, its outcome kept for its site before any ack, attempts numb
 the store may hold unseen. It is built from the same steps as this one (:meth:`Handler._admit`,
 :meth:`Handler._serving`, :meth:`Handler._generate`) and the same parts (:class:`Parts`), so the
 plain path carries none of its rules. What differs when an attempt ends is one object,
-:class:`Release`: how the message is let go.
+:class:`cloud_node.delivery.Release`: how the message is let go.
 
 A cancel, a shutdown, a lost delivery or a failure each end an attempt in exactly one way
 (:meth:`Handler._generate`, :mod:`cloud_node.outcomes`). The worker (:mod:`cloud_node.worker`)
