@@ -37,7 +37,7 @@ from mesh.testing.proxy import TcpProxy
 from protocol.subjects import edge_infer_subject
 from tests.conftest import make_settings
 from tests.helpers import eventually
-from tests.nats_wire import RawNatsClient
+from tests.nats_wire import RawNatsClient, WireMsg
 
 
 def _linked(url: str) -> MeshSettings:
@@ -51,6 +51,25 @@ def _edge(settings: MeshSettings, conn: Connection, token_ms: float = 20) -> Edg
     """An edge answering locally with the deterministic backend, ``token_ms`` a token."""
     model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=token_ms)
     return EdgeNode(settings, conn, DeterministicBackend(model), HeuristicRouter())
+
+
+async def _asked(
+    cli: RawNatsClient, edge: EdgeNode, body: dict[str, object]
+) -> asyncio.Task[WireMsg]:
+    """``nats req`` to ``edge`` (JSON in, one reply), once the edge has taken it."""
+    reply = asyncio.create_task(
+        cli.request(edge_infer_subject(edge.edge_id), json.dumps(body).encode(), timeout=10)
+    )
+
+    async def taken() -> bool:
+        return bool(edge.records.since(0.0))
+
+    await eventually(taken, 10, "the edge to take the request")
+    return reply
+
+
+async def _answered_here(edge: EdgeNode) -> bool:
+    return all(r.done for r in edge.records.since(0.0))
 
 
 async def test_a_tail_lost_in_the_edges_dying_link_reaches_its_client_once_the_link_is_back(
@@ -117,24 +136,10 @@ async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once
             cli = await RawNatsClient().connect(nats_server.url)
             fails = ("[fail-after:15]",) if outcome == "err" else ()
             body = {"prompt": prompt("req", *fails), "max_tokens": 20, "route": "local"}
-            reply = asyncio.create_task(
-                cli.request(
-                    edge_infer_subject(edge_settings.edge.edge_id),
-                    json.dumps(body).encode(),
-                    timeout=10,
-                )
-            )
-
-            async def taken() -> bool:
-                return bool(edge.records.since(0.0))
-
-            await eventually(taken, 10, "the edge to take the request")
+            reply = await _asked(cli, edge, body)
             proxy.swallow()  # the one reply, when it is sent, goes nowhere
 
-            async def answered_here() -> bool:
-                return all(r.done for r in edge.records.since(0.0))
-
-            await eventually(answered_here, 10, "the edge to send its answer")
+            await eventually(lambda: _answered_here(edge), 10, "the edge to send its answer")
             assert not reply.done(), (
                 f"the reply came through a link that swallowed it: {reply.result().json()}"
             )
@@ -165,25 +170,11 @@ async def test_a_nats_req_answer_dropped_while_the_edge_reconnects_is_sent_once_
         ):
             cli = await RawNatsClient().connect(nats_server.url)
             body = {"prompt": prompt("full"), "max_tokens": 20, "route": "local"}
-            reply = asyncio.create_task(
-                cli.request(
-                    edge_infer_subject(edge_settings.edge.edge_id),
-                    json.dumps(body).encode(),
-                    timeout=10,
-                )
-            )
-
-            async def taken() -> bool:
-                return bool(edge.records.since(0.0))
-
-            await eventually(taken, 10, "the edge to take the request")
+            reply = await _asked(cli, edge, body)
             edge_conn.nc._max_pending_size = 1  # a reconnect buffer that is full
             proxy.cut(2.0)  # down until after the answer ends (20 tokens, 20 ms each)
 
-            async def answered_here() -> bool:
-                return all(r.done for r in edge.records.since(0.0))
-
-            await eventually(answered_here, 10, "the edge to end its answer")
+            await eventually(lambda: _answered_here(edge), 10, "the edge to end its answer")
             batch = edge_conn.write_batch
             assert batch._dropped, "nothing was dropped: the test proves nothing"
             answer = (await asyncio.wait_for(reply, 10)).json()

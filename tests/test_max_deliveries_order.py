@@ -10,7 +10,9 @@ waited, silent, for its timeout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.msg import Msg
@@ -20,7 +22,8 @@ from cloud_node.takeover import unseen_attempt
 from cloud_node.worker import Worker
 from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.backends.deterministic import DeterministicBackend
-from mesh.client import MeshClient
+from mesh.client import Completion, MeshClient
+from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
@@ -43,10 +46,11 @@ async def _held(conn: Connection, stream: str, n: int) -> bool:
     return (await conn.jsm().stream_info(stream)).state.messages >= n
 
 
-async def test_the_max_deliveries_error_outranks_a_start_the_store_lost(
-    own_server: NatsServer,
-) -> None:
-    settings = make_settings(own_server.url)
+@contextlib.asynccontextmanager
+async def _asking(
+    settings: MeshSettings,
+) -> AsyncIterator[tuple[Connection, Connection, asyncio.Future[Completion]]]:
+    """A worker's connection, an operator's, and a client's request via the cloud, queued."""
     stream = settings.stream
     async with (
         Connection(settings.nats, "worker") as wconn,
@@ -57,6 +61,19 @@ async def test_the_max_deliveries_error_outranks_a_start_the_store_lost(
         await ensure_answer_stream(op.jsm(), stream)
         asking = asyncio.ensure_future(client.complete("x", via="cloud", max_tokens=4))
         await eventually(lambda: _held(op, stream.name, 1), what="the request queued")
+        try:
+            yield wconn, op, asking
+        finally:
+            asking.cancel()
+            await asyncio.gather(asking, return_exceptions=True)
+
+
+async def test_the_max_deliveries_error_outranks_a_start_the_store_lost(
+    own_server: NatsServer,
+) -> None:
+    settings = make_settings(own_server.url)
+    stream = settings.stream
+    async with _asking(settings) as (wconn, op, asking):
         queued = await op.jsm().get_msg(stream.name, 1)
         request_id, _ = reply_target(queued.data or b"", queued.headers)
         scope = scope_of(queued.subject or "")
@@ -84,15 +101,7 @@ async def test_the_max_deliveries_error_goes_out_when_the_store_cannot_be_read(
     client waited, silent, for its own timeout (30 s here); the request stayed queued."""
     settings = make_settings(own_server.url)
     stream = settings.stream
-    async with (
-        Connection(settings.nats, "worker") as wconn,
-        Connection(settings.nats, "operator") as op,
-        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
-    ):
-        await provision(op.jsm(), stream, [settings.edge.cloud_model])
-        await ensure_answer_stream(op.jsm(), stream)
-        asking = asyncio.ensure_future(client.complete("x", via="cloud", max_tokens=4))
-        await eventually(lambda: _held(op, stream.name, 1), what="the request queued")
+    async with _asking(settings) as (wconn, op, asking):
         worker = Worker(settings, wconn, DeterministicBackend(settings.worker.model))
 
         async def unreadable(*_args: object, **_kwargs: object) -> list[object]:
