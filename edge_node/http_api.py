@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_node.api_keys import REQUEST_APP, ApiKeys, require_keys
 from edge_node.http_sinks import CLIENT_STALL_S, CollectSink, SSESink, error_body
-from edge_node.openai_api import Kind, Shaper, parse, to_request
+from edge_node.openai_api import Kind, Shaper, parse, to_request, tokens_field
 from edge_node.parts import EdgeCounts, Serve
 from edge_node.records import Sink
 from edge_node.served import CloudModels
@@ -392,9 +392,10 @@ class EdgeHTTP:
             app = REQUEST_APP.get() or ""
             req = req.model_copy(update={"cancel_key": self.parts.app_key(app)})
         if req.max_tokens > limits.max_tokens:
+            named = tokens_field(body)  # the field the client set
             raise InvalidRequestError(
-                f"max_tokens {req.max_tokens} is over this edge's limit of {limits.max_tokens}",
-                details=[{"loc": "max_tokens", "msg": f"must be <= {limits.max_tokens}"}],
+                f"{named} {req.max_tokens} is over this edge's limit of {limits.max_tokens}",
+                details=[{"loc": named, "msg": f"must be <= {limits.max_tokens}"}],
             )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return req, model, include_usage

@@ -122,12 +122,30 @@ def parse(kind: Kind, raw: dict[str, Any]) -> ChatBody | CompletionBody:
         body = (ChatBody if kind == "chat" else CompletionBody).model_validate(raw)
     except ValidationError as exc:
         raise invalid_request_error(exc, None) from None
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError(
+            "'stream_options' is only allowed with 'stream': true",
+            details=[{"loc": "stream_options", "msg": "needs stream"}],
+        )
+    if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError(
+            "'top_logprobs' needs 'logprobs': true",
+            details=[{"loc": "top_logprobs", "msg": "needs logprobs"}],
+        )
     if isinstance(body, CompletionBody):
         if body.echo:
             raise InvalidRequestError("'echo' is not supported by this edge")
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise InvalidRequestError("give exactly one prompt")
     return body
+
+
+def tokens_field(body: ChatBody | CompletionBody) -> str:
+    """The name of the field that set the answer's length: a chat's ``max_completion_tokens``
+    when given (it wins over ``max_tokens``), else ``max_tokens``."""
+    if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def to_request(
@@ -168,7 +186,13 @@ def to_request(
     try:
         return InferRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
-        raise invalid_request_error(exc, None) from None
+        err = invalid_request_error(exc, None)
+        named = tokens_field(body)  # the field the client set, not the mesh's name for it
+        for detail in err.details or []:
+            if detail.get("loc") == "max_tokens":
+                detail["loc"] = named
+                err.message = err.message.replace("max_tokens", named)
+        raise err from None
 
 
 # -- responses ----------------------------------------------------------------------------

@@ -173,6 +173,30 @@ async def test_content_a_turn_cannot_have_is_named_in_its_400(api_edge: EdgeNode
                 assert named in json.dumps(error), error
 
 
+async def test_a_400_names_the_field_the_client_set(api_edge: EdgeNode) -> None:
+    """A length past the edge's limit set by ``max_completion_tokens`` was refused naming
+    ``max_tokens``, a field the client never sent; ``top_logprobs`` without ``logprobs`` and
+    ``stream_options`` without ``stream`` were ignored (OpenAI's API refuses both)."""
+    assert api_edge.http is not None
+    url = f"{api_edge.http.url}/v1/chat/completions"
+    user = [{"role": "user", "content": PROMPT}]
+    cases = [
+        ({"max_completion_tokens": 100_000}, "max_completion_tokens"),
+        ({"max_completion_tokens": 5_000}, "max_completion_tokens"),  # past the edge's 4,096
+        ({"max_tokens": 5_000}, "max_tokens"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for fields, named in cases:
+            async with http.post(url, json={"messages": user, **fields}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["code"] == "invalid_request", (fields, error)
+                assert named in error["message"], (fields, error)
+                if named != "max_tokens":
+                    assert "max_tokens" not in error["message"], (fields, error)
+
+
 async def test_an_error_echoes_the_request_s_id_as_an_answer_does(api_edge: EdgeNode) -> None:
     """docs/http-api.md: the ``X-Request-Id`` sent is the response's; before, only answers had
     it, and a failed request could not be found in the edge's log by it."""
