@@ -90,10 +90,34 @@ class NatsServer(Lifecycle):
         return self._proc.pid if self._proc else None
 
     async def start(self) -> NatsServer:
+        try:
+            return await self._launch()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def restart(self) -> NatsServer:
+        """Start the server again after its process ended, on the port it had, its store and
+        its log: what JetStream kept is there again. Raises :class:`NatsServerError` when it
+        does not come up (the store, the port and the log stay, to try again)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:  # not ended after all
+            proc.kill()
+            await proc.wait()
+        try:
+            return await self._launch()
+        except BaseException:
+            await self.kill()
+            raise
+
+    async def _launch(self) -> NatsServer:
         binary = find_nats_server(self.binary)
-        self._tmp = tempfile.TemporaryDirectory(prefix="mesh-nats-")
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="mesh-nats-")
         store = self._store_dir or str(Path(self._tmp.name) / "store")
         self.log_path = Path(self._tmp.name) / "nats-server.log"
+        # The log is appended to: a restart's readiness is read from what it writes itself.
+        since = self.log_path.stat().st_size if self.log_path.exists() else 0
         if self.config:
             args = ["-c", self.config]
         else:
@@ -109,20 +133,16 @@ class NatsServer(Lifecycle):
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-        try:
-            await self._wait_ready()
-        except BaseException:
-            await self.stop()
-            raise
+        await self._wait_ready(since)
         log.info("nats-server started", url=self.url, pid=self._proc.pid, store_dir=store)
         return self
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, since: int = 0) -> None:
         assert self._proc is not None
         assert self.log_path is not None
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            text = self._log_since(since)
             match = _LISTENING.search(text)
             if match and _READY in text:
                 self.port = int(match.group(2))
@@ -136,6 +156,26 @@ class NatsServer(Lifecycle):
         raise NatsServerError(
             f"nats-server not ready within {self.ready_timeout:g}s: {_tail(text)}"
         )
+
+    def _log_since(self, offset: int) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as log_file:
+            log_file.seek(offset)
+            return log_file.read().decode(errors="replace")
+
+    async def exited(self) -> int:
+        """When the server process ends, whoever ended it: its exit status (negative: the
+        signal that ended it)."""
+        proc = self._proc
+        assert proc is not None, "not started"
+        return await proc.wait()
+
+    def log_tail(self, lines: int = 5) -> str:
+        """The last lines of the server's log (why it stopped, when it did)."""
+        path = self.log_path
+        text = path.read_text(errors="replace") if path is not None and path.exists() else ""
+        return _tail(text, lines)
 
     async def kill(self) -> None:
         """kill -9, by PID (a crash, not a shutdown); the store is left as the crash left it."""

@@ -27,9 +27,14 @@ from mesh.connection import Connection
 from mesh.lifecycle import Lifecycle, start_or_undo
 from mesh.logs import get_logger
 from mesh.metrics import Exposition, exposition
-from mesh.nats_server import NatsServer
+from mesh.nats_server import NatsServer, NatsServerError
+from mesh.tasks import TaskSet
 
 log = get_logger(__name__)
+SERVER_RESTART_FIRST_S = 0.1
+SERVER_RESTART_MAX_S = 5.0
+"""The pauses between tries to start the nats-server again, doubling (see
+:meth:`LocalMesh._keep_server`)."""
 
 
 class LocalMesh(Lifecycle):
@@ -44,6 +49,8 @@ class LocalMesh(Lifecycle):
         """The worker's own metrics page, when ``worker.metrics_port`` is set."""
         self.worker_metrics_port: int | None = None
         self.edge_metrics_port: int | None = None
+        self._tasks = TaskSet("local-mesh")
+        self.server_restarts = 0
 
     @property
     def nats_url(self) -> str:
@@ -67,6 +74,9 @@ class LocalMesh(Lifecycle):
         worker_backend = create_backend(settings.worker.model)
         edge_backend = create_backend(settings.edge.model)
         self._backends = [worker_backend, edge_backend]
+        if self.server is not None:
+            server = self.server
+            self._tasks.supervise(lambda: self._keep_server(server), name="nats-server-watch")
         self.conn = await Connection(settings.nats, "mesh-local").connect()
         await asyncio.gather(worker_backend.start(), edge_backend.start())
         # Ports before nodes: a port in use fails `mesh up` before anything answers requests.
@@ -85,9 +95,30 @@ class LocalMesh(Lifecycle):
         await self.edge.start()
         log.info("local mesh up", nats_url=self.nats_url, edge_subject=self.edge.subject)
 
+    async def _keep_server(self, server: NatsServer) -> None:
+        """The nats-server ended by nobody's stop (a crash, the OOM killer, a stray kill): say
+        so with the end of its log, and start it again on its port and store until it is up;
+        the nodes reconnect, and their recovery puts back what the server lost. Before,
+        ``mesh up`` ran on with no server, its ``/ready`` 503 for good."""
+        while True:
+            status = await server.exited()
+            log.error("nats-server exited; starting it again", status=status, log=server.log_tail())
+            pause = SERVER_RESTART_FIRST_S
+            while True:
+                try:
+                    await server.restart()
+                    break
+                except NatsServerError as err:
+                    log.error("nats-server did not start again", error=err.message, pause_s=pause)
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, SERVER_RESTART_MAX_S)
+            self.server_restarts += 1
+            log.warning("nats-server started again", url=server.url, pid=server.pid)
+
     async def stop(self) -> None:
         """In order; a step that fails is logged and the next one still runs, so that a node
         that failed to stop leaves no connection, engine or nats-server behind."""
+        await self._tasks.close()  # the nats-server stops now: nobody starts it again
         edge, worker, page, port = self.edge, self.worker, self.worker_page, self.edge_metrics_port
         if edge is not None:
             await _step("edge", edge.stop)
