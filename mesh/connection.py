@@ -25,7 +25,7 @@ from nats.js.manager import JetStreamManager
 from nats.micro.service import Service
 
 from mesh.config import NatsSettings
-from mesh.credentials import check_creds_file
+from mesh.credentials import check_creds_file, connect_options, is_auth_error, tls_reason
 from mesh.js_acks import Acks, Gone
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
@@ -93,6 +93,11 @@ class Connection(Lifecycle):
         first queued request (kept here: the watch lives and goes with its connection)."""
         self.recovery = Recovery(name)
         """What a reconnect may have lost, put back until it is (see :mod:`mesh.recovery`)."""
+        self.closed_for_good = asyncio.Event()
+        """Set when the server ended the connection and nats-py gave up on it (it does after
+        a server error such as an expired JWT's ``User Authentication Expired``, or an
+        ``Authorization Violation`` after a config reload): nothing brings it back in this
+        process, and a process serving on it stops so that its supervisor starts it again."""
 
     @property
     def nc(self) -> Client:
@@ -259,9 +264,11 @@ class Connection(Lifecycle):
         failures: list[str] = []
         turned_away = 0
         nobody_listens = asyncio.Event()
+        last_error = ""
 
         async def on_error(exc: Exception) -> None:
-            nonlocal turned_away
+            nonlocal turned_away, last_error
+            last_error = repr(exc)
             if isinstance(exc, ConnectionRefusedError) and not self.connected:
                 turned_away += 1
                 if not self.patient and turned_away >= len(servers):
@@ -270,10 +277,10 @@ class Connection(Lifecycle):
                 self._lost()
             if (refused_to := _SUB_REFUSED.search(str(exc))) is not None:
                 self.refused_subscriptions.add(refused_to.group(1).lower())
-            if _is_auth_error(exc):
+            if is_auth_error(exc):
                 refused.append(str(exc))
             elif isinstance(exc, ssl.SSLError) and not self.connected:
-                failures.append(_reason(exc))
+                failures.append(tls_reason(exc))
             log.warning("nats error", connection=self.name, error=repr(exc))
 
         async def on_disconnected() -> None:
@@ -285,6 +292,11 @@ class Connection(Lifecycle):
                 self.drops += 1
                 self.dropped_at = time.monotonic()
                 log.warning("nats disconnected", connection=self.name)
+
+        async def on_closed() -> None:
+            if not self._closing and self._nc is client:  # not this process's close
+                log.error("nats connection closed for good", connection=self.name, error=last_error)
+                self.closed_for_good.set()
 
         async def on_reconnected() -> None:
             self._dropped.clear()
@@ -305,7 +317,7 @@ class Connection(Lifecycle):
         try:
             connected, _ = await first_of(
                 client.connect(
-                    **_auth(self.settings),
+                    **connect_options(self.settings),
                     servers=servers,
                     name=self.name,
                     connect_timeout=max(1, round(self.settings.connect_timeout)),
@@ -317,6 +329,7 @@ class Connection(Lifecycle):
                     error_cb=on_error,
                     disconnected_cb=on_disconnected,
                     reconnected_cb=on_reconnected,
+                    closed_cb=on_closed,
                 ),
                 nobody_listens,
                 timeout=self.settings.connect_timeout,
@@ -330,7 +343,7 @@ class Connection(Lifecycle):
                     f"cannot connect to NATS at {', '.join(servers)}: nothing accepts "
                     "connections there; is nats-server running? `mesh up` starts a local one"
                 ) from None
-            if _is_auth_error(exc) or refused:
+            if is_auth_error(exc) or refused:
                 raise UnauthorizedError(
                     f"NATS at {', '.join(servers)} refused this process's credentials "
                     f"({(refused or [str(exc)])[0]}): wrong, expired or revoked, or none were "
@@ -431,39 +444,8 @@ async def stop_service(conn: Connection, service: Service | None, timeout: float
         log.warning("micro service not stopped cleanly", error=repr(exc))
 
 
-def _reason(exc: ssl.SSLError) -> str:
-    return f"TLS handshake failed ({exc.reason or exc}); check MESH_NATS_TLS_CA_FILE"
-
-
 _SUB_REFUSED = re.compile(r'permissions violation for subscription to "([^"]+)"', re.IGNORECASE)
 """How the server refuses a subscription (nats-py hands it to the error callback)."""
-
-
-def _is_auth_error(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, nats.errors.AuthorizationError) or (
-        "authorization violation" in text or "authentication" in text
-    )
-
-
-def _auth(settings: NatsSettings) -> dict[str, Any]:
-    """Credentials and TLS options for nats-py, from the settings that are set."""
-    options: dict[str, Any] = {}
-    if settings.creds_file:
-        options["user_credentials"] = settings.creds_file
-    if settings.inbox_prefix:
-        options["inbox_prefix"] = settings.inbox_prefix
-    if settings.token:
-        options["token"] = settings.token
-    if settings.user:
-        options["user"] = settings.user
-        options["password"] = settings.password or ""
-    if settings.tls_ca_file or settings.tls_cert_file:
-        context = ssl.create_default_context(cafile=settings.tls_ca_file)
-        if settings.tls_cert_file:
-            context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
-        options["tls"] = context
-    return options
 
 
 async def _close_quietly(client: Client) -> None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import base64
 import json
 import re
+import ssl
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+
+from mesh.config import NatsSettings
 from protocol.errors import UnauthorizedError
 
 _JWT = re.compile(r"-----BEGIN NATS USER JWT-----\s*([A-Za-z0-9_.=-]+)\s*-+END NATS USER JWT")
@@ -90,3 +94,34 @@ def _overlaps(pattern: str, subject: str) -> bool:
         if x != y and "*" not in (x, y):
             return False
     return True
+
+
+def tls_reason(exc: ssl.SSLError) -> str:
+    return f"TLS handshake failed ({exc.reason or exc}); check MESH_NATS_TLS_CA_FILE"
+
+
+def is_auth_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.AuthorizationError) or (
+        "authorization violation" in text or "authentication" in text
+    )
+
+
+def connect_options(settings: NatsSettings) -> dict[str, Any]:
+    """Credentials and TLS options for nats-py, from the settings that are set."""
+    options: dict[str, Any] = {}
+    if settings.creds_file:
+        options["user_credentials"] = settings.creds_file
+    if settings.inbox_prefix:
+        options["inbox_prefix"] = settings.inbox_prefix
+    if settings.token:
+        options["token"] = settings.token
+    if settings.user:
+        options["user"] = settings.user
+        options["password"] = settings.password or ""
+    if settings.tls_ca_file or settings.tls_cert_file:
+        context = ssl.create_default_context(cafile=settings.tls_ca_file)
+        if settings.tls_cert_file:
+            context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+        options["tls"] = context
+    return options

@@ -162,9 +162,13 @@ class _Stop:
     Before that the defaults stand: the process ends at once, with nothing taken to lose and no
     model load to wait out."""
 
-    def __init__(self) -> None:
+    def __init__(self, conn: Connection | None = None) -> None:
         self._asked = asyncio.Event()
         self._loop = asyncio.get_running_loop()
+        self._conn = conn
+        self.lost = False
+        """Whether the stop came from the NATS connection closed for good, not a signal: the
+        process then exits 1, and its supervisor starts it again (connecting anew)."""
 
     def __enter__(self) -> _Stop:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -191,8 +195,13 @@ class _Stop:
         return bool(ended)
 
     async def wait(self) -> None:
+        """Until a signal asks for the stop, or the server closed the connection for good."""
         heap.settle()  # once the node serves: mesh.heap
-        await self._asked.wait()
+        closed = self._conn.closed_for_good if self._conn is not None else asyncio.Event()
+        asked, _ = await first_of(self._asked.wait(), closed)
+        if not asked:
+            self.lost = True
+            log.error("stopping: the server closed the NATS connection for good; exiting 1")
 
 
 async def _up(settings: MeshSettings) -> int:
@@ -207,11 +216,11 @@ async def _up(settings: MeshSettings) -> int:
             print(f"  Prometheus metrics ({nodes}): {where}", flush=True)
         print(f'  try: mesh ask --nats-url {mesh.nats_url} "What is 2+2?"', flush=True)
         print("  Ctrl-C stops everything", flush=True)
-        with _Stop() as stop:
+        with _Stop(mesh.conn) as stop:
             await stop.wait()
         print("stopping...", flush=True)
     print("stopped", flush=True)
-    return 0
+    return 1 if stop.lost else 0
 
 
 async def _demo(settings: MeshSettings, args: argparse.Namespace) -> int:
@@ -312,14 +321,14 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
         print(f"Prometheus metrics on port {port}", flush=True)
     try:
         async with Connection(settings.nats, f"mesh-{role}", source=role == "worker") as conn:
-            if role == "worker":
-                await _serve_workers(settings, conn, backend)
-            else:
-                from edge_node.node import EdgeNode
-                from edge_node.routing import create_router
+            with _Stop(conn) as stop:  # a start takes requests before it ends
+                if role == "worker":
+                    await _serve_workers(settings, conn, backend, stop)
+                else:
+                    from edge_node.node import EdgeNode
+                    from edge_node.routing import create_router
 
-                edge = EdgeNode(settings, conn, backend, create_router(settings.edge.router))
-                with _Stop() as stop:  # its start takes requests before it ends
+                    edge = EdgeNode(settings, conn, backend, create_router(settings.edge.router))
                     if await stop.unless_asked(edge.start()):
                         try:
                             await stop.wait()
@@ -328,10 +337,12 @@ async def _serve_role(settings: MeshSettings, role: str) -> int:
     finally:
         await backend.close()
         exposition.stop()
-    return 0
+    return 1 if stop.lost else 0
 
 
-async def _serve_workers(settings: MeshSettings, conn: Connection, backend: Backend) -> None:
+async def _serve_workers(
+    settings: MeshSettings, conn: Connection, backend: Backend, stop: _Stop
+) -> None:
     """One worker per model the engine serves (``worker.also_serve``), on one connection;
     started in order, stopped in reverse. A stop asked while one starts (its engine, or its
     provisioning, which can take seconds while JetStream does not answer) leaves that start, as
@@ -340,20 +351,19 @@ async def _serve_workers(settings: MeshSettings, conn: Connection, backend: Back
     from mesh.backends import create_backend
     from mesh.provision import served_models
 
-    with _Stop() as stop:
-        async with contextlib.AsyncExitStack() as stack:
-            for index, worker in enumerate(served_models(settings.worker)):
-                engine = backend
-                if index:
-                    engine = create_backend(worker.model)
-                    stack.push_async_callback(engine.close)
-                    if not await stop.unless_asked(engine.start()):
-                        break
-                node = Worker(settings.model_copy(update={"worker": worker}), conn, engine)
-                if not await stop.unless_asked(node.start()):
+    async with contextlib.AsyncExitStack() as stack:
+        for index, worker in enumerate(served_models(settings.worker)):
+            engine = backend
+            if index:
+                engine = create_backend(worker.model)
+                stack.push_async_callback(engine.close)
+                if not await stop.unless_asked(engine.start()):
                     break
-                stack.push_async_callback(node.stop)
-            await stop.wait()
+            node = Worker(settings.model_copy(update={"worker": worker}), conn, engine)
+            if not await stop.unless_asked(node.start()):
+                break
+            stack.push_async_callback(node.stop)
+        await stop.wait()
 
 
 async def _status(settings: MeshSettings, as_json: bool) -> int:

@@ -8,6 +8,8 @@ holds ``marker`` (a delivery in flight when the link went) and cuts the link wit
 ``freeze()`` makes it silent both ways with every socket left open (a host lost without a reset,
 a partition, a NAT that dropped the connection): nothing comes through until ``restore()``.
 ``delay_down`` holds what the server sends that many seconds (a slow return path).
+``say_and_close(line)`` sends every client a line as from the server, then closes its link (the
+server ending a connection: an expired JWT's ``-ERR``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class TcpProxy:
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._clients: set[asyncio.StreamWriter] = set()
         self._cut_until = 0.0
         self._swallowing = False
         self._frozen = False
@@ -76,6 +79,13 @@ class TcpProxy:
         self._cut_until = 0.0
         self._frozen = False
 
+    def say_and_close(self, line: bytes = b"-ERR 'User Authentication Expired'\r\n") -> None:
+        """Send every client ``line`` as from the server, then close each link."""
+        for writer in list(self._clients):  # each link's pumps end with it (not aborted
+            with contextlib.suppress(Exception):  # here: that would throw the line away)
+                writer.write(line)
+                writer.transport.close()  # after what it holds: the line goes out first
+
     def _drop(self) -> None:
         for writer in list(self._writers):
             with contextlib.suppress(Exception):
@@ -97,6 +107,7 @@ class TcpProxy:
             up_writer.transport.abort()
             return
         self._writers.add(up_writer)
+        self._clients.add(writer)
         for src, dst, upward in ((reader, up_writer, True), (up_reader, writer, False)):
             pump = self._pump(src, dst, upward, writer, up_writer)
             task = asyncio.get_running_loop().create_task(pump)
@@ -134,6 +145,7 @@ class TcpProxy:
                 with contextlib.suppress(Exception):
                     writer.transport.abort()
                 self._writers.discard(writer)
+                self._clients.discard(writer)
 
 
 def _write(dst: asyncio.StreamWriter, data: bytes) -> None:
