@@ -60,6 +60,10 @@ async def model_is_served(
     return True
 
 
+KNOWN_MAX = 1000
+"""The most models :class:`ServedModels` remembers an answer for."""
+
+
 class ServedModels:
     """Whether a worker pool serves a model: the one rule for the edge and the SDK alike.
 
@@ -165,6 +169,16 @@ class ServedModels:
         await cancel_and_wait(list(self._looking.values()))
         await unlisten(listening, heard)
 
+    def _prune(self) -> None:
+        """Room for one more answer: the noes that have run out go, then the oldest answers.
+        Clients name the models: one naming a new one each request grew this for ever."""
+        now = time.monotonic()
+        for model, (served, until, _heard) in list(self._known.items()):
+            if not served and until <= now:
+                del self._known[model]
+        while len(self._known) >= KNOWN_MAX:
+            del self._known[next(iter(self._known))]
+
     def _looked(self, model: str, look: asyncio.Task[bool]) -> None:
         self._looking.pop(model, None)
         failed = None if look.cancelled() else look.exception()
@@ -179,6 +193,8 @@ class ServedModels:
         if generation != self._generation:  # a word or a loss came meanwhile: not for later
             return served
         if self._for[served] > 0:
+            if len(self._known) >= KNOWN_MAX:
+                self._prune()
             self._known[model] = (served, time.monotonic() + self._for[served], heard)
         else:
             self._known.pop(model, None)  # a stale yes must not stand for it

@@ -240,3 +240,19 @@ def _stale(served: ServedModels) -> None:
 
 async def _says(served: ServedModels, answer: bool) -> bool:
     return await served(MODEL) is answer
+
+
+async def test_what_is_known_stays_bounded_whatever_the_clients_name(
+    hub: tuple[MeshSettings, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request names its model: a client naming a new one each time (a UUID, a hostile key
+    holder) grew the edge's answers for ever, one per name, expired noes too."""
+    monkeypatch.setattr("mesh.served_models.KNOWN_MAX", 50)
+    settings, conn = hub
+    served = ServedModels(conn.jsm, settings.stream, no_for=60.0)
+    assert await served(MODEL)
+    for n in range(120):
+        assert not await served(f"nobody-serves-{n}")
+    assert len(served._known) <= 50
+    assert await served(MODEL)  # still right, looked up again if it had to go
+    assert not await served("nobody-serves-119")  # the newest stay
