@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +67,9 @@ STALE_LOOKS = 3
 
 
 RESET_TRIES = 3
-"""Failed resets in a row (no answer in time, nobody serving it) before a pull stops asking."""
+"""Failed resets in a row (no answer in time, nobody serving it) before a pull asks only once
+every ``RESET_AGAIN_S`` (a refusal for good: never again)."""
+RESET_AGAIN_S = 60.0
 MAX_RTT_S = 1.0
 """The most a measured round trip adds to the waits for a pull's first heartbeat and expiry
 (one sample, taken after a loss, may be one slow answer of a hub still recovering)."""
@@ -118,6 +121,9 @@ class Pull:
         self._looks = 0
         self._failed_resets = 0
         """Resets failed in a row (:data:`RESET_TRIES` once the server refused one for good)."""
+        self._reset_again_at: float | None = None
+        """When a pull that stopped asking after timeouts asks again (None: refused for good,
+        or asking as usual). A timeout says nothing lasting: an election, a flapping link."""
         self.rtt = 0.0
         """Seconds a round trip to the consumer's server takes, as the caller last measured it:
         the first heartbeat of a request is waited for that much longer (a slow uplink)."""
@@ -264,7 +270,10 @@ class Pull:
     @property
     def _resets(self) -> bool:
         """Whether the server may still take ``CONSUMER.RESET`` from this pull."""
-        return self._failed_resets < RESET_TRIES
+        again = self._reset_again_at
+        return self._failed_resets < RESET_TRIES or (
+            again is not None and time.monotonic() >= again
+        )
 
     async def _reset(self, unacked: int, waiting: int) -> None:
         try:
@@ -277,8 +286,13 @@ class Pull:
             # not asked for again: it would wait as long for nothing.
             refused = isinstance(exc, Refused) and exc.code in (400, 403)
             self._failed_resets = RESET_TRIES if refused else self._failed_resets + 1
+            again, self._reset_again_at = self._reset_again_at, None
+            if not refused and self._failed_resets >= RESET_TRIES:
+                self._reset_again_at = time.monotonic() + RESET_AGAIN_S
             if self._resets:
                 self.link_lost = True
+                return
+            if again is not None:  # asked again, and again no answer: said so already
                 return
             log.warning(
                 "cannot reset the consumer: deliveries lost with a link come again after its "
@@ -288,7 +302,7 @@ class Pull:
                 error=repr(exc),
             )
             return
-        self._failed_resets = 0
+        self._failed_resets, self._reset_again_at = 0, None
         log.info(
             "deliveries lost with a link; sent again",
             consumer=self.consumer,

@@ -238,7 +238,9 @@ async def test_a_refused_reset_is_not_asked_for_again(conn: Connection) -> None:
     leaves lost deliveries to the ack wait, rather than ask again after every link loss. A
     reset that fails in passing (no answer in time: an election, a link dropping again) is
     asked for again at the next look, and given up after three in a row (credentials without
-    the right: a permission violation gets no answer)."""
+    the right: a permission violation gets no answer), then asked for again a minute later:
+    the pull gave up for good, and each delivery a link took waited out the ack wait until the
+    process restarted."""
     pull = await _pull(conn)
     calls: list[str] = []
     api_call = pull._api_call
@@ -269,5 +271,21 @@ async def test_a_refused_reset_is_not_asked_for_again(conn: Connection) -> None:
             assert calls == ["INFO", "RESET"] * tries
             assert pull.link_lost == (tries < RESET_TRIES)  # looked at again, until given up
         assert not pull._resets
+        # A timeout says nothing lasting: asked again a while later (it stopped for good).
+        assert pull._reset_again_at is not None
+        pull._reset_again_at = time.monotonic()  # the while has passed
+        failure[0] = asyncio.TimeoutError()
+        calls.clear()
+        pull.link_lost = True
+        await pull.redeliver()
+        assert calls == ["INFO", "RESET"]  # asked again; no answer again: later again
+        assert not pull._resets and pull._reset_again_at > time.monotonic()
+        pull._reset_again_at = time.monotonic()
+        calls.clear()
+        failure[0] = Refused("RESET", {"code": 403, "description": "forbidden"})
+        pull.link_lost = True
+        await pull.redeliver()
+        assert calls == ["INFO", "RESET"]
+        assert not pull._resets and pull._reset_again_at is None  # refused: never again
     finally:
         await pull.stop()
