@@ -17,11 +17,12 @@ import time
 from typing import Any
 
 import nats.errors
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.node_view import NodeView
+from protocol.errors import MeshError
 from protocol.subjects import EDGE_STATUS_WILDCARD, STATUS_ASK, model_token
 
 
@@ -61,7 +62,9 @@ async def _replies(
     return replies
 
 
-async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, Any]:
+async def _registry(conn: Connection, settings: MeshSettings) -> tuple[list[Any], str]:
+    """The live workers the registry shows, and what to say of it (``ok``, or why it cannot
+    be read: an election, JetStream down, when an operator needs the rest most)."""
     view = NodeView(conn, settings.stream.node_ttl)
     try:
         await view.start()
@@ -69,9 +72,17 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
             if view.ready:
                 break
             await asyncio.sleep(0.02)
-        workers = view.live()
+        return view.live(), "ok"
+    except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        return [], f"unavailable: {getattr(exc, 'message', None) or repr(exc)}"
     finally:
         await view.stop()
+
+
+async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, Any]:
+    """What ``mesh status`` shows; each part that cannot be read says so, and the rest is
+    still collected."""
+    workers, registry = await _registry(conn, settings)
     worker_stats, edge_infos, edge_stats, asked = await asyncio.gather(
         gather(conn, "$SRV.STATS.mesh-worker"),
         gather(conn, "$SRV.INFO.mesh-edge"),
@@ -99,8 +110,17 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
     # Edges in accounts of their own (mesh creds) answer only the broadcast; in one account
     # they answer both: each edge once.
     edges += [e for e in asked if e.get("edge_id") not in seen]
+    listed = {w.node_id for w in workers}
     status: dict[str, Any] = {
-        "workers": [{**w.model_dump(), **by_node.get(w.node_id, {})} for w in workers],
+        "registry": registry,
+        "workers": [{**w.model_dump(), **by_node.get(w.node_id, {})} for w in workers]
+        # Answering, but not in the registry (its announcement failing, aged out): edges do
+        # not count on it.
+        + [
+            {"models": [data.get("model", "?")], **data, "in_registry": False}
+            for node, data in by_node.items()
+            if node not in listed
+        ],
         "edges": edges,
     }
     status["capacity"] = {
@@ -112,6 +132,8 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
         stream = await jsm.stream_info(settings.stream.name, subjects_filter=">")
     except NotFoundError:
         status["queue"] = None
+    except (APIError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        status["queue"] = {"unavailable": repr(exc)}
     else:
         status["queue"] = {
             "stream": settings.stream.name,
@@ -133,6 +155,8 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
         store = await jsm.stream_info(settings.stream.answer_stream)
     except NotFoundError:
         status["answer_store"] = None
+    except (APIError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        status["answer_store"] = {"unavailable": repr(exc)}
     else:
         status["answer_store"] = {
             "stream": settings.stream.answer_stream,
@@ -184,12 +208,17 @@ def pools(workers: list[Any], queue: dict[str, Any] | None) -> dict[str, dict[st
 def render(status: dict[str, Any]) -> list[str]:
     """``status`` as the table ``mesh status`` prints."""
     cap = status["capacity"]
-    lines = [f"workers alive: {len(status['workers'])} (slots {cap['slots']}, free {cap['free']})"]
+    registry = status.get("registry", "ok")
+    lines = [] if registry == "ok" else [f"registry: {registry}"]
+    listed = [w for w in status["workers"] if w.get("in_registry", True)]
+    lines.append(f"workers alive: {len(listed)} (slots {cap['slots']}, free {cap['free']})")
     for w in status["workers"]:
         lines.append(
             f"  {w['node_id']:<32} models={','.join(w['models'])} slots={w['slots']} "
             f"free={w['free']} in_flight={w.get('in_flight', '?')} "
             f"completed={w.get('completed', '?')} continued={w.get('continued', '?')}"
+            + ("" if w.get("health", "ok") == "ok" else f" health={w['health']}")
+            + ("" if w.get("in_registry", True) else " NOT IN THE REGISTRY: edges do not see it")
             + (f" restoring={','.join(w['restoring'])}" if w.get("restoring") else "")
             + (
                 f" BEHIND: its loop runs {w.get('loop_lag_ms')} ms late, it cannot keep up with"
@@ -227,6 +256,8 @@ def render(status: dict[str, Any]) -> list[str]:
     queue = status["queue"]
     if queue is None:
         lines.append("queue: not provisioned")
+    elif "unavailable" in queue:
+        lines.append(f"queue: cannot be read ({queue['unavailable']})")
     else:
         share = queue.get("share", -1)
         lines.append(
@@ -247,7 +278,9 @@ def render(status: dict[str, Any]) -> list[str]:
             for c in queue["consumers"]
         ]
     store = status["answer_store"]
-    if store is not None:
+    if store is not None and "unavailable" in store:
+        lines.append(f"answer store: cannot be read ({store['unavailable']})")
+    elif store is not None:
         lines.append(
             f"answer store {store['stream']}: {store['events']} events, "
             f"{store['bytes'] / 1024 / 1024:.1f} MiB"
