@@ -38,6 +38,8 @@ from protocol.errors import MeshError, UnavailableError
 from protocol.subjects import NODES_STREAM, REGISTRY_UPDATES, model_token
 
 log = get_logger(__name__)
+FORGET_AFTER_TTLS = 10
+"""Ttls after which a node not heard from is forgotten (it was not live long before)."""
 LOOK_EVERY_S = 1.0
 """While the registry is quiet, how often its stream is looked at (:attr:`NodeView.silent`)."""
 
@@ -169,7 +171,23 @@ class NodeView:
         except ValidationError:
             log.warning("ignoring malformed registry entry", key=key)
             return
+        if key not in self._nodes:  # a node new here: the long dead go (rarely: a start)
+            self._prune()
         self._nodes[key] = (info, time.monotonic())
+
+    def _prune(self) -> None:
+        """Forget nodes not heard from for ``FORGET_AFTER_TTLS`` ttls, and marks of nodes found
+        gone whose time has passed: each worker that died (its id new at each start) left its
+        entry here for as long as the process ran."""
+        now = time.monotonic()
+        old = now - FORGET_AFTER_TTLS * self._ttl
+        for key, (_info, seen) in list(self._nodes.items()):
+            if seen < old:
+                del self._nodes[key]
+                self._seqs.pop(key, None)
+        for key, (_seq, until) in list(self._gone.items()):
+            if until <= now:
+                del self._gone[key]
 
     def gone(self, node_id: str) -> None:
         """The server says nobody listens for worker ``node_id`` (its process died, or its link

@@ -379,3 +379,22 @@ async def test_a_heartbeat_stops_even_when_its_put_ends_in_the_turn_of_the_stop(
     assert done, "the heartbeat's stop did not return"
     assert beat._task is not None and beat._task.done()
     assert await live_workers(conn) == []  # and it said goodbye
+
+
+async def test_a_view_forgets_workers_long_dead(conn: Connection) -> None:
+    """Each worker that died (an id new at each start: ``worker-<host>-<pid>``) left its entry
+    in every edge's view for as long as the edge ran; a view now forgets a node not heard from
+    for ten ttls, when a new one comes."""
+    kv = await open_bucket(conn, 30.0)
+    await kv.put(node_key("worker", "dead", "smollm2"), _value("dead"))
+    view = NodeView(conn, 0.2, pool="smollm2")
+    await view.start()
+    try:
+        held = lambda: {info.node_id for info, _seen in view._nodes.values()}  # noqa: E731
+        assert held() == {"dead"}  # read at the start
+        await asyncio.sleep(10 * 0.2 + 0.1)  # ten ttls, not a word from it
+        await kv.put(node_key("worker", "new", "smollm2"), _value("new"))
+        await eventually(_is(view, "new", True), what="the new worker seen")
+        assert held() == {"new"}
+    finally:
+        await view.stop()
