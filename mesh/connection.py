@@ -301,6 +301,12 @@ class Connection(Lifecycle):
         async def on_reconnected() -> None:
             self._dropped.clear()
             self.reconnects += 1
+            # What the credentials allow, as nats-py read them again to reconnect (a rotated
+            # file): refusals the server makes again are heard again.
+            self.refused_subscriptions.clear()
+            if self.settings.creds_file:
+                with contextlib.suppress(UnauthorizedError):
+                    self.claims = check_creds_file(self.settings.creds_file)
             again = 0
             if self._acks is not None:  # before the readers' repairs: a request first
                 with contextlib.suppress(nats.errors.Error):

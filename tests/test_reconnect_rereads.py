@@ -1,0 +1,26 @@
+"""What a connection learnt of its credentials is learnt again at each reconnect, when nats-py
+reads the credentials file again: a subscription the server refused (the queue's advisories,
+for an app's user) was taken as refused for the process's life, and with it the slower way of
+looking (polling the queue) kept, though a rotated file allowed it since."""
+
+from __future__ import annotations
+
+from mesh.connection import Connection
+from mesh.nats_server import NatsServer
+from mesh.testing.proxy import TcpProxy
+from tests.conftest import make_settings
+from tests.helpers import eventually, holds
+
+
+async def test_refusals_are_forgotten_at_a_reconnect(nats_server: NatsServer) -> None:
+    proxy = await TcpProxy(nats_server.port).start()
+    try:
+        settings = make_settings(proxy.url)
+        settings.nats.reconnect_wait = 0.1
+        async with Connection(settings.nats, "rereads") as conn:
+            conn.refused_subscriptions.add("$js.event.advisory.consumer.deleted.x.y")
+            proxy.cut(0.2)
+            await eventually(lambda: holds(conn.reconnects == 1), 10, "the reconnect")
+            assert conn.refused_subscriptions == set()  # the server allows it now
+    finally:
+        await proxy.stop()
