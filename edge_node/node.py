@@ -109,7 +109,10 @@ class EdgeNode(Lifecycle):
         self._undo_resync: Callable[[], None] = lambda: None
         self.accepting = False
         self.nodes = NodeView(
-            conn, settings.stream.node_ttl, pool=model_token(settings.edge.cloud_model)
+            conn,
+            settings.stream.node_ttl,
+            pool=model_token(settings.edge.cloud_model),
+            stream=settings.stream,
         )
         self.models = CloudModels(conn, settings.stream, self.nodes, self.scope)
         """Whether the cloud serves a model: the one rule (:mod:`edge_node.served`)."""

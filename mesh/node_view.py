@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
+from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.registry import (
@@ -56,9 +57,18 @@ class NodeView:
     (``mesh.v1.reg.worker.<pool>.>``), then reads the entries with a batched direct get (see
     the module's doc); again after every reconnect."""
 
-    def __init__(self, conn: Connection, ttl: float, pool: str | None = None) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        ttl: float,
+        pool: str | None = None,
+        stream: StreamSettings | None = None,
+    ) -> None:
+        """``stream``: the settings a bucket this view makes (none there yet) is made with, its
+        replicas first; made without, it had one replica, and no worker raised it after."""
         self._conn = conn
         self._ttl = ttl
+        self._stream = stream
         self.pool = pool
         self._keys = f"worker.{pool}.>" if pool else "worker.>"
         self._nodes: dict[str, tuple[NodeInfo, float]] = {}
@@ -121,7 +131,8 @@ class NodeView:
                     try:
                         missing = lacks((await self._conn.jsm().stream_info(NODES_STREAM)).config)
                     except nats.js.errors.NotFoundError:
-                        await open_bucket(self._conn, self._ttl)  # created with what it needs
+                        # Made with what it needs, and the hub's replicas (an edge first back).
+                        await open_bucket(self._conn, self._ttl, self._stream)
                         missing = []
                 if missing:
                     raise UnavailableError(

@@ -398,3 +398,26 @@ async def test_a_view_forgets_workers_long_dead(conn: Connection) -> None:
         assert held() == {"new"}
     finally:
         await view.stop()
+
+
+async def test_a_bucket_an_edge_makes_has_the_hub_s_replicas(
+    conn: Connection, settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edge back before any worker (a hub restarted on empty stores) makes the registry's
+    bucket: with one replica, where a worker makes it with the hub's, and no worker raised it
+    after (its put into the bucket succeeds). A single server cannot hold three replicas: the
+    settings the bucket is made with are what is checked."""
+    with contextlib.suppress(Exception):
+        await conn.jsm().delete_stream(NODES_STREAM)
+    made: list[StreamSettings | None] = []
+    real = mesh.node_view.open_bucket
+
+    async def recording(conn: Connection, ttl: float, stream: StreamSettings | None = None) -> Any:
+        made.append(stream)
+        return await real(conn, ttl, stream)
+
+    monkeypatch.setattr(mesh.node_view, "open_bucket", recording)
+    view = NodeView(conn, 3.0, pool="smollm2", stream=settings.stream)
+    await view.start()
+    await view.stop()
+    assert made == [settings.stream]
