@@ -78,6 +78,7 @@ class Outcomes:
         self.publish_timeout = publish_timeout
         self.counts = counts
         """Where rejections, failures (with their codes) and max_deliveries are counted."""
+        self.stopping = False
         self.exhausted = TaskSet("worker-exhausted")
         """The requests JetStream gave up on being answered, each in a task: one whose keep
         waits for the hub holds up no other (the advisories' callbacks run one at a time)."""
@@ -186,6 +187,8 @@ class Outcomes:
     async def on_max_deliveries(self, msg: Msg) -> None:
         """The last delivery's worker died: tell the request's sender, typed, and drop it, in a
         task of its own (at most ``MAX_EXHAUSTED`` at once: beyond, here)."""
+        if self.stopping:
+            return  # the worker stops: its tasks are closed (it leaves the group next)
         if len(self.exhausted) < MAX_EXHAUSTED:
             self.exhausted.spawn(self._exhausted(msg), name="max-deliveries")
         else:

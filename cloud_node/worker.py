@@ -362,15 +362,15 @@ class Worker(Lifecycle):
         elif self.handler.inflight:
             log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
         await self._tasks.close(grace=grace)
-        if self._lag_task is not None:
-            await cancel_and_wait([self._lag_task])
+        await cancel_and_wait([t for t in (self._lag_task,) if t is not None])
+        self.outcomes.stopping = True  # closed before the settler: none settles after it
+        await self.outcomes.exhausted.close(grace=self._ws.publish_timeout)
         await self.settler.close()
         await self.orphans.close()
         await self.store_service.close()
         for sub in filter(None, self._subs):
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
-        await self.outcomes.exhausted.close()  # no advisory comes now
         await stop_service(self.conn, self._service, self.conn.settings.request_timeout)
         for registry in (self.metrics.registry, self._nats_metrics.registry):
             self._page.remove(registry)

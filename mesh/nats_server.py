@@ -168,7 +168,8 @@ class NatsServer(Lifecycle):
         """When the server process ends, whoever ended it: its exit status (negative: the
         signal that ended it)."""
         proc = self._proc
-        assert proc is not None, "not started"
+        if proc is None:  # not running (a restart that failed): ended
+            return -1
         return await proc.wait()
 
     def log_tail(self, lines: int = 5) -> str:

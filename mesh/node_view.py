@@ -199,6 +199,9 @@ class NodeView:
         for key, (_seq, until) in list(self._gone.items()):
             if until <= now:
                 del self._gone[key]
+        for node, asked in list(self._unanswered.items()):
+            if asked < old:
+                del self._unanswered[node]
 
     def gone(self, node_id: str) -> None:
         """The server says nobody listens for worker ``node_id`` (its process died, or its link

@@ -154,6 +154,8 @@ class QueueWatch:
         if self._conn.reconnects == self._reconnects:
             return  # messages dropped (a slow consumer), not a link that came back
         self._reconnects = self._conn.reconnects
+        if self._heard is None and self._hearing is not None and self._hearing.done():
+            self._hearing = None  # refused before: the next request tries again (new rights)
         self._every, self._pause = True, LOOK_S
         self._look_now()
 

@@ -153,6 +153,8 @@ class ServedModels:
     def _forget_all(self) -> None:
         self._generation += 1
         self._known.clear()
+        if self._heard is None and self._listening is not None and self._listening.done():
+            self._listening = None  # refused before: the next ask tries again (new rights)
 
     async def _word(self, msg: Msg) -> None:
         self._generation += 1
@@ -193,6 +195,7 @@ class ServedModels:
         if generation != self._generation:  # a word or a loss came meanwhile: not for later
             return served
         if self._for[served] > 0:
+            self._known.pop(model, None)  # to the end: the oldest go first (_prune)
             if len(self._known) >= KNOWN_MAX:
                 self._prune()
             self._known[model] = (served, time.monotonic() + self._for[served], heard)

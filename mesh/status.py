@@ -65,7 +65,7 @@ async def _replies(
 async def _registry(conn: Connection, settings: MeshSettings) -> tuple[list[Any], str]:
     """The live workers the registry shows, and what to say of it (``ok``, or why it cannot
     be read: an election, JetStream down, when an operator needs the rest most)."""
-    view = NodeView(conn, settings.stream.node_ttl)
+    view = NodeView(conn, settings.stream.node_ttl, stream=settings.stream)
     try:
         await view.start()
         for _ in range(50):  # the initial snapshot arrives within a few ms
@@ -117,7 +117,7 @@ async def collect_status(conn: Connection, settings: MeshSettings) -> dict[str, 
         # Answering, but not in the registry (its announcement failing, aged out): edges do
         # not count on it.
         + [
-            {"models": [data.get("model", "?")], **data, "in_registry": False}
+            {"models": [data.get("model", "?")], **data, "in_registry": registry != "ok" and None}
             for node, data in by_node.items()
             if node not in listed
         ],
@@ -210,7 +210,7 @@ def render(status: dict[str, Any]) -> list[str]:
     cap = status["capacity"]
     registry = status.get("registry", "ok")
     lines = [] if registry == "ok" else [f"registry: {registry}"]
-    listed = [w for w in status["workers"] if w.get("in_registry", True)]
+    listed = [w for w in status["workers"] if w.get("in_registry", True) is True]
     lines.append(f"workers alive: {len(listed)} (slots {cap['slots']}, free {cap['free']})")
     for w in status["workers"]:
         lines.append(
@@ -218,7 +218,7 @@ def render(status: dict[str, Any]) -> list[str]:
             f"free={w['free']} in_flight={w.get('in_flight', '?')} "
             f"completed={w.get('completed', '?')} continued={w.get('continued', '?')}"
             + ("" if w.get("health", "ok") == "ok" else f" health={w['health']}")
-            + ("" if w.get("in_registry", True) else " NOT IN THE REGISTRY: edges do not see it")
+            + (" NOT IN THE REGISTRY: edges do not see it" if w.get("in_registry") is False else "")
             + (f" restoring={','.join(w['restoring'])}" if w.get("restoring") else "")
             + (
                 f" BEHIND: its loop runs {w.get('loop_lag_ms')} ms late, it cannot keep up with"

@@ -207,8 +207,9 @@ class _Stop:
 async def _up(settings: MeshSettings) -> int:
     from mesh_app.local import LocalMesh
 
-    async with LocalMesh(settings) as mesh:
+    async with LocalMesh(settings) as mesh, contextlib.AsyncExitStack() as stack:
         assert mesh.edge is not None
+        stop = stack.enter_context(_Stop(mesh.conn))  # before the banner: a stop it asks for
         print(f"mesh is up: NATS {mesh.nats_url}, edge subject {mesh.edge.subject}", flush=True)
         if mesh.edge.http is not None:
             print(f"  OpenAI-compatible API: {mesh.edge.http.url}/v1", flush=True)
@@ -216,8 +217,7 @@ async def _up(settings: MeshSettings) -> int:
             print(f"  Prometheus metrics ({nodes}): {where}", flush=True)
         print(f'  try: mesh ask --nats-url {mesh.nats_url} "What is 2+2?"', flush=True)
         print("  Ctrl-C stops everything", flush=True)
-        with _Stop(mesh.conn) as stop:
-            await stop.wait()
+        await stop.wait()
         print("stopping...", flush=True)
     print("stopped", flush=True)
     return 1 if stop.lost else 0

@@ -100,18 +100,21 @@ class LocalMesh(Lifecycle):
         so with the end of its log, and start it again on its port and store until it is up;
         the nodes reconnect, and their recovery puts back what the server lost. Before,
         ``mesh up`` ran on with no server, its ``/ready`` 503 for good."""
+        pause = SERVER_RESTART_FIRST_S
         while True:
+            up_since = asyncio.get_running_loop().time()
             status = await server.exited()
             log.error("nats-server exited; starting it again", status=status, log=server.log_tail())
-            pause = SERVER_RESTART_FIRST_S
+            if asyncio.get_running_loop().time() - up_since >= SERVER_RESTART_MAX_S:
+                pause = SERVER_RESTART_FIRST_S  # it ran well: this end is a new one
             while True:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, SERVER_RESTART_MAX_S)
                 try:
                     await server.restart()
                     break
-                except NatsServerError as err:
-                    log.error("nats-server did not start again", error=err.message, pause_s=pause)
-                    await asyncio.sleep(pause)
-                    pause = min(pause * 2, SERVER_RESTART_MAX_S)
+                except (NatsServerError, OSError) as err:  # OSError: it could not be spawned
+                    log.error("nats-server did not start again", error=repr(err), pause_s=pause)
             self.server_restarts += 1
             log.warning("nats-server started again", url=server.url, pid=server.pid)
 

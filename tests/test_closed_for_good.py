@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 from pathlib import Path
 
 from mesh.connection import Connection
@@ -60,15 +59,15 @@ async def test_mesh_edge_exits_1_when_the_server_ends_its_connection(
         stderr=asyncio.subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not proxy._clients and time.monotonic() < deadline:
-            assert edge.returncode is None
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)  # serving
+        assert edge.stdout is not None
+        seen: list[str] = []
+        while not any("edge started" in line for line in seen):  # serving
+            line = await asyncio.wait_for(edge.stdout.readline(), 60)
+            assert line, "".join(seen)[-2000:]  # it ended before it served
+            seen.append(line.decode(errors="replace"))
         proxy.say_and_close()
         assert await asyncio.wait_for(edge.wait(), 20) == 1
-        assert edge.stdout is not None
-        output = (await edge.stdout.read()).decode(errors="replace")
+        output = "".join(seen) + (await edge.stdout.read()).decode(errors="replace")
         assert "closed for good" in output, output[-2000:]
     finally:
         if edge.returncode is None:
