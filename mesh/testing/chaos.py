@@ -280,8 +280,9 @@ async def start_r3_mesh(
     for node_id in ("w1", "w2"):
         env = {**worker_env(url, node_id, slots=slots, token_ms=20), **R3}
         log_path = tmp / f"{edge_id}-{node_id}.log"
-        procs.append(await MeshProcess("worker", node_id, env, log_path).start())
-        await wait_for_worker(conn, node_id, timeout=60)
+        worker = await MeshProcess("worker", node_id, env, log_path).start()
+        procs.append(worker)
+        await wait_for_worker(conn, node_id, timeout=60, process=worker)
     env = {**edge_env(url, edge_id), **R3}
     procs.append(await MeshProcess("edge", edge_id, env, tmp / f"{edge_id}.log").start())
     await wait_for_edge(conn, edge_id, timeout=60)
@@ -306,7 +307,11 @@ async def wait_for_worker(
             if any(info.node_id == node_id for info in await live_workers(conn)):
                 return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"worker {node_id} did not announce itself within {timeout:g}s")
+    tail = process.log_path.read_text(errors="replace")[-3000:] if process is not None else ""
+    raise AssertionError(
+        f"worker {node_id} did not announce itself within {timeout:g}s"
+        + (f"; its log ends:\n{tail}" if tail else "")
+    )
 
 
 async def wait_for_edge(conn: Connection, edge_id: str, timeout: float = 30.0) -> None:
