@@ -7,10 +7,12 @@ once its entry aged out of the registry, not at all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 from cloud_node.worker import Worker
 from mesh.backends.deterministic import DeterministicBackend
-from mesh.config import ModelSettings
+from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.status import collect_status, render
@@ -33,14 +35,22 @@ async def test_status_without_jetstream_says_what_it_cannot_read(
     assert "edges: 0" in printed
 
 
-async def test_a_worker_s_own_word_on_its_health_is_shown(own_server: NatsServer) -> None:
-    settings = make_settings(own_server.url)
+@contextlib.asynccontextmanager
+async def _worker_and_operator(
+    server: NatsServer,
+) -> AsyncIterator[tuple[MeshSettings, Worker, Connection]]:
+    settings = make_settings(server.url)
     backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
     async with (
         Connection(settings.nats, "worker") as wconn,
         Connection(settings.nats, "operator") as op,
         Worker(settings, wconn, backend) as worker,
     ):
+        yield settings, worker, op
+
+
+async def test_a_worker_s_own_word_on_its_health_is_shown(own_server: NatsServer) -> None:
+    async with _worker_and_operator(own_server) as (settings, worker, op):
         config = (await op.jsm().stream_info(NODES_STREAM)).config
         config.sealed = True  # its announcements fail from now on
         await op.jsm().update_stream(config)
@@ -53,13 +63,7 @@ async def test_a_worker_s_own_word_on_its_health_is_shown(own_server: NatsServer
 async def test_a_worker_the_registry_does_not_show_is_listed_all_the_same(
     own_server: NatsServer,
 ) -> None:
-    settings = make_settings(own_server.url)
-    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2))
-    async with (
-        Connection(settings.nats, "worker") as wconn,
-        Connection(settings.nats, "operator") as op,
-        Worker(settings, wconn, backend) as worker,
-    ):
+    async with _worker_and_operator(own_server) as (settings, worker, op):
         await worker._heartbeat.stop()  # out of the registry; its STATS still answer
         status = await collect_status(op, settings)
     printed = "\n".join(render(status))
