@@ -112,6 +112,7 @@ async def edge(conn: Connection, settings: MeshSettings, tokens: int) -> float:
     from edge_node.parts import EdgeCounts
     from edge_node.records import NatsSink, Records
     from edge_node.relay import CloudRelay, RelayParts
+    from mesh.tasks import TaskSet
     from mesh.tracing import Tracing
 
     cloud = _CloudAlways()
@@ -126,6 +127,7 @@ async def edge(conn: Connection, settings: MeshSettings, tokens: int) -> float:
         nodes=cloud,  # type: ignore[arg-type]
         tracing=Tracing(settings.log.otel),
         counts=EdgeCounts(),
+        withdrawals=TaskSet("chain-withdrawals"),
     )
     request = InferRequest(prompt="chain", max_tokens=tokens, stream=True, model="smollm2")
     record, _ = Records(60).open("client", request.id, lambda: "fingerprint")
