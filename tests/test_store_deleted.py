@@ -98,7 +98,9 @@ async def test_a_store_deleted_while_the_restore_runs_is_put_back_too(
         assert answer.text == expected_text("r", 4)
         took = time.monotonic() - began
         print(f"\nstore deleted during a restore: back in {back:.2f} s; next answer {took:.2f} s")
-        assert back < 1.0 and took < 0.5, (back, took)
+        # The first answer may wait for a pull request the worker sent the deleted consumer to
+        # expire (0.5 s and a margin): 0.69 s once in a clean-clone CI run, 0.00 s in six here.
+        assert back < 1.0 and took < 1.0, (back, took)
 
 
 async def test_a_worker_that_stops_lets_the_store_go(
