@@ -152,8 +152,11 @@ class Handler(ABC):
         once, not after ``ack_wait``."""
         msg = delivery.msg
         scope = scope_of(msg.subject)
-        address = None if request is None or scope is None else token_subject(scope, request.id)
-        if request is not None and address is not None and self.cancels.cancels(address, request):
+        if (
+            request is not None
+            and scope is not None
+            and self.cancels.cancels(token_subject(scope, request.id), request)
+        ):
             err = CancelledByClientError("cancelled before it started", request_id=request.id)
             await self.refuse(msg, scope, request, err, delivery.number())
             return True

@@ -95,6 +95,14 @@ def make_settings(nats_url: str, **overrides: object) -> MeshSettings:
     return settings
 
 
+def linked_settings(nats_url: str) -> MeshSettings:
+    """:func:`make_settings` for a process whose link a test cuts: it reconnects within a
+    tenth of a second."""
+    settings = make_settings(nats_url)
+    settings.nats.reconnect_wait = 0.1
+    return settings
+
+
 @pytest.fixture
 async def settings(nats_server: NatsServer) -> MeshSettings:
     return make_settings(nats_server.url)

@@ -15,7 +15,7 @@ from pathlib import Path
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.proxy import TcpProxy
-from tests.conftest import make_settings
+from tests.conftest import linked_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,8 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 async def test_a_connection_the_server_ends_for_good_says_so(nats_server: NatsServer) -> None:
     proxy = await TcpProxy(nats_server.port).start()
     try:
-        settings = make_settings(proxy.url)
-        settings.nats.reconnect_wait = 0.1
+        settings = linked_settings(proxy.url)
         async with Connection(settings.nats, "expiring") as conn:
             assert not conn.closed_for_good.is_set()
             proxy.say_and_close()

@@ -35,16 +35,9 @@ from mesh.nats_server import NatsServer
 from mesh.testing.chaos import ask, expected_text, prompt
 from mesh.testing.proxy import TcpProxy
 from protocol.subjects import edge_infer_subject
-from tests.conftest import make_settings
+from tests.conftest import linked_settings, make_settings
 from tests.helpers import eventually
 from tests.nats_wire import RawNatsClient, WireMsg
-
-
-def _linked(url: str) -> MeshSettings:
-    """Settings for a process whose link may drop: it reconnects within a tenth of a second."""
-    settings = make_settings(url)
-    settings.nats.reconnect_wait = 0.1
-    return settings
 
 
 def _edge(settings: MeshSettings, conn: Connection, token_ms: float = 20) -> EdgeNode:
@@ -77,7 +70,7 @@ async def test_a_tail_lost_in_the_edges_dying_link_reaches_its_client_once_the_l
 ) -> None:
     monkeypatch.setattr("mesh.reader._QUIET_FIRST_S", 30.0)  # only the edge's resync can heal
     proxy = await TcpProxy(nats_server.port).start()
-    edge_settings = _linked(proxy.url)
+    edge_settings = linked_settings(proxy.url)
     client_settings = make_settings(nats_server.url)
     client_settings.edge.edge_id = edge_settings.edge.edge_id
     try:
@@ -124,7 +117,7 @@ async def test_a_nats_req_answer_lost_in_the_edges_dying_link_is_sent_again_once
     reply is sent again whether it was the answer or a typed error (the engine failing after 15
     tokens; before, an error was not sent again, and the requester waited out its timeout)."""
     proxy = await TcpProxy(nats_server.port).start()
-    edge_settings = _linked(proxy.url)
+    edge_settings = linked_settings(proxy.url)
     cli: RawNatsClient | None = None
     try:
         async with (
@@ -161,7 +154,7 @@ async def test_a_nats_req_answer_dropped_while_the_edge_reconnects_is_sent_once_
     reply is dropped (the write batch marks the inbox, and its next put raises). The resync's
     put was that next one: it raised, and the requester waited out its timeout."""
     proxy = await TcpProxy(nats_server.port).start()
-    edge_settings = _linked(proxy.url)
+    edge_settings = linked_settings(proxy.url)
     cli: RawNatsClient | None = None
     try:
         async with (
@@ -191,7 +184,7 @@ async def test_a_request_lost_in_the_clients_dying_link_is_sent_again_once_the_l
     monkeypatch.setattr("mesh.reader._QUIET_FIRST_S", 30.0)
     proxy = await TcpProxy(nats_server.port).start()
     edge_settings = make_settings(nats_server.url)
-    client_settings = _linked(proxy.url)
+    client_settings = linked_settings(proxy.url)
     client_settings.edge.edge_id = edge_settings.edge.edge_id
     try:
         async with (
@@ -219,7 +212,7 @@ async def test_a_request_to_the_queue_lost_in_the_clients_dying_link_is_queued_o
     nats_server: NatsServer, settings: MeshSettings, conn: Connection
 ) -> None:
     proxy = await TcpProxy(nats_server.port).start()
-    client_settings = _linked(proxy.url)
+    client_settings = linked_settings(proxy.url)
     model = ModelSettings(backend="deterministic", name="smollm2", slots=2, token_delay_ms=5)
     try:
         async with (

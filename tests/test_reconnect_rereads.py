@@ -8,15 +8,14 @@ from __future__ import annotations
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.testing.proxy import TcpProxy
-from tests.conftest import make_settings
+from tests.conftest import linked_settings
 from tests.helpers import eventually, holds
 
 
 async def test_refusals_are_forgotten_at_a_reconnect(nats_server: NatsServer) -> None:
     proxy = await TcpProxy(nats_server.port).start()
     try:
-        settings = make_settings(proxy.url)
-        settings.nats.reconnect_wait = 0.1
+        settings = linked_settings(proxy.url)
         async with Connection(settings.nats, "rereads") as conn:
             conn.refused_subscriptions.add("$js.event.advisory.consumer.deleted.x.y")
             proxy.cut(0.2)
@@ -36,8 +35,7 @@ async def test_a_listen_refused_before_is_tried_again_after_a_reconnect(
 
     proxy = await TcpProxy(nats_server.port).start()
     try:
-        settings = make_settings(proxy.url)
-        settings.nats.reconnect_wait = 0.1
+        settings = linked_settings(proxy.url)
         async with Connection(settings.nats, "relistens") as conn:
             conn.claims = {"nats": {"sub": {"deny": ["$JS.EVENT.>"]}}}  # the old file
             served = ServedModels(conn.jsm, settings.stream, hear=conn)
