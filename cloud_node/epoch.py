@@ -18,6 +18,11 @@ look is :data:`LOOK_AGAIN_S` old (word of a deletion that never came: an advisor
 live link). A look that fails counts every delivery as maybe held for :data:`FAILED_LOOK_S`:
 the safe side (the store read first, the attempt numbered high).
 
+A look that finds a consumer made after the one looked at before tells
+:attr:`QueueEpoch.on_made_anew`, with when the look began: the worker's pull requests asked
+before then may have been asked of the one before, and went with it (JetStream ends them with a
+409 only when it still can).
+
 Each look has the next made :data:`LOOK_AHEAD_S` later, in the background, so that a
 delivery finds a look younger than :data:`LOOK_AGAIN_S` and waits for none (a look ahead that
 fails leaves a good one in place: it counts only once that is old). Before, the
@@ -31,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import time
 from asyncio import current_task
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from nats.aio.msg import Msg
@@ -64,6 +70,10 @@ class QueueEpoch:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         """By consumer: the next look, made ahead of deliveries."""
         self._closed = False
+        self._made: dict[str, datetime] = {}
+        """By consumer: the creation time last seen (kept over :meth:`forget`)."""
+        self.on_made_anew: Callable[[str, float], None] = lambda _consumer, _began: None
+        """Told a consumer's name and when the look that found it made anew began (loop time)."""
 
     def forget(self) -> None:
         """The worker heard its consumer was lost: look again at the next delivery (a look
@@ -122,7 +132,7 @@ class QueueEpoch:
         self._looking_for(stream, consumer, ahead=True)
 
     async def _lookup(self, stream: str, consumer: str, ahead: bool = False) -> None:
-        forgotten = self._forgotten
+        forgotten, began = self._forgotten, asyncio.get_running_loop().time()
         try:
             info = await asyncio.wait_for(
                 self.conn.jsm().consumer_info(stream, consumer), self.timeout
@@ -137,6 +147,9 @@ class QueueEpoch:
         known = self._created.get(consumer)
         if created is not None or not ahead or known is None or known[0] is None:
             self._created[consumer] = (created, time.monotonic())
+        if created is not None and self._made.setdefault(consumer, created) != created:
+            self._made[consumer] = created
+            self.on_made_anew(consumer, began)
         if not self._closed:  # the next, ahead of deliveries
             if (timer := self._timers.get(consumer)) is not None:
                 timer.cancel()

@@ -102,16 +102,19 @@ class Puller:
         for task in [*self._closing, *self._renewing]:
             await task
 
-    def forget(self) -> None:
+    def forget(self, *, asked_before: float | None = None) -> None:
         """After a reconnect: give up the requests whose expiry passed meanwhile (the status
         that ended each may have been lost with the link), or all of them when the link came
-        back to another server (they may have gone with the one they were asked of). Back at
+        back to another server (they may have gone with the one they were asked of), and those
+        asked before ``asked_before`` (a loop time: the consumer was made anew, and they went
+        with the one before; one asked after may be of the new one). Back at
         the same server, those still within their expiry are kept: nats-py subscribed to them
         again, and after a short cut the server still holds them; asked for again, they would
         be served beside the new ones (8 slots, a 0.5 s cut, 60 s expiries: 16 of a burst of 16
         delivered). One a restarted server lost is given up at its expiry, by the next top-up
         (the worker's tick)."""
-        self._give_up_expired(everything=self.conn.nc.connected_url != self._server)
+        moved = self.conn.nc.connected_url != self._server
+        self._give_up_expired(everything=moved, asked_before=asked_before)
 
     async def top_up(self, *, whole: bool = False) -> None:
         """Ask for as many messages as there are free slots not yet covered by a request.
@@ -200,15 +203,19 @@ class Puller:
         self._lingering.pop(token, None)
         self._later_close(token)
 
-    def _give_up_expired(self, *, everything: bool = False) -> None:
+    def _give_up_expired(
+        self, *, everything: bool = False, asked_before: float | None = None
+    ) -> None:
         """Requests past their expiry with no status to say so (``everything``: all of
-        them): what they owed goes back to the pool. Each one's subscription stays for
+        them; ``asked_before``: those asked before then too): what they owed goes back to the
+        pool. Each one's subscription stays for
         :data:`LINGER_S`, for a delivery still on its way (one asked while the link was down
         reached the server late, and expires late): a message is never sent where nobody reads
         it."""
         now = asyncio.get_running_loop().time()
+        before = -1.0 if asked_before is None else asked_before + self._expires + EXPIRY_MARGIN_S
         for token, end in list(self._ends.items()):
-            if end <= now or everything:
+            if end <= now or everything or end < before:
                 self._owed.pop(token, None)
                 del self._ends[token]
                 self._lingering[token] = now + LINGER_S

@@ -181,12 +181,10 @@ class Worker(Lifecycle):
             deliver=self._accept,
             expires=self._ws.fetch_timeout,
             on_lost=self._lost,
-        )
-        self.loop_lag = LoopLag(
-            "worker",
-            advice="run another worker process for this engine (docs/performance.md)",
-            on_tick=self.handler.stalls.tick,
-        )
+        )  # its requests asked of a consumer made anew since are gone with the one before:
+        self.handler.epoch.on_made_anew = lambda _c, began: self._puller.forget(asked_before=began)
+        advice = "run another worker process for this engine (docs/performance.md)"
+        self.loop_lag = LoopLag("worker", advice=advice, on_tick=self.handler.stalls.tick)
         """How late the worker's event loop runs: behind, it cannot keep up with its engine."""
         self.metrics.loop_lag.set_function(lambda: self.loop_lag.lag)
         self.metrics.in_flight.set_function(lambda: len(self.handler.inflight))

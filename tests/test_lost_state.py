@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy
 from nats.js.errors import NotFoundError
 
@@ -633,3 +634,39 @@ async def test_an_answer_the_site_could_not_keep_for_a_moment_is_kept_a_second_l
             took = time.monotonic() - back
         print(f"\nsite store full for 1 s: the answer kept {took:.2f} s after it took writes again")
         assert took < 5.0, took  # about 29 s before: the site consumer's ack wait
+
+
+async def test_the_first_answer_after_the_consumer_is_made_anew_waits_for_no_old_pull(
+    own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull request asked of the consumer before it was deleted went with it, whether or not
+    its "409 Consumer Deleted" reached the worker (one sent while the link was cut is lost): once
+    the worker has made the consumer anew, it asks the new one for all its slots. Before, the
+    request still counted as covering the slots until its expiry (0.5 s and a margin), and the
+    next answer waited for that."""
+    async with _worker_and_client(own_server, slots=1) as (_settings, worker, op, client):
+        stream, consumer = worker._stream.name, worker.consumer
+        assert (await client.complete("[tag:a] x", via="cloud", max_tokens=4)).text
+        heard = worker._puller._on_msg
+
+        def losing_409s(token: int, msg: Msg) -> None:
+            if (msg.headers or {}).get("Status") != "409":  # lost with the link
+                heard(token, msg)
+
+        monkeypatch.setattr(worker._puller, "_on_msg", losing_409s)
+        waits = []
+        for round_ in range(4):
+            await eventually(lambda: holds(worker._puller.outstanding == 1), what="a pull open")
+            await op.jsm().delete_consumer(stream, consumer)  # its advisory still comes
+            await eventually(
+                lambda: _consumer_exists(op, stream, consumer), timeout=10, what="consumer back"
+            )
+            await eventually(
+                lambda: holds(not worker.conn.recovery.pending), what="the worker's restore done"
+            )
+            began = time.monotonic()
+            answer = await client.complete(f"[tag:r{round_}] x", via="cloud", max_tokens=4)
+            assert answer.text == expected_text(f"r{round_}", 4)
+            waits.append(time.monotonic() - began)
+        print("\nfirst answer after the consumer made anew: " + " ".join(f"{w:.3f}" for w in waits))
+        assert max(waits) < 0.3, waits

@@ -288,3 +288,21 @@ async def test_pull_requests_that_expired_during_a_cut_are_asked_for_again_at_on
         await _burst(conn, subject, SLOTS)
         await slots.wait_for(SLOTS, timeout=5)
         await puller.stop()
+
+
+async def test_a_consumer_made_anew_gives_up_only_the_requests_asked_before_it_was_seen(
+    worker: Pulling,
+) -> None:
+    """The worker's look that found its consumer made anew began at some moment: requests asked
+    before it may be of the consumer before, and are given up (their slots asked for again); one
+    asked after is of the new one, and still counts (asked again, its slots would be served
+    twice)."""
+    puller = worker.puller
+    loop = asyncio.get_running_loop()
+    assert puller.outstanding == SLOTS
+    puller.forget(asked_before=loop.time() - 60)  # the look began before the request
+    assert puller.outstanding == SLOTS
+    puller.forget(asked_before=loop.time())
+    assert puller.outstanding == 0
+    await puller.top_up()  # the worker's restore, its tick
+    assert puller.outstanding == SLOTS
