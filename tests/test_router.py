@@ -247,16 +247,16 @@ def test_shipped_weights_are_reproduced_by_the_train_command(
     data: Dataset, shipped: RouterModel
 ) -> None:
     """Up to the float arithmetic of the machine: numpy and OpenBLAS pick their kernels by the
-    CPU, and the training's sums round differently with them. On an AMD EPYC here the rebuilt
-    weights differed from the shipped ones (trained on another machine) by up to 0.014 and the
-    probabilities by up to 0.0067 (every 50th prompt). On the machines before, this test passed
-    with 0.002 for the bucket weights, 0.0001 for the others and 0.001 for the probabilities."""
+    CPU and the release, and sums round differently with them. Fitted until the gradient is
+    flat (``mesh_app.router.train.GTOL``), the same rows in another order move the weights by
+    under 1e-4 here. Before, the fit stopped on the loss's change, where the rounding had led it:
+    0.014 apart on an AMD EPYC, then 0.039 with numpy 2.4 (the CI failure)."""
     rebuilt = train_on(data)
     np.testing.assert_array_equal(rebuilt.buckets, shipped.buckets)
-    np.testing.assert_allclose(rebuilt.bucket_weights, shipped.bucket_weights, atol=3e-2)
-    np.testing.assert_allclose(rebuilt.scalar_weights, shipped.scalar_weights, atol=3e-2)
+    np.testing.assert_allclose(rebuilt.bucket_weights, shipped.bucket_weights, atol=2e-3)
+    np.testing.assert_allclose(rebuilt.scalar_weights, shipped.scalar_weights, atol=2e-3)
     for text in data.prompts[::50]:
-        assert rebuilt.probability(text) == pytest.approx(shipped.probability(text), abs=1.5e-2)
+        assert rebuilt.probability(text) == pytest.approx(shipped.probability(text), abs=1e-3)
 
 
 @needs_data
