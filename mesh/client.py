@@ -40,11 +40,11 @@ from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection, request_or_nobody
 from mesh.inline_sub import Inboxes
 from mesh.lifecycle import Lifecycle
-from mesh.queue import CloudCall
+from mesh.queue import WITHDRAW_S, CloudCall, request_too_large
 from mesh.reader import AnswerReader
 from mesh.repair import Patience, Repair, SourceGone
 from mesh.served_models import ServedModels
-from mesh.tasks import CLOCK_SLACK_S, within_deadline
+from mesh.tasks import CLOCK_SLACK_S, TaskSet, within_deadline
 from mesh.try_ids import TryIds, as_asked
 from mesh.write_now import write_queued
 from protocol.codec import (
@@ -147,6 +147,7 @@ class MeshClient(Lifecycle):
         )
         self._inboxes: Inboxes | None = None
         self._tries = TryIds()
+        self._withdrawals = TaskSet("client-withdrawals")  # cloud calls given up (_via_cloud)
 
     async def connect(self) -> MeshClient:
         if self._own_conn:
@@ -160,6 +161,7 @@ class MeshClient(Lifecycle):
         return self._inboxes
 
     async def close(self) -> None:
+        await self._withdrawals.close(grace=WITHDRAW_S)  # each is bounded
         await self._is_served.close()
         if self._inboxes is not None:  # its prefix stays: the edge scopes this client's ids to it
             await self._inboxes.close()
@@ -299,6 +301,8 @@ class MeshClient(Lifecycle):
                     headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
                 )
                 write_queued(nc)  # a burst leaves in groups (mesh.write_now)
+            except nats.errors.MaxPayloadError:
+                raise request_too_large(len(payload), nc.max_payload, request.id) from None
             except nats.errors.Error as exc:  # closed, or its reconnect buffer is full
                 raise UnavailableError(
                     f"cannot send to edge {self.edge_id!r}: {type(exc).__name__}",
@@ -424,7 +428,12 @@ class MeshClient(Lifecycle):
             finally:
                 if not finished and self._tries.alone(asked):  # else another call reads it on
                     self._tries.withdrawn(asked)  # first: a retry meanwhile is a new try
-                    await call.withdraw()
+                    # Awaited (the caller's share of the queue is free when it hears) within
+                    # its deadline: past it, the error does not wait for a hung worker's word.
+                    withdraw = self._withdrawals.spawn(call.withdraw(), name="withdraw")
+                    left = WITHDRAW_S if deadline is None else deadline - time.time()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(withdraw), max(0.0, left))
 
     async def _read(
         self, reader: AnswerReader, deadline: float | None
@@ -443,8 +452,11 @@ class MeshClient(Lifecycle):
         passed_on = 0
         while True:
             out = await reader.next(max(0.0, min(wait_until, ends_at) - clock()))
-            if not out:
-                if clock() >= ends_at - CLOCK_SLACK_S:
+            past = clock() >= ends_at - CLOCK_SLACK_S
+            # Past the deadline, events held for a slow caller are not passed on, unless the
+            # answer's outcome is among them (it ended in time).
+            if not out or (past and not reader.state.done):
+                if past:
                     raise DeadlineExceededError(
                         "the request's deadline passed before its answer ended",
                         request_id=reader.state.request_id,

@@ -37,7 +37,13 @@ from mesh.reader import AnswerReader
 from mesh.repair import store_repair
 from mesh.tasks import cancel_and_wait
 from protocol.codec import CONTENT_TYPE, WireFormat, dump
-from protocol.errors import MeshError, MeshTimeoutError, OverloadedError, UnavailableError
+from protocol.errors import (
+    MeshError,
+    MeshTimeoutError,
+    OverloadedError,
+    PayloadTooLargeError,
+    UnavailableError,
+)
 from protocol.fingerprint import Fingerprints, request_fingerprint
 from protocol.messages import EndEvent, InferRequest, TokenEvent
 from protocol.stream import AnswerState
@@ -146,14 +152,17 @@ async def publish_request(
         MSG_ID_HEADER: f"{scope}.{request.id}",
         CONTENT_TYPE: WireFormat.MSGPACK.content_type,
     }
+    payload = dump(request, WireFormat.MSGPACK)
     try:
         return await conn.publish_acked(
             subject,
-            dump(request, WireFormat.MSGPACK),
+            payload,
             timeout=conn.settings.request_timeout,
             stream=stream.name,
             headers=headers,
         )
+    except nats.errors.MaxPayloadError:
+        raise request_too_large(len(payload), conn.nc.max_payload, request.id) from None
     except APIError as exc:
         if exc.err_code in STORE_FULL_CODES or "maximum" in (exc.description or ""):
             whose = "this sender's share of " if "per subject" in (exc.description or "") else ""
@@ -193,6 +202,15 @@ async def publish_request(
         raise UnavailableError(
             f"NATS is not connected ({type(exc).__name__})", request_id=request.id
         ) from None
+
+
+def request_too_large(size: int, limit: int, request_id: str) -> PayloadTooLargeError:
+    """A request the server will not carry: sent again, it never will (not retryable)."""
+    return PayloadTooLargeError(
+        f"the request is {size} bytes encoded, over the {limit} bytes one NATS message may "
+        "carry here (the server's max_payload): shorten the prompt",
+        request_id=request_id,
+    )
 
 
 class CloudCall(Lifecycle):

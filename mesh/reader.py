@@ -108,7 +108,8 @@ class AnswerReader:
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0  # the current wait's (see _wait)
         self._sub: Subscription | Listening | None = None
-        self._losses = conn.losses
+        self._losses, self._drops = conn.losses, 0
+        """The connection's losses and this reader's drops when the last repair began."""
         self._unlisten: Callable[[], None] | None = None
         self._repair_at: float | None = None
         self._gap_retry = _GAP_RETRY_FIRST_S
@@ -184,9 +185,7 @@ class AnswerReader:
     def _on_msg(self, msg: Msg) -> None:
         """Called in the connection's read loop (:mod:`mesh.inline_sub`) for each message."""
         if len(self._buffer) >= self._limit:
-            self.dropped += 1  # a slow consumer: drop it now, fetch it again later
-            if self._repair_at is None:
-                self._repair_at = time.monotonic()
+            self.dropped += 1  # a slow consumer: drop it now, fetch it again (_next_check)
         elif self._buffer or not self._passed(msg):
             self._buffer.append(msg)
             self.last_event = time.monotonic()  # not quiet, even before it is read
@@ -278,7 +277,7 @@ class AnswerReader:
                 self._watched = now
                 self._check("watch", self._watch)
             if self._repair is not None and self._repair_due(now):
-                self._losses = self.conn.losses
+                self._losses, self._drops = self.conn.losses, self.dropped
                 self._check("repair", self._repair_beside)
             if self._buffer:
                 out = self._drain()
@@ -302,7 +301,7 @@ class AnswerReader:
             and self._repair_at is None
             and self._send_again_at is None
             and not self._checked
-            and self.conn.losses == self._losses
+            and (self.conn.losses, self.dropped) == (self._losses, self._drops)
             and not self.state.done
         )
 
@@ -416,8 +415,9 @@ class AnswerReader:
 
     def _next_check(self, now: float) -> float:
         """When the next repair falls due: now when messages may have been lost since the last
-        one, else after a quiet spell or at the time a gap set."""
-        if self.conn.losses != self._losses:
+        one began (with the link, or dropped from a full buffer: a repair in flight may have
+        read the store before they came), else after a quiet spell or at the time a gap set."""
+        if (self.conn.losses, self.dropped) != (self._losses, self._drops):
             return now
         quiet_at = max(self.last_event, self._last_probe) + self._quiet
         due = quiet_at if self._repair_at is None else min(quiet_at, self._repair_at)
