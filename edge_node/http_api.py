@@ -38,10 +38,10 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_node.api_keys import REQUEST_APP, ApiKeys, require_keys
-from edge_node.http_sinks import CLIENT_STALL_S, CollectSink, SSESink, error_body
+from edge_node.http_sinks import CLIENT_STALL_S, CollectSink, SSESink, error_body, send_whole
 from edge_node.openai_api import Kind, Shaper, parse, to_request, tokens_field
 from edge_node.parts import EdgeCounts, Serve
-from edge_node.records import Sink
+from edge_node.records import HTTP_SCOPE, Sink
 from edge_node.served import CloudModels
 from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import bound, get_logger
@@ -323,7 +323,7 @@ class EdgeHTTP:
         received: float,
     ) -> web.StreamResponse:
         shaper = Shaper(kind, req.id, model)
-        scope = f"http:{uuid.uuid4().hex}"  # HTTP requests do not join each other
+        scope = f"{HTTP_SCOPE}{uuid.uuid4().hex}"  # HTTP requests do not join each other
         trace = trace_headers(request.headers)
         app = REQUEST_APP.get()  # the app its API key names, on every line of its request
         with bound(**({"app": app} if app else {})):
@@ -345,9 +345,8 @@ class EdgeHTTP:
                 "X-Mesh-Path": end.path,
                 "X-Mesh-Served-By": end.served_by,
             }
-            return web.json_response(
-                shaper.answer(collected.answer.text(), end, logprobs), headers=headers
-            )
+            answer = shaper.answer(collected.answer.text(), end, logprobs)
+            return await send_whole(request, answer, headers)
 
     async def _parse(self, request: web.Request, kind: Kind) -> tuple[InferRequest, str, bool]:
         limits = self.parts.limits
@@ -368,6 +367,8 @@ class EdgeHTTP:
         route = request.headers.get("X-Mesh-Route") or body.route or ("auto" if routed else "cloud")
         if route not in ("auto", "local", "cloud"):
             raise InvalidRequestError(f"route must be auto, local or cloud, not {route!r}")
+        if route == "local":  # an explicit route wins: the local model answers, under its name
+            model, routed = local_model, True
         request_id = request.headers.get("X-Request-Id")
         req = to_request(
             body,

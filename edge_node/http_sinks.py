@@ -22,6 +22,8 @@ CLIENT_STALL_S = 10.0
 """How long a streaming client's full socket may hold an event back before the client is taken
 for gone (it stopped reading): the connection is closed and the request cancelled, so that it
 does not hold its place at the edge for as long as the client keeps the connection open."""
+PIECE = 16 * 1024
+"""How much of a whole answer is written at a time (:func:`send_whole`)."""
 
 
 def error_body(err: MeshError) -> dict[str, Any]:
@@ -35,6 +37,42 @@ def error_body(err: MeshError) -> dict[str, Any]:
             "retryable": err.retryable,
         }
     }
+
+
+async def patiently(request: web.Request, write: Awaitable[None]) -> None:
+    """A write, waited for while the client reads, however slowly; when its socket is full and
+    stays full for ``CLIENT_STALL_S``, the client is taken for gone (it stopped reading): the
+    connection is closed, and aiohttp cancels the request's handler."""
+    transport = request.transport
+    if transport is None or not transport.get_write_buffer_size():
+        await write  # the socket takes it: nothing to time (the hot path)
+        return
+    try:
+        await asyncio.wait_for(write, CLIENT_STALL_S)
+    except asyncio.TimeoutError:
+        raise_if_cancelled()
+        transport.abort()
+        raise MeshError(f"HTTP client stopped reading for {CLIENT_STALL_S:g}s") from None
+
+
+async def send_whole(
+    request: web.Request, body: dict[str, Any], headers: dict[str, str]
+) -> web.StreamResponse:
+    """A whole JSON answer, in pieces small enough that a write into an empty socket does not
+    wait (aiohttp waits past 64 KiB), each with :func:`patiently`'s patience: aiohttp's
+    ``json_response`` waited for a client that stopped reading without end, holding the
+    connection and the answer (5 MB in the test) for as long as the client kept it open."""
+    data = json.dumps(body).encode()
+    response = web.StreamResponse(
+        headers={**headers, "Content-Type": "application/json; charset=utf-8"}
+    )
+    response.content_length = len(data)
+    await response.prepare(request)
+    with contextlib.suppress(MeshError, ConnectionError, RuntimeError):  # the client went
+        for at in range(0, len(data), PIECE):
+            await patiently(request, response.write(data[at : at + PIECE]))
+        await patiently(request, response.write_eof())
+    return response
 
 
 class CollectSink:
@@ -95,20 +133,11 @@ class SSESink:
             raise MeshError(f"HTTP client gone: {type(exc).__name__}") from None
 
     async def _patiently(self, write: Awaitable[None]) -> None:
-        """A write, waited for while the client reads, however slowly; when its socket is full
-        and stays full for ``CLIENT_STALL_S``, the client is taken for gone (it stopped reading):
-        the connection is closed, and aiohttp cancels the request's handler."""
-        transport = self._request.transport
-        if transport is None or not transport.get_write_buffer_size():
-            await write  # the socket takes it: nothing to time (the hot path)
-            return
         try:
-            await asyncio.wait_for(write, CLIENT_STALL_S)
-        except asyncio.TimeoutError:
-            raise_if_cancelled()
+            await patiently(self._request, write)
+        except MeshError:
             self.closed = True
-            transport.abort()
-            raise MeshError(f"HTTP client stopped reading for {CLIENT_STALL_S:g}s") from None
+            raise
 
     async def finish(self) -> None:
         """The stream's end, written with the same patience as its events (aiohttp's own

@@ -2,10 +2,11 @@
 
 Chat completions and (legacy) text completions, streamed or not, with ``logprobs``,
 ``response_format`` and ``stream_options.include_usage``. Fields the mesh cannot honour
-(``tools``, ``logit_bias``, ``n`` > 1, ``echo``, ``suffix``) are refused with a 400 naming the
-field, never silently ignored; fields that do not change the answer (``user``, ``metadata``...)
-are accepted. Two mesh extensions: ``route`` (``auto|local|cloud``) and the ``mesh`` object in
-every answer.
+(``tools``, ``logit_bias``, ``n`` > 1, ``echo``, ``suffix``, a non-zero penalty, ``best_of`` > 1)
+are refused with a 400 naming the field, never silently ignored, as is a value of the wrong JSON
+type (``true`` for a count, ``"yes"`` for a boolean); fields that do not change the answer
+(``user``, ``metadata``...) are accepted. Two mesh extensions: ``route``
+(``auto|local|cloud``) and the ``mesh`` object in every answer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 
 from protocol.codec import invalid_request_error
 from protocol.errors import InvalidRequestError
@@ -28,6 +38,8 @@ from protocol.messages import (
 Kind = Literal["chat", "completion"]
 # Fields that would change the answer in ways the mesh does not support.
 _REFUSED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix")
+_NO_OP = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1}
+"""Fields refused unless they ask for nothing (the engines are given no such setting)."""
 
 
 def _null_is(default: object) -> BeforeValidator:
@@ -38,7 +50,7 @@ def _null_is(default: object) -> BeforeValidator:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class TextPart(BaseModel):
@@ -80,14 +92,14 @@ class Message(BaseModel):
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: Annotated[bool, _null_is(False)] = False
+    seed: StrictInt | None = None
+    stream: Annotated[StrictBool, _null_is(False)] = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, _null_is(1)] = Field(default=1, ge=1, le=1)
+    n: Annotated[StrictInt, _null_is(1)] = Field(default=1, ge=1, le=1)
     response_format: ResponseFormat | None = None
     route: RouteChoice | None = None
     """Mesh extension: force the local model or the cloud."""
@@ -99,15 +111,15 @@ class _Body(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Annotated[bool, _null_is(False)] = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: Annotated[StrictBool, _null_is(False)] = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionBody(_Body):
     prompt: str | list[str]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Annotated[bool, _null_is(False)] = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    echo: Annotated[StrictBool, _null_is(False)] = False
 
 
 def parse(kind: Kind, raw: dict[str, Any]) -> ChatBody | CompletionBody:
@@ -117,6 +129,12 @@ def parse(kind: Kind, raw: dict[str, Any]) -> ChatBody | CompletionBody:
             raise InvalidRequestError(
                 f"{name!r} is not supported by this edge",
                 details=[{"loc": name, "msg": "not supported"}],
+            )
+    for name, nothing in _NO_OP.items():
+        if raw.get(name, nothing) not in (None, nothing):
+            raise InvalidRequestError(
+                f"{name!r} is not supported by this edge (only {nothing}, or none)",
+                details=[{"loc": name, "msg": f"only {nothing}"}],
             )
     try:
         body = (ChatBody if kind == "chat" else CompletionBody).model_validate(raw)
@@ -134,9 +152,14 @@ def parse(kind: Kind, raw: dict[str, Any]) -> ChatBody | CompletionBody:
         )
     if isinstance(body, CompletionBody):
         if body.echo:
-            raise InvalidRequestError("'echo' is not supported by this edge")
+            raise InvalidRequestError(
+                "'echo' is not supported by this edge",
+                details=[{"loc": "echo", "msg": "not supported"}],
+            )
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
-            raise InvalidRequestError("give exactly one prompt")
+            raise InvalidRequestError(
+                "give exactly one prompt", details=[{"loc": "prompt", "msg": "one prompt"}]
+            )
     return body
 
 
@@ -192,6 +215,8 @@ def to_request(
             if detail.get("loc") == "max_tokens":
                 detail["loc"] = named
                 err.message = err.message.replace("max_tokens", named)
+            elif detail.get("loc") == "request":  # the request as a whole: its text is empty
+                detail["loc"] = "messages" if isinstance(body, ChatBody) else "prompt"
         raise err from None
 
 

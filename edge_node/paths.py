@@ -110,6 +110,7 @@ class Paths:
                 f"no worker pool serves model {req.model!r} and it is not this edge's "
                 f"local model ({self.backend.model!r})",
                 request_id=req.id,
+                details=[{"loc": "model", "msg": "not served"}],
             )
         decision = self._too_long_for_local(req) or decide(self.router, req)
         decision = self._busy_local(req, decision) or decision
@@ -136,9 +137,16 @@ class Paths:
             await self.site.relay(req, decision, record)
             return
         if decision.decision == "cloud":
-            local_fits = not self._too_long(req)
+            # A client that names its model gets that model or nothing: no other pool, and
+            # not the local model unless it is the one named (its answer would go out under
+            # the model's name).
+            named = req.model is not None and req.model != self.backend.model
+            local_fits = not named and not self._too_long(req)
+            no_local = (
+                f"it names model {req.model!r}" if named else "it is too long for the local model"
+            )
             chain = [req.model or self._es.cloud_model]
-            if req.model is None:  # a client that names its model gets that model or nothing
+            if req.model is None:
                 chain += self._es.cloud_fallbacks
             failed: list[str] = []
             for step, model in enumerate(chain):
@@ -152,6 +160,7 @@ class Paths:
                         received,
                         trace,
                         local_fits=local_fits or not last,
+                        no_local=no_local,
                         tried="; ".join(failed) or None,
                         fingerprints=fingerprints,
                     )

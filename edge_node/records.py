@@ -47,6 +47,9 @@ from protocol.messages import (
 from protocol.stream import AnswerState, starts_over
 
 log = get_logger(__name__)
+HTTP_SCOPE = "http:"
+"""The scope of an HTTP request begins so: one of its own, that no later request, resend or
+cancel names (an HTTP client asks again for a request that can wait at the site's store)."""
 SERVICE_ERROR = "Nats-Service-Error"
 SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 MAX_RECORDS = 10_000
@@ -440,6 +443,9 @@ class Records:
         if self._records.get(key) is not record:
             return
         record.finished_at = time.monotonic()
+        if record.scope.startswith(HTTP_SCOPE):  # nothing can name it again: kept, it held its
+            del self._records[key]  # log and its place among the records NATS clients need
+            return
         self._finished[key] = record.finished_at
         self._expire()
         # Worked out now, after the answer: a finished record keeps its fingerprint, not the

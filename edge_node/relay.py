@@ -147,8 +147,9 @@ class RelayParts:
 
 
 class CloudRelay:
-    """``local_fits``: whether the local model can take this prompt at all. When it cannot,
-    giving up on the cloud means a typed error, and a slow cloud is waited for (deadline)."""
+    """``local_fits``: whether the local model may answer this request at all (``no_local``
+    says why not). When it may not, giving up on the cloud means a typed error, and a slow
+    cloud is waited for (deadline)."""
 
     def __init__(  # noqa: PLR0917 - built in one place, by the paths
         self,
@@ -160,6 +161,7 @@ class CloudRelay:
         trace: Mapping[str, str] | None,
         *,
         local_fits: bool = True,
+        no_local: str = "it is too long for the local model",
         tried: str | None = None,
         fingerprints: Fingerprints | None = None,
     ) -> None:
@@ -170,7 +172,7 @@ class CloudRelay:
         self.record = record
         self.received = received
         self.trace = trace
-        self.local_fits = local_fits
+        self.local_fits, self.no_local = local_fits, no_local
         self.tried = tried
         """Earlier cloud pools of the edge's fallback chain that could not serve it, and why."""
         self.after = record.state.attempt
@@ -201,8 +203,7 @@ class CloudRelay:
         if self.local_fits:
             return Fallback(reason, kind)
         raise UnavailableError(
-            f"the cloud cannot serve this request ({reason}) and it is too long for the local "
-            "model",
+            f"the cloud cannot serve this request ({reason}), and {self.no_local}",
             request_id=self.req.id,
         )
 

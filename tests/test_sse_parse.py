@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from mesh.backends.base import Chunk
-from mesh.backends.openai_http import OpenAIHTTPBackend, _SseLines, parse_event
+from mesh.backends.openai_http import OpenAIHTTPBackend, _Reading, _SseLines, parse_event
 from mesh.config import ModelSettings
 from protocol.errors import BackendError
 from protocol.messages import InferRequest
@@ -179,3 +179,26 @@ def test_an_event_json_refuses_is_refused_as_json_refuses_it(data: str) -> None:
         json.loads(data)
     with pytest.raises(json.JSONDecodeError):
         parse_event(data)
+
+
+def test_surrogate_halves_are_joined_across_events_and_a_lone_one_is_a_replacement() -> None:
+    """A server that cuts a UTF-16 string between a surrogate pair sends each half as a JSON
+    escape of its own. Passed on as they came, a lone half is no character: the SSE writer and
+    msgpack refused it, and the answer failed with ``internal`` after its first tokens."""
+    reading = _Reading("http://up", InferRequest(prompt="x"))
+
+    def texts(*contents: str, finish: str | None = None) -> list[str]:
+        out = []
+        for content in contents:
+            choice: dict[str, object] = {"delta": {"content": content}}
+            out += reading.event(json.dumps({"choices": [choice]}))
+        if finish is not None:
+            out += reading.event(json.dumps({"choices": [{"delta": {}, "finish_reason": finish}]}))
+        return [chunk.text for chunk in out]
+
+    assert texts("hi ", "\ud83d", "\ude00", " ok") == ["hi ", "\U0001f600", " ok"]
+    assert texts("a\ude00b", "é\ud83d\ude00") == ["a\ufffdb", "é\U0001f600"]
+    assert texts("end \ud83d", finish="stop") == ["end ", "\ufffd"]
+    for text in texts("plain", "ünïcode ✓"):  # the usual tokens, untouched
+        assert text in ("plain", "ünïcode ✓")
+    assert reading.last().finish_reason == "stop"
