@@ -41,6 +41,7 @@ class Cascade:
         *,
         stall: float | None,
         may_escalate: Callable[[], bool] = lambda: True,
+        min_budget: float = 0.0,
     ) -> None:
         self.backend = backend
         self.gate = gate
@@ -48,6 +49,8 @@ class Cascade:
         self.stall = stall
         self.may_escalate = may_escalate
         """Asked once per low-confidence answer (the cloud budget's per-minute cap)."""
+        self.min_budget = min_budget
+        """The least time before its deadline a request is escalated with (the cloud's)."""
 
     async def run(
         self, req: InferRequest, decision: RouteDecision, answer_locally: AnswerLocally
@@ -65,7 +68,10 @@ class Cascade:
                 (False, "") if confidence is None else self.confidence.escalate(confidence)
             )
             capped = bool((decision.budget or {}).get("capped"))
-            if escalate and (capped or not self.may_escalate()):
+            late = req.deadline is not None and req.deadline - time.time() < self.min_budget
+            if escalate and late:  # the cloud would refuse it: the answer under way is kept
+                escalate, why = False, f"{why}; kept local: the deadline is too near for the cloud"
+            elif escalate and (capped or not self.may_escalate()):
                 escalate, why = False, f"{why}; kept local: the cloud cap per minute is reached"
             if escalate and confidence is not None:
                 await chunks.aclose()  # the engine stops; none of it reached the client

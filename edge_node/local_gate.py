@@ -28,8 +28,10 @@ class LocalGate:
         return self._slots.locked() and self._waiting >= self._queue
 
     @asynccontextmanager
-    async def slot(self, request_id: str) -> AsyncIterator[None]:
-        if self.full:
+    async def slot(self, request_id: str, *, admitted: bool = False) -> AsyncIterator[None]:
+        """A slot, waited for; refused when :attr:`full`, unless ``admitted`` (a request that
+        held one before, given back to it)."""
+        if self.full and not admitted:
             raise OverloadedError(
                 f"the local model is busy and {self._waiting} requests already wait for it",
                 retry_after=1.0,

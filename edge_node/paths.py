@@ -85,6 +85,7 @@ class Paths:
             ConfidenceGate(confidence),
             stall=self.parts.worker.stall_timeout,
             may_escalate=budget.mid_answer if budget is not None else lambda: True,
+            min_budget=self._es.cloud_min_budget,
         )
 
     async def answer(
@@ -198,6 +199,8 @@ class Paths:
         either, the local model's answer is still ``overloaded``."""
         if decision.decision != "local" or decision.forced or not self._gate.full:
             return None
+        if (decision.budget or {}).get("capped"):
+            return None  # the router found the cap full: asked again, it counts it twice
         if req.model is not None and req.model != self._es.cloud_model:
             return None  # a client that names its model gets that model or nothing
         budget = self.budget
@@ -222,7 +225,10 @@ class Paths:
         received: float,
         fallback: str | None,
     ) -> None:
-        async with self._gate.slot(req.id):
+        # One the local model began, escalated, and the cloud gave back held a slot already:
+        # it waits for one again, not refused for a queue full of requests that came since.
+        admitted = bool((decision.confidence or {}).get("escalated"))
+        async with self._gate.slot(req.id, admitted=admitted):
             await self._local_answer(req, decision, record, received, fallback)
 
     async def _local_answer(
