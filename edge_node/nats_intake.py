@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
-import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request
@@ -329,7 +328,7 @@ class NatsIntake:
         )
 
     async def on_cancel(self, request: Request) -> None:
-        record, inbox = self._own_record(request)
+        record, inbox, _ask = self._own_record(request)
         cancelled = record is not None and record.task is not None
         if record is not None and record.task is not None:
             mine = [s for s in record.sinks if getattr(s, "inbox", None) == inbox]
@@ -408,11 +407,10 @@ class NatsIntake:
                     self.errors["answer"].sent(outcome)
 
     async def on_resend(self, request: Request) -> None:
-        record, inbox = self._own_record(request)
+        record, inbox, raw = self._own_record(request)
         sent = 0
         if record is not None:
-            try:
-                raw = orjson.loads(request.data or b"{}")  # no recursion, however nested
+            try:  # in the format the ask came in (the SDK asks in msgpack)
                 attempt, seq = int(raw.get("attempt", 0)), int(raw.get("seq", 0))
             except (ValueError, TypeError, AttributeError, OverflowError):
                 attempt, seq = 0, 0
@@ -428,18 +426,19 @@ class NatsIntake:
                     json.dumps({"known": record is not None, "events": sent}).encode()
                 )
 
-    def _own_record(self, request: Request) -> tuple[Record | None, str]:
-        """The record a cancel or resend names, if it names the inbox that made the request."""
+    def _own_record(self, request: Request) -> tuple[Record | None, str, dict[str, Any]]:
+        """The record a cancel or resend names, if it names the inbox that made the request;
+        the inbox; the ask, read."""
         try:
             raw = load(request.data, sniff(request.data, request.headers))
         except MeshError:
-            return None, ""
+            return None, "", {}
         if not isinstance(raw, dict):
-            return None, ""
+            return None, "", {}
         request_id, inbox = raw.get("id"), raw.get("inbox")
         if not isinstance(request_id, str) or not isinstance(inbox, str):
-            return None, ""
+            return None, "", raw
         record = self.parts.records.get(sender_scope(inbox), request_id)
         if record is None or not any(getattr(s, "inbox", None) == inbox for s in record.sinks):
-            return None, inbox
-        return record, inbox
+            return None, inbox, raw
+        return record, inbox, raw

@@ -352,8 +352,20 @@ class Record:
 
     async def attach(self, sink: Sink) -> None:
         """A second sink for the same request: what was sent so far, then the rest live.
-        Raises :class:`OverloadedError` when the request already has ``MAX_SINKS`` readers."""
-        if not self.done:  # a finished answer is only sent again: nothing more will come
+        Raises :class:`OverloadedError` when the request already has ``MAX_SINKS`` readers.
+
+        A reader already there on the same inbox (a client that sent its request again) gets
+        nothing more: a second one would have every event after it sent twice. A finished
+        answer sent again is sent whole, and its reader is one all the same, so that it may ask
+        for what it missed of it (a resend names its inbox); the oldest such gives way."""
+        inbox = getattr(sink, "inbox", None)
+        if inbox is not None and any(getattr(s, "inbox", None) == inbox for s in self.sinks):
+            if not self.done:
+                return
+        elif self.done and len(self.sinks) >= MAX_SINKS:
+            self.sinks.pop(0)  # nothing more will come to it
+            self.sinks.append(sink)
+        else:
             if len(self.sinks) >= MAX_SINKS:
                 raise OverloadedError(
                     f"request id {self.client_id!r} already has {len(self.sinks)} readers here; "

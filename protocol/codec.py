@@ -117,11 +117,24 @@ def sniff(data: bytes, headers: Mapping[str, str] | None = None) -> WireFormat:
         for fmt, content_type in _CONTENT_TYPES.items():
             if declared == content_type:
                 return fmt
-    if data and data[0] in _MSGPACK_MAP_FIRST_BYTES:
+    if data and data[0] in _MSGPACK_MAP_FIRST_BYTES and not _text_too(data):
         return WireFormat.MSGPACK
     if data.lstrip()[:1] == b"{":
         return WireFormat.JSON
     return WireFormat.TEXT
+
+
+def _text_too(data: bytes) -> bool:
+    """Whether ``data``, which begins as a msgpack map does, is UTF-8 text: 0xDE and 0xDF
+    (map16, map32) also begin a character (Thaana, N'Ko). A map the SDK writes is not text:
+    its length's first byte (0x00 below 256 entries) cannot follow them in UTF-8."""
+    if data[0] < 0xDE:
+        return False  # a fixmap's byte continues a character: it begins no text
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def load(data: bytes, fmt: WireFormat) -> Any:
