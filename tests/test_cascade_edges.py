@@ -61,9 +61,9 @@ def cascade_settings(settings: MeshSettings, **confidence: object) -> MeshSettin
 async def test_escalated_request_whose_cloud_leg_fails_is_answered_locally_not_overloaded(
     settings: MeshSettings, conn: Connection
 ) -> None:
-    """docs/router.md: "If the cloud cannot take it, the local model answers afresh". The
-    escalation gave its local slot back; the fallback queues for one again like a new request,
-    and with the slot taken meanwhile and no queue place it is refused ``overloaded``."""
+    """docs/router.md: "If the cloud cannot take it, the local model answers afresh", even when
+    the slot the escalation gave back was taken meanwhile and the queue is full. Before, the
+    fallback queued like a new request, and was refused ``overloaded``."""
     cascade_settings(settings, window_tokens=3)
     settings.edge.local_queue = 0
     settings.edge.cloud_first_token_timeout = 1.0
@@ -88,11 +88,11 @@ async def test_escalated_request_whose_cloud_leg_fails_is_answered_locally_not_o
 async def test_escalation_too_late_for_the_cloud_throws_away_an_answer_that_fit_the_deadline(
     settings: MeshSettings, conn: Connection
 ) -> None:
-    """The cascade checks the deadline against ``cloud_min_budget`` before the hold, not when it
-    escalates: the hold eats the margin, the relay then refuses the cloud at once ("deadline too
-    near"), and the local model starts the same answer again from nothing: past the deadline,
-    where the generation it dropped would have ended in time. The escalation still took a
-    ``mid_answer`` count and a place under the cap."""
+    """An unsure local answer whose deadline is by now too near for the cloud
+    (``cloud_min_budget``) is kept. Before, the cascade checked the deadline only before the
+    hold: it escalated, the relay refused the cloud at once ("deadline too near"), and the local
+    model started the answer again from nothing, past the deadline, where the generation it
+    dropped would have ended in time."""
     cascade_settings(settings, window_tokens=10)
     settings.edge.cloud_min_budget = 2.0
     local = LocalEngine(slots=1, token_ms=100)  # 20 tokens: about 1.9 s

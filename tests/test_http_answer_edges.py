@@ -64,10 +64,10 @@ async def post(
 async def test_a_non_streaming_client_that_stops_reading_is_let_go(
     settings: MeshSettings, conn: Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The streaming path takes a client whose socket stays full for CLIENT_STALL_S for gone
-    (tests/test_http_stalled_client.py). The non-streaming path hands its whole answer to
-    aiohttp, which waits for the socket without end: the connection, and the answer's megabytes
-    in its write buffer, stay for as long as the client keeps the socket open."""
+    """A client whose socket stays full for CLIENT_STALL_S is taken for gone, streaming or not
+    (tests/test_http_stalled_client.py). Before, the non-streaming path handed its whole answer
+    to aiohttp, which waits for the socket without end: the connection, and the answer's
+    megabytes in its write buffer, stayed for as long as the client kept the socket open."""
     monkeypatch.setattr(http_sinks, "CLIENT_STALL_S", 0.5)
     settings.edge.http_port = 0
     backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=1))
@@ -256,8 +256,8 @@ async def test_a_field_of_the_wrong_type_or_one_the_edge_ignores_is_a_400_naming
     det_edge: EdgeNode, path: str, fields: dict[str, Any], named: str
 ) -> None:
     """openai_api.py: fields the mesh cannot honour are "refused with a 400 naming the field,
-    never silently ignored"; these get a 200 (penalties and best_of dropped, a boolean read as
-    1 token, a string as a stream)."""
+    never silently ignored". Before, these got a 200 (penalties and best_of dropped, a boolean
+    read as 1 token, a string as a stream)."""
     base: dict[str, Any] = (
         {"messages": USER, "max_tokens": 3} if path == CHAT else {"prompt": "x", "max_tokens": 3}
     )
@@ -293,8 +293,8 @@ async def test_a_refused_body_s_error_names_the_field_in_param(
 
 async def test_finished_http_requests_leave_no_records_behind(det_edge: EdgeNode) -> None:
     """Each HTTP request has a scope of its own (``http:<uuid4>``): no later request, resend or
-    cancel can reach its record. Yet each is kept for replay_window (60 s), with its whole
-    event log, its sink (the aiohttp request) and its place among MAX_RECORDS."""
+    cancel can reach its record, which is dropped as it finishes. Before, each was kept for
+    replay_window (60 s), with its whole event log, its sink and its place among MAX_RECORDS."""
     for _ in range(5):
         status, answer, _ = await post(det_edge, CHAT, {"messages": USER, "max_tokens": 50})
         assert status == 200, answer

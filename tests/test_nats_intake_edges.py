@@ -97,8 +97,8 @@ async def test_a_plain_text_prompt_in_thaana_script_is_answered_not_taken_for_ms
 async def test_a_msgpack_resend_is_served_from_the_position_it_names(
     det_edge: EdgeNode, conn: Connection
 ) -> None:
-    """cancel/resend bodies are read in any format (``_own_record``), but ``on_resend`` reads
-    ``attempt``/``seq`` with orjson only: a msgpack resend is served from position 0."""
+    """A resend asked in msgpack (as the SDK asks) is served from the position it names.
+    Before, ``on_resend`` read ``attempt``/``seq`` with orjson only, and served it from 0."""
     inbox = f"{nuid_prefix()}.1"
     got: list[dict[str, object]] = []
 
@@ -132,8 +132,8 @@ async def test_a_reader_given_a_finished_answer_again_can_ask_for_what_it_missed
     det_edge: EdgeNode, conn: Connection
 ) -> None:
     """The same request sent again (same id, same content, a new inbox of the same client)
-    after its answer ended is replayed whole (``Record.attach``), but the new inbox is not
-    added to the record's readers: its resend is answered ``known: false``."""
+    after its answer ended is replayed whole, and its inbox may ask for what it missed.
+    Before, the inbox was not one of the record's readers: its resend got ``known: false``."""
     prefix = nuid_prefix()
     got: dict[str, list[dict[str, object]]] = {}
 
@@ -161,9 +161,9 @@ async def test_an_sdk_reader_that_drops_part_of_a_replay_still_gets_the_whole_an
     det_edge: EdgeNode, settings: MeshSettings
 ) -> None:
     """The SDK asking again under an id whose answer ended: the replay comes in one burst; a
-    reader with a small buffer drops part of it and asks for it again (``resend``), and the edge
-    says it does not know the request: the SDK ends in ``incomplete`` though the edge holds the
-    whole answer."""
+    reader with a small buffer drops part of it and asks for it again (``resend``), and gets it.
+    Before, the edge said it did not know the request, and the SDK ended in ``incomplete``
+    though the edge held the whole answer."""
     from mesh.client import MeshClient
 
     async with MeshClient(

@@ -66,11 +66,10 @@ async def test_deadline_bounds_a_stream_whose_tokens_keep_coming(
     nats_server: NatsServer, settings: MeshSettings
 ) -> None:
     """A generator that goes on past the request's deadline (a worker whose clock lags, an edge
-    that does not cut it short): the SDK's docstring says the deadline bounds it all, "past it,
-    deadline_exceeded, whoever was answering (a worker generating on ...)". _read checks it
-    only when next() comes back empty, and next(0) returns whatever is buffered: a caller that
-    takes a little longer per token than the generator (a slow socket) always finds one
-    buffered, and reads on to the end, long past the deadline."""
+    that does not cut it short), read by a caller a little slower per token (a slow socket):
+    past the deadline, ``deadline_exceeded``. Before, ``_read`` checked the deadline only when
+    ``next()`` came back empty, and the caller, always finding a token buffered, read on to
+    the end (1.88 s after a 0.5 s deadline)."""
 
     async def slow_answer(nc: Client, req: object, reply: str) -> None:
         writer = AnswerWriter(req.id, node="edge:fake")  # type: ignore[attr-defined]
@@ -126,12 +125,10 @@ class _HeldRepair:
 async def test_a_tail_dropped_by_a_full_buffer_during_a_repair_is_fetched_at_once(
     nats_server: NatsServer, conn: Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The reader's own buffer is full (its caller is slow): it drops messages and sets
-    ``_repair_at`` so a repair fetches them at once ("beyond pending_limit it drops messages
-    and refetches"). But ``_on_msg`` sets it only when it is None, and a repair already in
-    flight leaves it set, then clears it when it ends with no gap held (mesh/reader.py
-    _run_repair). The drop is forgotten: with a tail lost, nothing shows the gap, and only the
-    quiet-spell repair (1 s .. 8 s) ever fetches it."""
+    """The reader's own buffer is full (its caller is slow): it drops messages, and a repair
+    fetches them at once, even when one was in flight as they dropped (its store read may
+    predate them). Before, the drop set a due repair only when none was set, and the repair in
+    flight cleared it at its end: a lost tail waited for the quiet spell (1 s to 8 s)."""
     monkeypatch.setattr("mesh.reader._QUIET_FIRST_S", 30.0)  # only the drop's repair can heal
     subject = "mesh.v1.tok.review.drop1"
     repair = _HeldRepair()
@@ -183,11 +180,9 @@ async def test_deadline_exceeded_via_the_cloud_is_not_held_back_by_the_withdraw(
     nats_server: NatsServer, settings: MeshSettings, conn: Connection
 ) -> None:
     """The worker answering stands still for the client (its link swallows what it writes, as
-    a dying link or a hung process does). The SDK's _read raises deadline_exceeded at the
-    deadline, but _via_cloud's ``finally`` first awaits ``call.withdraw()``: an addressed
-    cancel to that very worker, waited for ADDRESSED_CANCEL_WAIT_S (0.5 s), then a JetStream
-    delete (up to 0.5 s more). The caller hears of its deadline only after those: late by the
-    very wait that a hung worker makes certain."""
+    a dying link or a hung process does): ``deadline_exceeded`` comes at the deadline. Before,
+    ``_via_cloud`` first awaited ``call.withdraw()``, whose cancel waits for an answer from
+    that very worker (``ADDRESSED_CANCEL_WAIT_S``, 0.5 s): 503 ms late."""
     from cloud_node.worker import Worker
     from mesh.backends.deterministic import DeterministicBackend
     from mesh.config import ModelSettings
@@ -236,11 +231,9 @@ async def test_a_request_over_the_max_payload_ends_in_one_typed_error(
     nats_server: NatsServer, settings: MeshSettings, conn: Connection, via: str
 ) -> None:
     """A prompt that validates (no length limit on ``prompt``) but whose request is larger than
-    the server's max_payload (1 MiB by default). nats-py refuses to publish it
-    (``nats.errors.MaxPayloadError``). Via the cloud nothing in publish_request catches it:
-    the caller gets nats-py's exception, not a typed MeshError. Via an edge, send() turns it
-    into ``unavailable``, which is retryable: the caller retries for ever a request that can
-    never be sent. Either way not the typed ``payload_too_large`` (not retryable)."""
+    the server's max_payload (1 MiB by default): ``payload_too_large``, not retryable. Before,
+    via the cloud the caller got nats-py's ``MaxPayloadError``; via an edge, ``unavailable``,
+    which says to retry a request that can never be sent."""
     from cloud_node.worker import Worker
     from mesh.backends.deterministic import DeterministicBackend
     from mesh.config import ModelSettings
