@@ -359,20 +359,19 @@ class Record:
         answer sent again is sent whole, and its reader is one all the same, so that it may ask
         for what it missed of it (a resend names its inbox); the oldest such gives way."""
         inbox = getattr(sink, "inbox", None)
-        if inbox is not None and any(getattr(s, "inbox", None) == inbox for s in self.sinks):
-            if not self.done:
-                return
-        elif self.done and len(self.sinks) >= MAX_SINKS:
-            self.sinks.pop(0)  # nothing more will come to it
-            self.sinks.append(sink)
-        else:
-            if len(self.sinks) >= MAX_SINKS:
+        there = inbox is not None and any(getattr(s, "inbox", None) == inbox for s in self.sinks)
+        if there and not self.done:
+            return
+        if not there:
+            if len(self.sinks) >= MAX_SINKS and not self.done:
                 raise OverloadedError(
                     f"request id {self.client_id!r} already has {len(self.sinks)} readers here; "
                     "ask again once it is answered",
                     retry_after=1.0,
                     request_id=self.client_id,
                 )
+            if len(self.sinks) >= MAX_SINKS:
+                self.sinks.pop(0)  # the oldest of a finished answer's: nothing more comes to it
             self.sinks.append(sink)
         for item in list(self.log):
             try:

@@ -108,8 +108,7 @@ class AnswerReader:
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0  # the current wait's (see _wait)
         self._sub: Subscription | Listening | None = None
-        self._losses, self._drops = conn.losses, 0
-        """The connection's losses and this reader's drops when the last repair began."""
+        self._losses, self._drops = conn.losses, 0  # the link's, and ours, as a repair began
         self._unlisten: Callable[[], None] | None = None
         self._repair_at: float | None = None
         self._gap_retry = _GAP_RETRY_FIRST_S
@@ -301,7 +300,8 @@ class AnswerReader:
             and self._repair_at is None
             and self._send_again_at is None
             and not self._checked
-            and (self.conn.losses, self.dropped) == (self._losses, self._drops)
+            and self.conn.losses == self._losses
+            and self.dropped == self._drops
             and not self.state.done
         )
 
@@ -417,7 +417,7 @@ class AnswerReader:
         """When the next repair falls due: now when messages may have been lost since the last
         one began (with the link, or dropped from a full buffer: a repair in flight may have
         read the store before they came), else after a quiet spell or at the time a gap set."""
-        if (self.conn.losses, self.dropped) != (self._losses, self._drops):
+        if self.conn.losses != self._losses or self.dropped != self._drops:
             return now
         quiet_at = max(self.last_event, self._last_probe) + self._quiet
         due = quiet_at if self._repair_at is None else min(quiet_at, self._repair_at)
