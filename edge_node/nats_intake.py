@@ -66,11 +66,14 @@ from protocol.errors import (
 )
 from protocol.messages import ErrorEvent
 from protocol.subjects import (
+    MAX_SUBJECT,
     edge_answer_subject,
     edge_cancel_subject,
     edge_infer_subject,
     edge_resend_subject,
+    is_literal,
     is_reply_inbox,
+    is_reserved,
     is_token,
     sender_scope,
 )
@@ -287,18 +290,28 @@ class NatsIntake:
             return
         if not is_reply_inbox(reply):
             self.parts.counts.inc("refused.reply")
-            log.warning("refusing to answer into a reserved subject", reply=reply[:200])
+            if is_reserved(reply) or not is_literal(reply):
+                log.warning("refusing to answer into a reserved subject", reply=reply[:200])
+                return
+            # Only too long: the client listens there, and hears why.
+            too_long = f"the reply subject is {len(reply)} characters long; at most {MAX_SUBJECT}"
+            loc = [{"loc": "reply", "msg": "too long"}]
+            self._refuse(request, reply, InvalidRequestError(too_long, details=loc))
             return
         accepting = self.parts.accepting()
         if not accepting or self.parts.in_flight() >= self.parts.edge.max_concurrent:
             reason = "edge is at its concurrency limit" if accepting else "edge is stopping"
             error = OverloadedError(reason, retry_after=1.0)
             self.parts.counts.refused(error)
-            fmt = sniff(request.data, request.headers).reply_format
-            sink = self._sink(reply, "", fmt, streaming=False)
-            self._refusals.spawn(_send_quietly(sink, error_event(error)), name="edge-refusal")
+            self._refuse(request, reply, error)
             return
         self.parts.tasks.spawn(self._serve(request, reply), name="edge-request")
+
+    def _refuse(self, request: Request, reply: str, error: MeshError) -> None:
+        """Refuse a request at the door: its error, in its format, sent from a task."""
+        fmt = sniff(request.data, request.headers).reply_format
+        sink = self._sink(reply, "", fmt, streaming=False)
+        self._refusals.spawn(_send_quietly(sink, error_event(error)), name="edge-refusal")
 
     async def _serve(self, request: Request, reply: str) -> None:
         received = time.perf_counter()

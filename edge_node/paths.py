@@ -102,11 +102,9 @@ class Paths:
             raise DeadlineExceededError(
                 "the request's deadline passed before it could start", request_id=req.id
             )
-        if (
-            req.model is not None
-            and req.model != self.backend.model
-            and not await self.parts.models.deployed(req.model)
-        ):
+        # A client that names a model other than the local one gets that model or nothing.
+        named = req.model if req.model != self.backend.model else None
+        if named is not None and not await self.parts.models.deployed(named):
             raise UnknownModelError(
                 f"no worker pool serves model {req.model!r} and it is not this edge's "
                 f"local model ({self.backend.model!r})",
@@ -138,13 +136,13 @@ class Paths:
             await self.site.relay(req, decision, record)
             return
         if decision.decision == "cloud":
-            # A client that names its model gets that model or nothing: no other pool, and
-            # not the local model unless it is the one named (its answer would go out under
-            # the model's name).
-            named = req.model is not None and req.model != self.backend.model
-            local_fits = not named and not self._too_long(req)
+            # Named: no other pool, and not the local model (its answer would go out under
+            # the named model's name).
+            local_fits = named is None and not self._too_long(req)
             no_local = (
-                f"it names model {req.model!r}" if named else "it is too long for the local model"
+                f"it names model {named!r}"
+                if named is not None
+                else "it is too long for the local model"
             )
             chain = [req.model or self._es.cloud_model]
             if req.model is None:

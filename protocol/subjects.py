@@ -91,12 +91,27 @@ def is_token(value: str) -> bool:
     return bool(_TOKEN_RE.match(value))
 
 
+MAX_SUBJECT = 512
+"""The longest subject the mesh carries in a message of its own (a request's reply subject)."""
+
+
+def is_literal(value: str) -> bool:
+    """True when ``value`` is a literal subject (no wildcards, no whitespace) of any length."""
+    return bool(_SUBJECT_RE.match(value))
+
+
 def is_subject(value: str) -> bool:
-    """True when ``value`` is a literal subject (no wildcards)."""
-    return len(value) <= 512 and bool(_SUBJECT_RE.match(value))
+    """True when ``value`` is a literal subject (no wildcards) the mesh carries."""
+    return len(value) <= MAX_SUBJECT and is_literal(value)
 
 
 _RESERVED_PREFIXES = ("$", "mesh.")
+
+
+def is_reserved(value: str) -> bool:
+    """True when ``value`` is in the server's own (``$...``) or the mesh's own (``mesh.``)
+    space: a node never publishes a client's answer there."""
+    return value.startswith(_RESERVED_PREFIXES)
 
 
 def is_reply_inbox(value: str) -> bool:
@@ -106,7 +121,7 @@ def is_reply_inbox(value: str) -> bool:
     A client names its reply subject; a subject in those spaces would make a node publish into
     the work queue, another request's events, a cancel, or a JetStream API call.
     """
-    return is_subject(value) and not value.startswith(_RESERVED_PREFIXES)
+    return is_subject(value) and not is_reserved(value)
 
 
 _NUID = re.compile(r"[A-Za-z0-9]{22}")

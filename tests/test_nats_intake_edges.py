@@ -94,6 +94,31 @@ async def test_a_plain_text_prompt_in_thaana_script_is_answered_not_taken_for_ms
     assert event["t"] == "answer", event
 
 
+async def test_a_reply_subject_too_long_to_carry_hears_why_and_a_reserved_one_nothing(
+    det_edge: EdgeNode, settings: MeshSettings
+) -> None:
+    """A client whose inbox is longer than the mesh carries (512 characters) hears a typed
+    error there (it waited in silence until its timeout); one that names a reserved subject
+    as its reply gets nothing published there."""
+    cli = await RawNatsClient().connect(settings.nats.url or "")
+    try:
+        inbox = "_INBOX." + "x" * 600
+        await cli.subscribe(inbox)
+        await cli.subscribe("mesh.v1.work.>")
+        await cli.publish(det_edge.subject, b"[tag:l] hello", reply=inbox)
+        got = await cli.next_msg(timeout=5)
+        assert got.subject == inbox, got
+        event = got.json()
+        assert event["t"] == "err" and event["code"] == "invalid_request", event
+        assert "512" in event["message"], event
+        await cli.publish(det_edge.subject, b"[tag:l] hello", reply="mesh.v1.work.x")
+        with pytest.raises(TimeoutError):
+            seen = await cli.next_msg(timeout=0.5)
+            raise AssertionError(f"published into a reserved subject: {seen}")
+    finally:
+        await cli.close()
+
+
 async def test_a_msgpack_resend_is_served_from_the_position_it_names(
     det_edge: EdgeNode, conn: Connection
 ) -> None:
