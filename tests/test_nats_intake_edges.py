@@ -112,9 +112,8 @@ async def test_a_reply_subject_too_long_to_carry_hears_why_and_a_reserved_one_no
         assert event["t"] == "err" and event["code"] == "invalid_request", event
         assert "512" in event["message"], event
         await cli.publish(det_edge.subject, b"[tag:l] hello", reply="mesh.v1.work.x")
-        with pytest.raises(TimeoutError):
-            seen = await cli.next_msg(timeout=0.5)
-            raise AssertionError(f"published into a reserved subject: {seen}")
+        with pytest.raises(TimeoutError):  # nothing published into a reserved subject
+            await cli.next_msg(timeout=0.5)
     finally:
         await cli.close()
 
