@@ -12,9 +12,20 @@ from nats.aio.msg import Msg
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.takeover import unseen_attempt
 from mesh.config import MeshSettings
+from mesh.queue import MSG_ID_HEADER
 from protocol.errors import MeshError
 
 Ack = Callable[[Msg], Awaitable[None]]
+
+
+def queued_once(msg: Msg, scope: str, request_id: str) -> bool:
+    """Whether ``msg`` is the queue's only message of its request: it has the message id that
+    senders give (``<scope>.<id>``, a site's with a tag after it), under which JetStream drops
+    any other within its duplicate window. One queued by hand (``nats pub``) may share its
+    id with another, of other content: that one's answer would mix with it."""
+    msg_id = (msg.headers or {}).get(MSG_ID_HEADER, "")
+    own = f"{scope}.{request_id}"
+    return msg_id == own or msg_id.startswith(f"{own}.")
 
 
 @dataclass
@@ -34,6 +45,10 @@ class Delivery:
     queued it again (:data:`mesh.queue.COPY_HEADER`), or it is older than the consumer that
     delivered it (:mod:`cloud_node.epoch`). Its answer then numbers above any attempt the other
     can reach, and it reads what the store holds first, as a redelivery does."""
+    shares_id: bool = False
+    """Whether another queued message may carry its request id (:func:`queued_once`): numbered
+    and looking first as one :attr:`maybe_held`, so that two requests under one id never pass
+    for one answer."""
     generating: bool = False
     """Set once its generation holds the message: from then on that settles it, whatever
     ends the attempt (:meth:`cloud_node.serve.Handler._generate`). Cut short before,
@@ -43,7 +58,8 @@ class Delivery:
         """The attempt number of what this delivery writes with no answer to continue (a
         rejection; a start when the store holds none): its delivery count, or above any
         attempt another worker may reach when it may hold the request (:func:`unseen_attempt`)."""
-        return unseen_attempt(self.attempt) if self.maybe_held else self.attempt
+        unseen = self.maybe_held or self.shares_id
+        return unseen_attempt(self.attempt) if unseen else self.attempt
 
     def queued_ms(self) -> float:
         """How long it waited in the queue, until now."""

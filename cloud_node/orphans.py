@@ -54,7 +54,7 @@ from mesh.registry import handback_key, open_bucket
 from mesh.tasks import cancel_and_wait
 from protocol.codec import RequestLimits, decode_request
 from protocol.errors import MeshError
-from protocol.messages import EndEvent, ErrorEvent, StartEvent, WireEvent
+from protocol.messages import EndEvent, ErrorEvent, StartEvent, WireEvent, queued_request_id
 from protocol.subjects import (
     ORPHAN_WILDCARD,
     addressed,
@@ -329,7 +329,12 @@ class Orphans:
         if stored.subject is None or scope_of(stored.subject) != scope or stored.data is None:
             return False
         try:
-            request, _fmt = decode_request(stored.data, stored.headers, limits=self._limits)
+            request, _fmt = decode_request(
+                stored.data,
+                stored.headers,
+                limits=self._limits,
+                missing_id=queued_request_id(sseq),
+            )
         except MeshError:
             return False
         return request.id == request_id

@@ -26,7 +26,7 @@ from mesh.logs import get_logger
 from mesh.tasks import TaskSet
 from protocol.codec import decode_request, error_event, reply_target, sniff
 from protocol.errors import ErrorCode, MaxDeliveriesError, MeshError
-from protocol.messages import Answer, ErrorEvent, InferRequest
+from protocol.messages import Answer, ErrorEvent, InferRequest, queued_request_id
 from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import is_token, scope_of, token_subject
 
@@ -87,7 +87,7 @@ class Outcomes:
         """Answer a request that will never run, where its sender listens, and drop it for good.
         Never raises: a message it cannot read is still terminated."""
         try:
-            request_id, _reply = reply_target(msg.data, msg.headers)
+            request_id, _reply = reply_target(msg.data, msg.headers, _missing_id(msg))
             if err.request_id is not None and is_token(err.request_id):
                 request_id = err.request_id
             self.counts.outcome("rejected", err.code.value)
@@ -201,7 +201,8 @@ class Outcomes:
             deliveries = int(advisory.get("deliveries", self.stream.max_deliver))
             jsm = self.conn.jsm()
             queued = await jsm.get_msg(self.stream.name, stream_seq)
-            request_id, _ = reply_target(queued.data or b"", queued.headers)
+            missing_id = queued_request_id(stream_seq)
+            request_id, _ = reply_target(queued.data or b"", queued.headers, missing_id)
             scope = scope_of(queued.subject or "")
             state: AnswerState | None = None
             if request_id is not None and scope is not None:
@@ -212,7 +213,9 @@ class Outcomes:
                     log.warning("answer store not read; ending the request", error=err.message)
                     state = AnswerState(request_id)
             with contextlib.suppress(MeshError):  # a request that can wait: keep its outcome
-                held, _fmt = decode_request(queued.data or b"", queued.headers)
+                held, _fmt = decode_request(
+                    queued.data or b"", queued.headers, missing_id=missing_id
+                )
                 if held.deferrable and scope is not None and held.id == request_id:
                     # The last worker may have stored the whole answer (or a final error) and
                     # died before keeping it: that outcome is the request's, not this one.
@@ -256,3 +259,11 @@ class Outcomes:
             await jsm.delete_msg(self.stream.name, stream_seq)
         except Exception as exc:  # already gone, or the store cannot be read: nothing to do
             log.info("max-deliveries advisory not handled", error=repr(exc))
+
+
+def _missing_id(msg: Msg) -> str | None:
+    """The id of a queued request that names none (None: ``msg`` is no JetStream message)."""
+    try:
+        return queued_request_id(msg.metadata.sequence.stream)
+    except (nats.errors.Error, AttributeError, ValueError):
+        return None

@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 from cloud_node.admission import check
 from cloud_node.cancels import CancelBook
 from cloud_node.counts import WorkerCounts
-from cloud_node.delivery import Ack, Delivery, Release, store_look_timeout
+from cloud_node.delivery import Ack, Delivery, Release, queued_once, store_look_timeout
 from cloud_node.epoch import QueueEpoch
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive, LoopStalls, Renew
@@ -47,7 +47,7 @@ from mesh.connection import Connection
 from mesh.generate import Asked, generate_into
 from mesh.logs import bound, get_logger, log_unknown_fields, trace_id
 from mesh.queue import COPY_HEADER, trace_headers
-from mesh.tasks import CancelAt, TaskSet, answered_cancel
+from mesh.tasks import CancelAt, TaskSet, answered_cancel, cancel_and_wait
 from mesh.tracing import Tracing
 from protocol.codec import WireFormat, decode_request
 from protocol.errors import (
@@ -57,7 +57,7 @@ from protocol.errors import (
     MeshError,
 )
 from protocol.fingerprint import request_fingerprint
-from protocol.messages import InferRequest, StartEvent
+from protocol.messages import InferRequest, StartEvent, queued_request_id
 from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import cloud_node_name, scope_of, token_subject
 
@@ -104,6 +104,9 @@ class Handler(ABC):
         self._stream = settings.stream
         self.inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
         """Requests being served, by token subject (cancels find them here)."""
+        self.last_deliveries: set[asyncio.Task[Any]] = set()
+        """Those of them on their queue message's last delivery: handed back, it would go to
+        no other worker (a stopping worker finishes them instead)."""
         self.publishers: dict[str, AnswerPublisher] = {}
         """Their publishers (a reconnect has each catch up)."""
         self.ack: Ack = ack
@@ -114,6 +117,16 @@ class Handler(ABC):
         self.stalls = LoopStalls(on_stall=self.recheck)
         """This process's stand-stills (the worker runs its ticker)."""
         self.epoch = QueueEpoch(parts.conn, store_look_timeout(settings))
+
+    async def hand_over(self) -> bool:
+        """A stopping worker's hand-over: cancel the requests being served, each handed back
+        for another worker to continue from the store, but those on their last delivery (no
+        worker would be given it again). True when some of those are left to drain."""
+        last = self.last_deliveries
+        over = [task for task, _request in self.inflight.values() if task not in last]
+        log.info("handing in-flight requests over", count=len(over), draining=len(last))
+        await cancel_and_wait(over)
+        return bool(last)
 
     async def handle(self, msg: Msg) -> None:
         """One delivery, in its own task; returns once the queue message is acked, handed back
@@ -134,6 +147,7 @@ class Handler(ABC):
                     limits=self.settings.limits.request_limits(),
                     strict=self.settings.strict_decode,
                     on_unknown=log_unknown_fields,
+                    missing_id=queued_request_id(msg.metadata.sequence.stream),
                 )
             except MeshError as err:
                 await self.outcomes.reject(msg, err, delivery.number())
@@ -185,12 +199,13 @@ class Handler(ABC):
         except MeshError as err:
             await self.outcomes.reject(msg, err, delivery.number())
             return
+        delivery.shares_id = not queued_once(msg, scope, request.id)  # queued by hand
         with self._serving(delivery, request, scope):
             queued_ms = delivery.queued_ms()
             # A first delivery asks the engine now: what follows runs while it prefills (a
             # redelivery first reads what earlier attempts left, to continue from it).
             asked = None
-            first = attempt == 1 and not delivery.maybe_held
+            first = attempt == 1 and not delivery.maybe_held and not delivery.shares_id
             if first and too_late(request, None) is None:
                 asked = Asked(self.backend.generate(request))
             try:
@@ -240,6 +255,8 @@ class Handler(ABC):
         task = asyncio.current_task()
         assert task is not None
         self.inflight[address] = (task, request)
+        if delivery.attempt >= self._stream.max_deliver:
+            self.last_deliveries.add(task)
         traced = trace_headers(msg.headers)
         traced_id = trace_id(traced.get("traceparent"))
         with bound(
@@ -261,6 +278,7 @@ class Handler(ABC):
                 # Its own only: a later delivery here (after a stand-still, a copy) runs on.
                 if self.inflight.get(address, (None,))[0] is task:
                     del self.inflight[address]
+                self.last_deliveries.discard(task)
 
     def _publisher(self, scope: str, request: InferRequest, fmt: WireFormat) -> AnswerPublisher:
         return AnswerPublisher(

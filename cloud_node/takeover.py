@@ -19,7 +19,7 @@ from cloud_node.publisher import AnswerPublisher
 from mesh.answer_store import AnswerStore
 from mesh.logs import get_logger
 from protocol.errors import DeadlineExceededError, ErrorCode, MeshError
-from protocol.messages import ErrorEvent, InferRequest
+from protocol.messages import EndEvent, ErrorEvent, InferRequest
 from protocol.stream import AnswerState, AnswerWriter, Resume
 
 log = get_logger(__name__)
@@ -84,6 +84,11 @@ class Takeover:
         state.feed_all(events)
         return state
 
+    async def _ended(self, subject: str) -> bool:
+        """Whether the answer stored under ``subject`` has its outcome (an end or an error)."""
+        events = await self.store.replay(subject, timeout=self.timeout)
+        return any(isinstance(event, EndEvent | ErrorEvent) for event in events)
+
     async def history(
         self, request: InferRequest, fingerprint: str, subject: str, *, look: bool
     ) -> AnswerState | Unread | None:
@@ -135,10 +140,13 @@ class Takeover:
         self.counts.outcome("already_done")
         outcome = history.outcome
         if isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value:
-            # Our own check: the store holds another request's answer under this id.
+            # Our own check: the store holds another request's answer under this id. Said on
+            # the token subject only once that answer ended: until then its readers, who share
+            # the subject, would take the error for their own (an error names no request).
             log.warning("request id reused for other content; refusing it")
             with contextlib.suppress(MeshError):
-                await publisher.finish(outcome)
+                if await self._ended(publisher.subject):
+                    await publisher.finish(outcome)
             with contextlib.suppress(nats.errors.Error):
                 await msg.term()
             return False

@@ -355,8 +355,8 @@ class Worker(Lifecycle):
         await cancel_and_wait([t for t in (self._loop_task, self._leases_back) if t is not None])
         grace = self._ws.drain_grace
         if self.handler.inflight and self._ws.hand_over and await self._peers_with_room():
-            grace = 0.0  # another worker continues each answer from the store, at once
-            log.info("handing in-flight requests over", count=len(self.handler.inflight))
+            # Another worker continues each answer from the store, at once (the rest drain).
+            grace = grace if await self.handler.hand_over() else 0.0
         elif self.handler.inflight:
             log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
         await self._tasks.close(grace=grace)

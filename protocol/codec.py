@@ -213,8 +213,10 @@ def decode_request(
     limits: RequestLimits = RequestLimits(),
     strict: bool = False,
     on_unknown: UnknownFieldsHook | None = None,
+    missing_id: str | None = None,
 ) -> tuple[InferRequest, WireFormat]:
-    """Decode and validate a request from any accepted format.
+    """Decode and validate a request from any accepted format (``missing_id``: the id of one
+    that names none, where a fresh one each time would not do: a queued message's).
 
     Raises :class:`PayloadTooLargeError`, :class:`BadPayloadError` or
     :class:`InvalidRequestError`; the error's ``request_id`` is set when the id could be read.
@@ -231,6 +233,8 @@ def decode_request(
         raise InvalidRequestError(
             f"a request must be a map/object or a text prompt, not {type(raw).__name__}"
         )
+    if missing_id is not None and "id" not in raw:
+        raw["id"] = missing_id
     # The id and names as they can be written back in an error or a log (a lone surrogate
     # spelled out as \ud800): the error must reach its client even then.
     request_id = _printable(raw["id"]) if isinstance(raw.get("id"), str) else None
@@ -262,9 +266,10 @@ def decode_request(
 
 
 def reply_target(
-    data: bytes, headers: Mapping[str, str] | None = None
+    data: bytes, headers: Mapping[str, str] | None = None, missing_id: str | None = None
 ) -> tuple[str | None, str | None]:
-    """Best effort ``(request_id, reply_subject)`` from a payload that failed to decode.
+    """Best effort ``(request_id, reply_subject)`` from a payload that failed to decode
+    (``missing_id``: as :func:`decode_request` takes it).
 
     Lets a worker answer a request it cannot validate on the subject its sender listens on.
     """
@@ -272,9 +277,11 @@ def reply_target(
         raw = load(data, sniff(data, headers))
     except MeshError:
         return None, None
+    if isinstance(raw, str):
+        return missing_id, None
     if not isinstance(raw, dict):
         return None, None
-    rid = raw.get("id")
+    rid = raw.get("id", missing_id)
     reply = raw.get("reply")
     request_id = rid if isinstance(rid, str) and is_token(rid) else None
     reply_subject = reply if isinstance(reply, str) and is_subject(reply) else None

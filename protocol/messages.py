@@ -45,6 +45,13 @@ def new_request_id() -> str:
     return os.urandom(16).hex()
 
 
+def queued_request_id(stream_seq: int) -> str:
+    """The id of a request queued without one (``nats pub`` straight into the queue): taken from
+    its queue message's stream sequence, the same at every delivery of it, and the ``seq`` of the
+    publish ack that ``nats req`` prints."""
+    return f"queued-{stream_seq}"
+
+
 def unicode_text(value: Any) -> Any:
     """Refuse a string that is not Unicode text: one with a lone surrogate, which JSON can
     carry (``"\\ud800"``) but UTF-8 cannot. Accepted, it would fail seconds later in a
