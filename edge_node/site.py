@@ -31,11 +31,14 @@ from collections.abc import Callable
 from typing import Any
 
 import nats.errors
+from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
 
 from edge_node.lanes import app_key, key_hash, lane_secret
 from edge_node.records import Record
+from edge_node.site_answers import Found, another_try, emit_outcome, found_in
 from edge_node.site_links import (
+    AFTER_HEADER,
     HELD_ID_HEADER,
     SITE_STREAMS,
     SiteLinks,
@@ -50,11 +53,10 @@ from mesh.tasks import by_deadline, first_of, raise_if_cancelled
 from protocol.codec import (
     CONTENT_TYPE,
     WireFormat,
-    decode_event,
     dump,
-    to_exception,
 )
 from protocol.errors import (
+    CancelledByClientError,
     DeadlineExceededError,
     DuplicateRequestError,
     MeshError,
@@ -67,10 +69,7 @@ from protocol.messages import (
     ErrorEvent,
     InferRequest,
     RouteDecision,
-    TokenLogprob,
-    WireEvent,
 )
-from protocol.stream import AnswerWriter
 from protocol.subjects import (
     CLAIMS_STREAM,
     KEPT_STREAM,
@@ -150,14 +149,18 @@ class SiteStore:
         record.deferred = True
         sub = await self.conn.nc.subscribe(kept_subject(req.id))
         try:
-            found = await by_deadline(
+            found, after = await by_deadline(
                 wait_until, self._held_or_kept(queued, fingerprint, req, record)
             )
             if found is None:
-                found = await self._wait(sub, wait_until, req.id)
+                found = await self._wait(sub, wait_until, req.id, after)
         except asyncio.TimeoutError:
             raise_if_cancelled()
+            self._ended_while_held(req, fingerprint, record)
             raise wait_ended(req, held=record.held) from None
+        except asyncio.CancelledError:
+            self._ended_while_held(req, fingerprint, record)
+            raise
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
@@ -189,10 +192,25 @@ class SiteStore:
             )
         await emit_outcome(record, outcome)
 
+    def _ended_while_held(self, req: InferRequest, fingerprint: str, record: Record) -> None:
+        """A held request that ended at the edge for good, its client cancelling it or its
+        deadline passing: that error is kept as its answer, for its client asking by id, and
+        the forwarder does not send it (it would be generated for nobody)."""
+        if not record.held:
+            return
+        if record.cancelled:
+            why: MeshError = CancelledByClientError("cancelled while held at the edge site")
+        elif req.deadline is not None and time.time() >= req.deadline:
+            why = DeadlineExceededError("the request's deadline passed while held")
+        else:
+            return  # the client's wait ended (over HTTP): the request stays held
+        self.links.keep_error_soon(req.id, fingerprint, why)
+
     async def _held_or_kept(
         self, queued: InferRequest, fingerprint: str, req: InferRequest, record: Record
-    ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
-        """The answer kept already, or None once ``queued`` is held (``record.held`` then)."""
+    ) -> tuple[Found | None, int]:
+        """The answer kept already, or None once ``queued`` is held (``record.held`` then); and
+        the kept sequence its answer is to come after (a new try's: past the error it follows)."""
         model = queued.model or ""
         try:
             served = await asyncio.wait_for(self.parts.models.deployed(model), SERVED_CHECK_S)
@@ -201,10 +219,20 @@ class SiteStore:
             served = True  # the hub is out of reach: hold it (an unknown model ends at deadline)
         if not served:
             raise UnknownModelError(f"no worker pool serves {model!r}", request_id=req.id)
-        found = await self.kept_with_fingerprint(req.id)
+        entry = await self._kept_entry(req.id)
+        found = None if entry is None else found_in(entry.data or b"", entry.headers)
+        after = 0
+        if (
+            entry is not None
+            and found is not None
+            and another_try(found, entry.headers, fingerprint)
+        ):
+            found, after = None, entry.seq or 0
         if found is None:
-            await self.hold(queued, model, fingerprint, claim_key=req.cancel_key, record=record)
-        return found
+            await self.hold(
+                queued, model, fingerprint, claim_key=req.cancel_key, record=record, after=after
+            )
+        return found, after
 
     async def hold(
         self,
@@ -214,6 +242,7 @@ class SiteStore:
         *,
         claim_key: str | None = None,
         record: Record | None = None,
+        after: int = 0,
     ) -> None:
         """Into the outbox, once per (id, content): the same request sent again is held once;
         another under its id is held too, and told ``duplicate`` when the first one's answer
@@ -244,10 +273,12 @@ class SiteStore:
             ) from None
         held = dump(req, WireFormat.MSGPACK)
         headers = {
-            MSG_ID_HEADER: f"{req.id}.{fingerprint}",
+            MSG_ID_HEADER: f"{req.id}.{fingerprint}" + (f".{after}" if after else ""),
             HELD_ID_HEADER: req.id,
             CONTENT_TYPE: WireFormat.MSGPACK.content_type,
         }
+        if after:  # a new try, after the error the site ended the last one with
+            headers[AFTER_HEADER] = str(after)
         try:
             ack = await with_site_streams(
                 self.conn,
@@ -311,11 +342,16 @@ class SiteStore:
         """The key of an HTTP app's requests here (see :func:`app_key`)."""
         return app_key(self._lane_secret, app)
 
-    async def kept_with_fingerprint(
-        self, request_id: str
-    ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
+    async def kept_with_fingerprint(self, request_id: str, after: int = 0) -> Found | None:
+        """The answer kept for ``request_id`` (kept after sequence ``after``), if any."""
+        entry = await self._kept_entry(request_id)
+        if entry is None or (entry.seq or 0) <= after:
+            return None
+        return found_in(entry.data or b"", entry.headers)
+
+    async def _kept_entry(self, request_id: str) -> RawStreamMsg | None:
         try:
-            msg = await with_site_streams(
+            return await with_site_streams(
                 self.conn,
                 lambda: self.conn.site_jsm().get_msg(
                     KEPT_STREAM, subject=kept_subject(request_id), direct=True
@@ -325,13 +361,11 @@ class SiteStore:
             return None
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(f"the site's answers cannot be read: {exc!r}") from None
-        return _found(msg.data or b"", msg.headers)
 
-    async def _wait(
-        self, sub: Any, until: float, request_id: str
-    ) -> tuple[Answer | ErrorEvent | None, str | None] | None:
+    async def _wait(self, sub: Any, until: float, request_id: str, after: int = 0) -> Found | None:
         """The kept answer, as it comes; after a loss on the link, once read from the site's
-        store too: one kept meanwhile (by another replica of this edge) came to nobody here."""
+        store too: one kept meanwhile (by another replica of this edge) came to nobody here.
+        ``after``: a kept sequence whose answer is an earlier try's."""
         lost = asyncio.Event()
         undo = self.conn.on_loss(lost.set)
         try:
@@ -339,32 +373,18 @@ class SiteStore:
                 if lost.is_set():
                     lost.clear()
                     with contextlib.suppress(UnavailableError):  # the link is down again
-                        if (found := await self.kept_with_fingerprint(request_id)) is not None:
+                        found = await self.kept_with_fingerprint(request_id, after)
+                        if found is not None:
                             return found
                 try:
                     came, msg = await first_of(sub.next_msg(timeout=left), lost, left)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     continue
                 if came:
-                    return _found(msg.data, msg.headers)
+                    return found_in(msg.data, msg.headers)
             return None
         finally:
             undo()
-
-
-def _found(
-    data: bytes, headers: dict[str, str] | None
-) -> tuple[Answer | ErrorEvent | None, str | None]:
-    """A kept answer's message: the outcome, and the fingerprint of the request it answers."""
-    return _outcome(data), (headers or {}).get(kept.FINGERPRINT_HEADER)
-
-
-def _outcome(data: bytes) -> Answer | ErrorEvent | None:
-    try:
-        event = decode_event(data)
-    except MeshError:
-        return None
-    return event if isinstance(event, (Answer, ErrorEvent)) else None
 
 
 def wait_ended(req: InferRequest, *, held: bool) -> MeshError:
@@ -392,72 +412,3 @@ def wait_ended(req: InferRequest, *, held: bool) -> MeshError:
         request_id=req.id,
         retry_after=1.0,
     )
-
-
-KEPT_PIECE_CHARS = 32_768
-"""The most characters of a kept answer one event carries: at most 192 kB as JSON (six bytes a
-character, escaped), well within one message."""
-KEPT_PIECE_LOGPROBS = 256
-"""The most logprobs entries one event carries (an entry with 20 alternatives takes about
-0.5 kB)."""
-
-
-def _pieces(
-    text: str, logprobs: list[TokenLogprob] | None
-) -> list[tuple[str, list[TokenLogprob] | None]]:
-    """A kept answer's text and logprobs, cut in pieces that each fit one message: at its
-    tokens' bounds when they spell the text (each piece's logprobs are its own text's), else
-    evenly (the logprobs then come in order, but not with their text)."""
-    if not logprobs:
-        size = KEPT_PIECE_CHARS
-        return [(text[at : at + size], logprobs) for at in range(0, len(text), size)]
-    if "".join(entry.token for entry in logprobs) == text:
-        cut: list[tuple[str, list[TokenLogprob] | None]] = []
-        piece: list[TokenLogprob] = []
-        chars = 0
-        for entry in logprobs:
-            if piece and (
-                len(piece) == KEPT_PIECE_LOGPROBS or chars + len(entry.token) > KEPT_PIECE_CHARS
-            ):
-                cut.append(("".join(e.token for e in piece), piece))
-                piece, chars = [], 0
-            piece.append(entry)
-            chars += len(entry.token)
-        cut.append(("".join(e.token for e in piece), piece))
-        return cut
-    n = max(-(-len(text) // KEPT_PIECE_CHARS), -(-len(logprobs) // KEPT_PIECE_LOGPROBS))
-    return [
-        (
-            text[i * len(text) // n : (i + 1) * len(text) // n],
-            logprobs[i * len(logprobs) // n : (i + 1) * len(logprobs) // n],
-        )
-        for i in range(n)
-    ]
-
-
-async def emit_outcome(record: Record, outcome: Answer | ErrorEvent) -> None:
-    """Pass a kept answer on as one attempt: start, its text (and logprobs) in pieces, end. A
-    piece takes at most ``KEPT_PIECE_CHARS`` and ``KEPT_PIECE_LOGPROBS``: the whole text at one
-    position could be larger than one message to a NATS client (JSON escapes it), and it would
-    not reach it."""
-    if isinstance(outcome, ErrorEvent):
-        await record.fail(to_exception(outcome))
-        return
-    writer = AnswerWriter(outcome.id, attempt=record.state.attempt + 1, node=outcome.served_by)
-    events: list[WireEvent] = [writer.start()]
-    tokens = outcome.usage.completion_tokens or 1
-    cut = _pieces(outcome.text, outcome.logprobs)
-    for i, (piece, its) in enumerate(cut):  # the engine tokens go with the last
-        events.append(writer.token(piece, n=tokens if i == len(cut) - 1 else 0, logprobs=its))
-    events.append(
-        writer.end(
-            finish_reason=outcome.finish_reason,
-            usage=outcome.usage,
-            timings=outcome.timings,
-            served_by=outcome.served_by,
-            path=outcome.path,
-            routing=outcome.routing,
-            fallback=outcome.fallback,
-        )
-    )
-    await record.emit(events)

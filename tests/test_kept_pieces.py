@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edge_node.site import KEPT_PIECE_CHARS, emit_outcome
+from edge_node.site_answers import KEPT_PIECE_CHARS, emit_outcome
 from protocol.codec import WireFormat, dump_event
 from protocol.messages import Answer, EndEvent, TokenEvent, TokenLogprob, Usage, WireEvent
 from protocol.stream import AnswerState
