@@ -39,6 +39,7 @@ from protocol.messages import (
     StartEvent,
     TokenEvent,
     TokenLogprob,
+    queued_request_id,
     token_event,
 )
 from protocol.subjects import (
@@ -158,6 +159,18 @@ def test_reply_target_reads_what_it_can_from_an_invalid_request() -> None:
     )
     assert reply_target(b'{"id": "bad id", "reply": "a.*"}') == (None, None)
     assert reply_target(b"\x85\xa2") == (None, None)
+
+
+def test_a_request_without_an_id_takes_the_one_it_is_given_and_no_other() -> None:
+    """A queued request that names no id is answered under one the worker derives from its
+    queue message, the same at every delivery; one that names an id keeps it."""
+    given = queued_request_id(42)
+    for payload in (b'{"prompt": "hi"}', b"hi", msgpack.packb({"prompt": "hi"})):
+        assert decode_request(payload, missing_id=given)[0].id == given
+        assert reply_target(payload, missing_id=given)[0] == given
+    assert decode_request(b'{"id": "mine", "prompt": "hi"}', missing_id=given)[0].id == "mine"
+    assert reply_target(b'{"id": "mine", "max_tokens": -1}', missing_id=given)[0] == "mine"
+    assert decode_request(b'{"prompt": "hi"}')[0].id != decode_request(b'{"prompt": "hi"}')[0].id
 
 
 def test_events_round_trip_in_both_formats() -> None:
