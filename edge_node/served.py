@@ -81,6 +81,8 @@ class CloudModels:
             conn.jsm, stream, stale_yes=lambda model: nodes.serves(model) is not None
         )
         self._nodes = nodes
+        self._seen: set[str] = set()
+        """The models a pool was seen to serve (once each: a bounded set, as the edge's pools)."""
         self._asked: dict[str, float] = {}
         self._asking: set[asyncio.Task[None]] = set()
 
@@ -90,13 +92,18 @@ class CloudModels:
         A no while the registry shows a live worker of the pool is the pool's state lost under
         it (its consumer deleted, a hub restarted on an empty store), which that worker puts
         back within a moment: yes, and the no is not remembered. Remembered, it kept every
-        request for the pool off the cloud for 3 s after the worker had put it back."""
+        request for the pool off the cloud for 3 s after the worker had put it back. While the
+        registry cannot tell (for a while after a reconnect), a no is not remembered either,
+        and a pool seen before is taken to be on its way back: yes. Remembered, the no kept a
+        pool off the cloud for 2.2 s after its worker had put it back, and a request naming it
+        got ``unknown_model``."""
         if await self._deployed(model):
+            self._seen.add(model)
             return True
-        if self.live(model) is True:
+        live = self.live(model)
+        if live is not False:
             self._deployed.forget(model)
-            return True
-        return False
+        return live is True or (live is None and model in self._seen)
 
     def live(self, model: str) -> bool | None:
         """Whether the registry shows a live worker serving ``model``; None: it cannot tell.

@@ -21,7 +21,7 @@ from mesh.logs import get_logger
 from mesh.provision import provision
 from mesh.stream_deleted import consumer_deleted, stream_deleted
 from protocol.errors import MeshError
-from protocol.subjects import ANSWERS_STREAM, LEASES_STREAM
+from protocol.subjects import ANSWERS_STREAM, LEASES_STREAM, NODES_STREAM
 
 log = get_logger(__name__)
 
@@ -41,9 +41,10 @@ def hub_streams(settings: StreamSettings) -> list[str]:
 
 
 def hub_deletions(settings: StreamSettings, consumer: str) -> list[str]:
-    """Where JetStream says a hub stream, or the queue's ``consumer`` of ``settings.name``, was
-    deleted: what a worker watches to put it back at once (``*``: any consumer)."""
-    streams = [stream_deleted(name) for name in hub_streams(settings)]
+    """Where JetStream says a hub stream (the node registry's too), or the queue's ``consumer``
+    of ``settings.name``, was deleted: what a worker watches to put it back at once (``*``: any
+    consumer)."""
+    streams = [stream_deleted(name) for name in [*hub_streams(settings), NODES_STREAM]]
     return [*streams, consumer_deleted(settings.name, consumer)]
 
 

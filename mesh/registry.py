@@ -191,17 +191,21 @@ class Heartbeat:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="heartbeat")
 
     async def beat(self) -> None:
-        """Announce now; (re)open the bucket first when needed."""
-        if self._kv is None:
-            self._kv = await open_bucket(self._conn, self._ttl, self._stream)
-        try:
-            await asyncio.wait_for(
-                self._kv.put(self._key, self._info().model_dump_json().encode()),
-                max(self._interval, 1.0),
-            )
-        except nats.js.errors.NoStreamResponseError:
-            self._kv = None  # the bucket is gone: the next beat creates it again
-            raise
+        """Announce now; (re)open the bucket first when needed, and once more when it is gone
+        (deleted: a restore heard of it, or this beat found it so)."""
+        for last in (False, True):
+            if self._kv is None:
+                self._kv = await open_bucket(self._conn, self._ttl, self._stream)
+            try:
+                await asyncio.wait_for(
+                    self._kv.put(self._key, self._info().model_dump_json().encode()),
+                    max(self._interval, 1.0),
+                )
+                return
+            except nats.js.errors.NoStreamResponseError:
+                self._kv = None  # the bucket is gone: created again, now
+                if last:
+                    raise
 
     async def _loop(self) -> None:
         while True:
