@@ -31,14 +31,12 @@ from collections.abc import Callable
 from typing import Any
 
 import nats.errors
-from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
 
 from edge_node.lanes import app_key, key_hash, lane_secret
 from edge_node.records import Record
-from edge_node.site_answers import Found, another_try, emit_outcome, found_in
+from edge_node.site_answers import Found, emit_outcome, found_in
 from edge_node.site_links import (
-    AFTER_HEADER,
     HELD_ID_HEADER,
     SITE_STREAMS,
     SiteLinks,
@@ -56,7 +54,6 @@ from protocol.codec import (
     dump,
 )
 from protocol.errors import (
-    CancelledByClientError,
     DeadlineExceededError,
     DuplicateRequestError,
     MeshError,
@@ -149,11 +146,11 @@ class SiteStore:
         record.deferred = True
         sub = await self.conn.nc.subscribe(kept_subject(req.id))
         try:
-            found, after = await by_deadline(
+            found = await by_deadline(
                 wait_until, self._held_or_kept(queued, fingerprint, req, record)
             )
             if found is None:
-                found = await self._wait(sub, wait_until, req.id, after)
+                found = await self._wait(sub, wait_until, req.id)
         except asyncio.TimeoutError:
             raise_if_cancelled()
             self._ended_while_held(req, fingerprint, record)
@@ -193,24 +190,19 @@ class SiteStore:
         await emit_outcome(record, outcome)
 
     def _ended_while_held(self, req: InferRequest, fingerprint: str, record: Record) -> None:
-        """A held request that ended at the edge for good, its client cancelling it or its
-        deadline passing: that error is kept as its answer, for its client asking by id, and
-        the forwarder does not send it (it would be generated for nobody)."""
-        if not record.held:
-            return
-        if record.cancelled:
-            why: MeshError = CancelledByClientError("cancelled while held at the edge site")
-        elif req.deadline is not None and time.time() >= req.deadline:
-            why = DeadlineExceededError("the request's deadline passed while held")
-        else:
-            return  # the client's wait ended (over HTTP): the request stays held
-        self.links.keep_error_soon(req.id, fingerprint, why)
+        """A held request whose deadline passed at the edge: ``deadline_exceeded`` is kept as
+        its answer, for its client asking by id (whatever is held ahead of it), and the
+        forwarder does not send it. An answer kept before stays. A cancel is not kept so: the
+        same request sent again would be told ``cancelled`` (the site, the hub and the
+        collector each drop a repeat under its id), so the held copy is answered all the same."""
+        if record.held and req.deadline is not None and time.time() >= req.deadline:
+            late = DeadlineExceededError("the request's deadline passed while held")
+            self.links.keep_error_soon(req.id, fingerprint, late)
 
     async def _held_or_kept(
         self, queued: InferRequest, fingerprint: str, req: InferRequest, record: Record
-    ) -> tuple[Found | None, int]:
-        """The answer kept already, or None once ``queued`` is held (``record.held`` then); and
-        the kept sequence its answer is to come after (a new try's: past the error it follows)."""
+    ) -> Found | None:
+        """The answer kept already, or None once ``queued`` is held (``record.held`` then)."""
         model = queued.model or ""
         try:
             served = await asyncio.wait_for(self.parts.models.deployed(model), SERVED_CHECK_S)
@@ -219,20 +211,10 @@ class SiteStore:
             served = True  # the hub is out of reach: hold it (an unknown model ends at deadline)
         if not served:
             raise UnknownModelError(f"no worker pool serves {model!r}", request_id=req.id)
-        entry = await self._kept_entry(req.id)
-        found = None if entry is None else found_in(entry.data or b"", entry.headers)
-        after = 0
-        if (
-            entry is not None
-            and found is not None
-            and another_try(found, entry.headers, fingerprint)
-        ):
-            found, after = None, entry.seq or 0
+        found = await self.kept_with_fingerprint(req.id)
         if found is None:
-            await self.hold(
-                queued, model, fingerprint, claim_key=req.cancel_key, record=record, after=after
-            )
-        return found, after
+            await self.hold(queued, model, fingerprint, claim_key=req.cancel_key, record=record)
+        return found
 
     async def hold(
         self,
@@ -242,7 +224,6 @@ class SiteStore:
         *,
         claim_key: str | None = None,
         record: Record | None = None,
-        after: int = 0,
     ) -> None:
         """Into the outbox, once per (id, content): the same request sent again is held once;
         another under its id is held too, and told ``duplicate`` when the first one's answer
@@ -273,12 +254,10 @@ class SiteStore:
             ) from None
         held = dump(req, WireFormat.MSGPACK)
         headers = {
-            MSG_ID_HEADER: f"{req.id}.{fingerprint}" + (f".{after}" if after else ""),
+            MSG_ID_HEADER: f"{req.id}.{fingerprint}",
             HELD_ID_HEADER: req.id,
             CONTENT_TYPE: WireFormat.MSGPACK.content_type,
         }
-        if after:  # a new try, after the error the site ended the last one with
-            headers[AFTER_HEADER] = str(after)
         try:
             ack = await with_site_streams(
                 self.conn,
@@ -342,16 +321,10 @@ class SiteStore:
         """The key of an HTTP app's requests here (see :func:`app_key`)."""
         return app_key(self._lane_secret, app)
 
-    async def kept_with_fingerprint(self, request_id: str, after: int = 0) -> Found | None:
-        """The answer kept for ``request_id`` (kept after sequence ``after``), if any."""
-        entry = await self._kept_entry(request_id)
-        if entry is None or (entry.seq or 0) <= after:
-            return None
-        return found_in(entry.data or b"", entry.headers)
-
-    async def _kept_entry(self, request_id: str) -> RawStreamMsg | None:
+    async def kept_with_fingerprint(self, request_id: str) -> Found | None:
+        """The answer kept for ``request_id``, if any."""
         try:
-            return await with_site_streams(
+            msg = await with_site_streams(
                 self.conn,
                 lambda: self.conn.site_jsm().get_msg(
                     KEPT_STREAM, subject=kept_subject(request_id), direct=True
@@ -361,11 +334,11 @@ class SiteStore:
             return None
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError(f"the site's answers cannot be read: {exc!r}") from None
+        return found_in(msg.data or b"", msg.headers)
 
-    async def _wait(self, sub: Any, until: float, request_id: str, after: int = 0) -> Found | None:
+    async def _wait(self, sub: Any, until: float, request_id: str) -> Found | None:
         """The kept answer, as it comes; after a loss on the link, once read from the site's
-        store too: one kept meanwhile (by another replica of this edge) came to nobody here.
-        ``after``: a kept sequence whose answer is an earlier try's."""
+        store too: one kept meanwhile (by another replica of this edge) came to nobody here."""
         lost = asyncio.Event()
         undo = self.conn.on_loss(lost.set)
         try:
@@ -373,8 +346,7 @@ class SiteStore:
                 if lost.is_set():
                     lost.clear()
                     with contextlib.suppress(UnavailableError):  # the link is down again
-                        found = await self.kept_with_fingerprint(request_id, after)
-                        if found is not None:
+                        if (found := await self.kept_with_fingerprint(request_id)) is not None:
                             return found
                 try:
                     came, msg = await first_of(sub.next_msg(timeout=left), lost, left)

@@ -12,22 +12,6 @@ from protocol.stream import AnswerWriter
 
 Found = tuple[Answer | ErrorEvent | None, str | None]
 """A kept answer's outcome (None: unreadable), and the fingerprint of the request it answers."""
-SITE_ERROR_HEADER = "Mesh-Site-Error"
-"""On an error the site kept for a held request that never left it: it was cancelled, its
-deadline passed, or the hub refused it."""
-
-
-def another_try(found: Found, headers: dict[str, str] | None, fingerprint: str) -> bool:
-    """Whether the same request sent again is a new try, not a reader of ``found``: the site
-    ended it with an error another try may not meet (``cancelled``, ``deadline_exceeded``, a
-    retryable one), as the edge's own records do."""
-    outcome, kept_for = found
-    return (
-        isinstance(outcome, ErrorEvent)
-        and kept_for == fingerprint
-        and SITE_ERROR_HEADER in (headers or {})
-        and (outcome.retryable or outcome.code in ("cancelled", "deadline_exceeded"))
-    )
 
 
 def found_in(data: bytes, headers: dict[str, str] | None) -> Found:

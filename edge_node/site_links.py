@@ -28,7 +28,6 @@ from nats.js.errors import APIError, NoStreamResponseError
 
 from edge_node.lanes import lane_secret
 from edge_node.served import CloudModels
-from edge_node.site_answers import SITE_ERROR_HEADER
 from mesh import kept
 from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
@@ -62,7 +61,7 @@ BUSY_MAX_S = 8.0
 times a second, its whole request each time, at a hub already overloaded."""
 KEEP_ERROR_TRIES = 5
 """Tries, a :data:`RETRY_S` apart, at keeping the error a held request ended in at the edge
-(its cancel, its deadline); past them the forwarder still refuses one past its deadline."""
+(its deadline); past them the forwarder still refuses it when it comes to it."""
 FORWARD_PULL_S = 5.0
 """How long one pull of the forwarder waits for a held request, on the site's own leaf."""
 COLLECT_PULL_S = 1.0
@@ -99,9 +98,6 @@ LINK_DOWN = (
 OUTBOX_ACK_WAIT_S = 30.0
 HELD_ID_HEADER = "Mesh-Id"
 """A held request's id (its outbox message id also carries its fingerprint)."""
-AFTER_HEADER = "Mesh-After-Kept"
-"""On a held request that is a new try of one the site ended with an error: that error's
-sequence in ``MESH_KEPT`` (an outcome kept after it is this try's)."""
 
 
 @dataclass(frozen=True)
@@ -275,26 +271,21 @@ class SiteLinks:
                 await msg.ack_sync(timeout=FORWARD_ACK_S)
             return  # else every request held after it waited behind it, for good
         deadline = _deadline_of(msg)
-        if deadline is not None and time.time() >= deadline:  # not sent to the hub past it
-            await self._refused(
-                msg, DeadlineExceededError("the request's deadline passed while held")
-            )
-            return
         headers = {
-            k: v
-            for k, v in (msg.headers or {}).items()
-            if k not in (MSG_ID_HEADER, HELD_ID_HEADER, AFTER_HEADER)
+            k: v for k, v in (msg.headers or {}).items() if k not in (MSG_ID_HEADER, HELD_ID_HEADER)
         }
-        after = (msg.headers or {}).get(AFTER_HEADER)  # a new try: not a repeat at the hub
-        queue_id = self._queue_id(scope, _held_id(msg))
-        headers[MSG_ID_HEADER] = f"{queue_id}.{after}" if after else queue_id
+        headers[MSG_ID_HEADER] = self._queue_id(scope, _held_id(msg))
         last_progress = time.monotonic()
         busy = 0.0  # the pause while the hub answers "not now", doubling
         while True:
-            if await self._ended(msg):  # cancelled, or past its deadline, while held
+            if await self._ended(msg):  # answered already, or past its deadline, while held
                 with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
                     await msg.ack_sync(timeout=FORWARD_ACK_S)
-                log.info("held request ended at the edge; not sent", request_id=_held_id(msg))
+                log.info("held request has its outcome kept; not sent", request_id=_held_id(msg))
+                return
+            if deadline is not None and time.time() >= deadline:  # never sent past it
+                late = DeadlineExceededError("the request's deadline passed while held")
+                await self._refused(msg, late)  # its client is told why, when it asks
                 return
             try:
                 await self.conn.publish_acked(
@@ -317,10 +308,6 @@ class SiteLinks:
                 # Full, electing a leader or too slow: the pause doubles.
                 busy = pause = min(max(busy * 2, RETRY_S), BUSY_MAX_S)
             if deadline is not None:  # tried last at its deadline; then it is over
-                if time.time() >= deadline:
-                    late = DeadlineExceededError("the request's deadline passed while held")
-                    await self._refused(msg, late)  # its client is told why, when it asks
-                    return
                 pause = min(pause, max(0.0, deadline - time.time()))
             await asyncio.sleep(pause)
             if time.monotonic() - last_progress > OUTBOX_ACK_WAIT_S / 3:
@@ -338,10 +325,9 @@ class SiteLinks:
     async def keep_error(self, request_id: str, fingerprint: str, why: MeshError) -> None:
         """Keep ``why`` as the answer of the held request ``request_id`` (the request
         ``fingerprint`` names): its client hears it when it asks by id, and the forwarder lets
-        it go unsent. The same request sent again is a new try (:func:`another_try`)."""
-        # No message id: a new try's answer (kept under the request id) must not be dropped
-        # as a repeat of this one, and the latest outcome kept is the one that stands.
-        headers = {kept.FINGERPRINT_HEADER: fingerprint, SITE_ERROR_HEADER: "1"}
+        it go unsent. An answer kept before it stays (the kept stream drops a second outcome
+        under the request id)."""
+        headers = {MSG_ID_HEADER: request_id, kept.FINGERPRINT_HEADER: fingerprint}
         await with_site_streams(
             self.conn,
             lambda: self.conn.publish_acked(
@@ -368,19 +354,17 @@ class SiteLinks:
         self._tasks.spawn(keep(), name="site-keep-error")
 
     async def _ended(self, msg: Msg) -> bool:
-        """Whether the site keeps an outcome of this try of the held request already (the
-        same content, kept after the error a new try follows): its client cancelled it, or its
-        deadline passed, while it waited here. Not known (the kept stream cannot be read now):
-        False, and it is sent."""
+        """Whether the site keeps an outcome of the held request already (the same content):
+        its deadline passed while it waited here, or an earlier forward of it was answered (its
+        outbox ack lost). Not known (the kept stream cannot be read now): False, and it is
+        sent."""
         try:
             found = await self.conn.site_jsm().get_msg(
                 KEPT_STREAM, subject=kept_subject(_held_id(msg)), direct=True
             )
         except (APIError, asyncio.TimeoutError, nats.errors.Error):
             return False  # NotFoundError among them: nothing kept
-        after = int((msg.headers or {}).get(AFTER_HEADER) or 0)
-        same = (found.headers or {}).get(kept.FINGERPRINT_HEADER) == _fingerprint(msg)
-        return same and (found.seq or 0) > after
+        return (found.headers or {}).get(kept.FINGERPRINT_HEADER) == _fingerprint(msg)
 
     async def _refused(self, msg: Msg, why: MeshError) -> None:
         """A held request the hub will never take (or not in time): keep its typed error as its
@@ -478,7 +462,5 @@ def _held_id(msg: Msg) -> str:
 
 
 def _fingerprint(msg: Msg) -> str:
-    """The fingerprint of a held request (its outbox message id is ``<id>.<fingerprint>``, a
-    new try's with ``.<after>`` after it)."""
-    parts = (msg.headers or {}).get(MSG_ID_HEADER, "").split(".")
-    return parts[1] if len(parts) > 1 else ""
+    """The fingerprint of a held request (its outbox message id is ``<id>.<fingerprint>``)."""
+    return (msg.headers or {}).get(MSG_ID_HEADER, "").rpartition(".")[2]
