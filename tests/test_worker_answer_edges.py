@@ -10,6 +10,7 @@ CLI user does (``nats pub mesh.v1.infer.<model>.<scope> '{...}'``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,7 +26,14 @@ from mesh.provision import provision
 from mesh.queue import MSG_ID_HEADER
 from protocol.codec import decode_event
 from protocol.fingerprint import request_fingerprint
-from protocol.messages import EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent
+from protocol.messages import (
+    EndEvent,
+    ErrorEvent,
+    InferRequest,
+    StartEvent,
+    TokenEvent,
+    queued_request_id,
+)
 from protocol.stream import AnswerState
 from protocol.subjects import consumer_name, infer_subject, token_subject
 from tests.helpers import eventually, holds
@@ -255,3 +263,79 @@ async def test_a_worker_stopping_mid_answer_on_the_last_delivery_does_not_give_t
         f"the request ended in {reader.outcome!r} after {reader.positions} of 40 tokens"
     )
     assert reader.text() == Script(tag="ld").answer(40)
+
+
+# -- a request queued by hand again, and one without an id in a queue made anew -------------
+
+
+def _outcomes(seen: Collector, rid: str, since: int = 0) -> list[Any]:
+    return [
+        e for _s, e in seen.events[since:] if isinstance(e, EndEvent | ErrorEvent) and e.id == rid
+    ]
+
+
+async def test_the_same_request_queued_by_hand_again_is_not_met_with_silence(
+    det_worker: Worker,
+    conn: Connection,
+    settings: MeshSettings,
+) -> None:
+    """docs/protocol.md's ``nats`` CLI recipe: ``nats sub 'mesh.v1.tok.ops.req-3' &`` then
+    ``nats req mesh.v1.infer.smollm2.ops '{"id": "req-3", ...}'`` (no ``Nats-Msg-Id``), run a
+    second time. The message may share its id (no ``<scope>.<id>`` message id), so its worker
+    reads the store first and finds the first answer done, with the same content: it is
+    another message's answer, and this one is answered anew. (It failed on a version that took
+    that answer for this message's own, acked it and said nothing on the token subject.)"""
+    subject = token_subject(SCOPE, "rep-1")
+    body = {"id": "rep-1", "prompt": "[tag:rp] hi", "max_tokens": 5}
+    seen = Collector()
+    await conn.nc.subscribe(subject, cb=seen.on)
+    await _publish_by_hand(conn, settings, body)
+    await eventually(lambda: holds(bool(_outcomes(seen, "rep-1"))), what="the first answered")
+    mark = len(seen.events)
+    await _publish_by_hand(conn, settings, body)  # the same `nats req` again
+    with contextlib.suppress(AssertionError):
+        await eventually(
+            lambda: holds(bool(_outcomes(seen, "rep-1", mark))), timeout=8, what="an outcome"
+        )
+    stats = det_worker.stats
+    assert _outcomes(seen, "rep-1", mark), (
+        f"queued again by hand: no event on {subject} in 8 s "
+        f"(events since: {seen.events[mark:]}; already_done={stats.already_done})"
+    )
+
+
+async def test_a_request_queued_without_an_id_into_a_queue_made_anew_is_not_a_duplicate(
+    det_worker: Worker,
+    conn: Connection,
+    settings: MeshSettings,
+) -> None:
+    """``queued-<stream seq>`` is unique only within one life of the queue stream. Made anew
+    (``nats stream rm MESH_INFER``, then provisioned), its sequences start over at 1 while the
+    answer store (two minutes) still holds ``queued-1``'s answer. The next request queued
+    without an id is ``queued-1`` again, and must get its own answer: a finished answer under a
+    derived id on a first delivery is another message's. (It failed on a version that refused
+    it ``duplicate``: the user gave no id, and could send nothing that fixes it.)"""
+    seen = Collector()
+    await conn.nc.subscribe(f"mesh.v1.tok.{SCOPE}.>", cb=seen.on)
+    queue = infer_subject(MODEL, SCOPE)
+
+    async def queue_without_id(tag: str) -> int:
+        body = {"prompt": f"[tag:{tag}] hi", "max_tokens": 5}
+        ack = await conn.js.publish(queue, json.dumps(body).encode(), stream=settings.stream.name)
+        return int(ack.seq)
+
+    first = await queue_without_id("qa")
+    rid = queued_request_id(first)
+    await eventually(lambda: holds(bool(_outcomes(seen, rid))), what="the first answered")
+    await conn.jsm().delete_stream(settings.stream.name)  # the queue made anew
+    await provision(conn.jsm(), settings.stream, [MODEL])
+    mark = len(seen.events)
+    second = await queue_without_id("qb")
+    assert second == first  # the sequences started over
+    await eventually(
+        lambda: holds(bool(_outcomes(seen, rid, mark))), timeout=20, what="the second's outcome"
+    )
+    outcome = _outcomes(seen, rid, mark)[0]
+    assert isinstance(outcome, EndEvent), (
+        f"a request queued without an id, after the queue was made anew: {outcome!r}"
+    )
