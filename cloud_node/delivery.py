@@ -13,9 +13,29 @@ from cloud_node.publisher import AnswerPublisher
 from cloud_node.takeover import unseen_attempt
 from mesh.config import MeshSettings
 from mesh.queue import MSG_ID_HEADER
-from protocol.errors import MeshError
+from protocol.errors import ErrorCode, MeshError
+from protocol.messages import ErrorEvent, InferRequest, queued_request_id
+from protocol.stream import AnswerState
 
 Ack = Callable[[Msg], Awaitable[None]]
+
+
+def delivery_of(ack_subject: str) -> tuple[str, int, int] | None:
+    """(stream, times delivered, stream sequence) from a JetStream ack subject, in either of its
+    forms (``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...`` or, with a domain and account
+    hash, ``$JS.ACK.<domain>.<hash>.<stream>...``); None when it is not one."""
+    tokens = ack_subject.split(".")
+    if tokens[:2] != ["$JS", "ACK"]:
+        return None
+    if len(tokens) == 9:
+        stream, delivered, sseq = tokens[2], tokens[4], tokens[5]
+    elif len(tokens) >= 12:
+        stream, delivered, sseq = tokens[4], tokens[6], tokens[7]
+    else:
+        return None
+    if not (delivered.isdigit() and sseq.isdigit()):
+        return None
+    return stream, int(delivered), int(sseq)
 
 
 def queued_once(msg: Msg, scope: str, request_id: str) -> bool:
@@ -60,6 +80,26 @@ class Delivery:
         attempt another worker may reach when it may hold the request (:func:`unseen_attempt`)."""
         unseen = self.maybe_held or self.shares_id
         return unseen_attempt(self.attempt) if unseen else self.attempt
+
+    def answers_anew(self, request: InferRequest, history: AnswerState) -> bool:
+        """Whether the finished answer the store holds under ``request``'s id is another queue
+        message's, to be answered anew: this one was queued by hand (:attr:`shares_id`) and the
+        answer's last start names no delivery of this message, and it has the same content
+        (``nats req`` run twice) or an id derived from a queue made anew since (its sequence
+        numbers start over). Another content's is ``duplicate``; this message's own (its ack
+        lost) is made final."""
+        if not self.shares_id or self.maybe_held:
+            return False
+        meta = self.msg.metadata
+        held = delivery_of(history.delivery or "")
+        # Its own: a delivery of its sequence, written after it was queued (its attempts number
+        # by the clock, above its queue time; a queue made anew gives a sequence again).
+        queued_us = meta.timestamp.timestamp() * 1_000_000
+        if held is not None and held[2] == meta.sequence.stream and history.attempt >= queued_us:
+            return False
+        outcome = history.outcome
+        duplicate = isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value
+        return not duplicate or request.id == queued_request_id(meta.sequence.stream)
 
     def queued_ms(self) -> float:
         """How long it waited in the queue, until now."""

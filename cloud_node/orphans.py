@@ -45,6 +45,7 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import APIError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from cloud_node.delivery import delivery_of
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
@@ -78,24 +79,6 @@ MAX_AT_ONCE = 256
 """Words about dead workers handled at once; past it they wait for ack_wait like before."""
 VERDICT_TTL_S = 0.5
 """How long one answer about a worker (alive, gone, standing still) stands for its requests."""
-
-
-def delivery_of(ack_subject: str) -> tuple[str, int, int] | None:
-    """(stream, times delivered, stream sequence) from a JetStream ack subject, in either of its
-    forms (``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...`` or, with a domain and account
-    hash, ``$JS.ACK.<domain>.<hash>.<stream>...``); None when it is not one."""
-    tokens = ack_subject.split(".")
-    if tokens[:2] != ["$JS", "ACK"]:
-        return None
-    if len(tokens) == 9:
-        stream, delivered, sseq = tokens[2], tokens[4], tokens[5]
-    elif len(tokens) >= 12:
-        stream, delivered, sseq = tokens[4], tokens[6], tokens[7]
-    else:
-        return None
-    if not (delivered.isdigit() and sseq.isdigit()):
-        return None
-    return stream, int(delivered), int(sseq)
 
 
 def newest_start(events: list[WireEvent]) -> tuple[StartEvent | None, bool]:

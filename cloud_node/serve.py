@@ -53,12 +53,11 @@ from protocol.codec import WireFormat, decode_request
 from protocol.errors import (
     CancelledByClientError,
     DeadlineExceededError,
-    ErrorCode,
     InvalidRequestError,
     MeshError,
 )
 from protocol.fingerprint import request_fingerprint
-from protocol.messages import ErrorEvent, InferRequest, StartEvent, queued_request_id
+from protocol.messages import InferRequest, StartEvent, queued_request_id
 from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import cloud_node_name, scope_of, token_subject
 
@@ -216,7 +215,7 @@ class Handler(ABC):
                     request, fingerprint, publisher.subject, look=not first
                 )
                 history = None if found is Unread.STORE else found
-                if history is not None and history.done and _anew(delivery, request, history):
+                if history is not None and history.done and delivery.answers_anew(request, history):
                     found = None  # another message's answer: this one is answered anew
                 elif history is not None and history.done:
                     if await self.takeover.already_done(msg, publisher, history):
@@ -484,17 +483,3 @@ class Handler(ABC):
         the request over (read only after this worker's progress reports lapsed)."""
         events = await self.store.replay(address, timeout=store_look_timeout(self.settings))
         return any(isinstance(e, StartEvent) and e.attempt > attempt for e in events)
-
-
-def _anew(delivery: Delivery, request: InferRequest, history: AnswerState) -> bool:
-    """Whether a finished answer the store holds under a request's id is another message's, to
-    be answered anew: the request was queued by hand again (its first delivery, so no answer of
-    its own yet), with the same content (``nats req`` run twice) or under an id derived from a
-    queue made anew since (its sequence numbers start over)."""
-    if not delivery.shares_id or delivery.attempt > 1 or delivery.maybe_held:
-        return False
-    outcome = history.outcome
-    derived = request.id == queued_request_id(delivery.msg.metadata.sequence.stream)
-    return derived or not (
-        isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value
-    )

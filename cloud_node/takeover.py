@@ -19,7 +19,7 @@ from cloud_node.publisher import AnswerPublisher
 from mesh.answer_store import AnswerStore
 from mesh.logs import get_logger
 from protocol.errors import DeadlineExceededError, ErrorCode, MeshError
-from protocol.messages import EndEvent, ErrorEvent, InferRequest
+from protocol.messages import EndEvent, ErrorEvent, InferRequest, StartEvent
 from protocol.stream import AnswerState, AnswerWriter, Resume
 
 log = get_logger(__name__)
@@ -85,9 +85,15 @@ class Takeover:
         return state
 
     async def _ended(self, subject: str) -> bool:
-        """Whether the answer stored under ``subject`` has its outcome (an end or an error)."""
-        events = await self.store.replay(subject, timeout=self.timeout)
-        return any(isinstance(event, EndEvent | ErrorEvent) for event in events)
+        """Whether the answer stored under ``subject`` has its outcome (an end or an error)
+        after its last start: one begun since an earlier one ended is under way."""
+        ended = False
+        for event in await self.store.replay(subject, timeout=self.timeout):
+            if isinstance(event, StartEvent):
+                ended = False
+            elif isinstance(event, EndEvent | ErrorEvent):
+                ended = True
+        return ended
 
     async def history(
         self, request: InferRequest, fingerprint: str, subject: str, *, look: bool

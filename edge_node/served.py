@@ -62,6 +62,8 @@ class RegistryView(Protocol):
 
     def no_answer(self, node_id: str) -> None: ...
 
+    def follows(self, model: str) -> bool: ...
+
     def serves(self, model: str) -> bool | None: ...
 
     def is_live(self, node_id: str, model: str | None = None) -> bool | None: ...
@@ -93,17 +95,18 @@ class CloudModels:
         it (its consumer deleted, a hub restarted on an empty store), which that worker puts
         back within a moment: yes, and the no is not remembered. Remembered, it kept every
         request for the pool off the cloud for 3 s after the worker had put it back. While the
-        registry cannot tell (for a while after a reconnect), a no is not remembered either,
-        and a pool seen before is taken to be on its way back: yes. Remembered, the no kept a
-        pool off the cloud for 2.2 s after its worker had put it back, and a request naming it
-        got ``unknown_model``."""
+        registry cannot tell for a pool it follows (for a while after a reconnect), a no is not
+        remembered either, and that pool, seen before, is taken to be on its way back: yes.
+        Remembered, the no kept the pool off the cloud for 2.2 s after its worker had put it
+        back, and a request naming it got ``unknown_model``."""
         if await self._deployed(model):
             self._seen.add(model)
             return True
         live = self.live(model)
-        if live is not False:
+        if live is True or (live is None and self._nodes.follows(model)):
             self._deployed.forget(model)
-        return live is True or (live is None and model in self._seen)
+            return live is True or model in self._seen
+        return False
 
     def live(self, model: str) -> bool | None:
         """Whether the registry shows a live worker serving ``model``; None: it cannot tell.

@@ -314,6 +314,10 @@ class NodeView:
             if info.role == role and now - seen < self._ttl:
                 yield info
 
+    def follows(self, model: str) -> bool:
+        """Whether this view follows the workers of ``model``'s pool (every pool without one)."""
+        return self.pool is None or model_token(model) == self.pool
+
     def serves(self, model: str) -> bool | None:
         token = model_token(model)
         if not self.ready or (self.pool is not None and token != self.pool):

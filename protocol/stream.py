@@ -201,6 +201,8 @@ class AnswerState:
         self.attempt = 0
         """The current attempt; 0 until the first ``start``."""
         self.node = ""
+        self.delivery: str | None = None
+        """The queue delivery the current attempt's start names (a worker's ack subject)."""
         self.texts: list[str] = []
         """Each position's text. A token appends its text and nothing else (the hot path):
         the rest is kept sparse, or worked out when asked for."""
@@ -415,6 +417,7 @@ class AnswerState:
             self._digested = (0, 0)
         self.attempt = event.attempt
         self.node = event.node
+        self.delivery = event.delivery
         if not passed_on_beyond:
             out.append(event)
             return
