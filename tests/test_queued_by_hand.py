@@ -20,6 +20,7 @@ from protocol.codec import decode_event
 from protocol.messages import EndEvent, ErrorEvent, StartEvent
 from protocol.subjects import consumer_name, infer_subject, token_subject
 from tests.helpers import eventually, holds
+from tests.test_worker_answer_edges import no_pulls_waiting
 
 MODEL = "smollm2"
 SCOPE = "ops"
@@ -86,6 +87,7 @@ async def test_the_same_request_queued_by_hand_again_is_answered_after_a_handed_
         await eventually(lambda: holds(bool(_outcomes(seen, rid))), what="the first answered")
     finally:
         await _stop(first)
+    await no_pulls_waiting(conn, settings)  # the first worker's pulls: gone with it
     mark = len(seen.events)
     await conn.js.publish(queue, json.dumps(body).encode(), stream=settings.stream.name)
     # Its first delivery: taken and handed back before a start was written.

@@ -72,6 +72,18 @@ class Collector:
         return seen
 
 
+async def no_pulls_waiting(conn: Connection, settings: MeshSettings) -> None:
+    """Wait until no pull request is left on the queue's consumer (a stopped worker's expire
+    within seconds): a message queued now goes to the next pull, not to one nobody reads."""
+    consumer = consumer_name(MODEL)
+
+    async def none_left() -> bool:
+        info = await conn.jsm().consumer_info(settings.stream.name, consumer)
+        return not info.num_waiting
+
+    await eventually(none_left, timeout=30, what="no pull request left on the consumer")
+
+
 async def _publish_by_hand(
     conn: Connection, settings: MeshSettings, body: dict[str, Any], msg_id: str | None = None
 ) -> None:
@@ -227,6 +239,7 @@ async def test_a_worker_stopping_mid_answer_on_the_last_delivery_does_not_give_t
     Now: a stopping worker hands over only the deliveries below ``max_deliver``; it drains the
     rest."""
     await provision(conn.jsm(), settings.stream, [MODEL])
+    await no_pulls_waiting(conn, settings)
     subject = token_subject(SCOPE, "last-1")
     seen = Collector()
     await conn.nc.subscribe(subject, cb=seen.on)
