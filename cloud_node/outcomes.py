@@ -55,6 +55,11 @@ async def nothing_to_keep(_err: MeshError) -> bool:
     return True
 
 
+MAX_NAK_DELAY_S = 30.0
+"""The longest a failed generation's message waits before its next delivery (an engine that
+said how long to wait, in ``Retry-After``, is believed up to this)."""
+
+
 class Outcomes:
     def __init__(
         self,
@@ -141,8 +146,8 @@ class Outcomes:
             log.warning("generation failed; handing it on", code=err.code.value, error=err.message)
             with contextlib.suppress(MeshError):
                 await publisher.catch_up()
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
+            with contextlib.suppress(nats.errors.Error):  # after the engine's Retry-After
+                await msg.nak(delay=min(max(err.retry_after or 1.0, 1.0), MAX_NAK_DELAY_S))
             return
         if err.retryable:
             err = MaxDeliveriesError(

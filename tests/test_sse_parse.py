@@ -185,7 +185,7 @@ def test_surrogate_halves_are_joined_across_events_and_a_lone_one_is_a_replaceme
     """A server that cuts a UTF-16 string between a surrogate pair sends each half as a JSON
     escape of its own. Passed on as they came, a lone half is no character: the SSE writer and
     msgpack refused it, and the answer failed with ``internal`` after its first tokens."""
-    reading = _Reading("http://up", InferRequest(prompt="x"))
+    reading = _Reading("http://up", InferRequest(prompt="x"), budget=100)
 
     def texts(*contents: str, finish: str | None = None) -> list[str]:
         out = []

@@ -203,13 +203,13 @@ class OpenAIHTTPBackend:
             raise ValueError("this server cannot continue an answer (continuation is off)")
         path, body = self._body(request, prefix, prefix_tokens)
         self._busy += 1
-        reading = _Reading(self._base, request)
+        reading = _Reading(self._base, request, budget=body["max_tokens"])
         try:
             async with self._session.post(
                 self._base + path, json=body, timeout=self._streaming
             ) as resp:
                 if resp.status != 200:
-                    raise _http_error(resp.status, await resp.text(), request.id)
+                    raise _http_error(resp, await resp.text(), request.id)
                 # The events of each piece the connection hands over, with no async generator
                 # or iterator between: one await per read (_SseLines).
                 parser = _SseLines()
@@ -231,10 +231,13 @@ class OpenAIHTTPBackend:
                 request_id=request.id,
             ) from None
         except aiohttp.ClientError as exc:
+            if reading.finish_reason is not None:  # cut after the answer ended: it is whole
+                yield reading.last()
+                return
             raise UnavailableError(
                 f"{self._base} failed: {type(exc).__name__}: {exc}", request_id=request.id
             ) from None
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BackendError(
                 f"{self._base} sent a malformed event: {exc}", request_id=request.id
             ) from None
@@ -258,11 +261,15 @@ def parse_event(data: str) -> Any:
 
 
 class _Reading:
-    """One generation's events, read: the chunks each one brings, and how it finished."""
+    """One generation's events, read: the chunks each one brings, and how it finished. Only
+    the first choice is the answer (a server asked for one may send others: never spliced in),
+    nothing after its finish reason is, and no more than ``budget`` engine tokens are: an
+    engine that runs past ``max_tokens`` is cut there, finished ``length``."""
 
-    def __init__(self, base: str, request: InferRequest) -> None:
+    def __init__(self, base: str, request: InferRequest, budget: int) -> None:
         self.base = base
         self.request = request
+        self.budget = budget
         self.produced = 0
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
@@ -286,26 +293,66 @@ class _Reading:
                 request_id=request.id,
             )
         if event.get("usage"):
-            self.usage = Usage(
-                prompt_tokens=event["usage"].get("prompt_tokens") or 0,
-                completion_tokens=event["usage"].get("completion_tokens") or 0,
-            )
+            self.usage = self._usage(event["usage"])
         chunks: list[Chunk] = []
-        for choice in event.get("choices") or []:
-            text = choice.get("text") if request.raw else (choice.get("delta") or {}).get("content")
+        choices = event.get("choices") or []
+        if not isinstance(choices, list):
+            raise self._malformed("choices")
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise self._malformed("a choice")
+            if choice.get("index", 0) != 0 or self.finish_reason is not None:
+                continue  # another choice's, or after the answer's finish
+            text = self._text(choice)
+            if text and self.produced >= self.budget:  # past max_tokens: cut, as the engine
+                self.finish_reason, self.done = "length", True  # should have
+                break
             if text:
-                self.produced += 1
+                logprobs = _logprobs(choice, request) if request.logprobs else None
+                n = len(logprobs) if logprobs else 1  # an event may carry several tokens
+                self.produced += n
                 if self._high or (not text.isascii() and _SURROGATE.search(text)):
                     text = self._mend(text)
-                logprobs = _logprobs(choice, request) if request.logprobs else None
                 if text or logprobs:
-                    chunks.append(Chunk(text=text, logprobs=logprobs))
+                    chunks.append(Chunk(text=text, n=n, logprobs=logprobs))
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                self.finish_reason = str(choice["finish_reason"])
                 if self._high:  # a half whose other half never came
                     chunks.append(Chunk(text="\ufffd"))
                     self._high = ""
         return chunks
+
+    def _text(self, choice: dict[str, Any]) -> str | None:
+        if self.request.raw:
+            text = choice.get("text")
+        else:
+            delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise self._malformed("a delta")
+            text = delta.get("content")
+        if text is not None and not isinstance(text, str):
+            raise self._malformed("a text")
+        return text
+
+    def _usage(self, usage: Any) -> Usage:
+        """The engine's counts; one it cannot mean (negative, not a number) is not passed on:
+        what was counted here stands in."""
+        if not isinstance(usage, dict):
+            raise self._malformed("usage")
+
+        def count(name: str, counted: int) -> int:
+            value = usage.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+            return counted
+
+        return Usage(
+            prompt_tokens=count("prompt_tokens", 0),
+            completion_tokens=count("completion_tokens", self.produced),
+        )
+
+    def _malformed(self, what: str) -> BackendError:
+        return BackendError(f"{self.base} sent a malformed event: {what} of the wrong type")
 
     def _mend(self, text: str) -> str:
         """``text`` with its surrogate pairs joined (one cut between events too) and a lone
@@ -402,7 +449,10 @@ def _error_text(event: dict[str, Any]) -> str:
     return str(error or event.get("message") or event)[:300]
 
 
-def _http_error(status: int, body: str, request_id: str) -> BackendError | ContextTooLongError:
+def _http_error(
+    resp: aiohttp.ClientResponse, body: str, request_id: str
+) -> BackendError | ContextTooLongError:
+    status = resp.status
     snippet = body[:300]
     if status == 400 and ("context" in body.lower() or "too long" in body.lower()):
         return ContextTooLongError(f"server rejected the prompt: {snippet}", request_id=request_id)
@@ -410,4 +460,14 @@ def _http_error(status: int, body: str, request_id: str) -> BackendError | Conte
         f"server answered HTTP {status}: {snippet}",
         request_id=request_id,
         retryable=status >= 500 or status == 429,
+        retry_after=_retry_after(resp.headers.get("Retry-After")),
     )
+
+
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds (its HTTP-date form is not read: None, as without one)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < 3600 else None
