@@ -7,6 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from cloud_node.publisher import AnswerPublisher
@@ -36,6 +37,15 @@ def delivery_of(ack_subject: str) -> tuple[str, int, int] | None:
     if not (delivered.isdigit() and sseq.isdigit()):
         return None
     return stream, int(delivered), int(sseq)
+
+
+def queued_id(msg: Msg) -> str | None:
+    """The id a queued request that names none is answered under (its stream sequence's,
+    :func:`protocol.messages.queued_request_id`); None when ``msg`` is no JetStream message."""
+    try:
+        return queued_request_id(msg.metadata.sequence.stream)
+    except (nats.errors.Error, AttributeError, ValueError):
+        return None
 
 
 def queued_once(msg: Msg, scope: str, request_id: str) -> bool:
@@ -99,7 +109,7 @@ class Delivery:
             return False
         outcome = history.outcome
         duplicate = isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value
-        return not duplicate or request.id == queued_request_id(meta.sequence.stream)
+        return not duplicate or request.id == queued_id(self.msg)
 
     def queued_ms(self) -> float:
         """How long it waited in the queue, until now."""

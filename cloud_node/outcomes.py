@@ -16,6 +16,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from cloud_node.counts import WorkerCounts
+from cloud_node.delivery import queued_id
 from cloud_node.keeper import Keeper
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.takeover import unseen_attempt
@@ -92,7 +93,7 @@ class Outcomes:
         """Answer a request that will never run, where its sender listens, and drop it for good.
         Never raises: a message it cannot read is still terminated."""
         try:
-            request_id, _reply = reply_target(msg.data, msg.headers, _missing_id(msg))
+            request_id, _reply = reply_target(msg.data, msg.headers, queued_id(msg))
             if err.request_id is not None and is_token(err.request_id):
                 request_id = err.request_id
             self.counts.outcome("rejected", err.code.value)
@@ -264,11 +265,3 @@ class Outcomes:
             await jsm.delete_msg(self.stream.name, stream_seq)
         except Exception as exc:  # already gone, or the store cannot be read: nothing to do
             log.info("max-deliveries advisory not handled", error=repr(exc))
-
-
-def _missing_id(msg: Msg) -> str | None:
-    """The id of a queued request that names none (None: ``msg`` is no JetStream message)."""
-    try:
-        return queued_request_id(msg.metadata.sequence.stream)
-    except (nats.errors.Error, AttributeError, ValueError):
-        return None

@@ -34,7 +34,14 @@ from nats.aio.msg import Msg
 from cloud_node.admission import check
 from cloud_node.cancels import CancelBook
 from cloud_node.counts import WorkerCounts
-from cloud_node.delivery import Ack, Delivery, Release, queued_once, store_look_timeout
+from cloud_node.delivery import (
+    Ack,
+    Delivery,
+    Release,
+    queued_id,
+    queued_once,
+    store_look_timeout,
+)
 from cloud_node.epoch import QueueEpoch
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive, LoopStalls, Renew
@@ -57,7 +64,7 @@ from protocol.errors import (
     MeshError,
 )
 from protocol.fingerprint import request_fingerprint
-from protocol.messages import InferRequest, StartEvent, queued_request_id
+from protocol.messages import InferRequest, StartEvent
 from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import cloud_node_name, scope_of, token_subject
 
@@ -147,7 +154,7 @@ class Handler(ABC):
                     limits=self.settings.limits.request_limits(),
                     strict=self.settings.strict_decode,
                     on_unknown=log_unknown_fields,
-                    missing_id=queued_request_id(msg.metadata.sequence.stream),
+                    missing_id=queued_id(msg),
                 )
             except MeshError as err:
                 await self.outcomes.reject(msg, err, delivery.number())

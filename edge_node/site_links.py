@@ -270,6 +270,11 @@ class SiteLinks:
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
                 await msg.ack_sync(timeout=FORWARD_ACK_S)
             return  # else every request held after it waited behind it, for good
+        if await self._ended(msg):  # answered already, or past its deadline, while held
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await msg.ack_sync(timeout=FORWARD_ACK_S)
+            log.info("held request has its outcome kept; not sent", request_id=_held_id(msg))
+            return
         deadline = _deadline_of(msg)
         headers = {
             k: v for k, v in (msg.headers or {}).items() if k not in (MSG_ID_HEADER, HELD_ID_HEADER)
@@ -278,11 +283,6 @@ class SiteLinks:
         last_progress = time.monotonic()
         busy = 0.0  # the pause while the hub answers "not now", doubling
         while True:
-            if await self._ended(msg):  # answered already, or past its deadline, while held
-                with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                    await msg.ack_sync(timeout=FORWARD_ACK_S)
-                log.info("held request has its outcome kept; not sent", request_id=_held_id(msg))
-                return
             if deadline is not None and time.time() >= deadline:  # never sent past it
                 late = DeadlineExceededError("the request's deadline passed while held")
                 await self._refused(msg, late)  # its client is told why, when it asks
