@@ -1,6 +1,9 @@
 """The edge's local model path (llama.cpp, the real SmolLM2 GGUF) at its edges: a cancel or a
 deadline during a long prefill, stop strings and multi-byte characters, the usage it reports.
-Each failed on the code before its fix (review S16l); the usage test still does (xfail)."""
+Each failed on the code before its fix (review S16l). The usage test failed until the
+backend counted the tokens llama.cpp samples: it counted text parts (3 for an 8-token emoji
+answer's parts) and took the prompt as the context's length less them (off by one at a length
+finish)."""
 
 from __future__ import annotations
 
@@ -41,11 +44,6 @@ async def _answer(backend: LlamaCppBackend, req: InferRequest) -> tuple[str, obj
 
 
 # -- usage --------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="llama.cpp usage counts text parts, not tokens, and takes the prompt as what the "
-    "context holds less them (off by one at a length finish): not mended yet",
-)
 @pytest.mark.parametrize(
     ("prompt", "max_tokens", "stop"),
     [
@@ -62,7 +60,8 @@ async def test_llama_usage_counts_the_prompt_and_the_answer_as_they_are(
     req = InferRequest(
         id="u1", prompt=prompt, raw=True, max_tokens=max_tokens, temperature=0, stop=stop
     )
-    text, end = await _answer(llama, req)
+    parts = [c async for c in llama.generate(req)]
+    text, end = "".join(c.text for c in parts[:-1]), parts[-1]
     engine = _engine(llama)
     real_prompt = len(engine.tokenize(prompt.encode()))  # type: ignore[attr-defined]
     assert end.usage is not None
@@ -70,6 +69,8 @@ async def test_llama_usage_counts_the_prompt_and_the_answer_as_they_are(
     assert end.usage.prompt_tokens == real_prompt, (end.usage, real_prompt)
     if end.finish_reason == "length":
         assert end.usage.completion_tokens == max_tokens, end.usage
+        # Every token is passed on with the text it made (a chunk's n), none twice.
+        assert sum(c.n for c in parts[:-1]) == max_tokens, [(c.text, c.n) for c in parts]
 
 
 # -- cancel during prefill ----------------------------------------------------------------

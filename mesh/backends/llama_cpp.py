@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.backends.base import Capacity, Chunk, Health, openai_logprobs
+from mesh.backends.stop_text import StopText
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from mesh.models import resolve_model_path
@@ -225,17 +226,34 @@ def _llama_class() -> type[Any]:
     this instance holds evaluated that way; a request that is not repeatable may reuse and
     rewrite the cache, so it forgets it.
     """
+    import llama_cpp
     from llama_cpp import Llama
 
     class RepeatableLlama(Llama):
         repeatable = False
         canonical: list[int] | None = None
+        counted = (0, 0)  # the last completion's (prompt tokens, answer tokens)
 
         def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+            tokens = list(tokens)
+            self.counted = (len(tokens), 0)
+            return self._counting(self._generate(tokens, *args, **kwargs))
+
+        def _counting(self, tokens: Any) -> Any:
+            """The sampled tokens, counted as they go (an end-of-generation one is not
+            the answer's: llama-cpp-python ends there)."""
+            try:
+                for token in tokens:
+                    if not llama_cpp.llama_vocab_is_eog(self._model.vocab, token):
+                        self.counted = (self.counted[0], self.counted[1] + 1)
+                    yield token
+            finally:
+                tokens.close()
+
+        def _generate(self, tokens: list[int], *args: Any, **kwargs: Any) -> Any:
             if not self.repeatable:
                 self.canonical = None
                 return super().generate(tokens, *args, **kwargs)
-            tokens = list(tokens)
             head = tokens[:-1]
             held = (
                 bool(head)
@@ -317,7 +335,7 @@ def _open(
     llama: Any, request: InferRequest, prefix: str, prefix_tokens: int, probe: _Probe | None
 ) -> tuple[Any, bool, list[str]]:
     """The completion stream for ``request``, whether it yields chat chunks, and the stop
-    strings the caller matches (:class:`_StopText`; llama-cpp-python is given none).
+    strings the caller matches (:class:`StopText`; llama-cpp-python is given none).
 
     Chat requests go through llama-cpp-python's chat completion (the GGUF's template, its JSON
     grammar for ``response_format``); raw prompts, and a chat answer being continued (rendered
@@ -380,43 +398,6 @@ def _open(
     )
 
 
-class _StopText:
-    """Stop strings matched on the text as it comes: what could begin one is held back until
-    it cannot, and the text is cut where one begins. llama-cpp-python's own matching, at the
-    end of a stream, decoded the tokens it held back one at a time and dropped the halves of a
-    character: an emoji answer lost two emoji and still finished ``length``."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [stop for stop in stops if stop]
-        self.held = ""
-        self.hit = False
-
-    def feed(self, text: str) -> str:
-        """What of ``text`` may go out now (:attr:`hit` once a stop string began)."""
-        if not self.stops:
-            return text
-        text, self.held = self.held + text, ""
-        cuts = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
-        if cuts:
-            self.hit = True
-            return text[: min(cuts)]
-        keep = max((_overlap(text, stop) for stop in self.stops), default=0)
-        if keep:
-            text, self.held = text[:-keep], text[-keep:]
-        return text
-
-    def flush(self) -> str:
-        """What is held back, at the end (no stop string came)."""
-        held, self.held = self.held, ""
-        return held
-
-
-def _overlap(text: str, stop: str) -> int:
-    """The length of the longest end of ``text`` that begins ``stop`` (shorter than it)."""
-    sizes = range(min(len(stop) - 1, len(text)), 0, -1)
-    return next((size for size in sizes if text.endswith(stop[:size])), 0)
-
-
 def _logprobs(choice: dict[str, Any], chat: bool, top: int) -> list[TokenLogprob] | None:
     """Per-token logprobs of one chunk, from either llama-cpp-python format."""
     found = choice.get("logprobs")
@@ -435,14 +416,14 @@ def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_exe
     probe: _Probe | None,
 ) -> None:
     """Runs on a worker thread: stream one completion (or its continuation) into ``emit``."""
-    completion_tokens = 0
     finish_reason: str | None = None
     try:
         llama.repeatable = repeatable(request)
         llama.stopping = stop  # its prompt's evaluation stops too (_abortable)
+        llama.counted = (0, 0)
         stream, chat, stops = _open(llama, request, prefix, prefix_tokens, probe)
-        matcher = _StopText(stops)
-        pending = 0  # engine tokens not passed on yet (their text held back)
+        matcher = StopText(stops)
+        sent = 0  # engine tokens passed on (the rest: their text held back)
         try:
             for part in stream:
                 if stop.is_set():
@@ -451,27 +432,25 @@ def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_exe
                 choice = part["choices"][0]
                 text = choice.get("delta", {}).get("content") if chat else choice.get("text")
                 if text:
-                    completion_tokens += 1
-                    pending += 1
                     logprobs = (
                         _logprobs(choice, chat, request.top_logprobs) if request.logprobs else None
                     )
                     text = matcher.feed(text)
                     if text or logprobs:
                         confidence = probe.fresh() if probe is not None else None
-                        emit(Chunk(text=text, n=pending, logprobs=logprobs, confidence=confidence))
-                        pending = 0
+                        n, sent = llama.counted[1] - sent, llama.counted[1]
+                        emit(Chunk(text=text, n=n, logprobs=logprobs, confidence=confidence))
                     if matcher.hit:
                         finish_reason = "stop"
                         break
                 if choice.get("finish_reason"):
                     finish_reason = choice["finish_reason"]
             if rest := matcher.flush():  # no stop string came: what was held back
-                emit(Chunk(text=rest, n=pending))
+                emit(Chunk(text=rest, n=llama.counted[1] - sent))
         finally:
             llama.stopping = None
             stream.close()
-        prompt_tokens = max(0, int(llama.n_tokens) - completion_tokens)
+        prompt_tokens, completion_tokens = llama.counted
         emit(
             Chunk(
                 finish_reason=finish_reason or "stop",
