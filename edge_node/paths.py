@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from edge_node.cascade import Cascade
 from edge_node.confidence import ConfidenceGate
@@ -102,8 +103,12 @@ class Paths:
             raise DeadlineExceededError(
                 "the request's deadline passed before it could start", request_id=req.id
             )
+        if req.model is not None and req.model == self.backend.model:
+            # Naming the local model lets the router choose, as over HTTP: escalated, the
+            # request goes to the edge's cloud model, not to a pool named after the local one.
+            req = req.model_copy(update={"model": None})
         # A client that names a model other than the local one gets that model or nothing.
-        named = req.model if req.model != self.backend.model else None
+        named = req.model
         if named is not None and not await self.parts.models.deployed(named):
             raise UnknownModelError(
                 f"no worker pool serves model {req.model!r} and it is not this edge's "
@@ -111,7 +116,7 @@ class Paths:
                 request_id=req.id,
                 details=[{"loc": "model", "msg": "not served"}],
             )
-        decision = self._too_long_for_local(req) or decide(self.router, req)
+        decision = self._not_routed(req) or decide(self.router, req)
         decision = self._busy_local(req, decision) or decision
         self.counts.inc(f"route.{decision.decision}" + (".forced" if decision.forced else ""))
         self.counts.metrics.decisions.labels(
@@ -175,18 +180,34 @@ class Paths:
             log.warning("answering locally instead of the cloud", reason=fallback)
         await self._run_local(req, decision, record, received, fallback)
 
-    def _too_long_for_local(self, req: InferRequest) -> RouteDecision | None:
-        """A prompt that cannot fit the local model's context goes to the cloud, whatever the
-        router thinks (unless the client insists on local)."""
-        if req.route != "auto" or not self._too_long(req):
+    def _not_routed(self, req: InferRequest) -> RouteDecision | None:
+        """The decision for a request whose route the router does not choose (unless the client
+        insists on one): one naming a cloud model goes to it; one whose prompt and answer cannot
+        both fit the local model's context goes to the cloud (llama.cpp would cut the answer
+        short where the context ends); one whose deadline the cloud cannot meet stays local.
+        Not the router's choice: counted as forced, outside the share and the cloud cap."""
+        if req.route != "auto":
+            return None
+        prompt, n_ctx = estimate_prompt_tokens(req), self._es.model.n_ctx
+        left = None if req.deadline is None else req.deadline - time.time()
+        route: Literal["local", "cloud"] = "cloud"
+        if req.model is not None:
+            reason = f"it names model {req.model!r}"
+        elif prompt + req.max_tokens > n_ctx or self._too_long(req):
+            reason = (
+                f"prompt too long for the local model (~{prompt} tokens and up to "
+                f"{req.max_tokens} more, context {n_ctx})"
+            )
+        elif left is not None and left < self._es.cloud_min_budget:
+            route, reason = "local", f"deadline too near for the cloud ({left:.1f}s left)"
+        else:
             return None
         budget = self.budget
-        if budget is not None:  # not the router's choice: counted as forced, outside the share
-            budget.record_forced("cloud")
+        if budget is not None:
+            budget.record_forced(route)
         return RouteDecision(
-            decision="cloud",
-            reason=f"prompt too long for the local model "
-            f"(~{estimate_prompt_tokens(req)} tokens, context {self._es.model.n_ctx})",
+            decision=route,
+            reason=reason,
             budget=budget.snapshot() if budget is not None else None,
         )
 
@@ -201,6 +222,8 @@ class Paths:
             return None  # the router found the cap full: asked again, it counts it twice
         if req.model is not None and req.model != self._es.cloud_model:
             return None  # a client that names its model gets that model or nothing
+        if req.deadline is not None and req.deadline - time.time() < self._es.cloud_min_budget:
+            return None  # the cloud could not meet it: not worth a place under the cap
         budget = self.budget
         if budget is not None and not budget.local_busy():
             return None

@@ -121,8 +121,13 @@ def token_as(event: TokenEvent, request_id: str) -> TokenEvent:
 
 
 def estimate_prompt_tokens(req: InferRequest) -> int:
-    """A quick upper estimate of a request's prompt tokens (about 3 characters a token)."""
-    return len(req.text()) // 3 + 16 * req.turns()
+    """A quick upper estimate of a request's prompt tokens: about 3 characters a token, and a
+    token more for each byte past the first of a character outside ASCII (a CJK character
+    or an emoji is one to four tokens; at 3 characters a token, 180 CJK characters read 60
+    where they were 180)."""
+    text = req.text()
+    extra = 0 if text.isascii() else len(text.encode("utf-8", "surrogatepass")) - len(text)
+    return len(text) // 3 + extra + 16 * req.turns()
 
 
 @dataclass(frozen=True)

@@ -229,11 +229,16 @@ async def test_no_mid_answer_escalation_too_near_the_deadline_or_for_a_named_mod
             max_tokens=4,
             deadline=time.time() + 20,
         )
-        named = await client.complete("[unsure] mine", max_tokens=4, model="local-tiny")
-    for got in (near, named):
-        assert got.end.path == "local" and got.text == Script(tag="L").answer(4)
-        assert got.end.routing is not None and got.end.routing.confidence is None
-    assert local.started == 2  # once each: nothing held and thrown away
+        # Naming the cloud model: the cloud's answer, the local model never asked. (Naming the
+        # local model lets the router choose, as naming none does, over NATS as over HTTP.)
+        named = await client.complete(
+            "[unsure] mine", max_tokens=4, model=settings.edge.cloud_model
+        )
+    assert near.end.path == "local" and near.text == Script(tag="L").answer(4)
+    assert near.end.routing is not None and near.end.routing.confidence is None
+    assert named.end.path == "cloud" and named.text == Script().answer(4)
+    assert named.end.routing is not None and named.end.routing.confidence is None
+    assert local.started == 1  # the near one, once: nothing held and thrown away
 
 
 async def test_the_real_model_reads_one_confidence_per_sampled_token() -> None:
