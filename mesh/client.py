@@ -294,13 +294,12 @@ class MeshClient(Lifecycle):
 
         async def send() -> None:
             try:
-                await nc.publish(
-                    edge_infer_subject(self.edge_id),
-                    payload,
-                    reply=inbox,
-                    headers={CONTENT_TYPE: WireFormat.MSGPACK.content_type},
-                )
+                subject = edge_infer_subject(self.edge_id)
+                headers = {CONTENT_TYPE: WireFormat.MSGPACK.content_type}
+                await nc.publish(subject, payload, reply=inbox, headers=headers)
                 write_queued(nc)  # a burst leaves in groups (mesh.write_now)
+                # A refused publish (credentials for another edge) is said at once.
+                await self.conn.refusals.check_publish(nc, subject, 2.0, request.id)
             except nats.errors.MaxPayloadError:
                 raise request_too_large(len(payload), nc.max_payload, request.id) from None
             except nats.errors.Error as exc:  # closed, or its reconnect buffer is full

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -30,6 +29,7 @@ from mesh.js_acks import Acks, Gone
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.recovery import Recovery, Step
+from mesh.refusals import Refusals
 from mesh.tasks import first_of
 from mesh.write_batch import WriteBatch, gap_s
 from protocol.errors import UnauthorizedError, UnavailableError
@@ -84,10 +84,10 @@ class Connection(Lifecycle):
         self._loss_listeners: set[Callable[[], None]] = set()
         self.claims: dict[str, Any] | None = None
         """The user JWT's claims when the connection has a credentials file: its permissions."""
-        self.refused_subscriptions: set[str] = set()
-        """Subjects the server refused this connection a subscription to (its permissions),
-        lower-cased as nats-py hands on the server's word: it comes after the subscription, not
-        as its answer (:func:`mesh.stream_deleted.hear`)."""
+        self.refusals = Refusals()
+        """What the server refused this connection (its permissions): it says so after the
+        subscription or the publish, not as its answer (:func:`mesh.stream_deleted.hear`)."""
+        self.refused_subscriptions = self.refusals.subscriptions
         self.queue_watches: dict[str, Any] = {}
         """This connection's :class:`mesh.queue_watch.QueueWatch` per queue stream, made at its
         first queued request (kept here: the watch lives and goes with its connection)."""
@@ -275,8 +275,7 @@ class Connection(Lifecycle):
                     nobody_listens.set()
             if isinstance(exc, nats.errors.SlowConsumerError):
                 self._lost()
-            if (refused_to := _SUB_REFUSED.search(str(exc))) is not None:
-                self.refused_subscriptions.add(refused_to.group(1).lower())
+            self.refusals.heard(exc)
             if is_auth_error(exc):
                 refused.append(str(exc))
             elif isinstance(exc, ssl.SSLError) and not self.connected:
@@ -303,7 +302,7 @@ class Connection(Lifecycle):
             self.reconnects += 1
             # What the credentials allow, as nats-py read them again to reconnect (a rotated
             # file): refusals the server makes again are heard again.
-            self.refused_subscriptions.clear()
+            self.refusals.clear()
             if self.settings.creds_file:
                 with contextlib.suppress(UnauthorizedError):
                     self.claims = check_creds_file(self.settings.creds_file)
@@ -448,10 +447,6 @@ async def stop_service(conn: Connection, service: Service | None, timeout: float
         log.info("micro service left to the connection's close: cut off from NATS")
     except (asyncio.TimeoutError, nats.errors.Error) as exc:
         log.warning("micro service not stopped cleanly", error=repr(exc))
-
-
-_SUB_REFUSED = re.compile(r'permissions violation for subscription to "([^"]+)"', re.IGNORECASE)
-"""How the server refuses a subscription (nats-py hands it to the error callback)."""
 
 
 async def _close_quietly(client: Client) -> None:

@@ -190,6 +190,7 @@ async def publish_request(
             request_id=request.id,
         ) from None
     except (asyncio.TimeoutError, nats.errors.TimeoutError):
+        conn.refusals.raise_if_refused(subject, request.id)  # not JetStream's: the sender's
         raise MeshTimeoutError(
             f"JetStream did not ack the request within {conn.settings.request_timeout:g}s",
             request_id=request.id,

@@ -47,6 +47,19 @@ JetStream-less account its default ``$JS.API.>`` import (which answers every API
 time: "JetStream not enabled for account")."""
 
 
+def site_acks(site: str) -> tuple[str, str]:
+    """The ack subjects of a site's collector's deliveries: the 9-token form
+    (``$JS.ACK.<stream>.<consumer>`` and five numbers) and the domain form (a domain and an
+    account hash first, 12 tokens or more). Each is pinned to its length: with a ``>`` after
+    the consumer, the domain form also matched the 9-token ack subject of every other consumer
+    (its stream and consumer in the wildcards), and a ``+NXT`` there pulled that consumer's
+    next message, another edge's queued request or kept answer, to the sender."""
+    return (
+        f"$JS.ACK.{ANSWERS_STREAM}.{site}.*.*.*.*.*",
+        f"$JS.ACK.*.*.{ANSWERS_STREAM}.{site}.*.*.*.*.*.>",
+    )
+
+
 def _lanes(stream: StreamSettings) -> list[tuple[str, str, str | None]]:
     """Every lane ``MESH`` exports: (kind, subject, response type of a service). ``{edge}``
     and ``{site}`` stand where an edge's id and its site consumer's name go: a wildcard in the
@@ -64,8 +77,7 @@ def _lanes(stream: StreamSettings) -> list[tuple[str, str, str | None]]:
         (service, f"$JS.API.CONSUMER.INFO.{answers}.{{site}}", "Singleton"),
         (service, f"$JS.API.CONSUMER.MSG.NEXT.{answers}.{{site}}", "Stream"),
         (service, f"$JS.API.CONSUMER.RESET.{answers}.{{site}}", "Singleton"),
-        (service, f"$JS.ACK.{answers}.{{site}}.>", "Singleton"),
-        (service, f"$JS.ACK.*.*.{answers}.{{site}}.>", "Singleton"),
+        *((service, ack, "Singleton") for ack in site_acks("{site}")),
         (service, f"$JS.API.DIRECT.GET.{kv}", "Stream"),
         (service, f"$JS.API.STREAM.INFO.{kv}", "Singleton"),
         ("stream", f"{PREFIX}.tok.{{edge}}.*", None),

@@ -35,7 +35,7 @@ from mesh.config import StreamSettings, load_settings
 from mesh.hub import hub_deletions
 from mesh.stream_deleted import queue_words
 from mesh_app import nats_jwt
-from mesh_app.accounts import account_jwts
+from mesh_app.accounts import account_jwts, site_acks
 from mesh_app.nats_jwt import Key, Permissions
 from protocol.subjects import (
     ANSWER_WILDCARD,
@@ -101,8 +101,7 @@ def edge_permissions(
             f"{PREFIX}.store.{edge}.*",
             edge_status_subject(edge),  # its answer when `mesh status` asks
             *(f"{prefix}.{call}" for prefix in prefixes for call in api),
-            f"$JS.ACK.{ANSWERS_STREAM}.{site}.>",
-            f"$JS.ACK.*.*.{ANSWERS_STREAM}.{site}.>",
+            *site_acks(site),
         ),
         sub_allow=(
             f"{PREFIX}.tok.{edge}.*",
