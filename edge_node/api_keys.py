@@ -74,7 +74,13 @@ class ApiKeys:
 
     def _load(self) -> None:
         stat = self.path.stat()
-        keys = parse_keys(self.path.read_text(), str(self.path))
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(
+                f"API keys file {self.path} is not UTF-8 text (byte {exc.start}): save it as UTF-8"
+            ) from None
+        keys = parse_keys(text, str(self.path))
         # Looked up by digest: a dict lookup on the key itself would compare it byte by byte.
         self._apps = {_digest(key): app for key, app in keys.items()}
         self._seen = (stat.st_mtime, stat.st_size)

@@ -329,7 +329,14 @@ class EdgeHTTP:
         with bound(**({"app": app} if app else {})):
             if req.stream:
                 sink = SSESink(request, req, shaper, include_usage)
-                await self._serve(req, sink, scope=scope, received=received, trace=trace)
+                try:
+                    await self._serve(req, sink, scope=scope, received=received, trace=trace)
+                except Exception:
+                    if sink.response is None:
+                        raise  # the middleware answers it, in OpenAI's shape
+                    # Never a second response inside a stream begun: its end, typed.
+                    log.exception("streamed answer crashed", request_id=req.id)
+                    await sink.crashed()
                 if sink.response is None:
                     return _ended(req, to_exception(sink.last_error) if sink.last_error else None)
                 await sink.finish()

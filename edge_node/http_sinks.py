@@ -14,7 +14,7 @@ from aiohttp import web
 from edge_node.openai_api import Shaper, mesh_fields
 from mesh.tasks import raise_if_cancelled
 from protocol.codec import compact_json, error_event, to_exception
-from protocol.errors import IncompleteAnswerError, MeshError
+from protocol.errors import ErrorCode, IncompleteAnswerError, MeshError
 from protocol.messages import EndEvent, ErrorEvent, InferRequest, StartEvent, TokenEvent, WireEvent
 from protocol.stream import AnswerState, starts_over
 
@@ -113,7 +113,11 @@ class SSESink:
 
     async def _send(self, payload: dict[str, Any] | str) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        await self._write(f"data: {data}\n\n".encode())
+        try:
+            event = f"data: {data}\n\n".encode()
+        except UnicodeEncodeError:  # a lone surrogate (an engine's error text): escaped
+            event = f"data: {json.dumps(payload)}\n\n".encode()
+        await self._write(event)
 
     async def _write(self, event: bytes) -> None:
         """One server-sent event, encoded."""
@@ -152,8 +156,12 @@ class SSESink:
         if isinstance(event, TokenEvent):
             chunk = self._shaper.chunk(event.text, first=self.sent == 0, logprobs=event.logprobs)
             self.sent += 1
-            if event.logprobs is None:  # no floats in it: orjson's compact JSON (compact_json)
-                await self._write(b"data: " + compact_json(chunk) + b"\n\n")
+            try:  # no floats in it: orjson's compact JSON (compact_json)
+                data = None if event.logprobs is not None else compact_json(chunk)
+            except UnicodeEncodeError:  # a lone surrogate: escaped (_send)
+                data = None
+            if data is not None:
+                await self._write(b"data: " + data + b"\n\n")
             else:
                 await self._send(chunk)
         elif isinstance(event, StartEvent):
@@ -175,6 +183,13 @@ class SSESink:
             self.closed = True
         else:
             await self._fail(to_exception(event))
+
+    async def crashed(self) -> None:
+        """The stream's typed end after the edge failed while writing it (best effort)."""
+        if not self.closed:
+            with contextlib.suppress(Exception):
+                await self._fail(MeshError("edge failure", code=ErrorCode.INTERNAL))
+        self.closed = True
 
     async def _fail(self, error: MeshError) -> None:
         self.last_error = error_event(error, self._req.id)

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     ValidationError,
     model_validator,
@@ -93,8 +94,8 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)  # not "0.5", not true
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     stream: Annotated[StrictBool, _null_is(False)] = False

@@ -89,13 +89,21 @@ class Backend(Protocol):
     async def health(self) -> Health: ...
 
 
+def whole(text: str) -> str:
+    """``text`` with a lone UTF-16 surrogate (half a character: a token may end inside one) as
+    U+FFFD: no UTF-8 writer takes one, and an answer streamed with its logprobs failed."""
+    if text.isascii() or not any("\ud800" <= c <= "\udfff" for c in text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 def openai_logprobs(found: dict[str, Any], *, chat: bool, top: int) -> list[TokenLogprob]:
     """Per-token logprobs of one streamed choice in OpenAI's wire formats (llama-cpp-python
     uses them too): chat's ``content`` entries, or the completions API's parallel lists."""
     if chat:
         return [
             TokenLogprob(
-                token=entry["token"],
+                token=whole(entry["token"]),
                 logprob=float(entry["logprob"]),
                 top=[(t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or []]
                 if top
@@ -107,7 +115,7 @@ def openai_logprobs(found: dict[str, Any], *, chat: bool, top: int) -> list[Toke
     tops = found.get("top_logprobs") or [None] * len(tokens)
     return [
         TokenLogprob(
-            token=token,
+            token=whole(token),
             logprob=float(logprob),
             top=[(t, float(lp)) for t, lp in (alts or {}).items()][:top] if top else None,
         )
