@@ -227,7 +227,9 @@ class EdgeHTTP:
     def _listed(self) -> dict[str, str]:
         """The models ``GET /v1/models`` lists, by name: who owns each (edge or cloud)."""
         parts = self.parts
-        return {parts.local_model: "edge", parts.edge.cloud_model: "cloud"}
+        listed = {parts.local_model: "edge"}  # one name for both: the edge's (it answers)
+        listed.setdefault(parts.edge.cloud_model, "cloud")
+        return listed
 
     def _model_object(self, name: str, owner: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": owner}

@@ -38,8 +38,8 @@ from protocol.messages import (
 
 Kind = Literal["chat", "completion"]
 # Fields that would change the answer in ways the mesh does not support.
-_REFUSED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix")
-_NO_OP = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1}
+_REFUSED = ("tools", "functions", "function_call", "logit_bias", "suffix")
+_NO_OP = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "tool_choice": "none"}
 """Fields refused unless they ask for nothing (the engines are given no such setting)."""
 
 

@@ -273,3 +273,36 @@ async def test_a_sampling_value_of_the_wrong_json_type_is_a_400(
         answer = await resp.json()
     assert resp.status == 400, (fields, answer)
     assert answer["error"]["param"] == next(iter(fields)), answer
+
+
+async def test_tool_choice_none_asks_for_nothing_and_is_answered(det_edge: EdgeNode) -> None:
+    """``tool_choice: "none"`` asks for no tool call: answered, as OpenAI does. Before, it was
+    refused (400, not supported) with every other value; another value still is."""
+    assert det_edge.http is not None
+    url = det_edge.http.url + CHAT
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for choice, status in (("none", 200), ("auto", 400), (None, 200)):
+            body = {"messages": USER, "max_tokens": 2, "tool_choice": choice}
+            async with http.post(url, json=body) as resp:
+                answer = await resp.json()
+            assert resp.status == status, (choice, answer)
+            if status == 400:
+                assert answer["error"]["param"] == "tool_choice", answer
+
+
+async def test_a_model_name_the_edge_and_its_cloud_share_is_listed_as_the_edge_s(
+    det_edge: EdgeNode,
+) -> None:
+    """With the local model and the cloud model under one name (the default), ``GET /v1/models``
+    lists it once, owned by the edge, whose model answers a request naming it (the router may
+    escalate it). Before, the cloud's entry replaced the edge's."""
+    assert det_edge.http is not None
+    name = det_edge.backend.model
+    det_edge.settings.edge.cloud_model = name
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        async with http.get(det_edge.http.url + "/v1/models") as resp:
+            listed = (await resp.json())["data"]
+        async with http.get(det_edge.http.url + f"/v1/models/{name}") as resp:
+            one = await resp.json()
+    assert [(m["id"], m["owned_by"]) for m in listed] == [(name, "edge")]
+    assert one["owned_by"] == "edge", one
