@@ -235,9 +235,11 @@ def mint(
     for name in [*edges, *workers, *(app for _e, app in clients)]:
         if not is_token(name):
             raise ValueError(f"{name!r} is not a valid edge, worker or app id ([A-Za-z0-9_-])")
-    for edge, _app in clients:
+    for edge, app in clients:
         if edge not in edges:
             raise ValueError(f"--client names edge {edge!r}, which is not among --edge")
+        if app == f"{edge}-apps":  # its inbox prefix would be the site's shared user's
+            raise ValueError(f"--client {edge}:{app}: {app!r} names the site's shared apps user")
     stream = stream or load_settings().stream
     out.mkdir(parents=True, exist_ok=True)
     keys = _keys(out / "keys")

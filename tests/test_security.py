@@ -367,6 +367,9 @@ def test_mesh_creds_command_writes_every_file_and_refuses_bad_ids(
     assert main([*args[:3], "--expires-in", "soon"]) == 2
     assert main(["creds", "--out", str(tmp_path / "y"), "--edge", "a", "--client", "b:x"]) == 2
     assert "not among --edge" in capsys.readouterr().err
+    # An app named as the site's shared apps user would share its inbox prefix (review S17b).
+    assert main(["creds", "--out", str(tmp_path / "z"), "--edge", "a", "--client", "a:a-apps"]) == 2
+    assert "shared apps user" in capsys.readouterr().err
 
 
 @dataclass
