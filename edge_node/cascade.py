@@ -81,11 +81,11 @@ class Cascade:
             if confidence is not None:
                 reason = f"{decision.reason}; {why}" if decision.reason else why
                 kept = _explained(decision, confidence, reason, escalated=False)
-            replay = _replay(held, chunks)
+            replayed = replay(held, chunks)
             try:
-                await answer_locally(replay, slot_at, kept)
+                await answer_locally(replayed, slot_at, kept)
             finally:  # cancelled before the replay ran: its engine thread must stop too
-                await replay.aclose()
+                await replayed.aclose()
                 await chunks.aclose()
             return None
 
@@ -115,7 +115,7 @@ class Cascade:
         return held, summarise(readings[:window])
 
 
-async def _replay(
+async def replay(
     held: list[Chunk], rest: AsyncGenerator[Chunk, None]
 ) -> AsyncGenerator[Chunk, None]:
     async with contextlib.aclosing(rest):

@@ -11,12 +11,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from edge_node.cascade import Cascade
+from edge_node.cascade import Cascade, replay
 from edge_node.confidence import ConfidenceGate
 from edge_node.local_gate import LocalGate
 from edge_node.parts import EdgeCounts
@@ -29,7 +30,12 @@ from mesh.backends.base import Backend, Chunk, ScoringBackend
 from mesh.config import EdgeSettings, WorkerSettings
 from mesh.generate import generate_into
 from mesh.logs import get_logger
-from protocol.errors import DeadlineExceededError, UnknownModelError
+from protocol.errors import (
+    BackendError,
+    ContextTooLongError,
+    DeadlineExceededError,
+    UnknownModelError,
+)
 from protocol.fingerprint import Fingerprints
 from protocol.messages import InferRequest, RouteDecision, TokenEvent
 from protocol.stream import AnswerWriter
@@ -127,11 +133,21 @@ class Paths:
             "routed", decision=decision.decision, score=decision.score, reason=decision.reason
         )
         fallback: str | None = None
-        if self._cascade_applies(req, decision):
-            escalated = await self._local_first(req, decision, record, received)
-            if escalated is None:
-                return  # answered locally
-            decision = escalated
+        overflows, overflowed = self._may_overflow(req, decision), False
+        try:
+            if self._cascade_applies(req, decision):
+                escalated = await self._local_first(req, decision, record, received)
+                if escalated is None:
+                    return  # answered locally
+                decision = escalated
+            elif decision.decision == "local" and overflows:
+                await self._run_local(req, decision, record, received, None, first=True)
+                return
+        except ContextTooLongError as err:
+            if not overflows:
+                raise
+            # The estimate let it through; the local model's count did not (nothing was sent).
+            decision, overflowed = self._overflowed(decision, err), True
         if (
             decision.decision == "cloud"
             and req.deferrable
@@ -141,44 +157,86 @@ class Paths:
             await self.site.relay(req, decision, record)
             return
         if decision.decision == "cloud":
-            # Named: no other pool, and not the local model (its answer would go out under
-            # the named model's name).
-            local_fits = named is None and not self._too_long(req)
-            no_local = (
-                f"it names model {named!r}"
-                if named is not None
-                else "it is too long for the local model"
+            fallback = await self._cloud_chain(
+                req, decision, record, received, trace, fingerprints, overflowed=overflowed
             )
-            chain = [req.model or self._es.cloud_model]
-            if req.model is None:
-                chain += self._es.cloud_fallbacks
-            failed: list[str] = []
-            for step, model in enumerate(chain):
-                last = step == len(chain) - 1
-                try:
-                    relay = CloudRelay(
-                        self.parts.relay,
-                        req if step == 0 else req.model_copy(update={"model": model}),
-                        decision,
-                        record,
-                        received,
-                        trace,
-                        local_fits=local_fits or not last,
-                        no_local=no_local,
-                        tried="; ".join(failed) or None,
-                        fingerprints=fingerprints,
-                    )
-                    await relay.run()
-                    return
-                except Fallback as fb:
-                    failed.append(f"{model}: {fb.reason}" if len(chain) > 1 else fb.reason)
-                    self.counts.inc("fallback")
-                    self.counts.metrics.fallbacks.labels(reason=fb.kind).inc()
-                    if not last:
-                        log.warning("trying the next cloud pool", failed=model, reason=fb.reason)
-            fallback = "; ".join(failed)
-            log.warning("answering locally instead of the cloud", reason=fallback)
+            if fallback is None:
+                return  # answered by the cloud
         await self._run_local(req, decision, record, received, fallback)
+
+    async def _cloud_chain(  # noqa: PLR0917 - answer()'s parts, passed on
+        self,
+        req: InferRequest,
+        decision: RouteDecision,
+        record: Record,
+        received: float,
+        trace: Mapping[str, str] | None,
+        fingerprints: Fingerprints | None,
+        *,
+        overflowed: bool,
+    ) -> str | None:
+        """The cloud's answer: the request's pool, then (naming none) each fallback pool; None
+        once one answered, else why none did (the local model answers then). ``overflowed``:
+        the local model found the prompt too long for its context."""
+        named = req.model
+        # Named: no other pool, and not the local model (its answer would go out under the
+        # named model's name).
+        local_fits = named is None and not overflowed and not self._too_long(req)
+        no_local = f"it names model {named!r}" if named else "it is too long for the local model"
+        chain = [req.model or self._es.cloud_model]
+        if req.model is None:
+            chain += self._es.cloud_fallbacks
+        failed: list[str] = []
+        for step, model in enumerate(chain):
+            last = step == len(chain) - 1
+            try:
+                relay = CloudRelay(
+                    self.parts.relay,
+                    req if step == 0 else req.model_copy(update={"model": model}),
+                    decision,
+                    record,
+                    received,
+                    trace,
+                    local_fits=local_fits or not last,
+                    no_local=no_local,
+                    tried="; ".join(failed) or None,
+                    fingerprints=fingerprints,
+                )
+                await relay.run()
+                return None
+            except Fallback as fb:
+                failed.append(f"{model}: {fb.reason}" if len(chain) > 1 else fb.reason)
+                self.counts.inc("fallback")
+                self.counts.metrics.fallbacks.labels(reason=fb.kind).inc()
+                if not last:
+                    log.warning("trying the next cloud pool", failed=model, reason=fb.reason)
+        fallback = "; ".join(failed)
+        log.warning("answering locally instead of the cloud", reason=fallback)
+        return fallback
+
+    def _may_overflow(self, req: InferRequest, decision: RouteDecision) -> bool:
+        """Whether a local answer whose prompt the local model finds too long for its context
+        goes to the cloud instead: one the router (not the client) kept local, naming no
+        model, with time left for the cloud."""
+        if decision.decision != "local" or decision.forced or req.route != "auto" or req.model:
+            return False
+        left = None if req.deadline is None else req.deadline - time.time()
+        return left is None or left >= self._es.cloud_min_budget
+
+    def _overflowed(self, decision: RouteDecision, err: ContextTooLongError) -> RouteDecision:
+        budget = self.budget
+        if budget is not None:  # not the router's choice: counted as forced, outside the share
+            budget.record_forced("cloud")
+        self.counts.inc("route.cloud.overflow")
+        log.info("escalating: the prompt does not fit the local context", error=err.message)
+        return decision.model_copy(
+            update={
+                "decision": "cloud",
+                "reason": f"{decision.reason}; the prompt does not fit the local model's "
+                f"context ({err.message})",
+                "budget": budget.snapshot() if budget is not None else decision.budget,
+            }
+        )
 
     def _not_routed(self, req: InferRequest) -> RouteDecision | None:
         """The decision for a request whose route the router does not choose (unless the client
@@ -245,12 +303,41 @@ class Paths:
         record: Record,
         received: float,
         fallback: str | None,
+        *,
+        first: bool = False,
     ) -> None:
+        """The local answer. ``first``: its generation's first chunk before anything is sent,
+        so that a prompt too long for the local context raises
+        :class:`~protocol.errors.ContextTooLongError` with nothing sent."""
         # One the local model began, escalated, and the cloud gave back held a slot already:
         # it waits for one again, not refused for a queue full of requests that came since.
         admitted = bool((decision.confidence or {}).get("escalated"))
         async with self._gate.slot(req.id, admitted=admitted):
-            await self._local_answer(req, decision, record, received, fallback)
+            slot_at = time.perf_counter() if first else None
+            chunks = await self._begun(req) if first else None
+            try:
+                await self._local_answer(
+                    req, decision, record, received, fallback, chunks=chunks, slot_at=slot_at
+                )
+            finally:
+                if chunks is not None:
+                    await chunks.aclose()
+
+    async def _begun(self, req: InferRequest) -> AsyncGenerator[Chunk, None]:
+        """The local generation of ``req``, its first chunk read (the prompt evaluated)."""
+        chunks = self.backend.generate(req)
+        stall = self.parts.worker.stall_timeout
+        try:
+            first = await asyncio.wait_for(anext(chunks), stall)
+        except asyncio.TimeoutError:
+            await chunks.aclose()
+            raise BackendError(
+                f"the engine produced nothing for {stall:g}s", retryable=True
+            ) from None
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return replay([first], chunks)
 
     async def _local_answer(
         self,

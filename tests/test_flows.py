@@ -320,12 +320,13 @@ async def test_deadlines_at_the_edge(worker: Worker, edge: EdgeNode, client: Mes
     # Already past: never started, typed error.
     with pytest.raises(DeadlineExceededError):
         await client.complete(SIMPLE, deadline=time.time() - 1, max_tokens=4)
-    # Too near for the cloud (cloud_min_budget, 2 s): answered locally at once, saying why. The
-    # deadline bounds the local answer too: as much of it as the rule allows (1 s was tight for
-    # the real model on a loaded machine: deadline_exceeded once in the parallel suite).
+    # Too near for the cloud (cloud_min_budget, 2 s): routed locally at once, saying why (not
+    # the router's choice, nor a fallback: the cloud was never asked). The deadline bounds the
+    # local answer too: as much of it as the rule allows (1 s was tight for the real model on
+    # a loaded machine: deadline_exceeded once in the parallel suite).
     near = await client.complete(COMPLEX, deadline=time.time() + 1.9, max_tokens=4, temperature=0)
-    assert near.path == "local"
-    assert near.end.fallback is not None and "deadline too near" in near.end.fallback
+    assert near.path == "local" and near.end.fallback is None
+    assert near.end.routing is not None and "deadline too near" in near.end.routing.reason
     # Far enough: escalated as routed.
     far = await client.complete(COMPLEX, deadline=time.time() + 60, max_tokens=4, temperature=0)
     assert far.path == "cloud"

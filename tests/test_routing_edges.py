@@ -216,3 +216,30 @@ async def test_a_prompt_of_digits_does_not_stall_the_edge_in_the_heuristic_route
             await asyncio.wait_for(digits, 60)
         assert other.end.path == "local"
         assert time.monotonic() - began < 1.0
+
+
+# -- 7. a prompt the estimate let through and the local model found too long -----------------
+async def test_a_prompt_the_local_model_finds_too_long_goes_to_the_cloud(
+    settings: MeshSettings, conn: Connection, small_llama: LlamaCppBackend
+) -> None:
+    """The estimate (about 3 characters a token) is no bound for every text: digits apart make a
+    token of 2 characters. A prompt the router kept local, which the local model then finds too
+    long for its context, goes to the cloud (nothing of it was sent). Before: the client got
+    ``context_too_long`` while a worker was there to answer."""
+    settings.edge.model.n_ctx = SMALL_CTX
+    prompt = "1 " * 260  # estimated ~189 tokens with the turn's 16; really over 256
+    async with (
+        Worker(settings, conn, _det("smollm2")) as worker,
+        EdgeNode(settings, conn, small_llama, HeuristicRouter(threshold=1.0)),
+        MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
+    ):
+        try:
+            got = await client.complete(prompt, max_tokens=8, temperature=0)
+        except MeshError as err:
+            pytest.fail(f"the client got {err.code.value}: {err.message}")
+        # A prompt that fits is still the local model's.
+        short = await client.complete("Say hi.", max_tokens=4, temperature=0)
+    assert got.end.path == "cloud" and got.end.served_by == f"cloud:{worker.node_id}"
+    assert got.end.routing is not None
+    assert "does not fit the local model's context" in got.end.routing.reason
+    assert short.end.path == "local"
