@@ -42,6 +42,11 @@ from protocol.stream import AnswerWriter
 
 log = get_logger(__name__)
 
+ANSWER_ROOM = 256
+"""The least room a prompt must leave in the local context for a local answer (the whole
+``max_tokens`` where it is less): a client's generous ``max_tokens`` alone does not send a short
+prompt to the cloud, and a prompt that would leave less goes there."""
+
 
 @dataclass(frozen=True)
 class PathParts:
@@ -181,7 +186,7 @@ class Paths:
         named = req.model
         # Named: no other pool, and not the local model (its answer would go out under the
         # named model's name).
-        local_fits = named is None and not overflowed and not self._too_long(req)
+        local_fits = named is None and not overflowed and not self._clearly_too_long(req)
         no_local = f"it names model {named!r}" if named else "it is too long for the local model"
         chain = [req.model or self._es.cloud_model]
         if req.model is None:
@@ -240,10 +245,11 @@ class Paths:
 
     def _not_routed(self, req: InferRequest) -> RouteDecision | None:
         """The decision for a request whose route the router does not choose (unless the client
-        insists on one): one naming a cloud model goes to it; one whose prompt and answer cannot
-        both fit the local model's context goes to the cloud (llama.cpp would cut the answer
-        short where the context ends); one whose deadline the cloud cannot meet stays local.
-        Not the router's choice: counted as forced, outside the share and the cloud cap."""
+        insists on one): one naming a cloud model goes to it; one whose prompt leaves the local
+        model's context too little room for its answer (``max_tokens``, or ``ANSWER_ROOM`` of a
+        larger one) goes to the cloud (llama.cpp would end the answer where the context ends);
+        one whose deadline the cloud cannot meet stays local. Not the router's choice: counted
+        as forced, outside the share and the cloud cap."""
         if req.route != "auto":
             return None
         prompt, n_ctx = estimate_prompt_tokens(req), self._es.model.n_ctx
@@ -251,10 +257,10 @@ class Paths:
         route: Literal["local", "cloud"] = "cloud"
         if req.model is not None:
             reason = f"it names model {req.model!r}"
-        elif prompt + req.max_tokens > n_ctx or self._too_long(req):
+        elif self._too_long(req) or n_ctx - prompt < min(req.max_tokens, ANSWER_ROOM):
             reason = (
-                f"prompt too long for the local model (~{prompt} tokens and up to "
-                f"{req.max_tokens} more, context {n_ctx})"
+                f"prompt too long for the local model (~{prompt} tokens, context {n_ctx}: "
+                f"too little room for {min(req.max_tokens, ANSWER_ROOM)} more)"
             )
         elif left is not None and left < self._es.cloud_min_budget:
             route, reason = "local", f"deadline too near for the cloud ({left:.1f}s left)"
@@ -292,6 +298,11 @@ class Paths:
                 "budget": budget.snapshot() if budget is not None else decision.budget,
             }
         )
+
+    def _clearly_too_long(self, req: InferRequest) -> bool:
+        """Too long for the local context even if the estimate is over by half: no local
+        fallback is tried (one that may fit is: the local model says if it does not)."""
+        return estimate_prompt_tokens(req) > 2 * self._es.model.n_ctx
 
     def _too_long(self, req: InferRequest) -> bool:
         return estimate_prompt_tokens(req) > self._es.model.n_ctx - 64

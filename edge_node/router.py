@@ -343,9 +343,9 @@ _MULTI_STEP = re.compile(
     r"how many|how much|design|implement|write (a|an|the) (function|program|essay|proof))\b",
     re.IGNORECASE,
 )
-# Each number is tried from its first digit only (``(?<![\d.])``): from every digit of a long run
+# Each number is tried from its first digit only (``(?<!\d)``): from every digit of a long run
 # of them, the search backtracked through the rest (20,000 digits: 3 s on the event loop).
-_MATH = re.compile(r"(?<![\d.])\d+(?:\.\d+)?\s*(?:[-+*/^=%]\s*\d|(?:percent|dollars|km|hours)\b)")
+_MATH = re.compile(r"(?<!\d)\d+(?:\.\d+)?\s*(?:[-+*/^=%]\s*\d|(?:%|percent|dollars|km|hours)\b)")
 SCORED_CHARS = 16_384
 """The heuristic router reads a prompt's first characters only (as the learned one does)."""
 _CODE = re.compile(r"```|\bdef \w+\(|\bclass \w+|;\s*$|#include|\bSELECT\b", re.MULTILINE)
