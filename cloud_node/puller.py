@@ -44,6 +44,8 @@ MAX_REQUESTS = 8
 """Pull requests one worker keeps outstanding at most (the consumer's max_waiting is shared)."""
 HEARTBEAT = "100"
 EXPIRY_MARGIN_S = 0.1
+MAX_RTT_S = 1.0
+"""The most of a measured round trip added to a request's expiry."""
 """After a request's expiry, how long before the puller counts it over without the status
 that says so (lost with a link): the server's expiry runs from when it read the request."""
 LINGER_S = 5.0
@@ -61,9 +63,18 @@ class Puller:
         total_slots: Callable[[], int],
         deliver: Callable[[Msg], None],
         expires: float,
+        batch: int = 1_000_000,
         on_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.conn = conn
+        self._batch = batch
+        self.rtt = 0.0
+        """A round trip to the server, as last measured (:meth:`measure`): a request's expiry
+        and its status come that much later over a slow link. Not counted, a 1-slot worker
+        behind 0.4 s of delay asked again for its slot before the status of the request that
+        covered it came, and took two deliveries."""
+        """The most messages one pull request asks for (``fetch_batch``; more where
+        :data:`MAX_REQUESTS` of them could not cover every slot otherwise)."""
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._free = free_slots
         self._total = total_slots
@@ -73,7 +84,7 @@ class Puller:
         """Told (in the read loop) when the server says the consumer is gone: a pull request
         ended with "Consumer Deleted" (its stream's too), or nobody answers a new one (503)."""
         self._owed: dict[int, int] = {}
-        self._ends: dict[int, float] = {}
+        self._ends: dict[int, tuple[float, int]] = {}
         """When each request is over for sure (``loop.time()``): its expiry, from when it was
         asked, plus :data:`EXPIRY_MARGIN_S`."""
         self._lingering: dict[int, float] = {}
@@ -93,7 +104,13 @@ class Puller:
 
     async def start(self) -> None:
         self._stopped = False
+        await self.measure()
         await self.top_up()
+
+    async def measure(self) -> None:
+        """Measure the round trip to the server (at start and after each reconnect)."""
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            self.rtt = min(await self.conn.nc.rtt(timeout=2), MAX_RTT_S)
 
     async def stop(self) -> None:
         self._stopped = True
@@ -129,23 +146,30 @@ class Puller:
         if self._stopped:
             return
         self._give_up_expired()
+        while await self._ask(whole=whole):
+            pass
+
+    async def _ask(self, *, whole: bool) -> bool:
+        """One pull request for free slots not yet covered (at most ``batch``); whether one was
+        asked."""
         free = self._free()
         want = free - self.outstanding
         if want <= 0 or len(self._owed) >= MAX_REQUESTS:
-            return
+            return False
         total = self._total()
         busy = free < total
         if not whole and busy and self._owed and want < max(1, total // 4):
-            return
+            return False
+        want = min(want, max(self._batch, -(-total // MAX_REQUESTS)))
         nc = self.conn.nc
         if not nc.is_connected:
-            return  # asked once the link is back (the worker's reconnect step, its tick)
+            return False  # asked once the link is back (the worker's reconnect step, its tick)
         self._next += 1
         token = self._next
         inbox = nc.new_inbox()
         self._owed[token] = want
         self._server = nc.connected_url
-        self._ends[token] = asyncio.get_running_loop().time() + self._expires + EXPIRY_MARGIN_S
+        self._ends[token] = (asyncio.get_running_loop().time() + self._margin(), self.conn.drops)
 
         def on_msg(msg: Msg) -> None:
             self._on_msg(token, msg)
@@ -157,6 +181,8 @@ class Puller:
         except nats.errors.Error as exc:  # disconnected: the tick tries again
             self._end(token)
             log.warning("pull request not sent", error=repr(exc))
+            return False
+        return True
 
     def _on_msg(self, token: int, msg: Msg) -> None:
         """A message of pull request ``token``, in the connection's read loop."""
@@ -208,20 +234,28 @@ class Puller:
     ) -> None:
         """Requests past their expiry with no status to say so (``everything``: all of
         them; ``asked_before``: those asked before then too): what they owed goes back to the
-        pool. Each one's subscription stays for
+        pool. One whose link has not dropped since is waited for :data:`MAX_RTT_S` longer: its
+        status is on the way (a slow link), and with it, perhaps, a delivery that covered a slot
+        the puller would have asked for again. Each one's subscription stays for
         :data:`LINGER_S`, for a delivery still on its way (one asked while the link was down
         reached the server late, and expires late): a message is never sent where nobody reads
         it."""
         now = asyncio.get_running_loop().time()
-        before = -1.0 if asked_before is None else asked_before + self._expires + EXPIRY_MARGIN_S
-        for token, end in list(self._ends.items()):
-            if end <= now or everything or end < before:
+        before = -1.0 if asked_before is None else asked_before + self._margin()
+        drops = self.conn.drops
+        for token, (end, dropped) in list(self._ends.items()):
+            over = end <= now and (dropped != drops or end + MAX_RTT_S <= now)
+            if over or everything or end < before:
                 self._owed.pop(token, None)
                 del self._ends[token]
                 self._lingering[token] = now + LINGER_S
         for token, until in list(self._lingering.items()):
             if until <= now:
                 self._end(token)
+
+    def _margin(self) -> float:
+        """How long after it is asked a request is over for sure."""
+        return self._expires + EXPIRY_MARGIN_S + self.rtt
 
     def _later_close(self, token: int) -> None:
         """Unsubscribe outside the read loop (nats-py is in the middle of the message)."""

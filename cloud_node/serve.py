@@ -51,7 +51,7 @@ from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
 from mesh.connection import Connection
-from mesh.generate import Asked, generate_into
+from mesh.generate import Asked, generate_patiently
 from mesh.logs import bound, get_logger, log_unknown_fields, trace_id
 from mesh.queue import COPY_HEADER, trace_headers
 from mesh.tasks import CancelAt, TaskSet, answered_cancel, cancel_and_wait
@@ -366,8 +366,9 @@ class Handler(ABC):
         expiry = CancelAt(generating, request.deadline)
         try:
             await publisher.send(writer.start())
-            gen = await generate_into(
-                self.backend, request, writer, publisher.send_now, self._ws, asked=asked
+            send = publisher.send_now
+            gen = await generate_patiently(
+                self.backend, request, writer, send, self._ws, asked, patient=last
             )
             expiry.stop()  # generated in time: its end goes out, whatever the clock says
             timings = gen.timings(since=gen.started, queue_ms=queued_ms)

@@ -180,6 +180,7 @@ class Worker(Lifecycle):
             total_slots=lambda: self.backend.capacity().total,
             deliver=self._accept,
             expires=self._ws.fetch_timeout,
+            batch=self._ws.fetch_batch,
             on_lost=self._lost,
         )  # its requests asked of a consumer made anew since are gone with the one before:
         self.handler.epoch.on_made_anew = lambda _c, began: self._puller.forget(asked_before=began)
@@ -306,6 +307,7 @@ class Worker(Lifecycle):
         answer's end."""
         self.handler.recheck()  # another worker may have been handed what we held
         self._puller.forget()  # pull requests that expired while the link was down
+        await self._puller.measure()  # perhaps another server, another link
         await self._puller.top_up()
         publishers = list(self.handler.publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)

@@ -252,7 +252,7 @@ class WorkerSettings(_Section):
     engine's own load figures pace them all. Only for the openai and deterministic backends:
     a llama_cpp or vllm engine holds one model."""
     fetch_batch: int = Field(default=16, ge=1)
-    """Most requests pulled per fetch (never more than free slots)."""
+    """Most requests one pull asks for (at least slots / 8: a worker keeps 8 pulls waiting)."""
 
     @model_validator(mode="after")
     def _one_engine_many_models(self) -> WorkerSettings:

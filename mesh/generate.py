@@ -389,3 +389,38 @@ async def generate_into(
         finish_reason=final.finish_reason if final and final.finish_reason else "stop",
         usage=usage,
     )
+
+
+ENGINE_FULL_WAITS = 10
+"""How often an engine that says it is full is asked again for one patient generation."""
+
+
+async def generate_patiently(  # noqa: PLR0917 - generate_into's, and whether to wait
+    backend: Backend,
+    request: InferRequest,
+    writer: AnswerWriter,
+    emit: Emit,
+    settings: WorkerSettings,
+    asked: Asked | None,
+    *,
+    patient: bool,
+) -> Generation:
+    """:func:`generate_into`; ``patient`` (a worker's last delivery of the request, which no
+    other worker would be given): an engine that says it is full (a 429 or 503 with
+    ``Retry-After``) before the first token is asked again after that pause, within the
+    request's deadline, up to ``ENGINE_FULL_WAITS`` times. Before, that delivery failed too,
+    and a request whose engine was busy for three moments ended ``max_deliveries``."""
+    begun = writer.seq
+    for waits in range(ENGINE_FULL_WAITS + 1):
+        try:
+            return await generate_into(backend, request, writer, emit, settings, asked=asked)
+        except BackendError as err:
+            pause = None if err.retry_after is None else max(1.0, min(err.retry_after, 30.0))
+            left = None if request.deadline is None else request.deadline - time.time()
+            if not patient or pause is None or writer.seq != begun or waits == ENGINE_FULL_WAITS:
+                raise
+            if left is not None and left <= pause:
+                raise
+            asked = None  # used: the next generation is asked anew
+            await asyncio.sleep(pause)
+    raise AssertionError("unreachable")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -41,6 +42,8 @@ from protocol.errors import BackendError, ContextTooLongError, MeshTimeoutError,
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
 log = get_logger(__name__)
+MAX_FULL_S = 30.0
+"""The longest an engine's ``Retry-After`` keeps this worker from pulling work (seconds)."""
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
 
@@ -71,6 +74,9 @@ class OpenAIHTTPBackend:
         self._base = settings.base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self._busy = 0
+        self._full_until = 0.0
+        """Till when (``time.monotonic()``) the engine said it is full (a 429 or 503 with
+        ``Retry-After``): no slot is free meanwhile, so the worker pulls no work to refuse."""
         self.engine: dict[str, float] = {}
         """The engine's own load from its /metrics (empty when it exposes none)."""
         self._poller: asyncio.Task[None] | None = None
@@ -146,7 +152,8 @@ class OpenAIHTTPBackend:
             await session.close()
 
     def capacity(self) -> Capacity:
-        free = 0 if engine_saturated(self.engine) else max(0, self.settings.slots - self._busy)
+        full = engine_saturated(self.engine) or time.monotonic() < self._full_until
+        free = 0 if full else max(0, self.settings.slots - self._busy)
         return Capacity(total=self.settings.slots, free=free)
 
     async def health(self) -> Health:
@@ -209,7 +216,11 @@ class OpenAIHTTPBackend:
                 self._base + path, json=body, timeout=self._streaming
             ) as resp:
                 if resp.status != 200:
-                    raise _http_error(resp, await resp.text(), request.id)
+                    err = _http_error(resp, await resp.text(), request.id)
+                    if err.retry_after is not None and resp.status in (429, 503):
+                        wait = min(err.retry_after, MAX_FULL_S)
+                        self._full_until = max(self._full_until, time.monotonic() + wait)
+                    raise err
                 # The events of each piece the connection hands over, with no async generator
                 # or iterator between: one await per read (_SseLines).
                 parser = _SseLines()
