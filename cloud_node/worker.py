@@ -30,6 +30,7 @@ from cloud_node.cancels import CancelBook, allows, cancel_key_of
 from cloud_node.counts import WorkerCounts, WorkerStats
 from cloud_node.deferred import DeferrableHandler
 from cloud_node.delivery import store_look_timeout
+from cloud_node.engine_watch import EngineWatch
 from cloud_node.keeper import Keeper
 from cloud_node.lease import Leases
 from cloud_node.orphans import Orphans
@@ -50,11 +51,10 @@ from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
 from mesh.provision import provisioned
-from mesh.registry import Heartbeat, NodeInfo, live_workers
+from mesh.registry import Heartbeat, NodeInfo, peers_with_room
 from mesh.stream_deleted import stream_deleted, watch_deleted
 from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
-from protocol.errors import MeshError
 from protocol.subjects import (
     CANCEL_WILDCARD,
     addressed,
@@ -165,6 +165,9 @@ class Worker(Lifecycle):
         self._stopping = False
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
+        self._engine_task: asyncio.Task[Any] | None = None
+        self.engine = EngineWatch(backend, self._engine_changed)
+        """Whether the engine answers (it pulls nothing while it does not)."""
         self._lag_task: asyncio.Task[Any] | None = None
         self._leases_back: asyncio.Task[Any] | None = None
         self._undo_reconnect: Any = None
@@ -267,6 +270,7 @@ class Worker(Lifecycle):
         watch_gc(self._page)
         await self._puller.start()
         self._loop_task = self._tasks.supervise(self._tick, name="pull")
+        self._engine_task = self._tasks.supervise(self.engine.run, name="engine")
         # Not one of self._tasks: those are drained for up to drain_grace on stop, and its
         # ticks count the stand-stills (handler.stalls) until the last answer is drained.
         self._lag_task = asyncio.get_running_loop().create_task(
@@ -354,9 +358,14 @@ class Worker(Lifecycle):
             self._undo_reconnect()
         await self._heartbeat.stop()  # edges stop counting on us before intake stops
         await self._puller.stop()  # no new work; late deliveries are handed back at once
-        await cancel_and_wait([t for t in (self._loop_task, self._leases_back) if t is not None])
+        tasks = (self._loop_task, self._engine_task, self._leases_back)
+        await cancel_and_wait([t for t in tasks if t is not None])
         grace = self._ws.drain_grace
-        if self.handler.inflight and self._ws.hand_over and await self._peers_with_room():
+        if (
+            self.handler.inflight
+            and self._ws.hand_over
+            and await peers_with_room(self.conn, model_token(self.backend.model), self.node_id)
+        ):
             # Another worker continues each answer from the store, at once (the rest drain).
             grace = grace if await self.handler.hand_over() else 0.0
         elif self.handler.inflight:
@@ -376,24 +385,10 @@ class Worker(Lifecycle):
             self._page.remove(registry)
         log.info("worker stopped", node_id=self.node_id, **self.counts.snapshot())
 
-    async def _peers_with_room(self) -> bool:
-        """Whether another live worker of this pool announced free slots (the registry): then a
-        stopping worker hands its answers over rather than making them wait for its drain."""
-        if not self.conn.connected:
-            # Cut off: nobody could take the answers over from the store now, and the registry
-            # would not answer (nats-py holds the read until it reconnects, or request_timeout).
-            log.info("cut off from NATS: no hand-over; draining")
-            return False
-        pool = model_token(self.backend.model)
-        try:
-            peers = await self.conn.while_linked(
-                live_workers(self.conn, pool), self.conn.settings.request_timeout
-            )
-            if any(info.node_id != self.node_id and info.free > 0 for info in peers):
-                return True
-        except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.info("cannot tell whether another worker has room; draining", error=repr(exc))
-        return False
+    async def _engine_changed(self) -> None:
+        """The engine went down or came back: announced now; its free slots covered."""
+        await self._heartbeat.beat()
+        await self._puller.top_up(whole=True)
 
     def _metadata(self) -> dict[str, str]:
         capacity = self.backend.capacity()
@@ -418,6 +413,8 @@ class Worker(Lifecycle):
             "health": (
                 "restoring"
                 if self.conn.restoring
+                else f"engine down: {self.engine.down}"
+                if self.engine.down
                 else ("unannounced" if self._heartbeat.failing else "ok")
             ),
             "restoring": self.conn.restoring,
@@ -441,10 +438,13 @@ class Worker(Lifecycle):
             slots=capacity.total,
             free=self.free_slots(),
             version=__version__,
+            down=self.engine.down or "",
         )
 
     # -- intake ----------------------------------------------------------------------------
     def free_slots(self) -> int:
+        if self.engine.down:  # pull nothing to fail: the queue keeps it for healthy workers
+            return 0
         capacity = self.backend.capacity()
         return max(0, min(capacity.total - self._reserved, capacity.free))
 

@@ -42,7 +42,7 @@ from edge_node.router import CloudBudget, Router, budget_of
 from edge_node.served import CloudModels
 from edge_node.site import SiteStore, wait_ended
 from edge_node.site_links import SiteParts
-from mesh.backends.base import Backend
+from mesh.backends.base import Backend, health_within
 from mesh.config import MeshSettings
 from mesh.connection import Connection, stop_service
 from mesh.lifecycle import Lifecycle, start_or_undo
@@ -317,7 +317,7 @@ class EdgeNode(Lifecycle):
     async def readiness(self) -> dict[str, Any]:
         """Whether the edge can answer, and how: ``status`` is ready, degraded (answers, but
         only locally: the cloud is unreachable) or not_ready, with the reason for each part."""
-        health = await self.backend.health()
+        health = await health_within(self.backend)  # a hung engine: not ready, said at once
         serves = self.models.live(self._es.cloud_model)
         cloud = {True: "reachable", False: "unreachable", None: "unknown"}[serves]
         checks = {
@@ -330,7 +330,7 @@ class EdgeNode(Lifecycle):
             ),
         }
         ready = health.ok and self.conn.connected and self.accepting
-        healthy = serves is not False and not self.conn.restoring
+        healthy = serves is True and not self.conn.restoring
         status = "not_ready" if not ready else ("ready" if healthy else "degraded")
         reason = ""
         if not ready:
@@ -341,6 +341,8 @@ class EdgeNode(Lifecycle):
             )
         elif self.conn.restoring:
             reason = f"{checks['recovery']} after a reconnect (retrying until restored)"
+        elif status == "degraded" and serves is None:
+            reason = f"cannot tell yet whether a worker serves {self._es.cloud_model!r}"
         elif status == "degraded":
             reason = f"no live worker serves {self._es.cloud_model!r}: answering locally"
         return {"status": status, "reason": reason, "checks": checks, "edge_id": self.edge_id}

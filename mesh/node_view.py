@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -88,6 +89,9 @@ class NodeView:
         """A read of the entries has succeeded (since the start)."""
         self._undo_reconnect: Any = None
         self._reconnected_at = -float("inf")
+        self._updated: dict[str, float] = {}
+        """When each node's last update came (a read after a reconnect is not one: it may hold
+        the entry of a worker that died meanwhile)."""
         self._heard = time.monotonic()
         """When the last update came, from any node: a registry silent for a ``ttl`` as a
         whole (its stream electing a leader, its bucket refusing writes) ages every entry at
@@ -158,6 +162,8 @@ class NodeView:
             len(REGISTRY_UPDATES) + 1 :
         ]  # the subject, as permitted: not a header's say
         self._apply(key, msg)
+        if key in self._nodes:
+            self._updated[key] = self._heard
 
     def _apply(self, key: str, msg: Msg) -> None:
         if not key or key.startswith(f"{HANDBACK}."):
@@ -196,6 +202,7 @@ class NodeView:
             if seen < old:
                 del self._nodes[key]
                 self._seqs.pop(key, None)
+                self._updated.pop(key, None)
         for key, (_seq, until) in list(self._gone.items()):
             if until <= now:
                 del self._gone[key]
@@ -320,11 +327,19 @@ class NodeView:
 
     def serves(self, model: str) -> bool | None:
         token = model_token(model)
-        if not self.ready or (self.pool is not None and token != self.pool):
+        if not self._ready or not self._conn.connected:
+            return None
+        if self.pool is not None and token != self.pool:
             return None
 
-        def serving(info: NodeInfo) -> bool:
-            return any(model_token(m) == token for m in info.models)
+        def serving(info: NodeInfo) -> bool:  # its engine answering (cloud_node.engine_watch)
+            return not info.down and any(model_token(m) == token for m in info.models)
+
+        if not self.ready:  # within a ttl of a reconnect: what was read then may be stale
+            known = [key for key, (info, _s) in self._nodes.items() if serving(info)]
+            if any(self._updated.get(key, -math.inf) >= self._reconnected_at for key in known):
+                return True  # heard from since: it is there
+            return None if known else False  # none left: each found gone (or none at all)
 
         # Stops at the first worker that serves it: no list of nodes, no set per node.
         if any(serving(info) for info in self._alive("worker")):

@@ -70,6 +70,8 @@ class NodeInfo(BaseModel):
     slots: int
     free: int
     version: str = ""
+    down: str = ""
+    """Why a worker's engine does not answer ("" while it does): it serves nothing then."""
 
 
 def node_key(role: str, node_id: str, pool: str | None = None) -> str:
@@ -286,6 +288,23 @@ async def live_workers(conn: Connection, pool: str | None = None) -> list[NodeIn
         with contextlib.suppress(ValidationError):
             infos.append(NodeInfo.model_validate_json(msg.data))
     return infos
+
+
+async def peers_with_room(conn: Connection, pool: str, node_id: str) -> bool:
+    """Whether another live worker of ``pool`` announced free slots: then a stopping worker
+    hands its answers over rather than making them wait for its drain."""
+    if not conn.connected:
+        # Cut off: nobody could take the answers over from the store now, and the registry
+        # would not answer (nats-py holds the read until it reconnects, or request_timeout).
+        log.info("cut off from NATS: no hand-over; draining")
+        return False
+    try:
+        peers = await conn.while_linked(live_workers(conn, pool), conn.settings.request_timeout)
+        if any(info.node_id != node_id and info.free > 0 for info in peers):
+            return True
+    except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        log.info("cannot tell whether another worker has room; draining", error=repr(exc))
+    return False
 
 
 def is_deleted(msg: Msg) -> bool:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from mesh.tasks import raise_if_cancelled
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
 
@@ -135,3 +137,20 @@ class ScoringBackend(Protocol):
     def generate_scored(
         self, request: InferRequest, *, scored_tokens: int
     ) -> AsyncGenerator[Chunk, None]: ...
+
+
+HEALTH_WITHIN_S = 1.0
+"""How long a health check is waited for (an engine that does not answer is not ok)."""
+
+
+async def health_within(backend: Backend, timeout: float = HEALTH_WITHIN_S) -> Health:
+    """``backend.health()``, bounded: one that does not answer in time, or fails, is not ok."""
+    try:
+        health = await asyncio.wait_for(backend.health(), timeout)
+        raise_if_cancelled()  # a cancel that wait_for swallowed as it finished (Python 3.11)
+        return health
+    except asyncio.TimeoutError:
+        raise_if_cancelled()  # a cancel that wait_for swallowed (Python 3.11)
+        return Health(ok=False, detail=f"no answer to a health check within {timeout:g}s")
+    except Exception as exc:  # a health check must never take its caller down
+        return Health(ok=False, detail=f"health check failed: {type(exc).__name__}: {exc}")
