@@ -8,40 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
-from mesh.backends.deterministic import DeterministicBackend, Script
+from mesh.backends.deterministic import Script
 from mesh.backends.llama_cpp import LlamaCppBackend
 from mesh.client import MeshClient
-from mesh.config import MeshSettings, ModelSettings, load_settings
+from mesh.config import MeshSettings
 from mesh.connection import Connection
 from protocol.errors import MeshError
 from protocol.messages import InferRequest
-
-SMALL_CTX = 256
-
-
-def _det(name: str, slots: int = 2, token_ms: int = 0) -> DeterministicBackend:
-    return DeterministicBackend(
-        ModelSettings(
-            backend="deterministic", name=name, slots=slots, token_delay_ms=token_ms, faults=False
-        )
-    )
-
-
-@pytest.fixture(scope="module")
-async def small_llama() -> AsyncIterator[LlamaCppBackend]:
-    """The bundled GGUF with a 256-token context (a small edge device)."""
-    model = load_settings(environ={}).edge.model.model_copy(update={"n_ctx": SMALL_CTX})
-    backend = LlamaCppBackend(model)
-    await backend.start()
-    yield backend
-    await backend.close()
+from tests.test_routing_edges import SMALL_CTX, _det, small_llama  # noqa: F401 - a fixture
 
 
 # -- 1. an edge with no cloud now refuses a non-Latin prompt its local model answers ----------
@@ -53,7 +33,9 @@ async def small_llama() -> AsyncIterator[LlamaCppBackend]:
 # cloud cannot serve this request ..., and it is too long for the local model". Before the
 # change (estimate ~65) the local model answered it; route=local still does, on the same edge.
 async def test_an_edge_without_cloud_answers_a_cyrillic_prompt_that_fits_its_context(
-    settings: MeshSettings, conn: Connection, small_llama: LlamaCppBackend
+    settings: MeshSettings,
+    conn: Connection,
+    small_llama: LlamaCppBackend,  # noqa: F811
 ) -> None:
     settings.edge.model.n_ctx = SMALL_CTX
     prompt = "Привет, как дела? Расскажи мне о погоде сегодня. " * 4  # noqa: RUF001
