@@ -8,7 +8,6 @@ under the ``MESH_`` prefix: ``nats.url`` -> ``MESH_NATS_URL``, ``worker.model.pa
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import socket
 from collections.abc import Iterator, Mapping
@@ -16,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from mesh.env_names import env_value, refuse_unknown, set_path
 from protocol.codec import RequestLimits
 from protocol.errors import InvalidRequestError
 from protocol.subjects import TOKEN_PATTERN
@@ -448,20 +448,6 @@ def env_name(path: tuple[str, ...]) -> str:
     return ENV_PREFIX + "_".join(path).upper()
 
 
-def _set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def _env_value(raw: str) -> Any:
-    """Env values are strings; JSON lists/objects are parsed, everything else pydantic coerces."""
-    try:
-        return json.loads(raw) if raw.strip()[:1] in "[{" else raw
-    except json.JSONDecodeError:
-        return raw
-
-
 def load_settings(
     overrides: Mapping[tuple[str, ...], Any] | None = None,
     environ: Mapping[str, str] | None = None,
@@ -472,13 +458,14 @@ def load_settings(
     """
     environ = os.environ if environ is None else environ
     tree: dict[str, Any] = {}
-    for path, _info in iter_fields(MeshSettings):
-        name = env_name(path)
+    fields = [(path, env_name(path), info) for path, info in iter_fields(MeshSettings)]
+    refuse_unknown(environ, ENV_PREFIX, (name for _path, name, _info in fields))
+    for path, name, info in fields:
         if name in environ and environ[name] != "":
-            _set_path(tree, path, _env_value(environ[name]))
+            set_path(tree, path, env_value(environ[name], info.annotation))
     for path, value in (overrides or {}).items():
         if value is not None:
-            _set_path(tree, path, value)
+            set_path(tree, path, value)
     try:
         return MeshSettings.model_validate(tree)
     except ValidationError as exc:

@@ -125,7 +125,7 @@ async def ensure_config(
         have = info.config
         if check is not None:
             check(have)
-        if any(getattr(have, f) != getattr(wanted, f) for f in managed):
+        if any(_unset(getattr(have, f)) != _unset(getattr(wanted, f)) for f in managed):
             log.info("updating stream", stream=name)
             wanted.storage = have.storage  # storage cannot change on a live stream
             return await jsm.update_stream(wanted)
@@ -134,6 +134,12 @@ async def ensure_config(
         raise MeshTimeoutError(f"JetStream did not answer while provisioning {name}") from None
     except APIError as exc:
         raise refused(f"stream {name}", exc) from None
+
+
+def _unset(value: object) -> object:
+    """A limit left unset reads None here and -1 from the server: the same (else every pass
+    updated the stream again, a Raft round on a replicated hub)."""
+    return None if value == -1 else value
 
 
 async def ensure_stream(jsm: JetStreamManager, settings: StreamSettings) -> api.StreamInfo:

@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the hub's leafnode URL, which edge sites dial",
     )
     creds.add_argument("--leaf-tls-ca", help="CA file edge sites verify the hub's TLS with")
+    creds.add_argument(
+        "--leaf-store-dir",
+        help="where an edge site's leaf keeps its JetStream (default: /data/jetstream with "
+        "--mount, a container's volume; else jetstream-<edge> beside the minted files)",
+    )
     sub.add_parser("config", help="list settings, env vars and defaults")
     return parser
 

@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "creds":
         return _creds(args)
     try:
+        # Settings read first: a bad one is a usage error (2), not a failure of the command.
         if args.command == "ask":
-            return _run(lambda: _ask(_settings(args, quiet=True), args))
+            settings = _settings(args, quiet=True)
+            return _run(lambda: _ask(settings, args))
         if args.command == "demo":
             settings = _settings(args, quiet=True)
             settings.nats.local_port = -1  # never collide with a running `mesh up`
@@ -68,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
             settings.worker.metrics_port = settings.edge.metrics_port = -1
             return _run(lambda: _demo(settings, args))
         if args.command == "up":
-            return _run(lambda: _up(_settings(args)))
-        if args.command == "worker":
-            return _run(lambda: _serve_role(_settings(args), "worker"))
-        if args.command == "edge":
-            return _run(lambda: _serve_role(_settings(args), "edge"))
+            settings = _settings(args)
+            return _run(lambda: _up(settings))
+        if args.command in ("worker", "edge"):
+            settings = _settings(args)
+            return _run(lambda: _serve_role(settings, args.command))
         if args.command == "provision":
-            return _run(lambda: _provision(_settings(args), args.models))
+            settings = _settings(args)
+            return _run(lambda: _provision(settings, args.models))
         if args.command == "router":
             from mesh_app.router.commands import router_eval, router_score, router_train
 
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             return _run(lambda: run_bench(parts, args.json_path, options))
         if args.command == "status":
-            return _run(lambda: _status(_settings(args, quiet=True), args.json))
+            settings = _settings(args, quiet=True)
+            return _run(lambda: _status(settings, args.json))
     except MeshError as err:
         print(f"mesh: error: {err}", file=sys.stderr)
         return 2
@@ -129,6 +133,7 @@ def _creds(args: argparse.Namespace) -> int:
             mount=args.mount,
             hub_leaf_url=args.hub_leaf_url,
             leaf_tls_ca=args.leaf_tls_ca,
+            leaf_store_dir=args.leaf_store_dir,
         )
     except (ValueError, MeshError) as exc:  # a bad id or duration; bad MESH_* settings
         print(f"mesh: error: {exc}", file=sys.stderr)

@@ -218,7 +218,7 @@ def mint(
     mount: str | None = None,
     hub_leaf_url: str = "nats-leaf://nats-hub:7422",
     leaf_tls_ca: str | None = None,
-    leaf_store_dir: str = "/data/jetstream",
+    leaf_store_dir: str | None = None,
     stream: StreamSettings | None = None,
 ) -> Minted:
     """Write ``auth.conf`` (include it in the hub's nats-server config) and a ``.creds`` plus an
@@ -305,9 +305,12 @@ def mint(
     for edge in edges:
         creds_path = seen_at(users[f"edge-{edge}"])
         leaf_confs[edge] = out / f"leaf-{edge}.conf"
-        leaf_confs[edge].write_text(
-            _leaf_conf(edge, hub_leaf_url, creds_path, leaf_tls_ca, leaf_store_dir)
+        # A container's volume with --mount; else beside the files, where their user can write
+        # (it was always /data/jetstream: an ordinary user's leaf could not start).
+        store = leaf_store_dir or (
+            "/data/jetstream" if mount else str((out / f"jetstream-{edge}").resolve())
         )
+        leaf_confs[edge].write_text(_leaf_conf(edge, hub_leaf_url, creds_path, leaf_tls_ca, store))
     for worker in workers:
         user(
             f"worker-{worker}",

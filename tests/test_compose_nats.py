@@ -123,6 +123,7 @@ async def _deployment(
         edges=["site1"],
         workers=["gpu-1", "cpu-1"],
         hub_leaf_url=f"nats-leaf://127.0.0.1:{proxy.port if proxy else leaf_port}",
+        leaf_store_dir="/data/jetstream",  # as in compose's containers
     )
     hub_port, site_port = _free_port(), _free_port()
     hub_conf = tmp_path / "hub.conf"
@@ -186,7 +187,13 @@ async def deployed(tmp_path: Path) -> AsyncIterator[tuple[NatsServer, NatsServer
 def test_the_minted_leaf_config_passes_nats_servers_own_config_test(tmp_path: Path) -> None:
     """nats-server 2.15 refused the leaf config's `reconnect: 1` in its config test ("reconnect
     should be converted to a duration") and warned at start; the minted config passes."""
-    mint(tmp_path / "creds", edges=["site1"], workers=[], hub_leaf_url="nats-leaf://127.0.0.1:7422")
+    mint(
+        tmp_path / "creds",
+        edges=["site1"],
+        workers=[],
+        hub_leaf_url="nats-leaf://127.0.0.1:7422",
+        leaf_store_dir="/data/jetstream",  # as in compose's containers
+    )
     conf = tmp_path / "leaf.conf"
     conf.write_text(
         _localize(

@@ -132,6 +132,7 @@ async def topology(tmp_path: Path, certs: Certs) -> AsyncIterator[Topology]:  # 
         clients=[("site-a", "kiosk")],
         hub_leaf_url=f"nats-leaf://127.0.0.1:{leaf_port}",
         leaf_tls_ca=str(certs.ca),
+        leaf_store_dir="/data/jetstream",  # replaced per site below
     )
     tls = f'tls {{ cert_file: "{certs.cert}"\n key_file: "{certs.key}"\n timeout: 2 }}'
     hub_conf = tmp_path / "hub.conf"
