@@ -466,6 +466,11 @@ class Handler(ABC):
             return 0
         return await publisher.resend(attempt, seq, upto)
 
+    def moving(self, within: float = 2.0) -> bool:
+        """Whether the engine made a token for any answer within ``within`` seconds."""
+        since = time.monotonic() - within
+        return any((p.last_token or -1e18) > since for p in self.publishers.values())
+
     def stalled(self, address: str) -> bool:
         """Whether the engine stands still on this answer: no token for ``report_stall_after``
         after its first, and none for any other answer it generates either (an engine busy with

@@ -166,7 +166,7 @@ class Worker(Lifecycle):
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
         self._engine_task: asyncio.Task[Any] | None = None
-        self.engine = EngineWatch(backend, self._engine_changed)
+        self.engine = EngineWatch(backend, self._engine_changed, self.handler.moving)
         """Whether the engine answers (it pulls nothing while it does not)."""
         self._lag_task: asyncio.Task[Any] | None = None
         self._leases_back: asyncio.Task[Any] | None = None

@@ -22,6 +22,7 @@ from edge_node.confidence import Confidence, ConfidenceGate, summarise
 from edge_node.local_gate import LocalGate
 from mesh.backends.base import Chunk, ScoringBackend
 from mesh.logs import get_logger
+from mesh.tasks import raise_if_cancelled
 from protocol.errors import BackendError
 from protocol.messages import InferRequest, RouteDecision
 
@@ -101,6 +102,7 @@ class Cascade:
         while len(readings) < window and not (texts >= window and not readings):
             try:
                 chunk = await asyncio.wait_for(chunks.__anext__(), self.stall)
+                raise_if_cancelled()  # one wait_for swallowed as the chunk came (Python 3.11)
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:

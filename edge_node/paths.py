@@ -30,6 +30,7 @@ from mesh.backends.base import Backend, Chunk, ScoringBackend
 from mesh.config import EdgeSettings, WorkerSettings
 from mesh.generate import generate_into
 from mesh.logs import get_logger
+from mesh.tasks import raise_if_cancelled
 from protocol.errors import (
     BackendError,
     ContextTooLongError,
@@ -138,7 +139,7 @@ class Paths:
             "routed", decision=decision.decision, score=decision.score, reason=decision.reason
         )
         fallback: str | None = None
-        overflows, overflowed = self._may_overflow(req, decision), False
+        overflows = self._may_overflow(req, decision)
         try:
             if self._cascade_applies(req, decision):
                 escalated = await self._local_first(req, decision, record, received)
@@ -152,7 +153,7 @@ class Paths:
             if not overflows:
                 raise
             # The estimate let it through; the local model's count did not (nothing was sent).
-            decision, overflowed = self._overflowed(decision, err), True
+            decision = self._overflowed(decision, err)
         if (
             decision.decision == "cloud"
             and req.deferrable
@@ -162,9 +163,7 @@ class Paths:
             await self.site.relay(req, decision, record)
             return
         if decision.decision == "cloud":
-            fallback = await self._cloud_chain(
-                req, decision, record, received, trace, fingerprints, overflowed=overflowed
-            )
+            fallback = await self._cloud_chain(req, decision, record, received, trace, fingerprints)
             if fallback is None:
                 return  # answered by the cloud
         await self._run_local(req, decision, record, received, fallback)
@@ -177,16 +176,14 @@ class Paths:
         received: float,
         trace: Mapping[str, str] | None,
         fingerprints: Fingerprints | None,
-        *,
-        overflowed: bool,
     ) -> str | None:
         """The cloud's answer: the request's pool, then (naming none) each fallback pool; None
-        once one answered, else why none did (the local model answers then). ``overflowed``:
-        the local model found the prompt too long for its context."""
+        once one answered, else why none did (the local model answers then: one that found the
+        prompt too long for its context says so again, ``context_too_long``)."""
         named = req.model
         # Named: no other pool, and not the local model (its answer would go out under the
         # named model's name).
-        local_fits = named is None and not overflowed and not self._clearly_too_long(req)
+        local_fits = named is None and not self._clearly_too_long(req)
         no_local = f"it names model {named!r}" if named else "it is too long for the local model"
         chain = [req.model or self._es.cloud_model]
         if req.model is None:
@@ -340,6 +337,7 @@ class Paths:
         stall = self.parts.worker.stall_timeout
         try:
             first = await asyncio.wait_for(anext(chunks), stall)
+            raise_if_cancelled()  # a cancel that wait_for swallowed as it finished (Python 3.11)
         except asyncio.TimeoutError:
             await chunks.aclose()
             raise BackendError(
