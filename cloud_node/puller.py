@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import Callable
 from urllib.parse import ParseResult
 
@@ -84,9 +85,10 @@ class Puller:
         """Told (in the read loop) when the server says the consumer is gone: a pull request
         ended with "Consumer Deleted" (its stream's too), or nobody answers a new one (503)."""
         self._owed: dict[int, int] = {}
-        self._ends: dict[int, tuple[float, int]] = {}
-        """When each request is over for sure (``loop.time()``): its expiry, from when it was
-        asked, plus :data:`EXPIRY_MARGIN_S`."""
+        self._measured = -math.inf
+        self._asked: dict[int, float] = {}
+        """When each open request was asked (``loop.time()``): it is over for sure its expiry,
+        :data:`EXPIRY_MARGIN_S` and a round trip (:attr:`rtt`, as now measured) later."""
         self._lingering: dict[int, float] = {}
         """Requests given up at their expiry, their subscriptions kept until then."""
         self._server: ParseResult | None = None
@@ -107,8 +109,16 @@ class Puller:
         await self.measure()
         await self.top_up()
 
+    async def tick(self) -> None:
+        """The worker's tick: cover every free slot; once a second, measure the round trip."""
+        if asyncio.get_running_loop().time() - self._measured >= 1.0:
+            await self.measure()
+        await self.top_up(whole=True)
+
     async def measure(self) -> None:
-        """Measure the round trip to the server (at start and after each reconnect)."""
+        """Measure the round trip to the server (at start, after each reconnect, and every
+        second from the worker's tick: a link may grow slow while it stays up)."""
+        self._measured = asyncio.get_running_loop().time()
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
             self.rtt = min(await self.conn.nc.rtt(timeout=2), MAX_RTT_S)
 
@@ -169,7 +179,7 @@ class Puller:
         inbox = nc.new_inbox()
         self._owed[token] = want
         self._server = nc.connected_url
-        self._ends[token] = (asyncio.get_running_loop().time() + self._margin(), self.conn.drops)
+        self._asked[token] = asyncio.get_running_loop().time()
 
         def on_msg(msg: Msg) -> None:
             self._on_msg(token, msg)
@@ -225,7 +235,7 @@ class Puller:
     def _end(self, token: int) -> None:
         """Request ``token`` is over: what it still owed goes back to the pool."""
         self._owed.pop(token, None)
-        self._ends.pop(token, None)
+        self._asked.pop(token, None)
         self._lingering.pop(token, None)
         self._later_close(token)
 
@@ -234,28 +244,21 @@ class Puller:
     ) -> None:
         """Requests past their expiry with no status to say so (``everything``: all of
         them; ``asked_before``: those asked before then too): what they owed goes back to the
-        pool. One whose link has not dropped since is waited for :data:`MAX_RTT_S` longer: its
-        status is on the way (a slow link), and with it, perhaps, a delivery that covered a slot
-        the puller would have asked for again. Each one's subscription stays for
+        pool. Each one's subscription stays for
         :data:`LINGER_S`, for a delivery still on its way (one asked while the link was down
         reached the server late, and expires late): a message is never sent where nobody reads
         it."""
         now = asyncio.get_running_loop().time()
-        before = -1.0 if asked_before is None else asked_before + self._margin()
-        drops = self.conn.drops
-        for token, (end, dropped) in list(self._ends.items()):
-            over = end <= now and (dropped != drops or end + MAX_RTT_S <= now)
-            if over or everything or end < before:
+        over = now - (self._expires + EXPIRY_MARGIN_S + self.rtt)  # asked before: over
+        before = -math.inf if asked_before is None else asked_before
+        for token, asked in list(self._asked.items()):
+            if asked <= over or everything or asked < before:
                 self._owed.pop(token, None)
-                del self._ends[token]
+                del self._asked[token]
                 self._lingering[token] = now + LINGER_S
         for token, until in list(self._lingering.items()):
             if until <= now:
                 self._end(token)
-
-    def _margin(self) -> float:
-        """How long after it is asked a request is over for sure."""
-        return self._expires + EXPIRY_MARGIN_S + self.rtt
 
     def _later_close(self, token: int) -> None:
         """Unsubscribe outside the read loop (nats-py is in the middle of the message)."""

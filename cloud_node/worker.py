@@ -453,7 +453,7 @@ class Worker(Lifecycle):
         requests that expired or were refused, a connection that came back."""
         while not self._stopping:
             await asyncio.sleep(CAPACITY_POLL_S)
-            await self._puller.top_up(whole=True)
+            await self._puller.tick()
 
     def _accept(self, msg: Msg) -> None:
         """A delivery (in the connection's read loop): reserve its slot and handle it."""
