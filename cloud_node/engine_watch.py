@@ -6,6 +6,10 @@ delivery in about 2 s, and the client got ``max_deliveries``. While the watch sa
 worker has no free slot (it pulls nothing; the queue keeps the requests for healthy workers),
 announces its engine down (edges then count on no cloud there and answer locally at once), and
 ``mesh status`` shows why. It is up again at the first health check that answers.
+
+A check refused or failed (nothing listens, a server error) makes it down at once, as does the
+first check at start; one not answered in time counts only three in a row, and none while its
+answers make tokens (vLLM at full load may answer ``GET /models`` in more than a second).
 """
 
 from __future__ import annotations
@@ -21,8 +25,7 @@ log = get_logger(__name__)
 PROBE_S = 1.0
 """How often the engine's health is asked."""
 DOWN_AFTER = 3
-"""Failed checks in a row that make the engine down (one slow answer is a busy engine: vLLM
-at full load may answer ``GET /models`` in more than a second)."""
+"""Checks not answered in time, in a row, that make the engine down."""
 
 
 class EngineWatch:
@@ -34,22 +37,32 @@ class EngineWatch:
     ) -> None:
         self.backend = backend
         self.on_change = on_change
-        self.moving = moving
-        """Whether a generation made a token just now: a failed check then does not count."""
-        self.failures = 0
         """Told when the engine goes down or comes back (the worker announces it)."""
+        self.moving = moving
+        """Whether a generation made a token just now: a slow check then does not count."""
+        self.slow = 0
+        """Checks not answered in time, in a row."""
         self.down: str | None = None
         """Why the engine is down (its last health check); None while it answers."""
 
+    async def first(self) -> None:
+        """The check at start, before the worker pulls anything: an engine not there (still
+        loading) is down at once, and a request queued meanwhile waits for it."""
+        health = await health_within(self.backend)
+        self.down = None if health.ok else health.detail or "not ok"
+        if self.down is not None:
+            log.warning("engine down: pulling nothing", reason=self.down)
+
     async def run(self) -> None:
         while True:
+            await asyncio.sleep(PROBE_S)
             health = await health_within(self.backend)
             if health.ok:
-                self.failures = 0
-            elif not self.moving():
-                self.failures += 1
+                self.slow = 0
+            elif health.slow and not self.moving():
+                self.slow += 1
             down = None if health.ok else health.detail or "not ok"
-            if down is not None and self.failures < DOWN_AFTER:
+            if down is not None and health.slow and self.slow < DOWN_AFTER:
                 down = self.down  # not yet: as it was (down stays down until a check answers)
             if (down is None) != (self.down is None):
                 if down is None:
@@ -59,4 +72,3 @@ class EngineWatch:
                 self.down = down
                 await self.on_change()
             self.down = down
-            await asyncio.sleep(PROBE_S)

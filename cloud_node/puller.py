@@ -86,6 +86,10 @@ class Puller:
         ended with "Consumer Deleted" (its stream's too), or nobody answers a new one (503)."""
         self._owed: dict[int, int] = {}
         self._measured = -math.inf
+        self._probe_at: float | None = None
+        """When the probe on its way was sent (:meth:`measure`)."""
+        self._probe_inbox = ""
+        self._probe_sub: Subscription | None = None
         self._asked: dict[int, float] = {}
         """When each open request was asked (``loop.time()``): it is over for sure its expiry,
         :data:`EXPIRY_MARGIN_S` and a round trip (:attr:`rtt`, as now measured) later."""
@@ -106,6 +110,9 @@ class Puller:
 
     async def start(self) -> None:
         self._stopped = False
+        nc = self.conn.nc
+        self._probe_inbox = nc.new_inbox()
+        self._probe_sub = await subscribe_inline(nc, self._probe_inbox, self._on_probe)
         await self.measure()
         await self.top_up()
 
@@ -117,13 +124,33 @@ class Puller:
 
     async def measure(self) -> None:
         """Measure the round trip to the server (at start, after each reconnect, and every
-        second from the worker's tick: a link may grow slow while it stays up)."""
-        self._measured = asyncio.get_running_loop().time()
-        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-            self.rtt = min(await self.conn.nc.rtt(timeout=2), MAX_RTT_S)
+        second from the worker's tick: a link may grow slow while it stays up), without waiting
+        for it: a message to this puller's own inbox, timed when it comes back
+        (:meth:`_on_probe`). Not nats-py's ``rtt``: a PONG later than its timeout stopped the
+        connection's reading (it sets a result on the future the timeout cancelled)."""
+        now = asyncio.get_running_loop().time()
+        self._measured = now
+        if self._probe_at is not None and now - self._probe_at < MAX_RTT_S:
+            return  # one on its way: its answer is the measure
+        self._probe_at = now
+        with contextlib.suppress(nats.errors.Error):
+            await self.conn.nc.publish(self._probe_inbox, b"")
+
+    def _on_probe(self, _msg: Msg) -> None:
+        if self._probe_at is not None:
+            self.rtt = min(asyncio.get_running_loop().time() - self._probe_at, MAX_RTT_S)
+            self._probe_at = None
+
+    def _round_trip(self, now: float) -> float:
+        """The round trip as measured, or longer while a probe is out that long."""
+        out = 0.0 if self._probe_at is None else now - self._probe_at
+        return min(max(self.rtt, out), MAX_RTT_S)
 
     async def stop(self) -> None:
         self._stopped = True
+        if self._probe_sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._probe_sub.unsubscribe()
         for token in list(self._subs):
             await self._close(token)
         for task in [*self._closing, *self._renewing]:
@@ -249,7 +276,7 @@ class Puller:
         reached the server late, and expires late): a message is never sent where nobody reads
         it."""
         now = asyncio.get_running_loop().time()
-        over = now - (self._expires + EXPIRY_MARGIN_S + self.rtt)  # asked before: over
+        over = now - (self._expires + EXPIRY_MARGIN_S + self._round_trip(now))  # asked before
         before = -math.inf if asked_before is None else asked_before
         for token, asked in list(self._asked.items()):
             if asked <= over or everything or asked < before:

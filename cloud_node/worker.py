@@ -255,11 +255,10 @@ class Worker(Lifecycle):
             name="status", subject=worker_status_subject(self.node_id), handler=self._on_status
         )
         await self.conn.subscribed()
+        await self.engine.first()  # announced and pulling as the engine is
         await self._heartbeat.start()
-        undo = [
-            self.conn.on_reconnect("answers in flight", self._catch_up),
-            self.conn.on_reconnect(RESTORE, self._restore),
-        ]
+        undo = [self.conn.on_reconnect("answers in flight", self._catch_up)]
+        undo.append(self.conn.on_reconnect(RESTORE, self._restore))
         self._undo_reconnect = lambda: [u() for u in undo]
         told = dict.fromkeys(hub_deletions(self._stream, self.consumer), self._lost)  # put back
         if self.store.enabled:  # now (and answers' ends stop waiting for the store's acks)

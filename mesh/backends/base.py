@@ -53,6 +53,8 @@ def engine_saturated(load: dict[str, float]) -> bool:
 class Health:
     ok: bool
     detail: str = ""
+    slow: bool = False
+    """No answer in time (:func:`health_within`): a busy engine, perhaps, not a dead one."""
 
 
 @runtime_checkable
@@ -151,6 +153,7 @@ async def health_within(backend: Backend, timeout: float = HEALTH_WITHIN_S) -> H
         return health
     except asyncio.TimeoutError:
         raise_if_cancelled()  # a cancel that wait_for swallowed (Python 3.11)
-        return Health(ok=False, detail=f"no answer to a health check within {timeout:g}s")
+        detail = f"no answer to a health check within {timeout:g}s"
+        return Health(ok=False, detail=detail, slow=True)
     except Exception as exc:  # a health check must never take its caller down
         return Health(ok=False, detail=f"health check failed: {type(exc).__name__}: {exc}")
