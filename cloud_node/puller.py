@@ -38,6 +38,7 @@ from mesh.connection import Connection
 from mesh.eager import run_now
 from mesh.inline_sub import subscribe_inline
 from mesh.logs import get_logger
+from mesh.tasks import cancel_and_wait
 from mesh.write_now import write_queued
 
 log = get_logger(__name__)
@@ -45,6 +46,8 @@ MAX_REQUESTS = 8
 """Pull requests one worker keeps outstanding at most (the consumer's max_waiting is shared)."""
 HEARTBEAT = "100"
 EXPIRY_MARGIN_S = 0.1
+PROBE_TIMEOUT_S = 30
+"""How long a round trip's flush may wait (a reconnect ends a longer wait first)."""
 MAX_RTT_S = 1.0
 """The most of a measured round trip added to a request's expiry."""
 """After a request's expiry, how long before the puller counts it over without the status
@@ -86,10 +89,9 @@ class Puller:
         ended with "Consumer Deleted" (its stream's too), or nobody answers a new one (503)."""
         self._owed: dict[int, int] = {}
         self._measured = -math.inf
+        self._probe: asyncio.Task[None] | None = None
         self._probe_at: float | None = None
         """When the probe on its way was sent (:meth:`measure`)."""
-        self._probe_inbox = ""
-        self._probe_sub: Subscription | None = None
         self._asked: dict[int, float] = {}
         """When each open request was asked (``loop.time()``): it is over for sure its expiry,
         :data:`EXPIRY_MARGIN_S` and a round trip (:attr:`rtt`, as now measured) later."""
@@ -110,9 +112,6 @@ class Puller:
 
     async def start(self) -> None:
         self._stopped = False
-        nc = self.conn.nc
-        self._probe_inbox = nc.new_inbox()
-        self._probe_sub = await subscribe_inline(nc, self._probe_inbox, self._on_probe)
         await self.measure()
         await self.top_up()
 
@@ -125,21 +124,23 @@ class Puller:
     async def measure(self) -> None:
         """Measure the round trip to the server (at start, after each reconnect, and every
         second from the worker's tick: a link may grow slow while it stays up), without waiting
-        for it: a message to this puller's own inbox, timed when it comes back
-        (:meth:`_on_probe`). Not nats-py's ``rtt``: a PONG later than its timeout stopped the
-        connection's reading (it sets a result on the future the timeout cancelled)."""
-        now = asyncio.get_running_loop().time()
+        for it: a flush in a task of its own, timed when it ends, with a long timeout. Not
+        nats-py's ``rtt`` with a short one: a PONG later than that stopped the connection's
+        reading (nats-py sets a result on the future the timeout cancelled); a reconnect, which
+        a link that slow gets first, drops the flush's wait instead."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         self._measured = now
-        if self._probe_at is not None and now - self._probe_at < MAX_RTT_S:
-            return  # one on its way: its answer is the measure
+        if self._probe is not None and not self._probe.done():
+            return  # one on its way: its end is the measure
         self._probe_at = now
-        with contextlib.suppress(nats.errors.Error):
-            await self.conn.nc.publish(self._probe_inbox, b"")
+        self._probe = loop.create_task(self.conn.nc.flush(timeout=PROBE_TIMEOUT_S))
+        self._probe.add_done_callback(self._on_probe)
 
-    def _on_probe(self, _msg: Msg) -> None:
-        if self._probe_at is not None:
+    def _on_probe(self, probe: asyncio.Task[None]) -> None:
+        if self._probe_at is not None and not probe.cancelled() and probe.exception() is None:
             self.rtt = min(asyncio.get_running_loop().time() - self._probe_at, MAX_RTT_S)
-            self._probe_at = None
+        self._probe_at = None
 
     def _round_trip(self, now: float) -> float:
         """The round trip as measured, or longer while a probe is out that long."""
@@ -148,9 +149,8 @@ class Puller:
 
     async def stop(self) -> None:
         self._stopped = True
-        if self._probe_sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._probe_sub.unsubscribe()
+        if self._probe is not None:
+            await cancel_and_wait([self._probe])
         for token in list(self._subs):
             await self._close(token)
         for task in [*self._closing, *self._renewing]:

@@ -35,8 +35,6 @@ from protocol.subjects import DEFAULT_SCOPE, consumer_name, token_subject
 from tests.conftest import linked_settings, make_settings
 from tests.helpers import chat_server, eventually, holds, queue_drained
 
-pytestmark = pytest.mark.asyncio
-
 
 class Counting(DeterministicBackend):
     """The deterministic engine, noting the most generations it ran at once."""

@@ -22,8 +22,6 @@ from mesh.testing.proxy import TcpProxy
 from protocol.errors import InvalidRequestError
 from tests.conftest import make_settings
 
-pytestmark = pytest.mark.asyncio
-
 
 @pytest.fixture
 async def queue(conn: Connection) -> AsyncIterator[tuple[str, str]]:
