@@ -9,7 +9,7 @@ announces its engine down (edges then count on no cloud there and answer locally
 
 A check refused or failed (nothing listens, a server error) makes it down at once, as does the
 first check at start; one not answered in time counts only three in a row, and none while its
-answers make tokens (vLLM at full load may answer ``GET /models`` in more than a second).
+answers make tokens (vLLM at full load may answer ``GET /health`` in more than a second).
 """
 
 from __future__ import annotations

@@ -55,6 +55,16 @@ class _BusyEngine(DeterministicServer):
             await asyncio.sleep(self.models_delay)
         return await super().models(request)
 
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/health", self.health)  # what the backend's health check asks
+        return app
+
+    async def health(self, _request: web.Request) -> web.Response:
+        if self.running:
+            await asyncio.sleep(self.models_delay)
+        return web.Response(text="ok")
+
 
 # -- 1. Failed at 85ba60c (heal / first rule): a busy engine is announced down on one slow probe
 # cloud_node/engine_watch.py: one health check that takes over 1 s (mesh.backends.base

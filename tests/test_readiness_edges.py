@@ -130,6 +130,7 @@ async def test_ready_answers_promptly_when_the_local_engine_hangs(
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", models)  # what the backend's health check asks
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -160,9 +160,10 @@ class OpenAIHTTPBackend:
         if self._session is None:
             return Health(ok=False, detail="not started")
         try:
-            async with self._session.get(f"{self._base}/models") as resp:
-                # Any answer but a server error: it is there (some servers have no /models).
-                return Health(ok=resp.status < 500, detail=f"GET /models -> {resp.status}")
+            # vLLM's and llama.cpp's server's own check (500 with a dead engine, 503 while a
+            # model loads); a server without one answers 404, which says it is there.
+            async with self._session.get(self._base.removesuffix("/v1") + "/health") as resp:
+                return Health(ok=resp.status < 500, detail=f"GET /health -> {resp.status}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return Health(ok=False, detail=f"{type(exc).__name__}: {exc}")
 
