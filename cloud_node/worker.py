@@ -385,9 +385,10 @@ class Worker(Lifecycle):
         log.info("worker stopped", node_id=self.node_id, **self.counts.snapshot())
 
     async def _engine_changed(self) -> None:
-        """The engine went down or came back: announced now; its free slots covered."""
-        await self._heartbeat.beat()
+        """The engine went down or came back: its free slots covered (first: an announcement
+        may wait on the registry); announced now."""
         await self._puller.top_up(whole=True)
+        await self._heartbeat.beat()
 
     def _metadata(self) -> dict[str, str]:
         capacity = self.backend.capacity()

