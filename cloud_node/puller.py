@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -46,12 +47,12 @@ MAX_REQUESTS = 8
 """Pull requests one worker keeps outstanding at most (the consumer's max_waiting is shared)."""
 HEARTBEAT = "100"
 EXPIRY_MARGIN_S = 0.1
+"""After a request's expiry, how long before the puller counts it over without the status
+that says so (lost with a link): the server's expiry runs from when it read the request."""
 PROBE_TIMEOUT_S = 30
 """How long a round trip's flush may wait (a reconnect ends a longer wait first)."""
 MAX_RTT_S = 1.0
 """The most of a measured round trip added to a request's expiry."""
-"""After a request's expiry, how long before the puller counts it over without the status
-that says so (lost with a link): the server's expiry runs from when it read the request."""
 LINGER_S = 5.0
 """How long the subscription of a request counted over that way stays, for a late delivery."""
 
@@ -72,13 +73,13 @@ class Puller:
     ) -> None:
         self.conn = conn
         self._batch = batch
+        """The most messages one pull request asks for (``fetch_batch``; more where
+        :data:`MAX_REQUESTS` of them could not cover every slot otherwise)."""
         self.rtt = 0.0
         """A round trip to the server, as last measured (:meth:`measure`): a request's expiry
         and its status come that much later over a slow link. Not counted, a 1-slot worker
         behind 0.4 s of delay asked again for its slot before the status of the request that
         covered it came, and took two deliveries."""
-        """The most messages one pull request asks for (``fetch_batch``; more where
-        :data:`MAX_REQUESTS` of them could not cover every slot otherwise)."""
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._free = free_slots
         self._total = total_slots
@@ -89,7 +90,7 @@ class Puller:
         ended with "Consumer Deleted" (its stream's too), or nobody answers a new one (503)."""
         self._owed: dict[int, int] = {}
         self._measured = -math.inf
-        self._probe: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[None]] = set()
         self._probe_at: float | None = None
         """When the probe on its way was sent (:meth:`measure`)."""
         self._asked: dict[int, float] = {}
@@ -131,16 +132,20 @@ class Puller:
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._measured = now
-        if self._probe is not None and not self._probe.done():
+        if self._probe_at is not None and now - self._probe_at < MAX_RTT_S:
             return  # one on its way: its end is the measure
+        # Another after a second: one a reconnect dropped (nats-py forgets its PING) never ends.
         self._probe_at = now
-        self._probe = loop.create_task(self.conn.nc.flush(timeout=PROBE_TIMEOUT_S))
-        self._probe.add_done_callback(self._on_probe)
+        probe = loop.create_task(self.conn.nc.flush(timeout=PROBE_TIMEOUT_S))
+        self._probes.add(probe)
+        probe.add_done_callback(functools.partial(self._on_probe, now))
 
-    def _on_probe(self, probe: asyncio.Task[None]) -> None:
-        if self._probe_at is not None and not probe.cancelled() and probe.exception() is None:
-            self.rtt = min(asyncio.get_running_loop().time() - self._probe_at, MAX_RTT_S)
-        self._probe_at = None
+    def _on_probe(self, sent: float, probe: asyncio.Task[None]) -> None:
+        self._probes.discard(probe)
+        if not probe.cancelled() and probe.exception() is None:
+            self.rtt = min(asyncio.get_running_loop().time() - sent, MAX_RTT_S)
+            if self._probe_at is not None and self._probe_at <= sent:
+                self._probe_at = None  # the latest one is back
 
     def _round_trip(self, now: float) -> float:
         """The round trip as measured, or longer while a probe is out that long."""
@@ -149,8 +154,7 @@ class Puller:
 
     async def stop(self) -> None:
         self._stopped = True
-        if self._probe is not None:
-            await cancel_and_wait([self._probe])
+        await cancel_and_wait(list(self._probes))
         for token in list(self._subs):
             await self._close(token)
         for task in [*self._closing, *self._renewing]:
