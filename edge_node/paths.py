@@ -43,6 +43,9 @@ from protocol.stream import AnswerWriter
 
 log = get_logger(__name__)
 
+TEMPLATE_ROOM = 64
+"""Tokens a prompt's chat template may add beyond the estimate: a prompt that leaves less room
+than this in the local context does not fit it."""
 ANSWER_ROOM = 256
 """The least room a prompt must leave in the local context for a local answer (the whole
 ``max_tokens`` where it is less): a client's generous ``max_tokens`` alone does not send a short
@@ -222,8 +225,7 @@ class Paths:
         model, with time left for the cloud."""
         if decision.decision != "local" or decision.forced or req.route != "auto" or req.model:
             return False
-        left = None if req.deadline is None else req.deadline - time.time()
-        return left is None or left >= self._es.cloud_min_budget
+        return self._too_near(req) is None
 
     def _overflowed(self, decision: RouteDecision, err: ContextTooLongError) -> RouteDecision:
         budget = self.budget
@@ -250,16 +252,16 @@ class Paths:
         if req.route != "auto":
             return None
         prompt, n_ctx = estimate_prompt_tokens(req), self._es.model.n_ctx
-        left = None if req.deadline is None else req.deadline - time.time()
+        room = n_ctx - prompt
         route: Literal["local", "cloud"] = "cloud"
         if req.model is not None:
             reason = f"it names model {req.model!r}"
-        elif self._too_long(req) or n_ctx - prompt < min(req.max_tokens, ANSWER_ROOM):
+        elif room < TEMPLATE_ROOM or room < min(req.max_tokens, ANSWER_ROOM):
             reason = (
                 f"prompt too long for the local model (~{prompt} tokens, context {n_ctx}: "
                 f"too little room for {min(req.max_tokens, ANSWER_ROOM)} more)"
             )
-        elif left is not None and left < self._es.cloud_min_budget:
+        elif (left := self._too_near(req)) is not None:
             route, reason = "local", f"deadline too near for the cloud ({left:.1f}s left)"
         else:
             return None
@@ -283,7 +285,7 @@ class Paths:
             return None  # the router found the cap full: asked again, it counts it twice
         if req.model is not None and req.model != self._es.cloud_model:
             return None  # a client that names its model gets that model or nothing
-        if req.deadline is not None and req.deadline - time.time() < self._es.cloud_min_budget:
+        if self._too_near(req) is not None:
             return None  # the cloud could not meet it: not worth a place under the cap
         budget = self.budget
         if budget is not None and not budget.local_busy():
@@ -301,8 +303,13 @@ class Paths:
         fallback is tried (one that may fit is: the local model says if it does not)."""
         return estimate_prompt_tokens(req) > 2 * self._es.model.n_ctx
 
-    def _too_long(self, req: InferRequest) -> bool:
-        return estimate_prompt_tokens(req) > self._es.model.n_ctx - 64
+    def _too_near(self, req: InferRequest) -> float | None:
+        """The seconds left before ``req``'s deadline when they are too few for the cloud
+        (``cloud_min_budget``); None when the cloud has time (or there is no deadline)."""
+        if req.deadline is None:
+            return None
+        left = req.deadline - time.time()
+        return left if left < self._es.cloud_min_budget else None
 
     async def _run_local(
         self,
@@ -395,8 +402,7 @@ class Paths:
             return False
         if req.model is not None:
             return False
-        left = None if req.deadline is None else req.deadline - time.time()
-        return left is None or left >= self._es.cloud_min_budget
+        return self._too_near(req) is None
 
     async def _local_first(
         self, req: InferRequest, decision: RouteDecision, record: Record, received: float
