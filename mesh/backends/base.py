@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -93,10 +94,15 @@ class Backend(Protocol):
     async def health(self) -> Health: ...
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate, half of a character outside the BMP."""
+
+
 def whole(text: str) -> str:
-    """``text`` with a lone UTF-16 surrogate (half a character: a token may end inside one) as
-    U+FFFD: no UTF-8 writer takes one, and an answer streamed with its logprobs failed."""
-    if text.isascii() or not any("\ud800" <= c <= "\udfff" for c in text):
+    """``text`` with its surrogate pairs joined and a lone surrogate (half a character: a token
+    may end inside one) as U+FFFD: no UTF-8 writer takes one, and an answer streamed with its
+    logprobs failed."""
+    if text.isascii() or not SURROGATE.search(text):
         return text
     return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 

@@ -33,7 +33,15 @@ from typing import Any
 import aiohttp
 import orjson
 
-from mesh.backends.base import Capacity, Chunk, Health, engine_saturated, openai_logprobs
+from mesh.backends.base import (
+    SURROGATE,
+    Capacity,
+    Chunk,
+    Health,
+    engine_saturated,
+    openai_logprobs,
+    whole,
+)
 from mesh.backends.eager_send import EagerRequest
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
@@ -258,9 +266,6 @@ class OpenAIHTTPBackend:
             self._busy -= 1
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def parse_event(data: str) -> Any:
     """One event's JSON. orjson reads a token's event in under a third of the time ``json``
     takes (0.65 against 2.2 us for a 186-byte chunk), and a worker reads one per token. What it
@@ -324,7 +329,7 @@ class _Reading:
                 logprobs = _logprobs(choice, request) if request.logprobs else None
                 n = len(logprobs) if logprobs else 1  # an event may carry several tokens
                 self.produced += n
-                if self._high or (not text.isascii() and _SURROGATE.search(text)):
+                if self._high or (not text.isascii() and SURROGATE.search(text)):
                     text = self._mend(text)
                 if text or logprobs:
                     chunks.append(Chunk(text=text, n=n, logprobs=logprobs))
@@ -374,7 +379,7 @@ class _Reading:
         text, self._high = self._high + text, ""
         if "\ud800" <= text[-1] <= "\udbff":
             text, self._high = text[:-1], text[-1]
-        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+        return whole(text)
 
     def last(self) -> Chunk:
         """The finishing chunk; raises when the stream ended before the answer did."""
