@@ -21,6 +21,7 @@ from cloud_node.keeper import Keeper
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.takeover import unseen_attempt
 from mesh.answer_store import AnswerStore
+from mesh.backends.base import engine_pause
 from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
@@ -54,11 +55,6 @@ async def ack(msg: Msg) -> None:
 async def nothing_to_keep(_err: MeshError) -> bool:
     """A request that cannot wait keeps nothing besides its answer stream: let it go."""
     return True
-
-
-MAX_NAK_DELAY_S = 30.0
-"""The longest a failed generation's message waits before its next delivery (an engine that
-said how long to wait, in ``Retry-After``, is believed up to this)."""
 
 
 class Outcomes:
@@ -148,7 +144,7 @@ class Outcomes:
             with contextlib.suppress(MeshError):
                 await publisher.catch_up()
             with contextlib.suppress(nats.errors.Error):  # after the engine's Retry-After
-                await msg.nak(delay=min(max(err.retry_after or 1.0, 1.0), MAX_NAK_DELAY_S))
+                await msg.nak(delay=engine_pause(err.retry_after) or 1.0)
             return
         if err.retryable:
             err = MaxDeliveriesError(

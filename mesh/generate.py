@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass
 from typing import Any
 
-from mesh.backends.base import Backend, Chunk
+from mesh.backends.base import Backend, Chunk, engine_pause
 from mesh.config import WorkerSettings
 from mesh.eager import cancel_started, start_now
 from protocol.errors import BackendError
@@ -415,7 +415,7 @@ async def generate_patiently(  # noqa: PLR0917 - generate_into's, and whether to
         try:
             return await generate_into(backend, request, writer, emit, settings, asked=asked)
         except BackendError as err:
-            pause = None if err.retry_after is None else max(1.0, min(err.retry_after, 30.0))
+            pause = engine_pause(err.retry_after)
             left = None if request.deadline is None else request.deadline - time.time()
             if not patient or pause is None or writer.seq != begun or waits == ENGINE_FULL_WAITS:
                 raise

@@ -147,6 +147,16 @@ class ScoringBackend(Protocol):
     ) -> AsyncGenerator[Chunk, None]: ...
 
 
+MAX_ENGINE_PAUSE_S = 30.0
+"""The longest an engine's ``Retry-After`` is believed: a worker waits no longer for it."""
+
+
+def engine_pause(retry_after: float | None) -> float | None:
+    """How long to wait before asking an engine that said ``Retry-After`` again: at least a
+    second, at most :data:`MAX_ENGINE_PAUSE_S`; None when it said nothing."""
+    return None if retry_after is None else max(1.0, min(retry_after, MAX_ENGINE_PAUSE_S))
+
+
 HEALTH_WITHIN_S = 1.0
 """How long a health check is waited for (an engine that does not answer is not ok)."""
 

@@ -34,6 +34,7 @@ import aiohttp
 import orjson
 
 from mesh.backends.base import (
+    MAX_ENGINE_PAUSE_S,
     SURROGATE,
     Capacity,
     Chunk,
@@ -50,8 +51,6 @@ from protocol.errors import BackendError, ContextTooLongError, MeshTimeoutError,
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
 log = get_logger(__name__)
-MAX_FULL_S = 30.0
-"""The longest an engine's ``Retry-After`` keeps this worker from pulling work (seconds)."""
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
 
@@ -228,7 +227,7 @@ class OpenAIHTTPBackend:
                 if resp.status != 200:
                     err = _http_error(resp, await resp.text(), request.id)
                     if err.retry_after is not None and resp.status in (429, 503):
-                        wait = min(err.retry_after, MAX_FULL_S)
+                        wait = min(err.retry_after, MAX_ENGINE_PAUSE_S)
                         self._full_until = max(self._full_until, time.monotonic() + wait)
                     raise err
                 # The events of each piece the connection hands over, with no async generator
