@@ -39,6 +39,7 @@ from mesh.connection import Connection
 from mesh.eager import run_now
 from mesh.inline_sub import subscribe_inline
 from mesh.logs import get_logger
+from mesh.round_trip import round_trip
 from mesh.tasks import cancel_and_wait
 from mesh.write_now import write_queued
 
@@ -49,8 +50,6 @@ HEARTBEAT = "100"
 EXPIRY_MARGIN_S = 0.1
 """After a request's expiry, how long before the puller counts it over without the status
 that says so (lost with a link): the server's expiry runs from when it read the request."""
-PROBE_TIMEOUT_S = 30
-"""How long a round trip's flush may wait (a reconnect ends a longer wait first)."""
 MAX_RTT_S = 1.0
 """The most of a measured round trip added to a request's expiry."""
 LINGER_S = 5.0
@@ -125,10 +124,8 @@ class Puller:
     async def measure(self) -> None:
         """Measure the round trip to the server (at start, after each reconnect, and every
         second from the worker's tick: a link may grow slow while it stays up), without waiting
-        for it: a flush in a task of its own, timed when it ends, with a long timeout. Not
-        nats-py's ``rtt`` with a short one: a PONG later than that stopped the connection's
-        reading (nats-py sets a result on the future the timeout cancelled); a reconnect, which
-        a link that slow gets first, drops the flush's wait instead."""
+        for it: a round trip never cut short (:mod:`mesh.round_trip`; nats-py's ``rtt`` with a
+        short timeout stopped the connection's reading), timed when it ends."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._measured = now
@@ -136,12 +133,10 @@ class Puller:
             return  # one on its way: its end is the measure
         # Another after a second: one a reconnect dropped (nats-py forgets its PING) never ends.
         self._probe_at = now
-        probe = loop.create_task(self.conn.nc.flush(timeout=PROBE_TIMEOUT_S))
-        self._probes.add(probe)
+        probe = round_trip(self.conn.nc, self._probes)
         probe.add_done_callback(functools.partial(self._on_probe, now))
 
     def _on_probe(self, sent: float, probe: asyncio.Task[None]) -> None:
-        self._probes.discard(probe)
         if not probe.cancelled() and probe.exception() is None:
             self.rtt = min(asyncio.get_running_loop().time() - sent, MAX_RTT_S)
             if self._probe_at is not None and self._probe_at <= sent:

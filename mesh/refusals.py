@@ -11,29 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable
 from typing import Any
 
 import nats.errors
 
+from mesh.round_trip import round_trip
 from protocol.errors import UnauthorizedError
 
 _REFUSED = re.compile(
     r'permissions violation for (subscription|publish) to "([^"]+)"', re.IGNORECASE
 )
-
-
-FLUSH_S = 60.0
-"""How long a check's flush may wait (its caller waits less, and leaves it running)."""
-
-
-def _settled(flushes: set[asyncio.Future[None]]) -> Callable[[asyncio.Future[None]], None]:
-    def done(flush: asyncio.Future[None]) -> None:
-        flushes.discard(flush)
-        if not flush.cancelled():
-            flush.exception()  # retrieved: a link that died meanwhile is the request's to say
-
-    return done
 
 
 class Refusals:
@@ -44,7 +31,7 @@ class Refusals:
         """Subjects the server refused a publish to, lower-cased."""
         self._checked: set[str] = set()
         """Subjects a publish to was checked (:meth:`check_publish`)."""
-        self._flushes: set[asyncio.Future[None]] = set()
+        self._flushes: set[asyncio.Task[None]] = set()
 
     def heard(self, error: Exception) -> None:
         """Note a refusal the error callback was handed (any other error: nothing)."""
@@ -76,15 +63,12 @@ class Refusals:
     ) -> None:
         """After a publish to ``subject``: the first time, a round trip to the server, whose
         refusal comes before its answer; raises :class:`UnauthorizedError` when it was
-        refused. Later publishes to the same subject cost a set lookup. The flush itself is
-        never cut short (a PONG later than a flush's timeout stops nats-py's reading: it sets a
-        result on the future the timeout cancelled); only the wait for it is."""
+        refused. Later publishes to the same subject cost a set lookup. The round trip is
+        never cut short (:mod:`mesh.round_trip`); only the wait for it is."""
         if subject in self._checked:
             self.raise_if_refused(subject, request_id)
             return
-        flush = asyncio.ensure_future(nc.flush(timeout=FLUSH_S))
-        self._flushes.add(flush)
-        flush.add_done_callback(_settled(self._flushes))
+        flush = round_trip(nc, self._flushes)
         try:
             await asyncio.wait_for(asyncio.shield(flush), max(timeout, 0.001))
         except (asyncio.TimeoutError, nats.errors.Error):
