@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from mesh.backends.base import Backend, health_within
+from mesh.backends.base import Backend, Health, health_within
 from mesh.logs import get_logger
 
 log = get_logger(__name__)
@@ -48,8 +48,7 @@ class EngineWatch:
     async def first(self) -> None:
         """The check at start, before the worker pulls anything: an engine not there (still
         loading) is down at once, and a request queued meanwhile waits for it."""
-        health = await health_within(self.backend)
-        self.down = None if health.ok else health.detail or "not ok"
+        self.down = _why(await health_within(self.backend))
         if self.down is not None:
             log.warning("engine down: pulling nothing", reason=self.down)
 
@@ -61,14 +60,18 @@ class EngineWatch:
                 self.slow = 0
             elif health.slow and not self.moving():
                 self.slow += 1
-            down = None if health.ok else health.detail or "not ok"
+            down = _why(health)
             if down is not None and health.slow and self.slow < DOWN_AFTER:
                 down = self.down  # not yet: as it was (down stays down until a check answers)
-            if (down is None) != (self.down is None):
+            was, self.down = self.down, down
+            if (down is None) != (was is None):
                 if down is None:
                     log.info("engine answers again", model=self.backend.model)
                 else:
                     log.warning("engine down: pulling nothing", reason=down)
-                self.down = down
                 await self.on_change()
-            self.down = down
+
+
+def _why(health: Health) -> str | None:
+    """Why the engine is down by this check; None when it answered."""
+    return None if health.ok else health.detail or "not ok"
