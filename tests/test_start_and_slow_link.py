@@ -6,13 +6,9 @@ names; the "Guard" passed there too and pins what was found sound."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
-from nats.js.errors import NotFoundError
 
 from cloud_node.puller import Puller
 from mesh.config import load_settings
@@ -21,22 +17,7 @@ from mesh.nats_server import NatsServer
 from mesh.testing.proxy import TcpProxy
 from protocol.errors import InvalidRequestError
 from tests.conftest import make_settings
-
-
-@pytest.fixture
-async def queue(conn: Connection) -> AsyncIterator[tuple[str, str]]:
-    name = f"S17W{uuid.uuid4().hex[:8].upper()}"
-    subject = f"s17w.{name}"
-    jsm = conn.jsm()
-    await jsm.add_stream(StreamConfig(name=name, subjects=[subject]))
-    await jsm.add_consumer(
-        name, ConsumerConfig(durable_name="w", ack_policy=AckPolicy.EXPLICIT, ack_wait=30)
-    )
-    try:
-        yield name, subject
-    finally:
-        with contextlib.suppress(NotFoundError):
-            await jsm.delete_stream(name)
+from tests.test_puller import queue  # noqa: F401 - a fixture
 
 
 # Confirms (heal; a8759bb): the worker's tick now measures the round trip every second with
@@ -50,7 +31,9 @@ async def queue(conn: Connection) -> AsyncIterator[tuple[str, str]]:
 # a registry/epoch re-sync). Before a8759bb the round trip was measured only at start and after
 # a reconnect, so a 2.5 s slow spell on a live link passed without a drop.
 async def test_a_slow_spell_over_2s_does_not_stop_the_worker_connection_reading(
-    nats_server: NatsServer, conn: Connection, queue: tuple[str, str]
+    nats_server: NatsServer,
+    conn: Connection,
+    queue: tuple[str, str],  # noqa: F811
 ) -> None:
     stream, _subject = queue
     proxy = await TcpProxy(nats_server.port).start()
