@@ -40,7 +40,6 @@ from mesh.eager import run_now
 from mesh.inline_sub import subscribe_inline
 from mesh.logs import get_logger
 from mesh.round_trip import round_trip
-from mesh.tasks import cancel_and_wait
 from mesh.write_now import write_queued
 
 log = get_logger(__name__)
@@ -149,7 +148,7 @@ class Puller:
 
     async def stop(self) -> None:
         self._stopped = True
-        await cancel_and_wait(list(self._probes))
+        # Probes still out are left to end by themselves: never cancelled (mesh.round_trip).
         for token in list(self._subs):
             await self._close(token)
         for task in [*self._closing, *self._renewing]:

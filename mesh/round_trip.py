@@ -5,7 +5,8 @@ timeout passes, but leaves it queued for the server's PONG: a PONG that comes la
 result on the cancelled future, and the connection stops reading (an ``InvalidStateError`` in
 its read loop) until its stale check reconnects. A round trip here is a flush in a task of its
 own with a long timeout (a reconnect, which a link that slow gets first, drops its wait
-instead); its caller waits for the task as long as it likes, and leaves it running.
+instead); its caller waits for the task as long as it likes, and leaves it running. Never
+cancel the task: that cancels the same future, with the same end.
 """
 
 from __future__ import annotations
