@@ -42,6 +42,7 @@ import nats.errors
 import orjson
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
@@ -79,6 +80,15 @@ MAX_AT_ONCE = 256
 """Words about dead workers handled at once; past it they wait for ack_wait like before."""
 VERDICT_TTL_S = 0.5
 """How long one answer about a worker (alive, gone, standing still) stands for its requests."""
+UNSTARTED_GRACE_S = 0.5
+"""How long a delivery stays without a start (two looks this far apart) before a worker whose
+link came back hands it back (:meth:`Orphans.hand_back_unstarted`): a live worker writes a
+delivery's start within milliseconds."""
+UNSTARTED_MAX = 64
+"""Queued messages looked at in one look, the oldest unacked first."""
+FIRST_PAGE = 1024
+"""The bytes of an answer's first stored events read to tell whether it has any (one larger
+is there too: the read says it does not fit)."""
 
 
 def newest_start(events: list[WireEvent]) -> tuple[StartEvent | None, bool]:
@@ -309,8 +319,13 @@ class Orphans:
             stored = await self.conn.jsm().get_msg(self.stream.name, sseq)
         except (APIError, asyncio.TimeoutError, nats.errors.Error):
             return False  # gone: acked, deleted, or not there
-        if stored.subject is None or scope_of(stored.subject) != scope or stored.data is None:
-            return False
+        return self._queued(stored, sseq) == (scope, request_id)
+
+    def _queued(self, stored: RawStreamMsg, sseq: int) -> tuple[str, str] | None:
+        """The scope and id of the request in the queue's message ``stored`` (None: not one)."""
+        scope = None if stored.subject is None else scope_of(stored.subject)
+        if scope is None or stored.data is None:
+            return None
         try:
             request, _fmt = decode_request(
                 stored.data,
@@ -319,8 +334,71 @@ class Orphans:
                 missing_id=queued_request_id(sseq),
             )
         except MeshError:
-            return False
-        return request.id == request_id
+            return None
+        return scope, request.id
+
+    async def hand_back_unstarted(self, consumer: str) -> int:
+        """After this worker's link dropped and came back, hand back the deliveries nobody
+        started; the number handed back. A delivery on its way as the link went is lost with
+        it, and JetStream counts it delivered: it comes again only after ``ack_wait``, and no
+        start names it for :meth:`hand_back`. Two looks :data:`UNSTARTED_GRACE_S` apart at the
+        consumer's unacked messages: one with nothing in the answer store at both (no start, no
+        outcome) is claimed once across workers, as :meth:`hand_back` claims, and naked by its
+        stream sequence (JetStream's nak asks only that the delivery sequence it names lies
+        past the consumer's ack floor). A worker standing still on a delivery it had not
+        started is taken over so too, as after ``ack_wait``, and knows it when it wakes."""
+        if not self.store.enabled:
+            return 0  # no starts to tell a held delivery from a lost one
+        first, _ = await self._unstarted(consumer)
+        if not first:
+            return 0
+        await asyncio.sleep(UNSTARTED_GRACE_S)
+        second, delivered = await self._unstarted(consumer)
+        handed = 0
+        for sseq, queued in second.items():
+            if first.get(sseq) != queued or not await self._claim(*queued, 0):
+                continue
+            ack = f"$JS.ACK.{self.stream.name}.{consumer}.1.{sseq}.{delivered}.0.0"
+            with contextlib.suppress(nats.errors.Error):
+                await self.conn.nc.publish(ack, b"-NAK")
+                handed += 1
+                log.warning("handed back a delivery lost with the link", request_id=queued[1])
+        self.handed_back += handed
+        return handed
+
+    async def _unstarted(self, consumer: str) -> tuple[dict[int, tuple[str, str]], int]:
+        """The consumer's unacked messages with nothing stored of their answers (stream
+        sequence: scope and id), and its last delivery's sequence."""
+        found: dict[int, tuple[str, str]] = {}
+        timeout = self.conn.settings.request_timeout
+        try:
+            info = await self.conn.jsm().consumer_info(self.stream.name, consumer, timeout=timeout)
+        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            log.debug("unstarted deliveries not looked at", error=repr(exc))
+            return found, 0
+        if not info.num_ack_pending or info.delivered is None or info.ack_floor is None:
+            return found, 0
+        last, seq = info.delivered.stream_seq, info.ack_floor.stream_seq + 1
+        config = info.config
+        only = config.filter_subject or (config.filter_subjects or [None])[0]
+        for _ in range(UNSTARTED_MAX):
+            try:
+                stored = await self.conn.jsm().get_msg(self.stream.name, seq, only, next=True)
+            except (APIError, asyncio.TimeoutError, nats.errors.Error):
+                break  # none left (acked ones are gone from a work queue), or no answer
+            if stored.seq is None or stored.seq > last:
+                break
+            queued = self._queued(stored, stored.seq)
+            seq = stored.seq + 1
+            if queued is None:
+                continue
+            try:
+                page = await self.store.read_page(token_subject(*queued), 0, FIRST_PAGE, timeout)
+            except (MeshError, nats.errors.Error, asyncio.TimeoutError):
+                continue  # an event too large for the page, or no answer: not proven lost
+            if not page.events:
+                found[stored.seq] = queued
+        return found, info.delivered.consumer_seq
 
     def _forget_old(self) -> None:
         horizon = time.monotonic() - REMEMBER_S

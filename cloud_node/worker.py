@@ -305,13 +305,13 @@ class Worker(Lifecycle):
             )
 
     async def _catch_up(self) -> None:
-        """After a reconnect, events written to the old socket may be lost: publish again what
-        the store lacks of every answer in flight, so readers' gaps close now, not at the
-        answer's end."""
+        """After a reconnect, what the old socket held may be lost: publish again what the store
+        lacks of every answer in flight (readers' gaps close now), and hand back deliveries."""
         self.handler.recheck()  # another worker may have been handed what we held
         self._puller.forget()  # pull requests that expired while the link was down
         await self._puller.measure()  # perhaps another server, another link
         await self._puller.top_up()
+        self._tasks.spawn(self.orphans.hand_back_unstarted(self.consumer), name="unstarted")
         publishers = list(self.handler.publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)
         for publisher in publishers:

@@ -3,7 +3,7 @@ cloud_node/outcomes.py for an engine's 429/503). Real nats-server, the determini
 paced like an engine, an aiohttp stand-in for an OpenAI-compatible engine.
 
 Each test marked "Before the fix" failed on the code before it (review S17f); the docstring says
-what happened then. GUARD: passed before too. One is xfail(strict): not mended yet."""
+what happened then. GUARD: passed before too."""
 
 from __future__ import annotations
 
@@ -196,21 +196,17 @@ async def test_while_the_engine_says_retry_after_the_worker_pulls_no_more_work_t
 # -- 3. a delivery lost in the worker's dying link waits out ack_wait ----------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a delivery lost with the worker's link, before any start was written, waits out "
-    "ack_wait: nobody knows its ack subject to hand it back (not mended yet)",
-)
 async def test_a_delivery_lost_in_the_workers_dying_link_is_served_promptly(
     nats_server: NatsServer,
     conn: Connection,  # the fixture starts each test from an empty queue
 ) -> None:
-    """Before the fix. The worker's link drops just as JetStream delivers it a request (the
-    proxy throws away the piece holding the delivery and cuts for 0.3 s). The worker is back
-    0.1 s later, idle, pulling; the server counts the request delivered and unacked, and gives
-    it to nobody until ack_wait (5 s, the default) runs out. No start was ever written, so the
-    orphan hand-back (cloud_node/orphans.py) cannot see it. The site's loops heal the same case
-    within a second (mesh/pull.py Pull.redeliver); a worker should too ("heal on events")."""
+    """The worker's link drops just as JetStream delivers it a request (the proxy throws away
+    the piece holding the delivery and cuts for 0.3 s). The worker is back 0.1 s later, idle,
+    pulling; the server counts the request delivered and unacked. Before the fix it gave it to
+    nobody until ack_wait (5 s, the default) ran out: no start was ever written, so the orphan
+    hand-back could not see it. Now the worker whose link came back looks at the queue's
+    unacked messages twice, 0.5 s apart, and naks one with nothing stored of its answer
+    (Orphans.hand_back_unstarted): answered 0.82 s after the cut here."""
     proxy = await TcpProxy(nats_server.port).start()
     wsettings = linked_settings(proxy.url)
     wsettings.stream.ack_wait = 5.0  # the default
@@ -239,6 +235,44 @@ async def test_a_delivery_lost_in_the_workers_dying_link_is_served_promptly(
                 f"the request lost in the worker's dying link waited {took:.1f} s "
                 "(ack_wait) while the worker sat idle"
             )
+    finally:
+        await proxy.stop()
+
+
+async def test_a_worker_whose_link_came_back_hands_back_no_other_workers_answer(
+    nats_server: NatsServer,
+    conn: Connection,  # the fixture starts each test from an empty queue
+) -> None:
+    """GUARD of the hand-back above. Worker B generates an answer (30 tokens, 50 ms apart);
+    worker A's link drops for 0.3 s and comes back while it does. A looks at the queue's unacked
+    messages and finds B's answer started in the store: it hands nothing back, and B's answer
+    is generated once and read whole. Were A to hand back what it cannot tell from a lost
+    delivery, B's request would come to A (A generating it too)."""
+    proxy = await TcpProxy(nats_server.port).start()
+    asettings = linked_settings(proxy.url)
+    settings = make_settings(nats_server.url)
+    a_backend = DeterministicBackend(_model(settings, slots=1))
+    b_backend = DeterministicBackend(_model(settings, slots=1, token_delay_ms=50))
+    try:
+        async with (
+            Connection(settings.nats, "worker-b") as bconn,
+            Worker(settings, bconn, b_backend),
+            MeshClient(settings=settings, first_event_timeout=20, idle_timeout=20) as client,
+        ):
+            asking = asyncio.ensure_future(
+                client.complete("[tag:l] x", via="cloud", max_tokens=30, deadline=time.time() + 20)
+            )
+            await eventually(lambda: holds(b_backend.started == 1), 5, "B's answer under way")
+            async with (
+                Connection(asettings.nats, "worker-a") as aconn,
+                Worker(asettings, aconn, a_backend) as a,
+            ):
+                await aconn.nc.flush()
+                proxy.cut(0.3)
+                await eventually(lambda: holds(aconn.reconnects >= 1), 5, "A's link back")
+                answer = await asyncio.wait_for(asking, 15)
+                assert answer.text == " " + " ".join(f"l{i}" for i in range(30))
+                assert (b_backend.started, a_backend.started, a.orphans.handed_back) == (1, 0, 0)
     finally:
         await proxy.stop()
 
