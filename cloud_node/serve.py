@@ -53,9 +53,9 @@ from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.generate import Asked, generate_patiently
 from mesh.logs import bound, get_logger, log_unknown_fields, trace_id
-from mesh.queue import COPY_HEADER, trace_headers
+from mesh.queue import COPY_HEADER
 from mesh.tasks import CancelAt, TaskSet, answered_cancel, cancel_and_wait
-from mesh.tracing import Tracing
+from mesh.tracing import Tracing, trace_headers
 from protocol.codec import WireFormat, decode_request
 from protocol.errors import (
     CancelledByClientError,

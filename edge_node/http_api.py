@@ -46,8 +46,8 @@ from edge_node.served import CloudModels
 from mesh.config import EdgeSettings, LimitSettings
 from mesh.logs import bound, get_logger
 from mesh.metrics import cannot_listen, exposition
-from mesh.queue import trace_headers
 from mesh.tasks import answered_cancel
+from mesh.tracing import trace_headers
 from protocol.codec import (
     WireFormat,
     check_nesting,

@@ -43,8 +43,8 @@ from mesh.config import EdgeSettings, LimitSettings
 from mesh.connection import Connection
 from mesh.inline_sub import make_inline
 from mesh.logs import get_logger, log_unknown_fields
-from mesh.queue import trace_headers
 from mesh.tasks import TaskSet
+from mesh.tracing import trace_headers
 from mesh.write_batch import room
 from protocol.codec import (
     CONTENT_TYPE,

@@ -64,7 +64,7 @@ from protocol.errors import (
     UnavailableError,
 )
 from protocol.fingerprint import Fingerprints
-from protocol.messages import EndEvent, InferRequest
+from protocol.messages import EndEvent, ErrorEvent, InferRequest
 from protocol.subjects import (
     STATUS_ASK,
     edge_infer_subject,
@@ -374,7 +374,6 @@ class EdgeNode(Lifecycle):
                 "the request's deadline passed before its answer ended", request_id=req.id
             )
         )
-        self.stats.inc(f"error.{err.code.value}")
         log.info("request past its deadline", code=err.code.value)
         await record.fail(err)
 
@@ -456,11 +455,9 @@ class EdgeNode(Lifecycle):
                 )
                 raise
             except MeshError as err:
-                self.stats.inc(f"error.{err.code.value}")
                 log.info("request failed", code=err.code.value, error=err.message)
                 await record.fail(err)
             except Exception:
-                self.stats.inc("error.internal")
                 log.exception("request crashed")
                 await record.fail(MeshError("edge failure", code=ErrorCode.INTERNAL))
             finally:
@@ -469,4 +466,7 @@ class EdgeNode(Lifecycle):
                 self.records.finished(record)
                 canonical_line(record, received, streaming=sink.streaming)
                 observe(self.metrics, record)
+                outcome = record.state.outcome  # counted once, whoever ended it (a worker too)
+                if isinstance(outcome, ErrorEvent) and outcome.code != ErrorCode.CANCELLED.value:
+                    self.stats.inc(f"error.{outcome.code}")
         return record

@@ -84,8 +84,10 @@ class CloudModels:
         )
         self._nodes = nodes
         self._seen: set[str] = set()
-        """The models a pool was seen to serve (once each: a bounded set, as the edge's pools)."""
+        """The pools (subject tokens) seen serving (a bounded set, as the edge's pools: names
+        that differ only where a token does not, "org/m" and "org.m", are one pool)."""
         self._asked: dict[str, float] = {}
+        """When each pool's workers were last asked whether they are there."""
         self._asking: set[asyncio.Task[None]] = set()
 
     async def deployed(self, model: str) -> bool:
@@ -100,12 +102,12 @@ class CloudModels:
         Remembered, the no kept the pool off the cloud for 2.2 s after its worker had put it
         back, and a request naming it got ``unknown_model``."""
         if await self._deployed(model):
-            self._seen.add(model)
+            self._seen.add(model_token(model))
             return True
         live = self.live(model)
         if live is True or (live is None and self._nodes.follows(model)):
             self._deployed.forget(model)
-            return live is True or model in self._seen
+            return live is True or model_token(model) in self._seen
         return False
 
     def live(self, model: str) -> bool | None:
@@ -137,14 +139,13 @@ class CloudModels:
         """Ask the workers the registry shows serving ``model`` whether they are there, in the
         background, unless a round for it began less than ``ASK_EVERY_S`` ago; those the server
         says nobody listens for are gone from the view."""
-        now = time.monotonic()
-        if now - self._asked.get(model, -ASK_EVERY_S) < ASK_EVERY_S or not self._conn.connected:
+        now, token = time.monotonic(), model_token(model)
+        if now - self._asked.get(token, -ASK_EVERY_S) < ASK_EVERY_S or not self._conn.connected:
             return
-        token = model_token(model)
         nodes = [i.node_id for i in self._nodes.askable() if token in map(model_token, i.models)]
         if not nodes:
             return
-        self._asked[model] = now
+        self._asked[token] = now
         task = asyncio.get_running_loop().create_task(self._ask(nodes), name="ask-workers")
         self._asking.add(task)
         task.add_done_callback(self._asking.discard)

@@ -259,11 +259,18 @@ def trace_id(traceparent: str | None) -> str | None:
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
 
 
-_seen_unknown: set[tuple[str, frozenset[str]]] = set()
+_seen_unknown: dict[tuple[str, frozenset[str]], None] = {}
+SEEN_UNKNOWN_MAX = 256
+"""Field sets remembered as logged (the newest): a client sending new ones with every request
+costs a log line each, never memory."""
 
 
 def log_unknown_fields(kind: str, fields: frozenset[str]) -> None:
-    """Tolerant decoding hook: note unknown fields once per message kind and field set."""
-    if (kind, fields) not in _seen_unknown:
-        _seen_unknown.add((kind, fields))
+    """Tolerant decoding hook: note unknown fields once per message kind and field set (among
+    the last :data:`SEEN_UNKNOWN_MAX`)."""
+    key = (kind, fields)
+    if key not in _seen_unknown:
+        if len(_seen_unknown) >= SEEN_UNKNOWN_MAX:
+            del _seen_unknown[next(iter(_seen_unknown))]
+        _seen_unknown[key] = None
         get_logger(__name__).info("ignoring unknown fields", message=kind, fields=sorted(fields))

@@ -88,12 +88,6 @@ ORPHAN_WAIT_S = 0.5
 takes 0.4 s at most) before it asks again. Workers claim each hand-back once (see
 :mod:`cloud_node.orphans`), so asking again hands nothing back twice."""
 ORPHAN_TRIES = 2
-TRACE_HEADERS = ("traceparent", "tracestate")
-"""W3C trace context: carried from the client's request to the queued one, unchanged."""
-
-
-def trace_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
-    return {k: v for k, v in (headers or {}).items() if k.lower() in TRACE_HEADERS}
 
 
 def new_cancel_key() -> str:
@@ -164,6 +158,10 @@ async def publish_request(
     except nats.errors.MaxPayloadError:
         raise request_too_large(len(payload), conn.nc.max_payload, request.id) from None
     except APIError as exc:
+        if "header" in (exc.description or ""):  # "header size exceeds maximum allowed"
+            raise PayloadTooLargeError(
+                f"the request's headers are too large ({exc.description})", request_id=request.id
+            ) from None
         if exc.err_code in STORE_FULL_CODES or "maximum" in (exc.description or ""):
             whose = "this sender's share of " if "per subject" in (exc.description or "") else ""
             raise OverloadedError(

@@ -1,16 +1,18 @@
 """OpenTelemetry spans per request: optional (the ``otel`` extra) and off by default.
 
-The W3C trace context (``traceparent``/``tracestate``) travels in NATS headers whatever this
-says: from a client to its edge, and from the edge to the worker with the queued request. With
-``MESH_LOG_OTEL=true``, the edge records a span ``mesh.edge.request`` under the client's context
-and the worker a span ``mesh.worker.request`` under the edge's, so one trace shows where the
-time went. Spans go to whatever ``TracerProvider`` the process has; :func:`install_provider`
-sets one up exporting over OTLP (``OTEL_EXPORTER_OTLP_ENDPOINT``...), the SDK's own settings.
+The W3C trace context (``traceparent``/``tracestate``, in W3C's forms: another value is
+dropped) travels in NATS headers whatever this says: from a client to its edge, and from the
+edge to the worker with the queued request. With ``MESH_LOG_OTEL=true``, the edge records a
+span ``mesh.edge.request`` under the client's context and the worker a span
+``mesh.worker.request`` under the edge's, so one trace shows where the time went. Spans go to
+whatever ``TracerProvider`` the process has; :func:`install_provider` sets one up exporting
+over OTLP (``OTEL_EXPORTER_OTLP_ENDPOINT``...), the SDK's own settings.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -75,3 +77,27 @@ def install_provider(service: str) -> None:
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
+
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+"""W3C trace context: carried from the client's request to the queued one, unchanged."""
+
+
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE = re.compile(r"[\x20-\x7e]{1,512}")
+"""W3C's forms: a ``traceparent`` (version, trace id, parent id, flags) and a ``tracestate``
+of printable ASCII, at most 512 characters."""
+
+
+def trace_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """The trace context among ``headers``, passed on only in W3C's forms: a client's header
+    that is not one (bytes that are not UTF-8, 70 KB) is dropped, not carried into the queued
+    request, where the server would refuse the whole request (or nats-py fail encoding it)."""
+    found: dict[str, str] = {}
+    for key, value in (headers or {}).items():
+        name = key.lower()
+        if name == "traceparent" and _TRACEPARENT.fullmatch(value.strip()):
+            found[key] = value.strip()
+        elif name == "tracestate" and _TRACESTATE.fullmatch(value):
+            found[key] = value
+    return found
