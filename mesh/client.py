@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -36,6 +35,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
+from mesh.caller_events import StreamItem, caller_events
 from mesh.config import MeshSettings, load_settings
 from mesh.connection import Connection, request_or_nobody
 from mesh.inline_sub import Inboxes
@@ -44,7 +44,7 @@ from mesh.queue import WITHDRAW_S, CloudCall, request_too_large
 from mesh.reader import AnswerReader
 from mesh.repair import Patience, Repair, SourceGone
 from mesh.served_models import ServedModels
-from mesh.tasks import CLOCK_SLACK_S, TaskSet, within_deadline
+from mesh.tasks import TaskSet, within_deadline
 from mesh.try_ids import TryIds, as_asked
 from mesh.write_now import write_queued
 from protocol.codec import (
@@ -72,12 +72,11 @@ from protocol.messages import (
     InferRequest,
     RestartEvent,
     RouteChoice,
-    StartEvent,
     TokenEvent,
     WireEvent,
     new_request_id,
 )
-from protocol.stream import AnswerState, starts_over
+from protocol.stream import AnswerState
 from protocol.subjects import (
     DEFAULT_SCOPE,
     edge_answer_subject,
@@ -87,7 +86,6 @@ from protocol.subjects import (
 )
 
 Via = Literal["edge", "cloud"]
-StreamItem = TokenEvent | RestartEvent | EndEvent
 EDGE_RESTART_S = 2.0
 """How long a request no edge was subscribed for is sent again (an edge restarting)."""
 T = TypeVar("T")
@@ -148,6 +146,9 @@ class MeshClient(Lifecycle):
         self._inboxes: Inboxes | None = None
         self._tries = TryIds()
         self._withdrawals = TaskSet("client-withdrawals")  # cloud calls given up (_via_cloud)
+        self._open: dict[AnswerReader, Callable[[], Awaitable[None]]] = {}
+        """Each call in flight: its reader, and how to take its request back (:meth:`close`)."""
+        self._closed = False
 
     async def connect(self) -> MeshClient:
         if self._own_conn:
@@ -160,7 +161,25 @@ class MeshClient(Lifecycle):
             self._inboxes = Inboxes(self.conn.nc.new_inbox())
         return self._inboxes
 
+    @property
+    def _timeouts(self) -> tuple[float, float]:
+        return self.first_event_timeout, self.idle_timeout
+
     async def close(self) -> None:
+        """Every call in flight ends in :class:`UnavailableError` and its request is taken back
+        (an edge or a worker generates for nobody otherwise), before the connection closes."""
+        self._closed = True
+        calls, self._open = self._open, {}
+        for reader in calls:
+            reader.end(
+                UnavailableError("the client was closed", request_id=reader.state.request_id)
+            )
+        if calls:
+            with contextlib.suppress(asyncio.TimeoutError):  # each is bounded; so are all
+                await asyncio.wait_for(
+                    asyncio.gather(*(back() for back in calls.values()), return_exceptions=True),
+                    WITHDRAW_S,
+                )
         await self._withdrawals.close(grace=WITHDRAW_S)  # each is bounded
         await self._is_served.close()
         if self._inboxes is not None:  # its prefix stays: the edge scopes this client's ids to it
@@ -212,6 +231,8 @@ class MeshClient(Lifecycle):
         yours to fetch after a restart). Past its ``deadline`` it is over (no worker starts it):
         for an answer kept beyond this call's wait, give a far deadline, or none.
         """
+        if self._closed:
+            raise UnavailableError("the client is closed", request_id=request_id)
         if via not in ("edge", "cloud"):
             raise InvalidRequestError(
                 f"via is 'edge' or 'cloud', not {via!r}", request_id=request_id
@@ -264,6 +285,8 @@ class MeshClient(Lifecycle):
 
         Raises the request's typed error if it failed, and :class:`UnavailableError` (retryable,
         with ``retry_after``) while it has no answer yet."""
+        if self._closed:
+            raise UnavailableError("the client is closed", request_id=request_id)
         ask = {"id": request_id, "key": cancel_key or self._cancel_key(request_id)}
         try:
             reply = await self.conn.nc.request(
@@ -317,11 +340,20 @@ class MeshClient(Lifecycle):
             unserved=send,  # an edge restarting: it subscribes again within a moment
             unserved_for=min(EDGE_RESTART_S, self.first_event_timeout),
         )
+
+        async def cancel() -> None:
+            with contextlib.suppress(nats.errors.Error):
+                await nc.publish(
+                    edge_cancel_subject(self.edge_id),
+                    json.dumps({"id": request.id, "inbox": inbox}).encode(),
+                )
+
         await reader.subscribe(inbox, inboxes)
+        self._open[reader] = cancel
         finished = False
         try:
             await send()
-            async for event in self._read(reader, request.deadline):
+            async for event in caller_events(reader, request.deadline, *self._timeouts):
                 finished = isinstance(event, EndEvent)
                 yield event
             finished = True
@@ -331,12 +363,8 @@ class MeshClient(Lifecycle):
             finished = True  # the edge answered with an error: nothing left to cancel
             raise
         finally:
-            if not finished:
-                with contextlib.suppress(nats.errors.Error):
-                    await nc.publish(
-                        edge_cancel_subject(self.edge_id),
-                        json.dumps({"id": request.id, "inbox": inbox}).encode(),
-                    )
+            if self._open.pop(reader, None) is not None and not finished:  # else close() did
+                await cancel()
             await reader.close()
 
     def _edge_repair(
@@ -415,9 +443,15 @@ class MeshClient(Lifecycle):
                 scope=self.settings.nats.scope_or(DEFAULT_SCOPE),
                 pending_limit=self._pending_limit,
             )
+
+            async def take_back() -> None:  # when the client closes
+                self._tries.withdrawn(asked)
+                await call.withdraw()
+
+            self._open[call.reader] = take_back
             try:
                 await within_deadline(deadline, stack.enter_async_context(call), asked)
-                async for event in self._read(call.reader, deadline):
+                async for event in caller_events(call.reader, deadline, *self._timeouts):
                     finished = isinstance(event, EndEvent)
                     yield as_asked(event, asked)
             except MeshError as err:
@@ -425,7 +459,8 @@ class MeshClient(Lifecycle):
                 err.request_id = asked if err.request_id == request.id else err.request_id
                 raise
             finally:
-                if not finished and self._tries.alone(asked):  # else another call reads it on
+                mine = self._open.pop(call.reader, None) is not None  # else close() took it back
+                if mine and not finished and self._tries.alone(asked):  # else another reads on
                     self._tries.withdrawn(asked)  # first: a retry meanwhile is a new try
                     # Awaited (the caller's share of the queue is free when it hears) within
                     # its deadline: past it, the error does not wait for a hung worker's word.
@@ -433,59 +468,6 @@ class MeshClient(Lifecycle):
                     left = WITHDRAW_S if deadline is None else deadline - time.time()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(asyncio.shield(withdraw), max(0.0, left))
-
-    async def _read(
-        self, reader: AnswerReader, deadline: float | None
-    ) -> AsyncGenerator[StreamItem, None]:
-        """The user-facing events of a reader: tokens, restarts, the end; errors raised.
-
-        ``first_event_timeout`` runs until the first token or outcome (a ``start`` does not
-        count: it only says who works on it); ``idle_timeout`` between later events. The
-        request's ``deadline`` (Unix seconds) bounds it all: past it, ``deadline_exceeded``,
-        whoever was answering (a worker generating on, an edge gone away, nobody).
-        """
-        clock = asyncio.get_running_loop().time
-        ends_at = math.inf if deadline is None else clock() + (deadline - time.time())
-        limit = self.first_event_timeout
-        wait_until = clock() + limit
-        passed_on = 0
-        while True:
-            out = await reader.next(max(0.0, min(wait_until, ends_at) - clock()))
-            past = clock() >= ends_at - CLOCK_SLACK_S
-            # Past the deadline, events held for a slow caller are not passed on, unless the
-            # answer's outcome is among them (it ended in time).
-            if not out or (past and not reader.state.done):
-                if past:
-                    raise DeadlineExceededError(
-                        "the request's deadline passed before its answer ended",
-                        request_id=reader.state.request_id,
-                    )
-                raise MeshTimeoutError(
-                    f"no event from {reader.what} within {limit:g}s "
-                    f"(waiting for {reader.state.missing()})"
-                )
-            for moved in out:  # anything but a start: the idle timeout, from now
-                if not isinstance(moved, StartEvent):
-                    limit = self.idle_timeout
-                    wait_until = clock() + limit
-                    break
-            for event in out:
-                if isinstance(event, TokenEvent):
-                    passed_on += 1
-                    yield event
-                elif isinstance(event, StartEvent):
-                    if starts_over(event, passed_on):
-                        yield RestartEvent(
-                            id=event.id,
-                            attempt=event.attempt,
-                            reason=event.reason or "the answer started over",
-                        )
-                        passed_on = event.seq
-                elif isinstance(event, EndEvent):
-                    yield event
-                    return
-                elif isinstance(event, ErrorEvent):
-                    raise to_exception(event)
 
     start = connect
     stop = close

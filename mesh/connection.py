@@ -180,6 +180,11 @@ class Connection(Lifecycle):
         """True while connected (not before connect(), not while reconnecting)."""
         return self._nc is not None and self._nc.is_connected
 
+    @property
+    def closed(self) -> bool:
+        """True before connect() and once closed (for good: not while reconnecting)."""
+        return self._nc is None or self._nc.is_closed
+
     def jsm(self, timeout: float | None = None) -> JetStreamManager:
         """The hub's JetStream (through ``hub_domain`` from an edge site's leaf node); each call
         waits ``timeout`` (default: ``request_timeout``)."""

@@ -13,15 +13,12 @@ missing, it asks its *repair* for what was kept and feeds that too:
   no later event to reveal the gap;
 - its own buffer overflowing (the reader's consumer is slower than the stream).
 
-A repair for a worker's events reads the answer store; a repair for an edge's events asks the
-edge to send again what the reader lacks. When a repair leaves a gap (the store never got the
-missing event: it went out as the store's leader died), the reader asks the worker generating
-the answer to send it again (*resend*), if it was given a way to. The reader never passes on a
-gap: it waits for the repair; its caller decides, on its own deadlines, when waiting is over.
-
-Repairs and the checks on the answer's generator (*watch*, *resend*) run beside the reading, each
-at most once at a time: they wait on other processes (a worker moving between servers answers
-late, a store read waits out an election); in-order tokens that come meanwhile go on at once.
+A repair for a worker's events reads the answer store; for an edge's, it asks the edge to send
+again what the reader lacks. A gap the store cannot fill (the event went out as its leader died)
+is asked of the worker generating the answer (*resend*), where the reader was given a way to.
+The reader never passes on a gap; its caller decides, on its own deadlines, when waiting is
+over. Repairs and the checks on the generator (*watch*, *resend*) run beside the reading, at
+most one of each at a time (they wait on other processes); in-order tokens go on meanwhile.
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ DEFAULT_PENDING = DEFAULT_SUB_PENDING_MSGS_LIMIT
 
 class Passer(Protocol):
     """Takes tokens on at once, in the subscription's callback, while the reader's caller waits
-    in :meth:`AnswerReader.next` with everything before them passed on (see
-    :meth:`AnswerReader.pass_tokens`)."""
+    in :meth:`AnswerReader.next`, all before them passed on (:meth:`AnswerReader.pass_tokens`)."""
 
     def ready(self) -> bool:
         """Whether tokens can be passed on now, without waiting for anything."""
@@ -72,13 +68,11 @@ _QUIET_MAX_S = 8.0
 _GAP_RETRY_FIRST_S = 0.2
 _UNSERVED_FIRST_S = 0.05
 WATCH_QUIET_S = 0.25
-"""After this long with nothing from a started answer, the reader checks on its generator (then
-again each time as long): a round trip when it lives, a takeover when it died. Token gaps are
-tens of milliseconds; a prefill or a busy worker costs a few round trips."""
+"""After this long with nothing from a started answer, the reader checks on its generator (again
+each time as long): a round trip when it lives, a takeover when it died (tokens: ms apart)."""
 OFFLINE_LOOK_S = 0.05
 """While the connection is down, how often a reader whose watch is due looks whether it is back
-(the watch asks only over a live link). It used to wake every millisecond, for each answer in
-flight, all through a cut (``tests/test_reader_checks.py``)."""
+(the watch asks only over a live link; ``tests/test_reader_checks.py``)."""
 
 
 class AnswerReader:
@@ -124,6 +118,7 @@ class AnswerReader:
         self._unserved_until = time.monotonic() + unserved_for
         self._unserved_delay = _UNSERVED_FIRST_S
         self._send_again_at: float | None = None
+        self._ended: MeshError | None = None
         self._watch = watch
         self._watched = self.last_event
         self._checks: dict[str, asyncio.Future[None]] = {}
@@ -240,6 +235,11 @@ class AnswerReader:
             passer.take(tokens)
         return True
 
+    def end(self, error: MeshError) -> None:
+        """End :meth:`next` in ``error``, after what it holds (its owner closes)."""
+        self._ended = error
+        self._wake()
+
     def repair_now(self) -> None:
         """Fetch what was kept before waiting for the next message."""
         self._repair_at = time.monotonic()
@@ -286,8 +286,8 @@ class AnswerReader:
             left = deadline - now
             if left <= 0:
                 return []
-            if self.conn.nc.is_closed:
-                raise UnavailableError(f"NATS connection closed while reading {self.what}")
+            if self._ended is not None or self.conn.closed:
+                raise self._ended or UnavailableError(f"NATS connection closed reading {self.what}")
             await self._wait(deadline)
         return []
 
