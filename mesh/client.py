@@ -260,8 +260,13 @@ class MeshClient(Lifecycle):
         )
         source = self._via_cloud(request, pool) if via == "cloud" else self._via_edge(request)
         async with contextlib.aclosing(source):
-            async for event in source:
-                yield event
+            try:
+                async for event in source:
+                    yield event
+            except RuntimeError:  # the connection, closed under a call as it began (not_connected)
+                if not self._closed:
+                    raise
+                raise UnavailableError("the client was closed", request_id=request.id) from None
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """The whole answer at once (a restart drops the text gathered before it)."""
@@ -306,6 +311,12 @@ class MeshClient(Lifecycle):
             raise UnavailableError(f"the edge answered {event.t!r}, not an answer")
         return event
 
+    def _opened(self, reader: AnswerReader, take_back: Callable[[], Awaitable[None]]) -> None:
+        """A call is in flight (:meth:`close` ends it); it may not be once the client closed."""
+        if self._closed:
+            raise UnavailableError("the client was closed", request_id=reader.state.request_id)
+        self._open[reader] = take_back
+
     def _cancel_key(self, request_id: str) -> str:
         """The same key for the same id from this client: a request sent again can cancel."""
         return hmac.new(self._secret, request_id.encode(), hashlib.sha256).hexdigest()[:32]
@@ -349,9 +360,9 @@ class MeshClient(Lifecycle):
                 )
 
         await reader.subscribe(inbox, inboxes)
-        self._open[reader] = cancel
         finished = False
         try:
+            self._opened(reader, cancel)
             await send()
             async for event in caller_events(reader, request.deadline, *self._timeouts):
                 finished = isinstance(event, EndEvent)
@@ -448,7 +459,7 @@ class MeshClient(Lifecycle):
                 self._tries.withdrawn(asked)
                 await call.withdraw()
 
-            self._open[call.reader] = take_back
+            self._opened(call.reader, take_back)
             try:
                 await within_deadline(deadline, stack.enter_async_context(call), asked)
                 async for event in caller_events(call.reader, deadline, *self._timeouts):

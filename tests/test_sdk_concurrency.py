@@ -674,3 +674,44 @@ async def test_streams_cancelled_at_every_early_point_leave_nothing_behind(
         assert client._tries._open == {}
         if client._inboxes is not None:
             assert client._inboxes._handlers == {}
+
+
+@pytest.mark.parametrize("via", ["edge", "cloud"])
+@pytest.mark.parametrize("shared", [False, True])
+async def test_close_as_calls_begin_ends_each_typed_or_whole(
+    settings: MeshSettings, conn: Connection, via: Via, shared: bool
+) -> None:
+    """A close that comes while calls are beginning (their served-model look, subscription,
+    publish: 0 to 12 loop turns after they were made): each call ends in one typed error or its
+    whole answer, none in a raw exception, none silent. Written with the fix's second step:
+    without it, a call closed before it was in flight met the closed connection raw (via the
+    cloud on its own connection: RuntimeError "not connected", at 0 turns)."""
+    settings.edge.max_concurrent = 256
+    engine = backend(delay_ms=5)
+    node = (
+        EdgeNode(settings, conn, engine, HeuristicRouter())
+        if via == "edge"
+        else Worker(settings, conn, engine)
+    )
+    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    async with node:
+        for turns in range(13):
+            client = await MeshClient(
+                settings=settings,
+                connection=conn if shared else None,
+                first_event_timeout=5,
+                idle_timeout=5,
+            ).connect()
+            calls = [
+                asyncio.ensure_future(read_all(client, f"b{turns}x{i}", 5, via=via, **kw))
+                for i in range(6)
+            ]
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await asyncio.wait_for(client.close(), 5)
+            ended = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 8)
+            for i, outcome in enumerate(ended):
+                if isinstance(outcome, BaseException):
+                    assert isinstance(outcome, MeshError), (turns, i, repr(outcome))
+                else:
+                    assert outcome == expected_text(f"b{turns}x{i}", 5), (turns, i)
