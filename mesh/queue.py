@@ -180,10 +180,12 @@ async def publish_request(
             f"JetStream refused the request: {exc.description}", request_id=request.id
         ) from None
     except NoStreamResponseError:
+        limited = ", or these credentials may not queue there (ask through an edge)"
         raise UnavailableError(
             f"no JetStream stream took the request on {subject}: the hub may be electing a "
             f"leader (retry in ~{ELECTION_RETRY_S:g}s), or JetStream is not enabled or not "
-            "provisioned there (`mesh provision`)",
+            "provisioned there (`mesh provision`)"
+            + (limited if conn.settings.least_privilege else ""),
             retry_after=ELECTION_RETRY_S,
             request_id=request.id,
         ) from None

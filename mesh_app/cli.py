@@ -378,6 +378,14 @@ async def _status(settings: MeshSettings, as_json: bool) -> int:
     async with Connection(settings.nats, "mesh-status", patient=False) as conn:
         status = await collect_status(conn, settings)
     print(json.dumps(status, indent=2) if as_json else "\n".join(render(status)))
+    queue = status.get("queue")
+    if status["registry"] != "ok" and isinstance(queue, dict) and "unavailable" in queue:
+        print(
+            "mesh status: the hub's JetStream did not answer (its registry nor its queue): run "
+            "it where the hub is reachable, under credentials that may read it (operator.env)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

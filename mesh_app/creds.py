@@ -295,6 +295,8 @@ def mint(
                 client_permissions(edge, app),
                 {
                     "MESH_EDGE_EDGE_ID": edge,
+                    # On the site's leaf, JetStream is the site's own: the hub's is a domain.
+                    "MESH_NATS_HUB_DOMAIN": HUB_DOMAIN,
                     "MESH_NATS_INBOX_PREFIX": inbox_prefix("client", app),
                     "MESH_NATS_LEAST_PRIVILEGE": "true",
                     # The app's key to the edge's HTTP API, where the openai client looks.

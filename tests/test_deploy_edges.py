@@ -1,6 +1,6 @@
 """Deployment as a user does it (compose/, `mesh creds`, the docs' commands, the MESH_*
 settings). Each test marked "Before the fix" failed on the code before it (review S17z); its
-comment says what a user met then. Two are xfail(strict): not mended yet."""
+comment says what a user met then."""
 
 from __future__ import annotations
 
@@ -197,14 +197,11 @@ def _mesh(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 # Before the fix (minor): in the compose deployment the only credentials inside a container are
-# the client's (`docker compose run --rm client ...`). `mesh status` run there reads the site's
-# own JetStream (the client's .env names no hub domain) and prints, with exit 0, "workers alive:
-# 0 (slots 0, free 0)" and "queue: not provisioned" while a worker serves; it should show the
-# hub, or say that it cannot see it from here (and with what to run it).
-@pytest.mark.xfail(
-    strict=True,
-    reason="mesh status on a site's leaf reads the site's JetStream as the hub's: not mended yet",
-)
+# the client's (`docker compose run --rm client ...`). `mesh status` run there read the site's
+# own JetStream (the client's .env named no hub domain) and printed, with exit 0, "workers
+# alive: 0 (slots 0, free 0)" and "queue: not provisioned" while a worker served. Now the
+# client's .env names the hub's domain, and a status that can read neither the hub's registry
+# nor its queue says so and exits 1.
 async def test_mesh_status_at_a_site_does_not_report_a_serving_fleet_as_absent(
     tmp_path: Path,
 ) -> None:
@@ -241,15 +238,10 @@ async def test_mesh_status_at_a_site_does_not_report_a_serving_fleet_as_absent(
 
 
 # Before the fix (typed): the same client credentials asking the cloud directly
-# (`mesh ask --via cloud --model qwen`, which docs/cli.md shows) get "unknown_model: no worker
-# pool serves model 'qwen'" while the qwen pool serves: the real reason is that these
-# credentials may not queue (and read the site's JetStream, not the hub's). The error should
-# say that (unauthorized, ask through the edge), not that the pool does not exist.
-@pytest.mark.xfail(
-    strict=True,
-    reason="via the cloud on a site's leaf, the SDK reads the site's JetStream for the pool and "
-    "says unknown_model: not mended yet",
-)
+# (`mesh ask --via cloud --model qwen`, which docs/cli.md shows) got "unknown_model: no worker
+# pool serves model 'qwen'" while the qwen pool served: they read the site's JetStream, not the
+# hub's. Now they read the hub's (cannot tell: the request goes), and the queue's silence says
+# these credentials may not queue there (ask through an edge).
 async def test_ask_via_cloud_under_client_credentials_names_the_real_reason(
     tmp_path: Path,
 ) -> None:
@@ -290,3 +282,4 @@ async def test_ask_via_cloud_under_client_credentials_names_the_real_reason(
             await worker.stop()
     assert result.returncode != 0  # these credentials may not queue: an error is right
     assert "unknown_model" not in result.stderr, result.stderr
+    assert "these credentials may not queue there (ask through an edge)" in result.stderr
