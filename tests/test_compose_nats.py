@@ -283,3 +283,19 @@ async def test_an_edge_site_reaches_the_workers_words_across_its_leaf_node(
                 assert answer in ({"held": False}, {"verdict": "not started"}), (subject, answer)
     finally:
         await worker.stop()
+
+
+def test_the_compose_file_publishes_what_has_no_login_on_this_host_only() -> None:
+    """Before the fix: the hub's monitoring port (8222: every connection's address, user and
+    subscriptions), Prometheus (9090) and Grafana (3000, anonymous viewers, the image's default
+    admin password) were published on every interface of the host. What clients and leaf nodes
+    need (4222, 7422) and the edge's HTTP API (8080, API keys) stay public."""
+    published = {
+        str(port).rsplit(":", 1)[-1]: str(port)
+        for service in SERVICES.values()
+        for port in service.get("ports", [])
+    }
+    for port in ("8222", "9090", "3000"):
+        assert published[port].startswith("127.0.0.1:"), published[port]
+    for port in ("4222", "7422", "8080"):
+        assert not published[port].startswith("127.0.0.1:"), published[port]
