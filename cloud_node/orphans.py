@@ -80,10 +80,10 @@ MAX_AT_ONCE = 256
 """Words about dead workers handled at once; past it they wait for ack_wait like before."""
 VERDICT_TTL_S = 0.5
 """How long one answer about a worker (alive, gone, standing still) stands for its requests."""
-UNSTARTED_GRACE_S = 0.5
+UNSTARTED_GRACE_S = 1.0
 """How long a delivery stays without a start (two looks this far apart) before a worker whose
-link came back hands it back (:meth:`Orphans.hand_back_unstarted`): a live worker writes a
-delivery's start within milliseconds."""
+link came back hands it back (:meth:`Orphans.hand_back_unstarted`): a live worker on a sound
+link writes a delivery's start within milliseconds."""
 UNSTARTED_MAX = 64
 """Queued messages looked at in one look, the oldest unacked first."""
 FIRST_PAGE = 1024
@@ -346,9 +346,16 @@ class Orphans:
         outcome) is claimed once across workers, as :meth:`hand_back` claims, and naked by its
         stream sequence (JetStream's nak asks only that the delivery sequence it names lies
         past the consumer's ack floor). A worker standing still on a delivery it had not
-        started is taken over so too, as after ``ack_wait``, and knows it when it wakes."""
-        if not self.store.enabled:
-            return 0  # no starts to tell a held delivery from a lost one
+        started is taken over so too, as after ``ack_wait``, and knows it when it wakes.
+
+        A delivery on its way to another worker over a link slower than the grace looks lost
+        too, and is taken over: generated twice, its client still gets one answer (readers
+        follow the newer attempt; the older stops when it sees it). Never on a queue that
+        delivers once (``max_deliver`` 1), where the nak would end the request. A message with
+        nothing stored was delivered once (an earlier attempt writes its start): with two
+        deliveries or more, the one handed back is never the last."""
+        if not self.store.enabled or self.stream.max_deliver < 2:
+            return 0  # no starts to tell a held delivery from a lost one; or the last one
         first, _ = await self._unstarted(consumer)
         if not first:
             return 0

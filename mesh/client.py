@@ -149,10 +149,12 @@ class MeshClient(Lifecycle):
         self._open: dict[AnswerReader, Callable[[], Awaitable[None]]] = {}
         """Each call in flight: its reader, and how to take its request back (:meth:`close`)."""
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None
 
     async def connect(self) -> MeshClient:
         if self._own_conn:
             await self.conn.connect()
+        self._closed, self._closing = False, None  # open again after a close
         return self
 
     def _replies(self) -> Inboxes:
@@ -167,8 +169,14 @@ class MeshClient(Lifecycle):
 
     async def close(self) -> None:
         """Every call in flight ends in :class:`UnavailableError` and its request is taken back
-        (an edge or a worker generates for nobody otherwise), before the connection closes."""
+        (an edge or a worker generates for nobody otherwise), before the connection closes.
+        Closed twice at once (``async with`` and a shutdown hook), both wait for the one."""
         self._closed = True
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         calls, self._open = self._open, {}
         for reader in calls:
             reader.end(

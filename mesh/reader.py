@@ -158,8 +158,7 @@ class AnswerReader:
 
     async def close(self) -> None:
         """Stop receiving. A closed reader calls nothing back: its owner's callbacks are let go
-        here, so that the owner (whose methods they are) and the reader are freed at once,
-        not left to the garbage collector as a cycle."""
+        here, so that the owner and the reader are freed at once, not as a cycle by the gc."""
         self._watch = self._resend = self._unserved = None
         self._passer = None
         if self._timer is not None:
@@ -236,7 +235,7 @@ class AnswerReader:
         return True
 
     def end(self, error: MeshError) -> None:
-        """End :meth:`next` in ``error``, after what it holds (its owner closes)."""
+        """End :meth:`next` in ``error`` (its owner closes), whatever comes after."""
         self._ended = error
         self._wake()
 
@@ -247,8 +246,10 @@ class AnswerReader:
     async def next(self, timeout: float) -> list[WireEvent]:
         """Events to pass on, in order, as soon as there are some; an empty list when
         ``timeout`` seconds pass with nothing new (with a passer, also right after it checked
-        on the answer's generator). Raises :class:`UnavailableError` when the
-        connection is closed or nobody serves the subject."""
+        on the answer's generator). Raises :class:`UnavailableError` when the connection is
+        closed or nobody serves the subject, and the error given to :meth:`end` once it was."""
+        if self._ended is not None:
+            raise self._ended
         deadline = time.monotonic() + max(0.0, timeout)
         while not self.state.done or self._ready:
             if self._buffer and self._nothing_due():  # a message came, nothing else: hot path
@@ -415,8 +416,7 @@ class AnswerReader:
 
     def _next_check(self, now: float) -> float:
         """When the next repair falls due: now when messages may have been lost since the last
-        one began (with the link, or dropped from a full buffer: a repair in flight may have
-        read the store before they came), else after a quiet spell or at the time a gap set."""
+        one began (link, full buffer), else after a quiet spell or at the time a gap set."""
         if self.conn.losses != self._losses or self.dropped != self._drops:
             return now
         quiet_at = max(self.last_event, self._last_probe) + self._quiet

@@ -90,14 +90,15 @@ of printable ASCII, at most 512 characters."""
 
 
 def trace_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
-    """The trace context among ``headers``, passed on only in W3C's forms: a client's header
-    that is not one (bytes that are not UTF-8, 70 KB) is dropped, not carried into the queued
-    request, where the server would refuse the whole request (or nats-py fail encoding it)."""
+    """The trace context among ``headers``, named in lower case and passed on only in W3C's
+    forms: a client's header that is not one (bytes that are not UTF-8, 70 KB) is dropped, not
+    carried into the queued request, where the server would refuse the whole request (or
+    nats-py fail encoding it)."""
     found: dict[str, str] = {}
     for key, value in (headers or {}).items():
-        name = key.lower()
+        name = key.lower()  # W3C's spelling, where readers look (NATS headers keep case)
         if name == "traceparent" and _TRACEPARENT.fullmatch(value.strip()):
-            found[key] = value.strip()
+            found[name] = value.strip()
         elif name == "tracestate" and _TRACESTATE.fullmatch(value):
-            found[key] = value
+            found[name] = value
     return found

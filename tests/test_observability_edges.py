@@ -273,7 +273,7 @@ def test_trace_context_in_w3c_form_is_passed_on_and_any_other_dropped() -> None:
         "traceparent": parent,
         "tracestate": "congo=t61rcWkgMzE",
     }
-    assert trace_headers({"TraceParent": f" {parent} "}) == {"TraceParent": parent}
+    assert trace_headers({"TraceParent": f" {parent} "}) == {"traceparent": parent}
     for bad in ("00-\udcff-01", "00-" + "a" * 70_000, parent.upper(), parent[:-1]):
         assert trace_headers({"traceparent": bad}) == {}
     assert trace_headers({"tracestate": "x" * 513}) == {}

@@ -205,8 +205,9 @@ async def test_a_delivery_lost_in_the_workers_dying_link_is_served_promptly(
     pulling; the server counts the request delivered and unacked. Before the fix it gave it to
     nobody until ack_wait (5 s, the default) ran out: no start was ever written, so the orphan
     hand-back could not see it. Now the worker whose link came back looks at the queue's
-    unacked messages twice, 0.5 s apart, and naks one with nothing stored of its answer
-    (Orphans.hand_back_unstarted): answered 0.82 s after the cut here."""
+    unacked messages twice, 1 s apart, and naks one with nothing stored of its answer
+    (Orphans.hand_back_unstarted): answered 1.32 s after the cut here (0.82 s with the looks
+    0.5 s apart, before review S18c: tests/test_fix_regressions_s18.py)."""
     proxy = await TcpProxy(nats_server.port).start()
     wsettings = linked_settings(proxy.url)
     wsettings.stream.ack_wait = 5.0  # the default
