@@ -337,7 +337,7 @@ class Orphans:
             return None
         return scope, request.id
 
-    async def hand_back_unstarted(self, consumer: str) -> int:
+    async def hand_back_unstarted(self, consumer: str, last: str = "") -> int:
         """After this worker's link dropped and came back, hand back the deliveries nobody
         started; the number handed back. A delivery on its way as the link went is lost with
         it, and JetStream counts it delivered: it comes again only after ``ack_wait``, and no
@@ -353,14 +353,20 @@ class Orphans:
         follow the newer attempt; the older stops when it sees it). Never on a queue that
         delivers once (``max_deliver`` 1), where the nak would end the request. A message with
         nothing stored was delivered once (an earlier attempt writes its start): with two
-        deliveries or more, the one handed back is never the last."""
+        deliveries or more, the one handed back is never the last.
+
+        ``last``: the ack subject of the last delivery this worker got before the link went;
+        only messages queued after it are looked at (a fleet's workers back from a server's
+        restart look at their own few, not at every answer in flight)."""
         if not self.store.enabled or self.stream.max_deliver < 2:
             return 0  # no starts to tell a held delivery from a lost one; or the last one
-        first, _ = await self._unstarted(consumer)
+        found = delivery_of(last)
+        after = found[2] if found is not None and found[0] == self.stream.name else 0
+        first, _ = await self._unstarted(consumer, after)
         if not first:
             return 0
         await asyncio.sleep(UNSTARTED_GRACE_S)
-        second, delivered = await self._unstarted(consumer)
+        second, delivered = await self._unstarted(consumer, after)
         handed = 0
         for sseq, queued in second.items():
             if first.get(sseq) != queued or not await self._claim(*queued, 0):
@@ -373,9 +379,9 @@ class Orphans:
         self.handed_back += handed
         return handed
 
-    async def _unstarted(self, consumer: str) -> tuple[dict[int, tuple[str, str]], int]:
-        """The consumer's unacked messages with nothing stored of their answers (stream
-        sequence: scope and id), and its last delivery's sequence."""
+    async def _unstarted(self, consumer: str, after: int) -> tuple[dict[int, tuple[str, str]], int]:
+        """The consumer's unacked messages past stream sequence ``after`` with nothing stored
+        of their answers (stream sequence: scope and id), and its last delivery's sequence."""
         found: dict[int, tuple[str, str]] = {}
         timeout = self.conn.settings.request_timeout
         try:
@@ -385,7 +391,7 @@ class Orphans:
             return found, 0
         if not info.num_ack_pending or info.delivered is None or info.ack_floor is None:
             return found, 0
-        last, seq = info.delivered.stream_seq, info.ack_floor.stream_seq + 1
+        last, seq = info.delivered.stream_seq, max(info.ack_floor.stream_seq, after) + 1
         config = info.config
         only = config.filter_subject or (config.filter_subjects or [None])[0]
         for _ in range(UNSTARTED_MAX):

@@ -103,6 +103,8 @@ class Puller:
         self._stopped = True
         self._closing: set[asyncio.Task[None]] = set()
         self._renewing: set[asyncio.Task[None]] = set()
+        self.last_delivery = ""
+        """The ack subject of the last message delivered (where a lost one's sequence begins)."""
 
     @property
     def outstanding(self) -> int:
@@ -247,6 +249,7 @@ class Puller:
         if self._stopped:
             run_now(nak(msg), self._renewing, name="nak")
             return
+        self.last_delivery = msg.reply
         self._deliver(msg)
         if filled:
             self._renew()  # a burst used the request up: cover the slots still free

@@ -308,10 +308,12 @@ class Worker(Lifecycle):
         """After a reconnect, what the old socket held may be lost: publish again what the store
         lacks of every answer in flight (readers' gaps close now), and hand back deliveries."""
         self.handler.recheck()  # another worker may have been handed what we held
+        owed, last = self._puller.outstanding, self._puller.last_delivery  # what the link took
         self._puller.forget()  # pull requests that expired while the link was down
         await self._puller.measure()  # perhaps another server, another link
         await self._puller.top_up()
-        self._tasks.spawn(self.orphans.hand_back_unstarted(self.consumer), name="unstarted")
+        if owed:  # the server may have sent some of it into the link that went
+            self._tasks.spawn(self.orphans.hand_back_unstarted(self.consumer, last), name="lost")
         publishers = list(self.handler.publishers.values())
         results = await asyncio.gather(*(p.catch_up() for p in publishers), return_exceptions=True)
         for publisher in publishers:
@@ -332,16 +334,14 @@ class Worker(Lifecycle):
         await self._puller.top_up(whole=True)
 
     def _alive(self, address: str) -> dict[str, bool]:
-        """What this worker says to "are you there?" about the request on ``address``
-        (:meth:`cloud_node.serve.Handler.alive`), and that it is stopping when it is: an edge
-        asking then counts it out of the pool (its registry entry's delete may be lost)."""
+        """What this worker says to "are you there?" about the request on ``address``, and that
+        it is stopping when it is (an edge then counts it out: its registry delete may be lost)."""
         word = self.handler.alive(address)
         return {**word, "stopping": True} if self._stopping else word
 
     def _lost(self, why: str) -> None:
         """The server says a stream or the queue's consumer is gone (its deletion's advisory, a
-        pull ended "Consumer Deleted", no answer to a publish): put it back now, not at the
-        next reconnect."""
+        pull ended "Consumer Deleted", no answer to a publish): put it back now."""
         if not self._stopping:
             self.handler.epoch.forget()
             self.conn.recovery.again(RESTORE, why)

@@ -24,6 +24,7 @@ from mesh.backends.openai_http import OpenAIHTTPBackend
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
+from mesh.hub import provision_hub
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
 from mesh.queue import publish_request
@@ -276,6 +277,33 @@ async def test_a_worker_whose_link_came_back_hands_back_no_other_workers_answer(
                 assert (b_backend.started, a_backend.started, a.orphans.handed_back) == (1, 0, 0)
     finally:
         await proxy.stop()
+
+
+async def test_a_worker_back_from_a_cut_looks_only_past_its_last_delivery(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """GUARD of the hand-back's narrowing (review S18c: a fleet back from a server's restart
+    must not each read every answer in flight). Two requests are queued; a reader standing for
+    a worker that stands still pulls both from the worker's consumer and starts neither (both
+    pending, nothing stored). A worker whose last delivery was the first looks only past it:
+    it hands back the second, not the first; JetStream delivers the second again at once."""
+    await provision_hub(conn.jsm(), settings.stream, [settings.worker.model.name])
+    scope, model = settings.nats.scope_or(DEFAULT_SCOPE), settings.worker.model.name
+    for i in (1, 2):
+        request = InferRequest(id=f"held-{i}", prompt="[tag:h] x", max_tokens=2, model=model)
+        await publish_request(conn, settings.stream, request, scope=scope)
+    consumer = consumer_name(model)
+    held = await conn.js.pull_subscribe_bind(consumer, settings.stream.name)
+    first, second = await held.fetch(2, timeout=5)
+    backend = DeterministicBackend(_model(settings, slots=1))
+    worker = Worker(settings, conn, backend)  # not started: only its hand-back is asked
+    handed = await worker.orphans.hand_back_unstarted(consumer, first.reply)
+    assert handed == 1
+    again = await held.fetch(1, timeout=5)
+    assert [m.metadata.sequence.stream for m in again] == [second.metadata.sequence.stream]
+    assert again[0].metadata.num_delivered == 2
+    for msg in (first, again[0]):
+        await msg.ack()
 
 
 # -- 4. a request whose deadline passed while it was queued (guard) ------------------------------
