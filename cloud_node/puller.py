@@ -53,6 +53,9 @@ MAX_RTT_S = 1.0
 """The most of a measured round trip added to a request's expiry."""
 LINGER_S = 5.0
 """How long the subscription of a request counted over that way stays, for a late delivery."""
+DRAIN_S = 1.0
+"""How long a stopping puller waits for the server's word that its pull requests ended (the
+messages on their way before it are handed back as they come)."""
 
 
 class Puller:
@@ -149,10 +152,26 @@ class Puller:
         return min(max(self.rtt, out), MAX_RTT_S)
 
     async def stop(self) -> None:
+        """Ask for nothing more, and end the open pull requests at the server: each is drained
+        (its subscription ends at the server, and is kept until a round trip says nothing
+        more comes), and what comes meanwhile is handed back (naked) after the server heard
+        it. Unsubscribed at once, a message already on its way was dropped here and waited
+        out ack_wait, a delivery burnt."""
         self._stopped = True
+        subs, self._subs = list(self._subs.values()), {}
+        if subs and self.conn.connected:
+            nc = self.conn.nc
+            with contextlib.suppress(nats.errors.Error):
+                for sub in subs:  # UNSUB only: the callback stays (nats-py's drain, unbounded)
+                    await nc._send_unsubscribe(sub._id)
+                probe = round_trip(nc, self._probes)  # after the server heard, all came
+                work = asyncio.wait_for(asyncio.shield(probe), DRAIN_S)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await self.conn.while_linked(work, DRAIN_S)
+        for sub in subs:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
         # Probes still out are left to end by themselves: never cancelled (mesh.round_trip).
-        for token in list(self._subs):
-            await self._close(token)
         for task in [*self._closing, *self._renewing]:
             await task
 

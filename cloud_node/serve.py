@@ -125,15 +125,17 @@ class Handler(ABC):
         """This process's stand-stills (the worker runs its ticker)."""
         self.epoch = QueueEpoch(parts.conn, store_look_timeout(settings))
 
-    async def hand_over(self) -> bool:
-        """A stopping worker's hand-over: cancel the requests being served, each handed back
-        for another worker to continue from the store, but those on their last delivery (no
-        worker would be given it again). True when some of those are left to drain."""
+    async def hand_over(self, room: int) -> bool:
+        """A stopping worker's hand-over: cancel up to ``room`` of the requests being served
+        (the youngest), each handed back for another worker to continue from the store, none
+        on its last delivery (no worker would get it again); True when some drain here."""
         last = self.last_deliveries
-        over = [task for task, _request in self.inflight.values() if task not in last]
-        log.info("handing in-flight requests over", count=len(over), draining=len(last))
+        can = [task for task, _request in self.inflight.values() if task not in last]
+        over = can[len(can) - min(room, len(can)) :]  # a peer's free slot each, no more
+        left = len(self.inflight) - len(over)
+        log.info("handing in-flight requests over", count=len(over), room=room, draining=left)
         await cancel_and_wait(over)
-        return bool(last)
+        return left > 0
 
     async def handle(self, msg: Msg) -> None:
         """One delivery, in its own task; returns once the queue message is acked, handed back

@@ -51,7 +51,7 @@ from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
 from mesh.provision import provisioned
-from mesh.registry import Heartbeat, NodeInfo, peers_with_room
+from mesh.registry import Heartbeat, NodeInfo, peers_room
 from mesh.stream_deleted import stream_deleted, watch_deleted
 from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
@@ -355,18 +355,17 @@ class Worker(Lifecycle):
         self.handler.epoch.close()
         if self._undo_reconnect is not None:
             self._undo_reconnect()
-        await self._heartbeat.stop()  # edges stop counting on us before intake stops
-        await self._puller.stop()  # no new work; late deliveries are handed back at once
+        # No new work first: its pull requests end at the server before anything is handed
+        # back (a nak to a request still open came straight back, a delivery burnt each time).
+        await self._puller.stop()
+        await self._heartbeat.stop()  # edges stop counting on us
         tasks = (self._loop_task, self._engine_task, self._leases_back)
         await cancel_and_wait([t for t in tasks if t is not None])
-        grace = self._ws.drain_grace
-        if (
-            self.handler.inflight
-            and self._ws.hand_over
-            and await peers_with_room(self.conn, model_token(self.backend.model), self.node_id)
-        ):
-            # Another worker continues each answer from the store, at once (the rest drain).
-            grace = grace if await self.handler.hand_over() else 0.0
+        grace, room = self._ws.drain_grace, 0
+        if self.handler.inflight and self._ws.hand_over:
+            room = await peers_room(self.conn, model_token(self.backend.model), self.node_id)
+        if room:  # another worker continues each answer from the store, at once
+            grace = grace if await self.handler.hand_over(room) else 0.0
         elif self.handler.inflight:
             log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
         await self._tasks.close(grace=grace)

@@ -290,21 +290,21 @@ async def live_workers(conn: Connection, pool: str | None = None) -> list[NodeIn
     return infos
 
 
-async def peers_with_room(conn: Connection, pool: str, node_id: str) -> bool:
-    """Whether another live worker of ``pool`` announced free slots: then a stopping worker
-    hands its answers over rather than making them wait for its drain."""
+async def peers_room(conn: Connection, pool: str, node_id: str) -> int:
+    """The free slots the other live workers of ``pool`` announced: a stopping worker hands
+    that many of its answers over rather than making them wait for its drain (0 when it
+    cannot tell)."""
     if not conn.connected:
         # Cut off: nobody could take the answers over from the store now, and the registry
         # would not answer (nats-py holds the read until it reconnects, or request_timeout).
         log.info("cut off from NATS: no hand-over; draining")
-        return False
+        return 0
     try:
         peers = await conn.while_linked(live_workers(conn, pool), conn.settings.request_timeout)
-        if any(info.node_id != node_id and info.free > 0 for info in peers):
-            return True
+        return sum(max(0, info.free) for info in peers if info.node_id != node_id)
     except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
         log.info("cannot tell whether another worker has room; draining", error=repr(exc))
-    return False
+    return 0
 
 
 def is_deleted(msg: Msg) -> bool:
