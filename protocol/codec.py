@@ -29,6 +29,7 @@ from protocol.errors import (
 )
 from protocol.messages import (
     MAX_TOKENS_CEILING,
+    WIRE_INT_MAX,
     ErrorEvent,
     Event,
     InferRequest,
@@ -192,11 +193,14 @@ def compact_json(data: Any) -> bytes:
     (a token's event for a JSON client: 0.13 against 2.6 us). The same bytes for strings,
     integers, booleans, None, lists and maps with string keys; a float may be spelled otherwise
     (``1e-5`` for ``1e-05``), and NaN and infinities are null. What orjson refuses (a lone
-    surrogate, an integer beyond 64 bits, a key that is not a string) goes to ``json``."""
+    surrogate, an integer beyond 64 bits, a key that is not a string) goes to ``json``; a lone
+    surrogate is written as JSON escapes it (``\\ud800``)."""
     try:
         return orjson.dumps(data)
-    except orjson.JSONEncodeError:
-        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    except orjson.JSONEncodeError:  # a lone surrogate: as JSON escapes it, backslash-u
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode(
+            "utf-8", "backslashreplace"
+        )
 
 
 def dump_event(event: BaseModel, fmt: WireFormat) -> bytes:
@@ -304,7 +308,24 @@ def _token_fast(raw: Any) -> TokenEvent | None:
     """A well-formed token event without pydantic's validation (the hot path); None when the map
     is anything else or anything looks off, so the full validation decides."""
     fields = token_fields(raw)
-    return None if fields is None else token_event(*fields)
+    if fields is None or not _writable(fields):
+        return None
+    return token_event(*fields)
+
+
+def _writable(fields: tuple[str, int, str, int, int]) -> bool:
+    """Whether a token's fields can be written again (a node relays it): its text Unicode (JSON
+    can carry a lone surrogate, msgpack cannot), its numbers within what msgpack writes."""
+    _rid, seq, text, attempt, n = fields
+    if max(seq, attempt, n) > WIRE_INT_MAX:
+        return False
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def token_fields(raw: Any) -> tuple[str, int, str, int, int] | None:
@@ -348,14 +369,20 @@ def message_token_fields(data: bytes) -> tuple[str, int, str, int, int] | None:
 
 
 def error_event(error: MeshError, request_id: str | None = None) -> ErrorEvent:
-    return ErrorEvent(
-        id=request_id or error.request_id,
-        code=error.code.value,
-        message=error.message,
-        retryable=error.retryable,
-        retry_after=error.retry_after,
-        details=error.details,
-    )
+    """``error`` as the event that says it; its text as it can be encoded (an engine's error
+    text may hold a lone surrogate), its details left out if they cannot be (not JSON)."""
+    fields: dict[str, Any] = {
+        "id": request_id or error.request_id,
+        "code": error.code.value,
+        "message": _printable(error.message),
+        "retryable": error.retryable,
+        "retry_after": error.retry_after,
+        "details": error.details,
+    }
+    try:
+        return ErrorEvent(**fields)
+    except ValidationError:
+        return ErrorEvent(**{**fields, "details": None})
 
 
 def to_exception(event: ErrorEvent) -> MeshError:
@@ -397,10 +424,10 @@ def _summary(exc: ValidationError, limit: int = 3) -> str:
 def invalid_request_error(exc: ValidationError, request_id: str | None) -> InvalidRequestError:
     """A pydantic validation failure as a typed error, with one detail per bad field."""
     details = [
-        {"loc": ".".join(str(p) for p in err["loc"]) or "request", "msg": err["msg"]}
+        {"loc": _printable(".".join(str(p) for p in err["loc"])) or "request", "msg": err["msg"]}
         for err in exc.errors()
     ]
-    return InvalidRequestError(_summary(exc), details=details, request_id=request_id)
+    return InvalidRequestError(_printable(_summary(exc)), details=details, request_id=request_id)
 
 
 __all__ = [

@@ -94,6 +94,28 @@ def unicode_tree(value: Any) -> Any:
 Text = Annotated[str, BeforeValidator(unicode_text)]
 """A string that must be Unicode text: everything of a request that reaches a model, a log or
 the wire."""
+WIRE_INT_MAX = 2**63 - 1
+Count = Annotated[int, Field(ge=0, le=WIRE_INT_MAX)]
+"""A count or a position: what msgpack carries (JSON reads any integer; msgpack writes 64 bits)."""
+
+
+def wire_tree(value: Any) -> Any:
+    """:func:`unicode_tree`, and no integer beyond what msgpack writes: a map a node decoded
+    from JSON that it could not encode again (it relays it, escalates it)."""
+    unicode_tree(value)
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, int) and not -(2**63) <= item <= 2**64 - 1:
+            raise ValueError("an integer beyond 64 bits")
+    return value
+
+
+WireTree = BeforeValidator(wire_tree)
 
 
 class _Wire(BaseModel):
@@ -112,17 +134,17 @@ class RouteDecision(_Wire):
     score: float | None = Field(default=None, ge=0.0, le=1.0)
     """The router's calibrated probability that the request needs the cloud (higher means
     escalate); absent for forced routes."""
-    reason: str = ""
+    reason: Text = ""
     """A short human-readable reason, e.g. ``score 0.81 >= 0.50: math, multi-step``."""
     forced: bool = False
     """True when the client's ``route`` override made the decision, not the router."""
     threshold: float | None = None
     """The score at or above which the router escalated this request."""
-    budget: dict[str, float | int | str | bool | None] | None = None
+    budget: Annotated[dict[str, float | int | str | bool | None] | None, WireTree] = None
     """The edge's cloud budget when it decided: policy, target and realized share of
     router-decided escalations over its recent window, totals (forced routes counted apart) and
     the per-minute cap. Optional; older peers ignore it."""
-    confidence: dict[str, float | int | bool] | None = None
+    confidence: Annotated[dict[str, float | int | bool] | None, WireTree] = None
     """For a request the router kept local under mid-answer escalation: the local model's
     confidence over its first tokens (``tokens``, ``mean_entropy``, ``max_entropy``,
     ``mean_logprob``, ``min_logprob``) and whether it ``escalated`` (then ``decision`` is
@@ -153,7 +175,7 @@ class ResponseFormat(_Wire):
 class InferRequest(_Wire):
     """An inference request: what a client sends to an edge and what an edge queues for workers."""
 
-    v: int = Field(default=PROTOCOL_VERSION, ge=1)
+    v: int = Field(default=PROTOCOL_VERSION, ge=1, le=2**31)
     id: Text = Field(default_factory=new_request_id, pattern=TOKEN_PATTERN)
     model: Text | None = Field(default=None, min_length=1, max_length=256)
     """Cloud model to escalate to; the edge's configured default when absent."""
@@ -306,15 +328,15 @@ class TokenLogprob(_Wire):
 class TokenEvent(_Wire):
     t: Literal["tok"] = "tok"
     id: str
-    seq: int = Field(ge=0)
+    seq: Count
     """Per-request message sequence, from 0; the end message continues it."""
-    text: str
+    text: Text
     """One or several coalesced tokens."""
-    attempt: int = Field(default=1, ge=1)
+    attempt: int = Field(default=1, ge=1, le=WIRE_INT_MAX)
     """The attempt that produced this text: its delivery count (JetStream ``num_delivered``),
     or a number above any other attempt's (microseconds since the epoch) when another attempt
     may have been generating it unseen (see :mod:`protocol.stream`)."""
-    n: int = Field(default=1, ge=0)
+    n: Count = 1
     """Engine tokens in ``text`` (a continuation subtracts them from ``max_tokens``)."""
     logprobs: list[TokenLogprob] | None = None
     """One entry per engine token in ``text``, when the request asked for logprobs."""
@@ -363,15 +385,15 @@ class StartEvent(_Wire):
 
     t: Literal["start"] = "start"
     id: str
-    attempt: int = Field(default=1, ge=1)
-    seq: int = Field(default=0, ge=0)
-    digest: int = Field(default=0, ge=0)
-    node: str = ""
+    attempt: int = Field(default=1, ge=1, le=WIRE_INT_MAX)
+    seq: Count = 0
+    digest: Count = 0
+    node: Text = ""
     """Who generates this attempt (``cloud:<worker>`` or ``edge:<edge>``)."""
     req: str | None = None
     """Fingerprint of the request's content: a reader that sent other content under the same id
     learns it is not its answer."""
-    reason: str | None = None
+    reason: Text | None = None
     """Why this attempt began (``redelivered``, ``continued after a worker stopped``...)."""
     delivery: str | None = None
     """The queue delivery this attempt holds (its JetStream ack subject), set by a worker: when
@@ -394,10 +416,10 @@ class _Outcome(_Wire):
 
 class EndEvent(_Outcome):
     t: Literal["end"] = "end"
-    seq: int = Field(ge=0)
+    seq: Count
     """Positions in the answer: the end follows tok events 0 .. seq-1."""
-    attempt: int = Field(default=1, ge=1)
-    digest: int | None = Field(default=None, ge=0)
+    attempt: int = Field(default=1, ge=1, le=WIRE_INT_MAX)
+    digest: Count | None = None
     """CRC-32 of the whole answer text (UTF-8): what a reader checks before it trusts the end."""
 
 
@@ -405,8 +427,8 @@ class Answer(_Outcome):
     """The single reply to a non-streaming edge request (what ``nats req`` prints)."""
 
     t: Literal["answer"] = "answer"
-    text: str
-    digest: int | None = Field(default=None, ge=0)
+    text: Text
+    digest: Count | None = None
     logprobs: list[TokenLogprob] | None = None
     """One entry per engine token of the answer, when the request asked for logprobs."""
 
@@ -426,15 +448,15 @@ class RestartEvent(_Wire):
 class ErrorEvent(_Wire):
     t: Literal["err"] = "err"
     id: str | None = None
-    attempt: int | None = Field(default=None, ge=1)
+    attempt: int | None = Field(default=None, ge=1, le=WIRE_INT_MAX)
     """The attempt that failed, when a worker failed it: readers ignore errors of attempts they
     have already seen replaced."""
-    code: str
+    code: Text
     """A stable :class:`protocol.errors.ErrorCode` value (unknown codes are kept as strings)."""
-    message: str
+    message: Text
     retryable: bool = False
     retry_after: float | None = None
-    details: list[dict[str, Any]] | None = None
+    details: Annotated[list[dict[str, Any]] | None, WireTree] = None
 
 
 Event = Annotated[

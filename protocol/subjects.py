@@ -83,12 +83,13 @@ def cloud_node_name(node_id: str) -> str:
 
 def worker_of(node: str) -> str | None:
     """The worker's node id in a start event's ``node``; None when a worker did not start it."""
-    return node[len(CLOUD_NODE) :] if node.startswith(CLOUD_NODE) else None
+    worker = node[len(CLOUD_NODE) :] if node.startswith(CLOUD_NODE) else None
+    return worker or None  # "cloud:" names no worker
 
 
 def is_token(value: str) -> bool:
     """True when ``value`` can be used as one subject token as it is."""
-    return bool(_TOKEN_RE.match(value))
+    return bool(_TOKEN_RE.fullmatch(value))  # match's $ takes a final newline too
 
 
 MAX_SUBJECT = 512
@@ -97,7 +98,7 @@ MAX_SUBJECT = 512
 
 def is_literal(value: str) -> bool:
     """True when ``value`` is a literal subject (no wildcards, no whitespace) of any length."""
-    return bool(_SUBJECT_RE.match(value))
+    return bool(_SUBJECT_RE.fullmatch(value))
 
 
 def is_subject(value: str) -> bool:

@@ -274,7 +274,12 @@ def parse_event(data: str) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data)
+        try:
+            return json.loads(data)
+        except (RecursionError, ValueError) as exc:  # too deep; an integer over 4,300 digits
+            if isinstance(exc, json.JSONDecodeError):
+                raise
+            raise json.JSONDecodeError(f"unreadable ({type(exc).__name__})", data, 0) from None
 
 
 class _Reading:
@@ -325,7 +330,7 @@ class _Reading:
                 self.finish_reason, self.done = "length", True  # should have
                 break
             if text:
-                logprobs = _logprobs(choice, request) if request.logprobs else None
+                logprobs = self._logprobs(choice) if request.logprobs else None
                 n = len(logprobs) if logprobs else 1  # an event may carry several tokens
                 self.produced += n
                 if self._high or (not text.isascii() and SURROGATE.search(text)):
@@ -367,6 +372,15 @@ class _Reading:
             prompt_tokens=count("prompt_tokens", 0),
             completion_tokens=count("completion_tokens", self.produced),
         )
+
+    def _logprobs(self, choice: dict[str, Any]) -> list[TokenLogprob] | None:
+        found = choice.get("logprobs")
+        if not isinstance(found, dict):
+            return None
+        try:
+            return openai_logprobs(found, chat=not self.request.raw, top=self.request.top_logprobs)
+        except (KeyError, TypeError, ValueError, AttributeError):  # pydantic's is a ValueError
+            raise self._malformed("logprobs") from None
 
     def _malformed(self, what: str) -> BackendError:
         return BackendError(f"{self.base} sent a malformed event: {what} of the wrong type")
@@ -450,13 +464,6 @@ class _SseLines:
             elif line.startswith("data:"):
                 self._data.append(line[5:].removeprefix(" "))
         return events
-
-
-def _logprobs(choice: dict[str, Any], request: InferRequest) -> list[TokenLogprob] | None:
-    found = choice.get("logprobs")
-    if not isinstance(found, dict):
-        return None
-    return openai_logprobs(found, chat=not request.raw, top=request.top_logprobs)
 
 
 def _error_text(event: dict[str, Any]) -> str:
