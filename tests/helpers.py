@@ -189,3 +189,17 @@ async def scrape(url: str) -> str:
     async with aiohttp.ClientSession() as session, session.get(url) as resp:
         assert resp.status == 200, url
         return await resp.text()
+
+
+def serving(
+    via: str, settings: MeshSettings, conn: Connection, engine: Any
+) -> tuple[Any, dict[str, Any]]:
+    """The node a stream ``via`` the edge or the cloud is answered by (an edge answering with
+    its own model, or a worker), on ``engine``, and the stream's keywords for it."""
+    from cloud_node.worker import Worker
+    from edge_node.node import EdgeNode
+    from edge_node.router import HeuristicRouter
+
+    if via == "edge":
+        return EdgeNode(settings, conn, engine, HeuristicRouter()), {"route": "local"}
+    return Worker(settings, conn, engine), {}

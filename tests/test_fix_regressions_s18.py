@@ -29,7 +29,7 @@ from protocol.errors import MeshError, UnavailableError
 from protocol.messages import TokenEvent
 from protocol.subjects import consumer_name
 from tests.conftest import linked_settings, make_settings
-from tests.helpers import eventually, holds, still_running, tasks_now
+from tests.helpers import eventually, holds, serving, still_running, tasks_now
 from tests.nats_wire import RawNatsClient
 
 
@@ -147,12 +147,7 @@ async def test_closing_twice_at_once_still_takes_every_call_back(
     it passed (GUARD: the cancel is a buffered publish, flushed by the connection's close)."""
     settings.edge.max_concurrent = 256
     engine = _engine()
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     started = [asyncio.Event() for _ in range(10)]
     async with node:
         client = await MeshClient(
@@ -194,12 +189,7 @@ async def test_close_from_inside_the_stream_loop_ends_it_typed_and_takes_it_back
     cancelled error came into the reader's buffer meanwhile, and AnswerReader.next passed on
     what it held before the end close() set. Now the end close() set comes first."""
     engine = _engine()
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with node:
         before = await tasks_now(conn)
         client = await MeshClient(
@@ -231,12 +221,7 @@ async def test_close_ends_each_call_in_flight_in_unavailable_as_documented(
     task) "ends each in UnavailableError": so it does, via the edge and via the cloud."""
     settings.edge.max_concurrent = 256
     engine = _engine()
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     started = [asyncio.Event() for _ in range(5)]
     async with node:
         client = await MeshClient(

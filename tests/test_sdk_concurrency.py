@@ -25,7 +25,7 @@ from mesh.connection import Connection
 from mesh.testing.chaos import expected_text, prompt
 from protocol.errors import DeadlineExceededError, MeshError
 from protocol.messages import EndEvent, RestartEvent, TokenEvent
-from tests.helpers import eventually, holds, still_running, tasks_now
+from tests.helpers import eventually, holds, serving, still_running, tasks_now
 
 
 def backend(slots: int = 256, delay_ms: int = 10, prefill_ms: int = 0) -> DeterministicBackend:
@@ -60,12 +60,7 @@ async def test_many_concurrent_streams_each_get_their_own_answer(
     event under its own id."""
     settings.edge.max_concurrent = 256
     engine = backend(delay_ms=10)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with (
         node,
         MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client,
@@ -139,12 +134,7 @@ async def test_cancelling_a_third_of_many_streams_leaves_the_rest_whole_and_free
     the generator stops for the left ones, and nothing stays behind on the client."""
     settings.edge.max_concurrent = 256
     engine = backend(delay_ms=30)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with (
         node,
         MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client,
@@ -185,12 +175,7 @@ async def test_close_with_streams_in_flight_ends_each_in_one_typed_error(
 ) -> None:
     settings.edge.max_concurrent = 256
     engine = backend(delay_ms=50)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     outcomes: dict[int, Any] = {}
     started = [asyncio.Event() for _ in range(30)]
 
@@ -241,12 +226,7 @@ async def test_close_with_streams_in_flight_withdraws_them(
 ) -> None:
     settings.edge.max_concurrent = 256
     engine = backend(delay_ms=50)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     started = [asyncio.Event() for _ in range(30)]
     async with node:
         client = await MeshClient(
@@ -308,12 +288,7 @@ async def test_the_same_id_from_two_concurrent_calls_one_leaving(
     """Guard: two calls under one request id on one client: both get the one answer; one that
     leaves early (break) does not cut the other short."""
     engine = backend(delay_ms=30)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with (
         node,
         MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client,
@@ -368,12 +343,7 @@ async def test_two_calls_of_one_id_both_cancelled_withdraw_it(
     """Guard: two calls under one id, both cancelled in the same loop turn: the request is
     withdrawn (one of them sees itself alone, TryIds.alone), the engine stops."""
     engine = backend(delay_ms=50)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with (
         node,
         MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client,
@@ -405,12 +375,7 @@ async def test_a_call_whose_deadline_is_past_is_never_started(
 ) -> None:
     """A deadline already past: ``deadline_exceeded`` at once, the request never started."""
     engine = backend()
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with node, MeshClient(settings=settings, first_event_timeout=5, idle_timeout=5) as client:
         await read_all(client, "warm", 2, via=via, **kw)
         for past in (time.time() - 5, time.time()):
@@ -429,12 +394,7 @@ async def test_a_whole_answer_call_cancelled_midway_withdraws(
     """Guard: complete() cancelled while tokens flow: the engine stops, nothing stays behind,
     and the same id asked again is answered whole."""
     engine = backend(delay_ms=40)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with node, MeshClient(settings=settings, first_event_timeout=5, idle_timeout=5) as client:
         await read_all(client, "warm", 2, via=via, **kw)
         before = await tasks_now(client.conn)
@@ -538,12 +498,7 @@ async def test_a_slow_reader_past_its_pending_limit_gets_the_whole_answer(
     fast ones: what was dropped is fetched again; every answer whole and in order."""
     settings.edge.max_concurrent = 256
     engine = backend(delay_ms=3)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with (
         node,
         MeshClient(
@@ -585,12 +540,7 @@ async def test_break_then_leaving_the_client_still_withdraws(
     settings: MeshSettings, conn: Connection, via: Via
 ) -> None:
     engine = backend(delay_ms=50)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with node:
         async with MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client:
             async for event in client.stream(prompt("brk"), max_tokens=100, via=via, **kw):
@@ -613,12 +563,7 @@ async def test_one_id_two_different_requests_at_once(
     from protocol.errors import DuplicateRequestError
 
     engine = backend(delay_ms=20)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with node, MeshClient(settings=settings, first_event_timeout=5, idle_timeout=5) as client:
         got = await asyncio.wait_for(
             asyncio.gather(
@@ -641,12 +586,7 @@ async def test_streams_cancelled_at_every_early_point_leave_nothing_behind(
     for nobody (the engine ends idle, the queue empty)."""
     settings.edge.max_concurrent = 256
     engine = backend(delay_ms=50)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with (
         node,
         MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client,
@@ -688,12 +628,7 @@ async def test_close_as_calls_begin_ends_each_typed_or_whole(
     cloud on its own connection: RuntimeError "not connected", at 0 turns)."""
     settings.edge.max_concurrent = 256
     engine = backend(delay_ms=5)
-    node = (
-        EdgeNode(settings, conn, engine, HeuristicRouter())
-        if via == "edge"
-        else Worker(settings, conn, engine)
-    )
-    kw: dict[str, Any] = {"route": "local"} if via == "edge" else {}
+    node, kw = serving(via, settings, conn, engine)
     async with node:
         for turns in range(13):
             client = await MeshClient(
