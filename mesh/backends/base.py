@@ -115,7 +115,10 @@ def openai_logprobs(found: dict[str, Any], *, chat: bool, top: int) -> list[Toke
             TokenLogprob(
                 token=whole(entry["token"]),
                 logprob=float(entry["logprob"]),
-                top=[(t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or []]
+                top=[
+                    (whole(t["token"]), float(t["logprob"]))
+                    for t in entry.get("top_logprobs") or []
+                ]
                 if top
                 else None,
             )
@@ -127,7 +130,7 @@ def openai_logprobs(found: dict[str, Any], *, chat: bool, top: int) -> list[Toke
         TokenLogprob(
             token=whole(token),
             logprob=float(logprob),
-            top=[(t, float(lp)) for t, lp in (alts or {}).items()][:top] if top else None,
+            top=[(whole(t), float(lp)) for t, lp in (alts or {}).items()][:top] if top else None,
         )
         for token, logprob, alts in zip(
             tokens, found.get("token_logprobs") or [], tops, strict=False
