@@ -28,7 +28,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgpack
 import nats.errors
@@ -88,7 +88,6 @@ from protocol.subjects import (
 Via = Literal["edge", "cloud"]
 EDGE_RESTART_S = 2.0
 """How long a request no edge was subscribed for is sent again (an edge restarting)."""
-T = TypeVar("T")
 EDGE_GONE_AFTER_S = 10.0
 """How long an edge nobody answers for may be away mid-request, by default (see MeshClient)."""
 
@@ -152,6 +151,8 @@ class MeshClient(Lifecycle):
         self._closing: asyncio.Future[None] | None = None
 
     async def connect(self) -> MeshClient:
+        if self._closing is not None and not self._closing.done():
+            await asyncio.shield(self._closing)  # a close cancelled under its caller ends first
         if self._own_conn:
             await self.conn.connect()
         self._closed, self._closing = False, None  # open again after a close
@@ -169,8 +170,7 @@ class MeshClient(Lifecycle):
 
     async def close(self) -> None:
         """Every call in flight ends in :class:`UnavailableError` and its request is taken back
-        (an edge or a worker generates for nobody otherwise), before the connection closes.
-        Closed twice at once (``async with`` and a shutdown hook), both wait for the one."""
+        before the connection closes; closed twice at once, both wait for the one close."""
         self._closed = True
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._close())
