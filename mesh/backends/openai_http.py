@@ -47,6 +47,7 @@ from mesh.backends.eager_send import EagerRequest
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
 from mesh.tasks import cancel_and_wait, raise_if_cancelled
+from protocol.codec import LENIENT_OPENERS
 from protocol.errors import BackendError, ContextTooLongError, MeshTimeoutError, UnavailableError
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
@@ -273,13 +274,15 @@ def parse_event(data: str) -> Any:
     beyond 64 bits as a float (no engine counts tokens that high)."""
     try:
         return orjson.loads(data)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if data.count("[") + data.count("{") > LENIENT_OPENERS:  # json would recurse that deep
+            raise json.JSONDecodeError(f"unreadable ({exc})", data, 0) from None
         try:
             return json.loads(data)
-        except (RecursionError, ValueError) as exc:  # too deep; an integer over 4,300 digits
-            if isinstance(exc, json.JSONDecodeError):
+        except (RecursionError, ValueError) as err:  # an integer over 4,300 digits
+            if isinstance(err, json.JSONDecodeError):
                 raise
-            raise json.JSONDecodeError(f"unreadable ({type(exc).__name__})", data, 0) from None
+            raise json.JSONDecodeError(f"unreadable ({type(err).__name__})", data, 0) from None
 
 
 class _Reading:
