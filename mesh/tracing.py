@@ -79,10 +79,6 @@ def install_provider(service: str) -> None:
     trace.set_tracer_provider(provider)
 
 
-TRACE_HEADERS = ("traceparent", "tracestate")
-"""W3C trace context: carried from the client's request to the queued one, unchanged."""
-
-
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _TRACESTATE = re.compile(r"[\x20-\x7e]{1,512}")
 """W3C's forms: a ``traceparent`` (version, trace id, parent id, flags) and a ``tracestate``
