@@ -101,17 +101,22 @@ Count = Annotated[int, Field(ge=0, le=WIRE_INT_MAX)]
 
 def wire_tree(value: Any) -> Any:
     """:func:`unicode_tree`, and no integer beyond what msgpack writes: a map a node decoded
-    from JSON that it could not encode again (it relays it, escalates it)."""
-    unicode_tree(value)
+    from JSON that it could not encode again (it relays it, escalates it). One walk."""
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
+            stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-        elif isinstance(item, int) and not -(2**63) <= item <= 2**64 - 1:
-            raise ValueError("an integer beyond 64 bits")
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if not -(2**63) <= item <= 2**64 - 1:
+                raise ValueError("an integer beyond 64 bits")
+        elif isinstance(item, _JSON_LEAVES):
+            unicode_text(item)
+        else:
+            raise ValueError(f"JSON values only, not {type(item).__name__}")
     return value
 
 
@@ -155,7 +160,7 @@ class ResponseFormat(_Wire):
     """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
 
     type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: Annotated[dict[str, Any] | None, BeforeValidator(unicode_tree)] = None
+    json_schema: Annotated[dict[str, Any] | None, WireTree] = None
     """For ``json_schema``: ``{"name": ..., "schema": {...}, "strict": ...}`` as OpenAI has it."""
 
     @model_validator(mode="after")

@@ -739,3 +739,27 @@ def test_guard_fingerprints_agree_with_request_fingerprint(raw: dict, model: str
     request = request.model_copy(update={"model": model})
     assert Fingerprints(request).of(model) == request_fingerprint(request)
     assert is_token(model_token(model)) if model else True
+
+
+def test_a_json_schema_with_an_integer_beyond_64_bits_is_refused_at_the_door() -> None:
+    """Before the fix (typed): ``response_format.json_schema`` was checked as Unicode text only
+    (``unicode_tree``), not as what msgpack can write (``wire_tree``): a schema's ``maximum`` of
+    2**70 passed the door, and the edge's escalation, which queues the request as msgpack,
+    failed on it with a raw OverflowError. orjson reads such a number as a float; Python's json,
+    which reads what orjson refuses (here a lone surrogate in a field nobody reads), keeps it
+    exact. Now it is ``invalid_request``."""
+    schema = {"type": "integer", "maximum": 2**70}
+    raw = {
+        "prompt": "hi",
+        "note": "\ud800",
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+    }
+    with pytest.raises(MeshError) as refused:
+        decode_request(json.dumps(raw).encode())
+    assert refused.value.code == "invalid_request"
+    assert "64 bits" in str(refused.value)
+    # the same schema within 64 bits passes and is written back as it came
+    schema["maximum"] = 2**63
+    request, _fmt = decode_request(json.dumps(raw).encode())
+    again = decode_request(dump(request, WireFormat.MSGPACK), {CONTENT_TYPE: "application/msgpack"})
+    assert again[0].response_format.json_schema_of() == schema
