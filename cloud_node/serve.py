@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,15 +125,15 @@ class Handler(ABC):
         """This process's stand-stills (the worker runs its ticker)."""
         self.epoch = QueueEpoch(parts.conn, store_look_timeout(settings))
 
-    async def hand_over(self, room: int) -> bool:
-        """A stopping worker's hand-over: cancel up to ``room`` of the requests being served
-        (the youngest), each handed back for another worker to continue from the store, none
-        on its last delivery (no worker would get it again); True when some drain here."""
+    async def hand_over(self, claim: Callable[[int], Awaitable[int]]) -> bool:
+        """A stopping worker's hand-over: cancel the youngest requests, one per peer's free slot
+        ``claim`` reserved, for others to continue from the store (none on its last delivery: no
+        worker would get it again); True when some drain here."""
         last = self.last_deliveries
         can = [task for task, _request in self.inflight.values() if task not in last]
-        over = can[len(can) - min(room, len(can)) :]  # a peer's free slot each, no more
+        over = can[len(can) - await claim(len(can)) :]  # a reserved peer's slot each, no more
         left = len(self.inflight) - len(over)
-        log.info("handing in-flight requests over", count=len(over), room=room, draining=left)
+        log.info("handing in-flight requests over", count=len(over), draining=left)
         await cancel_and_wait(over)
         return left > 0
 

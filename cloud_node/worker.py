@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import nats.errors
@@ -51,7 +52,7 @@ from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
 from mesh.provision import provisioned
-from mesh.registry import Heartbeat, NodeInfo, peers_room
+from mesh.registry import Heartbeat, NodeInfo, claim_room
 from mesh.stream_deleted import stream_deleted, watch_deleted
 from mesh.tasks import TaskSet, cancel_and_wait
 from mesh.tracing import Tracing
@@ -356,17 +357,16 @@ class Worker(Lifecycle):
         if self._undo_reconnect is not None:
             self._undo_reconnect()
         # No new work first: its pull requests end at the server before anything is handed
-        # back (a nak to a request still open came straight back, a delivery burnt each time).
-        await self._puller.stop()
-        await self._heartbeat.stop()  # edges stop counting on us
+        # back (a nak to a request still open came straight back, a delivery burnt each time),
+        # as its registry entry goes: edges, and peers stopping beside it, stop counting on it.
+        await asyncio.gather(self._puller.stop(), self._heartbeat.stop())
         tasks = (self._loop_task, self._engine_task, self._leases_back)
         await cancel_and_wait([t for t in tasks if t is not None])
-        grace, room = self._ws.drain_grace, 0
-        if self.handler.inflight and self._ws.hand_over:
-            room = await peers_room(self.conn, model_token(self.backend.model), self.node_id)
-        if room:  # another worker continues each answer from the store, at once
-            grace = grace if await self.handler.hand_over(room) else 0.0
-        elif self.handler.inflight:
+        grace, pool = self._ws.drain_grace, model_token(self.backend.model)
+        if self.handler.inflight and self._ws.hand_over:  # others continue them from the store
+            claim = partial(claim_room, self.conn, pool, self.node_id, self._stream.node_ttl)
+            grace = grace if await self.handler.hand_over(claim) else 0.0
+        if self.handler.inflight:
             log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
         await self._tasks.close(grace=grace)
         await cancel_and_wait([t for t in (self._lag_task,) if t is not None])
@@ -442,7 +442,7 @@ class Worker(Lifecycle):
 
     # -- intake ----------------------------------------------------------------------------
     def free_slots(self) -> int:
-        if self.engine.down:  # pull nothing to fail: the queue keeps it for healthy workers
+        if self.engine.down or self._stopping:  # pull nothing to fail, or nothing at all
             return 0
         capacity = self.backend.capacity()
         return max(0, min(capacity.total - self._reserved, capacity.free))

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from pydantic import BaseModel, ValidationError
 
@@ -47,11 +47,22 @@ from mesh.logs import get_logger
 from mesh.provision import placement
 from mesh.tasks import cancel_and_wait, raise_if_cancelled
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
-from protocol.subjects import NODES_BUCKET, NODES_STREAM, REGISTRY_UPDATES, model_token
+from protocol.subjects import (
+    NODES_BUCKET,
+    NODES_STREAM,
+    REGISTRY_UPDATES,
+    model_token,
+    worker_status_subject,
+)
 
 log = get_logger(__name__)
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
 HANDBACK = "handback"
+ROOM = f"{HANDBACK}.=room"
+SEQ = "Nats-Sequence"
+ASK_S = 0.5
+"""How long a stopping worker waits for a peer to say what it has free."""
+"""Reserved peer slots (:func:`claim_room`): ``=`` is in no scope, so no hand-back claim's key."""
 KEYS = f"$KV.{NODES_BUCKET}"
 """The bucket's subjects: ``$KV.mesh_nodes.<key>``."""
 REPUBLISH = api.RePublish(src=f"{KEYS}.>", dest=f"{REGISTRY_UPDATES}.>")
@@ -290,21 +301,82 @@ async def live_workers(conn: Connection, pool: str | None = None) -> list[NodeIn
     return infos
 
 
-async def peers_room(conn: Connection, pool: str, node_id: str) -> int:
-    """The free slots the other live workers of ``pool`` announced: a stopping worker hands
-    that many of its answers over rather than making them wait for its drain (0 when it
-    cannot tell)."""
+async def claim_room(conn: Connection, pool: str, node_id: str, ttl: float, want: int) -> int:
+    """Reserve up to ``want`` of the free slots the other live workers of ``pool`` announced,
+    and return how many this stopping worker holds: it hands that many of its answers over
+    rather than making them wait for its drain (0 when it cannot tell).
+
+    Each slot is a key created in the registry bucket (an atomic create, gone with the bucket's
+    TTL) named by the peer's entry as read (its stream sequence): two workers stopping at once
+    read the same entry and win each slot once between them, where both counted it before and
+    the second answer handed over stood in the queue until the slot freed. The peer's next
+    heartbeat is a new entry, which says whether it took the answer."""
+    if want <= 0:
+        return 0
     if not conn.connected:
         # Cut off: nobody could take the answers over from the store now, and the registry
         # would not answer (nats-py holds the read until it reconnects, or request_timeout).
         log.info("cut off from NATS: no hand-over; draining")
         return 0
+    timeout = conn.settings.request_timeout
     try:
-        peers = await conn.while_linked(live_workers(conn, pool), conn.settings.request_timeout)
-        return sum(max(0, info.free) for info in peers if info.node_id != node_id)
-    except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        peers = []
+        for msg in await conn.while_linked(read_entries(conn, f"worker.{pool}.>"), timeout):
+            with contextlib.suppress(ValidationError):
+                info = None if is_deleted(msg) else NodeInfo.model_validate_json(msg.data)
+                if info is None or info.node_id == node_id or info.down or not info.free:
+                    continue
+                entry = f"{_KEY_UNSAFE.sub('_', info.node_id)}.{(msg.headers or {})[SEQ]}"
+                peers.append((info, f"{ROOM}.{pool}.{entry}"))
+        # An entry is up to a heartbeat old: a peer that took work since, or is stopping too
+        # and has not deleted its entry yet, says what it has free now.
+        now = await asyncio.gather(*(_free_now(conn, info) for info, _entry in peers))
+        slots = [
+            f"{entry}.{n}"
+            for (_info, entry), free in zip(peers, now, strict=True)
+            for n in range(free)
+        ]
+        if not slots:
+            return 0
+        return await _create_keys(await open_bucket(conn, ttl), conn, slots, want)
+    except (MeshError, nats.errors.Error, asyncio.TimeoutError, KeyError) as exc:
         log.info("cannot tell whether another worker has room; draining", error=repr(exc))
     return 0
+
+
+async def _free_now(conn: Connection, info: NodeInfo) -> int:
+    """The free slots a worker says it has now (0 when it does not answer at once)."""
+    try:
+        reply = await conn.nc.request(worker_status_subject(info.node_id), b"", timeout=ASK_S)
+        free = json.loads(reply.data).get("free")
+    except (nats.errors.Error, asyncio.TimeoutError, ValueError, AttributeError):
+        return 0
+    return max(0, min(free, info.slots)) if isinstance(free, int) else 0
+
+
+async def _create_keys(kv: KeyValue, conn: Connection, keys: list[str], want: int) -> int:
+    """Create ``keys`` in the bucket, a batch at a time, until ``want`` of them were this
+    caller's to create; how many were (those made before a failure count)."""
+    won = 0
+    while keys and won < want:
+        batch, keys = keys[: want - won], keys[want - won :]
+        made = await asyncio.gather(
+            *(
+                conn.while_linked(kv.create(key, b"1"), conn.settings.request_timeout)
+                for key in batch
+            ),
+            return_exceptions=True,
+        )
+        won += sum(1 for result in made if not isinstance(result, BaseException))
+        for result in made:
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException) and not isinstance(
+                result, KeyWrongLastSequenceError
+            ):
+                log.info("cannot reserve a peer's slot", error=repr(result))
+                return won
+    return won
 
 
 def is_deleted(msg: Msg) -> bool:

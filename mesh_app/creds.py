@@ -150,6 +150,7 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             ANSWER_WILDCARD,
             LEASE_WILDCARD,
             f"{PREFIX}.worker.*.alive.*.*",  # is a worker named dead really gone?
+            f"{PREFIX}.worker.*.status",  # a stopping worker asks its peers what they have free
             f"$KV.{NODES_BUCKET}.worker.*.{node}",  # its own key, in its model's pool
             f"$KV.{NODES_BUCKET}.handback.>",  # claims on handing back a dead worker's requests
             *(f"$JS.API.{call}" for call in _registry_reader()),

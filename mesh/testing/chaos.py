@@ -209,13 +209,15 @@ class MeshProcess:
     def kill(self) -> None:
         """kill -9, by PID."""
         if self.proc is not None and self.proc.returncode is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # reaped, returncode not yet set
+                os.kill(self.proc.pid, signal.SIGKILL)
 
     async def stop(self, timeout: float = 15.0) -> None:
         if self.proc is None or self.proc.returncode is not None:
             return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        os.kill(self.proc.pid, signal.SIGCONT)  # a paused process acts on its SIGTERM
+        with contextlib.suppress(ProcessLookupError):  # exited, reaped, returncode not yet set
+            os.kill(self.proc.pid, signal.SIGTERM)
+            os.kill(self.proc.pid, signal.SIGCONT)  # a paused process acts on its SIGTERM
         try:
             await asyncio.wait_for(self.proc.wait(), timeout)
         except asyncio.TimeoutError:
