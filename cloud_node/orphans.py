@@ -52,7 +52,7 @@ from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.queue import orphan_worker
-from mesh.registry import handback_key, open_bucket
+from mesh.registry import create_once, handback_key, open_bucket
 from mesh.tasks import cancel_and_wait
 from protocol.codec import RequestLimits, decode_request
 from protocol.errors import MeshError
@@ -302,7 +302,7 @@ class Orphans:
             if self._kv is None:
                 self._kv = await open_bucket(self.conn, self.stream.node_ttl)
             await asyncio.wait_for(
-                self._kv.create(handback_key(scope, request_id, attempt), b"1"),
+                create_once(self._kv, handback_key(scope, request_id, attempt)),
                 self.conn.settings.request_timeout,
             )
         except KeyWrongLastSequenceError:

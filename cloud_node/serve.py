@@ -112,8 +112,7 @@ class Handler(ABC):
         self.inflight: dict[str, tuple[asyncio.Task[Any], InferRequest]] = {}
         """Requests being served, by token subject (cancels find them here)."""
         self.last_deliveries: set[asyncio.Task[Any]] = set()
-        """Those of them on their queue message's last delivery: handed back, it would go to
-        no other worker (a stopping worker finishes them instead)."""
+        """Those on their queue message's last delivery: a stopping worker finishes them."""
         self.publishers: dict[str, AnswerPublisher] = {}
         """Their publishers (a reconnect has each catch up)."""
         self.ack: Ack = ack
@@ -126,12 +125,13 @@ class Handler(ABC):
         self.epoch = QueueEpoch(parts.conn, store_look_timeout(settings))
 
     async def hand_over(self, claim: Callable[[int], Awaitable[int]]) -> bool:
-        """A stopping worker's hand-over: cancel the youngest requests, one per peer's free slot
-        ``claim`` reserved, for others to continue from the store (none on its last delivery: no
-        worker would get it again); True when some drain here."""
+        """A stopping worker's hand-over: cancel the youngest requests, one per peer slot ``claim``
+        reserved (counted after it: one may end meanwhile), for others to continue from the store,
+        none on its last delivery (no worker would get it again); True when some drain here."""
         last = self.last_deliveries
+        room = await claim(sum(task not in last for task, _request in self.inflight.values()))
         can = [task for task, _request in self.inflight.values() if task not in last]
-        over = can[len(can) - await claim(len(can)) :]  # a reserved peer's slot each, no more
+        over = can[len(can) - min(room, len(can)) :]  # a reserved peer's slot each, no more
         left = len(self.inflight) - len(over)
         log.info("handing in-flight requests over", count=len(over), draining=left)
         await cancel_and_wait(over)

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import nats.errors
+import orjson
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
@@ -61,6 +62,7 @@ HANDBACK = "handback"
 ROOM = f"{HANDBACK}.=room"
 SEQ = "Nats-Sequence"
 ASK_S = 0.5
+MAX_STATUS = 64 * 1024
 """How long a stopping worker waits for a peer to say what it has free."""
 """Reserved peer slots (:func:`claim_room`): ``=`` is in no scope, so no hand-back claim's key."""
 KEYS = f"$KV.{NODES_BUCKET}"
@@ -331,6 +333,8 @@ async def claim_room(conn: Connection, pool: str, node_id: str, ttl: float, want
         # An entry is up to a heartbeat old: a peer that took work since, or is stopping too
         # and has not deleted its entry yet, says what it has free now.
         now = await asyncio.gather(*(_free_now(conn, info) for info, _entry in peers))
+        if not conn.connected:  # cut off meanwhile (nothing to ask now)
+            return 0
         slots = [
             f"{entry}.{n}"
             for (_info, entry), free in zip(peers, now, strict=True)
@@ -338,20 +342,22 @@ async def claim_room(conn: Connection, pool: str, node_id: str, ttl: float, want
         ]
         if not slots:
             return 0
-        return await _create_keys(await open_bucket(conn, ttl), conn, slots, want)
+        kv = await conn.while_linked(open_bucket(conn, ttl), timeout)
+        return await _create_keys(kv, conn, slots, want)
     except (MeshError, nats.errors.Error, asyncio.TimeoutError, KeyError) as exc:
         log.info("cannot tell whether another worker has room; draining", error=repr(exc))
     return 0
 
 
 async def _free_now(conn: Connection, info: NodeInfo) -> int:
-    """The free slots a worker says it has now (0 when it does not answer at once)."""
+    """The free slots a worker says it has now (0 when it does not answer at once, or says
+    something else than a number of slots)."""
     try:
         reply = await conn.nc.request(worker_status_subject(info.node_id), b"", timeout=ASK_S)
-        free = json.loads(reply.data).get("free")
+        free = orjson.loads(reply.data).get("free") if len(reply.data) <= MAX_STATUS else None
     except (nats.errors.Error, asyncio.TimeoutError, ValueError, AttributeError):
-        return 0
-    return max(0, min(free, info.slots)) if isinstance(free, int) else 0
+        return 0  # orjson refuses what nests too deep (a ValueError), as it refuses bad JSON
+    return max(0, min(free, info.slots)) if type(free) is int else 0
 
 
 async def _create_keys(kv: KeyValue, conn: Connection, keys: list[str], want: int) -> int:
@@ -362,7 +368,7 @@ async def _create_keys(kv: KeyValue, conn: Connection, keys: list[str], want: in
         batch, keys = keys[: want - won], keys[want - won :]
         made = await asyncio.gather(
             *(
-                conn.while_linked(kv.create(key, b"1"), conn.settings.request_timeout)
+                conn.while_linked(create_once(kv, key), conn.settings.request_timeout)
                 for key in batch
             ),
             return_exceptions=True,
@@ -377,6 +383,14 @@ async def _create_keys(kv: KeyValue, conn: Connection, keys: list[str], want: in
                 log.info("cannot reserve a peer's slot", error=repr(result))
                 return won
     return won
+
+
+async def create_once(kv: KeyValue, key: str) -> int:
+    """Create ``key`` unless it is there (``KeyWrongLastSequenceError``): a claim or a
+    reservation, never deleted, gone with the bucket's TTL. Not nats-py's ``create``, which
+    reads a key it finds back (to recreate a deleted one) with a direct get that a worker's
+    credentials do not allow: the server refused it, and the create waited out its timeout."""
+    return await kv.update(key, b"1", last=0)
 
 
 def is_deleted(msg: Msg) -> bool:
