@@ -300,8 +300,11 @@ class NatsIntake:
             return
         accepting = self.parts.accepting()
         if not accepting or self.parts.in_flight() >= self.parts.edge.max_concurrent:
-            reason = "edge is at its concurrency limit" if accepting else "edge is stopping"
-            error = OverloadedError(reason, retry_after=1.0)
+            error: MeshError = (
+                OverloadedError("edge is at its concurrency limit", retry_after=1.0)
+                if accepting  # stopping: as over HTTP (another edge may answer at once)
+                else UnavailableError("edge is shutting down", retry_after=1.0)
+            )
             self.parts.counts.refused(error)
             self._refuse(request, reply, error)
             return

@@ -61,7 +61,8 @@ async def test_requests_over_the_limit_and_while_stopping_get_a_typed_refusal(
 
         await eventually(not_accepting, what="the edge stopping")
         late = await conn.nc.request(edge.subject, ASK, timeout=5)
-        assert error_of(late.data) == ("overloaded", "edge is stopping")
+        # Before the fix: ("overloaded", "edge is stopping"), where HTTP said unavailable.
+        assert error_of(late.data) == ("unavailable", "edge is shutting down")
         await stopping
         code, _message = error_of((await held).data)
         assert code == "unavailable"  # the hung request, cut off by the stop: told so
