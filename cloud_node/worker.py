@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -36,6 +35,7 @@ from cloud_node.keeper import Keeper
 from cloud_node.lease import Leases
 from cloud_node.orphans import Orphans
 from cloud_node.outcomes import Outcomes
+from cloud_node.promises import Promises
 from cloud_node.publisher import Settler
 from cloud_node.puller import Puller, nak
 from cloud_node.serve import Parts
@@ -65,6 +65,7 @@ from protocol.subjects import (
     model_token,
     token_subject,
     worker_cancels,
+    worker_reserve_subject,
     worker_status_subject,
 )
 
@@ -164,6 +165,7 @@ class Worker(Lifecycle):
         self.store_service = StoreService(conn, self.store)
         """Answers senders that may not read the answer store themselves (``mesh creds``)."""
         self._stopping = False
+        self.promises = Promises(self.free_slots)  # to stopping peers
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
         self._engine_task: asyncio.Task[Any] | None = None
@@ -197,14 +199,8 @@ class Worker(Lifecycle):
         self.metrics.slots.set_function(lambda: self.backend.capacity().total)
         if hasattr(self.backend, "engine"):  # its own figures (vLLM in process or behind HTTP)
             for figure in ("running", "waiting", "kv_cache"):
-                self.metrics.engine.labels(figure).set_function(self._engine_figure(figure))
-
-    def _engine_figure(self, figure: str) -> Callable[[], float]:
-        def read() -> float:
-            load: dict[str, float] = getattr(self.backend, "engine", {})
-            return load.get(figure, 0.0)
-
-        return read
+                read = partial(lambda f: float(getattr(backend, "engine", {}).get(f, 0.0)), figure)
+                self.metrics.engine.labels(figure).set_function(read)
 
     @property
     def consumer(self) -> str:
@@ -252,9 +248,11 @@ class Worker(Lifecycle):
             metadata=self._metadata(),
             stats_handler=lambda _endpoint: self.status(),
         )
-        await self._service.add_endpoint(
-            name="status", subject=worker_status_subject(self.node_id), handler=self._on_status
-        )
+        for name, subject, on in (
+            ("status", worker_status_subject, self._on_status),
+            ("reserve", worker_reserve_subject, self.promises.on_reserve),
+        ):
+            await self._service.add_endpoint(name=name, subject=subject(self.node_id), handler=on)
         await self.conn.subscribed()
         await self.engine.first()  # announced and pulling as the engine is
         await self._heartbeat.start()
@@ -364,7 +362,7 @@ class Worker(Lifecycle):
         await cancel_and_wait([t for t in tasks if t is not None])
         grace, pool = self._ws.drain_grace, model_token(self.backend.model)
         if self.handler.inflight and self._ws.hand_over:  # others continue them from the store
-            claim = partial(claim_room, self.conn, pool, self.node_id, self._stream.node_ttl)
+            claim = partial(claim_room, self.conn, pool, self.node_id)
             grace = grace if await self.handler.hand_over(claim) else 0.0
         if self.handler.inflight:
             log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
@@ -460,6 +458,7 @@ class Worker(Lifecycle):
             self._tasks.spawn(nak(msg), name="nak")
             return
         self.counts.fetched()
+        self.promises.kept()
         self._reserved += 1
         self._tasks.spawn(self._handle(msg), name="request")
 

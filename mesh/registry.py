@@ -38,7 +38,7 @@ import nats.errors
 import orjson
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from pydantic import BaseModel, ValidationError
 
@@ -53,18 +53,15 @@ from protocol.subjects import (
     NODES_STREAM,
     REGISTRY_UPDATES,
     model_token,
-    worker_status_subject,
+    worker_reserve_subject,
 )
 
 log = get_logger(__name__)
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
 HANDBACK = "handback"
-ROOM = f"{HANDBACK}.=room"
-SEQ = "Nats-Sequence"
 ASK_S = 0.5
-MAX_STATUS = 64 * 1024
-"""How long a stopping worker waits for a peer to say what it has free."""
-"""Reserved peer slots (:func:`claim_room`): ``=`` is in no scope, so no hand-back claim's key."""
+"""How long a stopping worker waits for a peer to promise it free slots."""
+MAX_REPLY = 1024
 KEYS = f"$KV.{NODES_BUCKET}"
 """The bucket's subjects: ``$KV.mesh_nodes.<key>``."""
 REPUBLISH = api.RePublish(src=f"{KEYS}.>", dest=f"{REGISTRY_UPDATES}.>")
@@ -303,16 +300,14 @@ async def live_workers(conn: Connection, pool: str | None = None) -> list[NodeIn
     return infos
 
 
-async def claim_room(conn: Connection, pool: str, node_id: str, ttl: float, want: int) -> int:
-    """Reserve up to ``want`` of the free slots the other live workers of ``pool`` announced,
-    and return how many this stopping worker holds: it hands that many of its answers over
-    rather than making them wait for its drain (0 when it cannot tell).
-
-    Each slot is a key created in the registry bucket (an atomic create, gone with the bucket's
-    TTL) named by the peer's entry as read (its stream sequence): two workers stopping at once
-    read the same entry and win each slot once between them, where both counted it before and
-    the second answer handed over stood in the queue until the slot freed. The peer's next
-    heartbeat is a new entry, which says whether it took the answer."""
+async def claim_room(conn: Connection, pool: str, node_id: str, want: int) -> int:
+    """Have the other live workers of ``pool`` promise up to ``want`` free slots, and return
+    how many they did: a stopping worker hands that many of its answers over rather than
+    making them wait for its drain (0 when it cannot tell). Each peer grants in its own event
+    loop no more than it has free less what it promised already
+    (:mod:`cloud_node.promises`): two workers stopping at once never count one slot twice.
+    Asked one at a time, most room first, until ``want`` is met: a peer that does not answer at
+    once (:data:`ASK_S`) grants nothing."""
     if want <= 0:
         return 0
     if not conn.connected:
@@ -326,70 +321,38 @@ async def claim_room(conn: Connection, pool: str, node_id: str, ttl: float, want
         for msg in await conn.while_linked(read_entries(conn, f"worker.{pool}.>"), timeout):
             with contextlib.suppress(ValidationError):
                 info = None if is_deleted(msg) else NodeInfo.model_validate_json(msg.data)
-                if info is None or info.node_id == node_id or info.down or not info.free:
-                    continue
-                entry = f"{_KEY_UNSAFE.sub('_', info.node_id)}.{(msg.headers or {})[SEQ]}"
-                peers.append((info, f"{ROOM}.{pool}.{entry}"))
-        # An entry is up to a heartbeat old: a peer that took work since, or is stopping too
-        # and has not deleted its entry yet, says what it has free now.
-        now = await asyncio.gather(*(_free_now(conn, info) for info, _entry in peers))
-        if not conn.connected:  # cut off meanwhile (nothing to ask now)
-            return 0
-        slots = [
-            f"{entry}.{n}"
-            for (_info, entry), free in zip(peers, now, strict=True)
-            for n in range(free)
-        ]
-        if not slots:
-            return 0
-        kv = await conn.while_linked(open_bucket(conn, ttl), timeout)
-        return await _create_keys(kv, conn, slots, want)
-    except (MeshError, nats.errors.Error, asyncio.TimeoutError, KeyError) as exc:
+                if info is not None and info.node_id != node_id and not info.down:
+                    peers.append(info)
+    except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
         log.info("cannot tell whether another worker has room; draining", error=repr(exc))
-    return 0
+        return 0
+    granted = 0
+    # An entry is up to a heartbeat old: each peer says what it has free now.
+    for info in sorted(peers, key=lambda info: -info.free):
+        if granted >= want or not conn.connected:
+            break
+        granted += await _reserve(conn, info, want - granted)
+    return granted
 
 
-async def _free_now(conn: Connection, info: NodeInfo) -> int:
-    """The free slots a worker says it has now (0 when it does not answer at once, or says
-    something else than a number of slots)."""
+async def _reserve(conn: Connection, info: NodeInfo, want: int) -> int:
+    """The slots ``info``'s worker promised of ``want`` (0 when it does not answer at once, or
+    answers something else than a number it could grant)."""
+    ask = orjson.dumps({"want": want})
     try:
-        reply = await conn.nc.request(worker_status_subject(info.node_id), b"", timeout=ASK_S)
-        free = orjson.loads(reply.data).get("free") if len(reply.data) <= MAX_STATUS else None
+        reply = await conn.nc.request(worker_reserve_subject(info.node_id), ask, timeout=ASK_S)
+        said = orjson.loads(reply.data) if len(reply.data) <= MAX_REPLY else {}
+        granted = said.get("granted")
     except (nats.errors.Error, asyncio.TimeoutError, ValueError, AttributeError):
         return 0  # orjson refuses what nests too deep (a ValueError), as it refuses bad JSON
-    return max(0, min(free, info.slots)) if type(free) is int else 0
-
-
-async def _create_keys(kv: KeyValue, conn: Connection, keys: list[str], want: int) -> int:
-    """Create ``keys`` in the bucket, a batch at a time, until ``want`` of them were this
-    caller's to create; how many were (those made before a failure count)."""
-    won = 0
-    while keys and won < want:
-        batch, keys = keys[: want - won], keys[want - won :]
-        made = await asyncio.gather(
-            *(
-                conn.while_linked(create_once(kv, key), conn.settings.request_timeout)
-                for key in batch
-            ),
-            return_exceptions=True,
-        )
-        won += sum(1 for result in made if not isinstance(result, BaseException))
-        for result in made:
-            if isinstance(result, asyncio.CancelledError):
-                raise result
-            if isinstance(result, BaseException) and not isinstance(
-                result, KeyWrongLastSequenceError
-            ):
-                log.info("cannot reserve a peer's slot", error=repr(result))
-                return won
-    return won
+    return max(0, min(granted, want)) if type(granted) is int else 0
 
 
 async def create_once(kv: KeyValue, key: str) -> int:
-    """Create ``key`` unless it is there (``KeyWrongLastSequenceError``): a claim or a
-    reservation, never deleted, gone with the bucket's TTL. Not nats-py's ``create``, which
-    reads a key it finds back (to recreate a deleted one) with a direct get that a worker's
-    credentials do not allow: the server refused it, and the create waited out its timeout."""
+    """Create ``key`` unless it is there (``KeyWrongLastSequenceError``): a claim, never
+    deleted, gone with the bucket's TTL. Not nats-py's ``create``, which reads a key it finds
+    back (to recreate a deleted one) with a direct get that a worker's credentials do not
+    allow: the server refused it, and the create waited out its timeout."""
     return await kv.update(key, b"1", last=0)
 
 

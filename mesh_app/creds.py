@@ -150,7 +150,7 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             ANSWER_WILDCARD,
             LEASE_WILDCARD,
             f"{PREFIX}.worker.*.alive.*.*",  # is a worker named dead really gone?
-            f"{PREFIX}.worker.*.status",  # a stopping worker asks its peers what they have free
+            f"{PREFIX}.worker.*.reserve",  # a stopping worker asks its peers for free slots
             f"$KV.{NODES_BUCKET}.worker.*.{node}",  # its own key, in its model's pool
             f"$KV.{NODES_BUCKET}.handback.>",  # claims on handing back a dead worker's requests
             *(f"$JS.API.{call}" for call in _registry_reader()),
@@ -162,6 +162,7 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             worker_cancels(node),
             worker_alives(node),
             f"{PREFIX}.worker.{node}.status",
+            f"{PREFIX}.worker.{node}.reserve",
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{infer}.*",
             *hub_deletions(stream, "*"),  # put back at once
             f"{inbox}.>",

@@ -310,6 +310,11 @@ def worker_status_subject(node_id: str) -> str:
     return f"{PREFIX}.worker.{model_token(node_id)}.status"
 
 
+def worker_reserve_subject(node_id: str) -> str:
+    """Where a stopping worker asks a peer to promise it free slots (``mesh-worker``)."""
+    return f"{PREFIX}.worker.{model_token(node_id)}.reserve"
+
+
 def consumer_name(model: str) -> str:
     """The durable pull consumer shared by every worker serving ``model``."""
     return f"workers_{model_token(model)}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from nats.js import api
 
 import mesh.node_view
 import mesh.registry
+from cloud_node.promises import PROMISE_S, Promises
 from mesh.config import MeshSettings, StreamSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
@@ -31,7 +32,7 @@ from mesh.registry import (
 from mesh.testing.chaos import Server
 from mesh.testing.proxy import TcpProxy
 from protocol.errors import UnavailableError
-from protocol.subjects import NODES_BUCKET, NODES_STREAM, worker_status_subject
+from protocol.subjects import NODES_BUCKET, NODES_STREAM, worker_reserve_subject
 from tests.conftest import make_settings
 from tests.helpers import eventually
 
@@ -101,41 +102,46 @@ async def test_a_view_creates_no_consumer_and_sees_workers_come_stop_and_die(
         await everyone.stop()
 
 
-async def test_stopping_workers_reserve_each_free_slot_of_a_peer_once(conn: Connection) -> None:
+async def test_stopping_workers_are_promised_each_free_slot_of_a_peer_once(
+    conn: Connection,
+) -> None:
     """Before the fix (heal): a stopping worker counted its peers' free slots in their entries
     and reserved none, so two stopping at once handed two answers to one free slot. Now each
-    slot is won once across callers, up to what the peer says it has free now (an entry is up
-    to a heartbeat old); a worker never counts itself, a peer whose engine is down or that does
-    not answer, another pool or a deleted entry; it takes no more than it wants. Its own pool:
-    the session's server holds other tests' workers, which must not count these."""
-    said = {"peer": 3, "me": 5, "down": 4, "gone": 4, "stale": 0}  # what each says now
+    peer promises its slots itself (``cloud_node.promises``), once across callers, up to what it
+    has free now (an entry is up to a heartbeat old); a worker never asks itself, a peer whose
+    engine is down, another pool or a deleted entry; a peer that does not answer promises
+    nothing; nobody gets more than it wants. Its own pool: the session's server holds other
+    tests' workers, which must not count these."""
+    free = {"peer": 3, "me": 5, "down": 4, "gone": 4, "stale": 0}  # what each has free now
+    promises = {node: Promises(lambda node=node: free[node]) for node in free}
 
-    async def status(msg: Any) -> None:
-        node = next(n for n in said if msg.subject == worker_status_subject(n))
-        await msg.respond(json.dumps({"free": said[node]}).encode())
+    async def reserve(msg: Any) -> None:
+        await promises[
+            next(n for n in free if msg.subject == worker_reserve_subject(n))
+        ].on_reserve(msg)
 
-    subs = [await conn.nc.subscribe(worker_status_subject(node), cb=status) for node in said]
+    subs = [await conn.nc.subscribe(worker_reserve_subject(node), cb=reserve) for node in free]
     kv = await open_bucket(conn, 30.0)
 
     def entry(node: str, free: int, **more: Any) -> bytes:
         info = NodeInfo(node_id=node, role="worker", models=["roomy"], slots=8, free=free, **more)
         return info.model_dump_json().encode()
 
-    for node, free in [("peer", 3), ("me", 5), ("gone", 4), ("stale", 2), ("mute", 2)]:
-        await kv.put(node_key("worker", node, "roomy"), entry(node, free))
+    for node, said in [("peer", 1), ("me", 5), ("gone", 4), ("stale", 2), ("mute", 2)]:
+        await kv.put(node_key("worker", node, "roomy"), entry(node, said))
     await kv.put(node_key("worker", "down", "roomy"), entry("down", 4, down="engine: refused"))
-    await kv.put(node_key("worker", "other", "big"), _value("other", "big", free=4))
+    await kv.put(node_key("worker", "other", "big"), entry("other", 4))
     await kv.delete(node_key("worker", "gone", "roomy"))
     try:
-        won = await asyncio.gather(*(claim_room(conn, "roomy", "me", 30.0, 2) for _ in range(3)))
+        won = await asyncio.gather(*(claim_room(conn, "roomy", "me", 2) for _ in range(3)))
         assert sum(won) == 3 and max(won) <= 2, won  # three slots, three callers wanting two
-        assert await claim_room(conn, "roomy", "me", 30.0, 2) == 0  # all reserved
-        assert await claim_room(conn, "roomy", "peer", 30.0, 9) == 5  # "me"; not itself
-        # The peer's next heartbeat is a new entry: what it has free is there to reserve again.
-        said["peer"] = 1
-        await kv.put(node_key("worker", "peer", "roomy"), entry("peer", 2))
-        assert await claim_room(conn, "roomy", "me", 30.0, 2) == 1
-        assert await claim_room(conn, "roomy", "me", 30.0, 0) == 0
+        assert await claim_room(conn, "roomy", "me", 2) == 0  # all promised
+        assert await claim_room(conn, "roomy", "peer", 9) == 5  # "me"'s; never itself
+        promises["peer"].kept()  # a delivery came: the peer took one of its promised slots
+        free["peer"] = 2  # and one answer of its own ended
+        assert await claim_room(conn, "roomy", "me", 2) == 0  # 2 free, 2 still promised
+        assert await claim_room(conn, "roomy", "me", 0) == 0
+        assert promises["peer"].grant(5, now=time.monotonic() + PROMISE_S) == 2  # lapsed
     finally:
         for sub in subs:
             await sub.unsubscribe()

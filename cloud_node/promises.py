@@ -1,0 +1,63 @@
+"""Free slots this worker promised to peers that stop: what a stopping worker may hand over.
+
+A worker stopping with SIGTERM hands as many of its answers in flight over to its peers as they
+have room for (:meth:`cloud_node.serve.Handler.hand_over`); the rest it finishes itself. It
+asks each peer on ``mesh.v1.worker.<id>.reserve`` (:func:`mesh.registry.claim_room`), and the
+peer, in its own event loop, grants no more than its free slots less what it promised already:
+two workers stopping at once never count one slot twice. Counted from registry entries instead,
+they did (an entry is up to a heartbeat old, and says nothing of a promise); named by the
+entry or the peer's deliveries, reservations in the registry bucket changed name as the
+heartbeat or a delivery came, and a slot was promised again (review S19b).
+
+A promise is kept by the next delivery the peer takes (the answer handed over, or another in
+its place: the slot is taken either way) or lapses after :data:`PROMISE_S`. Promises do not
+change what the peer pulls: it keeps asking for every free slot, which is where the answer
+handed over comes in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+
+import nats.errors
+import orjson
+from nats.micro.request import Request
+
+PROMISE_S = 2.0
+"""How long a promised slot stays promised when no delivery comes to take it."""
+MAX_ASK = 1024
+"""Slots one ask may ask for, at most (bounds what a hostile ask can hold)."""
+
+
+class Promises:
+    def __init__(self, free: Callable[[], int]) -> None:
+        self._free = free
+        self._until: deque[float] = deque()  # each promise's lapse, oldest first
+
+    def grant(self, want: int, now: float | None = None) -> int:
+        """Promise up to ``want`` free slots not promised already; how many were."""
+        now = time.monotonic() if now is None else now
+        while self._until and self._until[0] <= now:
+            self._until.popleft()
+        granted = max(0, min(want, self._free() - len(self._until)))
+        self._until.extend([now + PROMISE_S] * granted)
+        return granted
+
+    def kept(self) -> None:
+        """A delivery came: one slot promised is taken (by the answer handed over, or not)."""
+        if self._until:
+            self._until.popleft()
+
+    async def on_reserve(self, request: Request) -> None:
+        """``{"want": n}``: answers ``{"granted": k}`` (0 to anything it cannot read)."""
+        try:
+            want = orjson.loads(request.data).get("want") if len(request.data) < 256 else None
+        except (ValueError, AttributeError):
+            want = None
+        asked = min(want, MAX_ASK) if type(want) is int else 0
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await request.respond(orjson.dumps({"granted": self.grant(asked)}))
