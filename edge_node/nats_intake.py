@@ -326,6 +326,13 @@ class NatsIntake:
                 strict=self.parts.strict_decode,
                 on_unknown=log_unknown_fields,
             )
+            if req.deferrable and self.parts.site is None:  # as HTTP refuses `flex`
+                raise InvalidRequestError(
+                    "deferrable needs an edge at a site with JetStream of its own, which keeps "
+                    "the request and its answer; this edge has none: send it without",
+                    details=[{"loc": "deferrable", "msg": "needs an edge site"}],
+                    request_id=req.id,
+                )
         except MeshError as err:
             self.parts.counts.refused(err)
             log.info("request rejected", code=err.code.value, error=err.message)
@@ -333,6 +340,10 @@ class NatsIntake:
             sink = self._sink(reply, err.request_id or "", fmt, streaming=False)
             with contextlib.suppress(MeshError):
                 await sink.send(error_event(err, err.request_id))
+            return
+        except Exception as exc:  # a defect of this edge's: told, never its sender's silence
+            log.exception("reading a request failed", error=repr(exc))
+            self._refuse(request, reply, MeshError("the edge failed to read this request"))
             return
         sink = self._sink(reply, req.id, fmt.reply_format, streaming=req.stream)
         await self.parts.serve(
@@ -384,7 +395,9 @@ class NatsIntake:
             if not isinstance(request_id, str) or not is_token(request_id):
                 raise InvalidRequestError('send {"id": "<request id>"}')
             if self.parts.site is None:
-                raise UnavailableError("this edge keeps no answers (its site has no JetStream)")
+                raise UnavailableError(  # and never will: asking again does not help
+                    "this edge keeps no answers (its site has no JetStream)", retryable=False
+                )
             key = raw.get("key") if isinstance(raw.get("key"), str) else None
             outcome = await self.parts.site.fetch(request_id, key)
             if outcome is None:

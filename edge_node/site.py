@@ -44,6 +44,7 @@ from edge_node.site_links import (
     with_site_streams,
 )
 from mesh import kept
+from mesh.js_refused import is_full
 from mesh.logs import get_logger
 from mesh.provision import provisioned
 from mesh.queue import MSG_ID_HEADER
@@ -57,6 +58,7 @@ from protocol.errors import (
     DeadlineExceededError,
     DuplicateRequestError,
     MeshError,
+    OverloadedError,
     UnavailableError,
     UnknownModelError,
 )
@@ -79,6 +81,8 @@ from protocol.subjects import (
 log = get_logger(__name__)
 SERVED_CHECK_S = 1.0
 """How long a request that can wait waits to learn whether its model has a pool at all."""
+OUTBOX_FULL_RETRY_S = 5.0
+"""Seconds suggested to a client whose request found the site's outbox full."""
 
 
 class SiteStore:
@@ -265,9 +269,24 @@ class SiteStore:
                     outbox_subject(model, self.scope), held, stream=OUTBOX_STREAM, headers=headers
                 ),
             )
-        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        except APIError as exc:
+            if is_full(exc):  # said as the hub's full queue says it (it said the class name)
+                raise OverloadedError(
+                    f"the site's outbox is full ({exc.description}): requests wait there while "
+                    "the hub cannot take them",
+                    request_id=req.id,
+                    retry_after=OUTBOX_FULL_RETRY_S,
+                ) from None
             raise UnavailableError(
-                f"the site could not hold the request: {type(exc).__name__}", request_id=req.id
+                f"the site could not hold the request: {exc.description}",
+                request_id=req.id,
+                retry_after=1.0,
+            ) from None
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError(
+                f"the site could not hold the request: {type(exc).__name__}",
+                request_id=req.id,
+                retry_after=1.0,
             ) from None
         if record is not None:
             record.held = True

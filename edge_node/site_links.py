@@ -31,9 +31,10 @@ from edge_node.served import CloudModels
 from mesh import kept
 from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
+from mesh.js_refused import CLUSTER_UNAVAILABLE, is_full, refused_for_good
 from mesh.logs import get_logger
 from mesh.pull import Pull, PullLost, hand_back
-from mesh.queue import CLUSTER_UNAVAILABLE, MSG_ID_HEADER, STORE_FULL_CODES
+from mesh.queue import MSG_ID_HEADER
 from mesh.tasks import TaskSet, raise_if_cancelled
 from protocol.codec import WireFormat, dump, error_event, load, sniff
 from protocol.errors import DeadlineExceededError, MeshError, UnavailableError
@@ -301,7 +302,7 @@ class SiteLinks:
                 pause = FORWARD_RETRY_S  # refused at once, by the leaf or our own client
             except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
                 if isinstance(exc, APIError) and not _for_now(exc):
-                    why = UnavailableError(f"the hub refused it: {exc.description}")
+                    why = refused_for_good(exc, "the hub refused it")
                     await self._refused(msg, why)
                     return  # for good: answered with a typed error, not held forever
                 log.debug("the hub cannot take it now; holding on", error=repr(exc))
@@ -436,9 +437,7 @@ def _for_now(exc: APIError) -> bool:
     """The hub cannot take the request now (the request waits), not refusing it for good: its
     queue is full, or it has no leader (JetStream's 503, "temporarily unavailable": an
     election, a lost quorum), or it failed on its side (a 5xx). A 4xx refuses it."""
-    text = str(exc.description or "").lower()
-    full = exc.err_code in STORE_FULL_CODES or "maximum messages" in text or "maximum bytes" in text
-    return full or exc.err_code == CLUSTER_UNAVAILABLE or (exc.code or 0) >= 500
+    return is_full(exc) or exc.err_code == CLUSTER_UNAVAILABLE or (exc.code or 0) >= 500
 
 
 def _deadline_of(msg: Msg) -> float | None:

@@ -166,6 +166,10 @@ class StreamSettings(_Section):
     that could wait may hold there, together."""
     outbox_max_age: float = Field(default=7 * 86400.0, gt=0)
     """Seconds an edge site holds a request that can wait while its uplink is down."""
+    outbox_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+    """Bytes an edge site's outbox (MESH_OUTBOX) holds at most: past it, a new request that can
+    wait is refused ``overloaded`` (the site's own MESH_KEPT keeps at most ``kept_max_bytes``,
+    oldest first, and its claims an eighth of that)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> StreamSettings:

@@ -114,6 +114,7 @@ def outbox_config(settings: StreamSettings) -> api.StreamConfig:
         duplicate_window=DEDUPE_WINDOW_S,
         discard=api.DiscardPolicy.NEW,
         max_msgs=settings.max_msgs,
+        max_bytes=settings.outbox_max_bytes,  # a site's disk: past it, refused (overloaded)
     )
 
 
@@ -124,6 +125,8 @@ def kept_config(settings: StreamSettings) -> api.StreamConfig:
         subjects=[KEPT_WILDCARD],
         storage=api.StorageType.FILE,
         max_age=settings.kept_max_age,
+        max_bytes=settings.kept_max_bytes,  # a site's disk: the oldest answers go first
+        discard=api.DiscardPolicy.OLD,
         max_msgs_per_subject=1,
         duplicate_window=DEDUPE_WINDOW_S,
         allow_direct=True,
@@ -140,6 +143,7 @@ def claims_config(settings: StreamSettings) -> api.StreamConfig:
         # collected, which may be an outbox's age (held) and a kept age (waiting at the hub for
         # the site's uplink) later: a claim outlives its answer.
         max_age=settings.outbox_max_age + 2 * settings.kept_max_age,
+        max_bytes=settings.kept_max_bytes // 8,  # full: a new hold is refused, typed
         max_msgs_per_subject=1,
         discard=api.DiscardPolicy.NEW,
         discard_new_per_subject=True,  # a later request under the same id cannot take it over

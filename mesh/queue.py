@@ -30,6 +30,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
+from mesh.js_refused import CLUSTER_UNAVAILABLE, is_full, refused_for_good
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.queue_watch import QueueWatch, queue_watch
@@ -59,15 +60,10 @@ from protocol.subjects import (
 
 log = get_logger(__name__)
 
-# JetStream error codes for "stream is full" with discard=new.
-STORE_FULL_CODES = frozenset({10077, 10078, 10027, 10028})
 MSG_ID_HEADER = "Nats-Msg-Id"
 COPY_HEADER = "Mesh-Copy"
 """Marks a request queued again by its sender (:meth:`CloudCall.requeue`): a worker may hold
 the original unseen, so one taking the copy numbers its attempt above the original's."""
-CLUSTER_UNAVAILABLE = 10008
-"""JetStream's "system temporarily unavailable": no leader for the call (an election, a lost
-quorum)."""
 ELECTION_RETRY_S = 2.0
 """A retry-after for that: nats-server's elections took 2 to 8 s in tests/chaos/test_cluster.py."""
 ADDRESSED_CANCEL_WAIT_S = 0.5
@@ -162,7 +158,7 @@ async def publish_request(
             raise PayloadTooLargeError(
                 f"the request's headers are too large ({exc.description})", request_id=request.id
             ) from None
-        if exc.err_code in STORE_FULL_CODES or "maximum" in (exc.description or ""):
+        if is_full(exc):
             whose = "this sender's share of " if "per subject" in (exc.description or "") else ""
             raise OverloadedError(
                 f"{whose}the cloud queue is full ({exc.description})",
@@ -176,9 +172,11 @@ async def publish_request(
                 retry_after=ELECTION_RETRY_S,
                 request_id=request.id,
             ) from None
-        raise UnavailableError(
-            f"JetStream refused the request: {exc.description}", request_id=request.id
-        ) from None
+        if (exc.code or 0) >= 500:  # failed on its side: the request may go again
+            raise UnavailableError(
+                f"JetStream failed: {exc.description}", request_id=request.id
+            ) from None
+        raise refused_for_good(exc, "JetStream refused the request", request.id) from None
     except NoStreamResponseError:
         limited = ", or these credentials may not queue there (ask through an edge)"
         raise UnavailableError(

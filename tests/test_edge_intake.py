@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
@@ -134,3 +135,24 @@ async def test_the_limit_counts_http_and_nats_requests_together(
         await eventually(freed, what="the held requests gone")
         answered = await conn.nc.request(edge.subject, ASK, timeout=5)
         assert json.loads(answered.data)["t"] == "answer"
+
+
+# Before the fix (first rule: never silence): an exception other than a MeshError while the
+# intake read a request (before it is served) ended the request's task with a log line only; its
+# sender heard nothing until its own timeout (20 s for the SDK waiting for the start). Review
+# S19c met it through a defect of a fix under way; a defect of this kind is now told, typed.
+async def test_a_defect_while_reading_a_request_is_told_not_silent(
+    settings: MeshSettings, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import edge_node.nats_intake
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a defect")
+
+    edge = await started_edge(settings, conn)
+    try:
+        monkeypatch.setattr(edge_node.nats_intake, "decode_request", broken)
+        reply = await conn.nc.request(edge.subject, ASK, timeout=5)
+        assert error_of(reply.data) == ("internal", "the edge failed to read this request")
+    finally:
+        await edge.stop(grace=0)

@@ -431,9 +431,10 @@ async def test_a_request_the_hub_refuses_for_good_gets_a_typed_error_and_blocks_
                 "[tag:n] x", route="cloud", max_tokens=5, deferrable=True, request_id="next"
             )
             assert after.text == expected_text("n", 5)  # held behind it, forwarded all the same
-            with pytest.raises(UnavailableError, match="refused"):
+            with pytest.raises(PayloadTooLargeError, match="refused") as refused:
                 await too_big
-            with pytest.raises(UnavailableError, match="refused"):
+            assert refused.value.retryable is False  # it was a retryable unavailable
+            with pytest.raises(PayloadTooLargeError, match="refused"):
                 await client.answer("too-big")  # asked again: the same typed error
 
 

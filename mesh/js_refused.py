@@ -1,0 +1,40 @@
+"""What JetStream's refusal of a request's publish to the queue says to its sender: full or
+leaderless for now (the request may go again), or refused for good.
+
+A refusal for good is typed as what it is and never retryable: the same request meets the same
+limit again. A message over the queue stream's ``max_msg_size`` read "the cloud queue is full"
+(a retryable ``overloaded``: its "message size exceeds maximum allowed" has the word "maximum"
+that a full stream's refusal has) where the SDK or an edge published it, and a retryable
+``unavailable`` kept for the request's id for a week where a site forwarded it (review S19c).
+"""
+
+from __future__ import annotations
+
+from nats.js.errors import APIError
+
+from protocol.errors import MeshError, PayloadTooLargeError, UnavailableError
+
+STORE_FULL_CODES = frozenset({10077, 10078, 10027, 10028})
+"""JetStream's refusals of a full stream: maximum messages, bytes, or per subject."""
+CLUSTER_UNAVAILABLE = 10008
+"""JetStream's 503: no leader (an election, a lost quorum)."""
+MESSAGE_TOO_LARGE = 10054
+"""The message is over the stream's ``max_msg_size``."""
+
+
+def is_full(exc: APIError) -> bool:
+    """The stream is full (its limit of messages or bytes, in all or per subject)."""
+    text = (exc.description or "").lower()
+    return exc.err_code in STORE_FULL_CODES or "maximum messages" in text or "maximum bytes" in text
+
+
+def refused_for_good(exc: APIError, what: str, request_id: str | None = None) -> MeshError:
+    """A refusal other than full or leaderless (the caller tells those apart first), typed:
+    ``payload_too_large`` for a message over the stream's size limit, else ``unavailable``
+    that says not to retry."""
+    if exc.err_code == MESSAGE_TOO_LARGE or "message size exceeds" in (exc.description or ""):
+        return PayloadTooLargeError(
+            f"{what}: the request is over the queue's message size limit ({exc.description})",
+            request_id=request_id,
+        )
+    return UnavailableError(f"{what}: {exc.description}", retryable=False, request_id=request_id)
