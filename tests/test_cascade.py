@@ -207,7 +207,10 @@ async def test_an_escalation_the_cloud_cannot_take_is_answered_locally_afresh(
         EdgeNode(settings, conn, local, create_router(settings.edge.router)),
         MeshClient(settings=settings, connection=conn) as client,
     ):
-        got = await client.complete("[unsure] hmm", max_tokens=6, deferrable=True)
+        # (It sent deferrable=True too, which this edge without a site ignored then; refused
+        # now, as over HTTP: a site's request that can wait takes the same branch when the local
+        # model began it, `decision.confidence` set.)
+        got = await client.complete("[unsure] hmm", max_tokens=6)
     assert got.text == Script(tag="L").answer(6) and got.end.path == "local"
     assert got.end.fallback and local.started == 2
     assert got.end.routing is not None and got.end.routing.confidence is not None
