@@ -34,18 +34,7 @@ from tests.test_edge_site import (  # noqa: F401 - topology is a fixture
     topology,
 )
 from tests.test_security import certs  # noqa: F401 - a fixture
-
-SITE = "site-a"
-
-
-async def _cloud_gone(topo: Topology) -> None:
-    edge = topo.edges[SITE]
-
-    async def gone() -> bool:
-        return edge.nodes.serves("smollm2") is False
-
-    await eventually(gone, timeout=15, what="the edge to see the cloud gone")
-
+from tests.test_site_answer_edges import SITE, _cloud_gone
 
 # -- confirmed defects -------------------------------------------------------------------------
 
