@@ -9,10 +9,12 @@ they did (an entry is up to a heartbeat old, and says nothing of a promise); nam
 entry or the peer's deliveries, reservations in the registry bucket changed name as the
 heartbeat or a delivery came, and a slot was promised again (review S19b).
 
-A promise is kept by the next delivery the peer takes (the answer handed over, or another in
-its place: the slot is taken either way) or lapses after :data:`PROMISE_S`. Promises do not
-change what the peer pulls: it keeps asking for every free slot, which is where the answer
-handed over comes in.
+A promise is kept by the next redelivery the peer takes (the answer handed over, or another
+handed back) or lapses after :data:`PROMISE_S`. Promises do not change what the peer pulls: it
+keeps asking for every free slot, which is where the answer handed over comes in; so a new
+request arriving in the few milliseconds between the promise and the hand-over can take the
+slot, and the answer handed over then waits for the next one to free (left open: holding the
+new request back would spend one of its deliveries).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable
 
 import nats.errors
 import orjson
+from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 PROMISE_S = 2.0
@@ -47,9 +50,12 @@ class Promises:
         self._until.extend([now + PROMISE_S] * granted)
         return granted
 
-    def kept(self) -> None:
-        """A delivery came: one slot promised is taken (by the answer handed over, or not)."""
-        if self._until:
+    def kept(self, msg: Msg) -> None:
+        """A delivery came: a redelivery (an answer handed over is one) takes a promised slot.
+        A request's first delivery does not keep a promise: it took a free slot, and the answer
+        promised one still comes (review S19d: it kept it, and another stopping peer could be
+        promised the slot again)."""
+        if self._until and msg.metadata.num_delivered > 1:
             self._until.popleft()
 
     async def on_reserve(self, request: Request) -> None:

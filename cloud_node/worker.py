@@ -458,7 +458,7 @@ class Worker(Lifecycle):
             self._tasks.spawn(nak(msg), name="nak")
             return
         self.counts.fetched()
-        self.promises.kept()
+        self.promises.kept(msg)
         self._reserved += 1
         self._tasks.spawn(self._handle(msg), name="request")
 

@@ -22,10 +22,16 @@ MESSAGE_TOO_LARGE = 10054
 """The message is over the stream's ``max_msg_size``."""
 
 
+TOO_MANY_REQUESTS = 10167
+"""JetStream's 429: the stream's ingest queue is over its limit for now (a burst)."""
+
+
 def is_full(exc: APIError) -> bool:
-    """The stream is full (its limit of messages or bytes, in all or per subject)."""
+    """The stream is full (its limit of messages or bytes, in all or per subject), or takes no
+    more for now (a burst over its ingest queue, a 429: review S19d saw it told "for good")."""
     text = (exc.description or "").lower()
-    return exc.err_code in STORE_FULL_CODES or "maximum messages" in text or "maximum bytes" in text
+    full = exc.err_code in STORE_FULL_CODES or "maximum messages" in text or "maximum bytes" in text
+    return full or exc.err_code == TOO_MANY_REQUESTS or exc.code == 429
 
 
 def refused_for_good(exc: APIError, what: str, request_id: str | None = None) -> MeshError:

@@ -11,6 +11,8 @@ carries a message id, so a link that flaps at any moment loses nothing and dupli
 
 from __future__ import annotations
 
+import dataclasses
+
 from nats.js import api
 from nats.js.manager import JetStreamManager
 
@@ -18,6 +20,7 @@ from mesh.config import StreamSettings
 from mesh.logs import get_logger
 from mesh.provision import ensure_config, placement
 from protocol.codec import WireFormat, dump
+from protocol.errors import UnavailableError
 from protocol.messages import Answer, ErrorEvent, WireEvent
 from protocol.stream import AnswerState
 from protocol.subjects import (
@@ -167,8 +170,23 @@ MANAGED = (
 
 
 async def ensure(jsm: JetStreamManager, config: api.StreamConfig) -> None:
-    """Create the stream, or bring an existing one to ``config`` (idempotent)."""
-    await ensure_config(jsm, config, MANAGED)
+    """Create the stream, or bring an existing one to ``config`` (idempotent). A server whose
+    store cannot reserve the stream's byte limit (nats-server reserves every ``max_bytes``
+    against its ``max_file_store``: a small site's leaf) gets the stream without one, bounded by
+    the store itself, and a warning: the site's edge refused to start (review S19d)."""
+    try:
+        await ensure_config(jsm, config, MANAGED)
+    except UnavailableError as err:
+        if not config.max_bytes or "insufficient storage" not in err.message:
+            raise
+        log.warning(
+            "the JetStream store cannot reserve this stream's byte limit: kept without one "
+            "(give the server a larger max_file_store)",
+            stream=config.name,
+            max_bytes=config.max_bytes,
+            error=err.message,
+        )
+        await ensure_config(jsm, dataclasses.replace(config, max_bytes=-1), MANAGED)
 
 
 def whole_answer(events: list[WireEvent], request_id: str) -> Answer | ErrorEvent | None:
