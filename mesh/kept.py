@@ -172,21 +172,31 @@ MANAGED = (
 async def ensure(jsm: JetStreamManager, config: api.StreamConfig) -> None:
     """Create the stream, or bring an existing one to ``config`` (idempotent). A server whose
     store cannot reserve the stream's byte limit (nats-server reserves every ``max_bytes``
-    against its ``max_file_store``: a small site's leaf) gets the stream without one, bounded by
-    the store itself, and a warning: the site's edge refused to start (review S19d)."""
-    try:
-        await ensure_config(jsm, config, MANAGED)
-    except UnavailableError as err:
-        if not config.max_bytes or "insufficient storage" not in err.message:
-            raise
-        log.warning(
-            "the JetStream store cannot reserve this stream's byte limit: kept without one "
-            "(give the server a larger max_file_store)",
-            stream=config.name,
-            max_bytes=config.max_bytes,
-            error=err.message,
-        )
-        await ensure_config(jsm, dataclasses.replace(config, max_bytes=-1), MANAGED)
+    against its ``max_file_store``: a small site's leaf) gets the largest half, quarter...
+    of it that it can, and a warning: the site's edge refused to start (review S19d), and a
+    stream without a limit never drops its oldest answers for a new one (review S19e)."""
+    limit = config.max_bytes or 0
+    while True:
+        try:
+            await ensure_config(jsm, dataclasses.replace(config, max_bytes=limit or -1), MANAGED)
+        except UnavailableError as err:
+            if not limit or "insufficient storage" not in err.message:
+                raise
+            limit = limit // 2 if limit // 2 >= MIN_BYTES else 0  # at last: no limit of its own
+            continue
+        if limit != (config.max_bytes or 0):
+            log.warning(
+                "the JetStream store cannot reserve this stream's byte limit: kept with a "
+                "smaller one (give the server a larger max_file_store)",
+                stream=config.name,
+                wanted=config.max_bytes,
+                max_bytes=limit or None,
+            )
+        return
+
+
+MIN_BYTES = 1024 * 1024
+"""The smallest byte limit :func:`ensure` falls back to before none at all."""
 
 
 def whole_answer(events: list[WireEvent], request_id: str) -> Answer | ErrorEvent | None:
