@@ -17,13 +17,11 @@ from typing import Any
 import pytest
 from nats.js.errors import APIError
 
-from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from edge_node.site_links import _for_now
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
-from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
@@ -36,30 +34,9 @@ from protocol.subjects import model_token, worker_reserve_subject
 from tests.conftest import make_settings
 from tests.test_edge_site import Topology, topology  # noqa: F401 - topology is a fixture
 from tests.test_security import certs  # noqa: F401 - a fixture
+from tests.test_stop_promises import _cfg, _worker
 
 # -- shared bits -------------------------------------------------------------------------------
-
-
-def _engine(slots: int, delay_ms: int = 20) -> DeterministicBackend:
-    return DeterministicBackend(
-        ModelSettings(backend="deterministic", slots=slots, token_delay_ms=delay_ms, faults=False)
-    )
-
-
-def _cfg(url: str, node: str, **overrides: object) -> MeshSettings:
-    settings = make_settings(url, **{"worker__drain_grace": 10.0, **overrides})
-    settings.worker.node_id = node
-    return settings
-
-
-async def _worker(
-    stack: contextlib.AsyncExitStack, settings: MeshSettings, slots: int
-) -> tuple[Worker, Connection]:
-    conn = await stack.enter_async_context(Connection(settings.nats, settings.worker.node_id))
-    worker = Worker(settings, conn, _engine(slots))
-    await worker.start()
-    stack.push_async_callback(worker.stop)
-    return worker, conn
 
 
 async def _hung_peer(

@@ -31,7 +31,7 @@ def _engine(slots: int, delay_ms: int = 20) -> DeterministicBackend:
 
 
 def _cfg(url: str, node: str, **overrides: object) -> MeshSettings:
-    settings = make_settings(url, worker__drain_grace=10.0, **overrides)
+    settings = make_settings(url, **{"worker__drain_grace": 10.0, **overrides})
     settings.worker.node_id = node
     return settings
 
