@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,32 +25,16 @@ from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
 from mesh.queue import publish_request
-from mesh.registry import NodeInfo, node_key, open_bucket
 from mesh.testing.chaos import Tally, ask
 from protocol.errors import MeshError
 from protocol.messages import ChatMessage, InferRequest
-from protocol.subjects import model_token, worker_reserve_subject
+from protocol.subjects import model_token
 from tests.conftest import make_settings
 from tests.test_edge_site import Topology, topology  # noqa: F401 - topology is a fixture
 from tests.test_security import certs  # noqa: F401 - a fixture
-from tests.test_stop_promises import _cfg, _worker
+from tests.test_stop_promises import _cfg, _hung_peer, _worker
 
 # -- shared bits -------------------------------------------------------------------------------
-
-
-async def _hung_peer(
-    conn: Connection, node: str, model: str, free: int, asked: Callable[[], None] = lambda: None
-) -> Any:
-    """A registry entry in ``model``'s pool saying ``free`` slots, whose reserve endpoint hears
-    the ask and never answers (a peer frozen or cut off less than the entry's TTL ago)."""
-    kv = await open_bucket(conn, 30.0)
-    info = NodeInfo(node_id=node, role="worker", models=[model], slots=max(free, 1), free=free)
-    await kv.put(node_key("worker", node, model_token(model)), info.model_dump_json().encode())
-
-    async def heard(_msg: Any) -> None:
-        asked()
-
-    return await conn.nc.subscribe(worker_reserve_subject(node), cb=heard)
 
 
 # -- 0a05968: promises -------------------------------------------------------------------------

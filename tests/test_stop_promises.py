@@ -46,18 +46,20 @@ async def _worker(
     return worker, conn
 
 
-async def _hung_peer(conn: Connection, node: str, model: str, asked: Callable[[], None]) -> Any:
-    """A registry entry in ``model``'s pool that says 2 free slots, whose reserve endpoint hears
-    the ask and never answers (a frozen worker whose entry has not aged out yet): every claim
-    then waits ASK_S (0.5 s) on it."""
-    kv = await open_bucket(conn, 3.0)
-    info = NodeInfo(node_id=node, role="worker", models=[model], slots=2, free=2)
+async def _hung_peer(
+    conn: Connection, node: str, model: str, free: int, asked: Callable[[], None] = lambda: None
+) -> Any:
+    """A registry entry in ``model``'s pool saying ``free`` slots, whose reserve endpoint hears
+    the ask and never answers (a peer frozen or cut off less than the entry's TTL ago): every
+    claim that asks it waits ASK_S (0.5 s) on it."""
+    kv = await open_bucket(conn, 30.0)
+    info = NodeInfo(node_id=node, role="worker", models=[model], slots=max(free, 1), free=free)
     await kv.put(node_key("worker", node, model_token(model)), info.model_dump_json().encode())
 
-    async def status(_msg: Any) -> None:
+    async def heard(_msg: Any) -> None:
         asked()
 
-    return await conn.nc.subscribe(worker_reserve_subject(node), cb=status)
+    return await conn.nc.subscribe(worker_reserve_subject(node), cb=heard)
 
 
 # Before the fix (heal; the promise of f53932e): a reservation key named the peer's registry entry
@@ -94,7 +96,7 @@ async def test_two_stops_straddling_a_peer_heartbeat_reserve_its_one_slot_once(
         # The peer that stays: ONE free slot, heartbeating every 0.2 s.
         _p, pconn = await _worker(stack, _cfg(url, "stay", stream__heartbeat=0.2), slots=1)
         asks = asyncio.Queue[None]()
-        sub = await _hung_peer(pconn, "hung", model, lambda: asks.put_nowait(None))
+        sub = await _hung_peer(pconn, "hung", model, 2, lambda: asks.put_nowait(None))
         stack.push_async_callback(sub.unsubscribe)
         beats = await pconn.nc.subscribe(
             f"{REGISTRY_UPDATES}.{node_key('worker', 'stay', model_token(model))}"
