@@ -31,7 +31,7 @@ from edge_node.served import CloudModels
 from mesh import kept
 from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
-from mesh.js_refused import CLUSTER_UNAVAILABLE, is_full, refused_for_good
+from mesh.js_refused import CLUSTER_UNAVAILABLE, in_process, is_full, refused_for_good
 from mesh.logs import get_logger
 from mesh.pull import Pull, PullLost, hand_back
 from mesh.queue import MSG_ID_HEADER
@@ -437,7 +437,8 @@ def _for_now(exc: APIError) -> bool:
     """The hub cannot take the request now (the request waits), not refusing it for good: its
     queue is full, or it has no leader (JetStream's 503, "temporarily unavailable": an
     election, a lost quorum), or it failed on its side (a 5xx). A 4xx refuses it."""
-    return is_full(exc) or exc.err_code == CLUSTER_UNAVAILABLE or (exc.code or 0) >= 500
+    for_now = is_full(exc) or in_process(exc) or exc.err_code == CLUSTER_UNAVAILABLE
+    return for_now or (exc.code or 0) >= 500
 
 
 def _deadline_of(msg: Msg) -> float | None:

@@ -34,6 +34,16 @@ def is_full(exc: APIError) -> bool:
     return full or exc.err_code == TOO_MANY_REQUESTS or exc.code == 429
 
 
+DUPLICATE_IN_PROCESS = 10158
+"""A publish with the message id of one the stream is still storing (a leaderless stream, a
+resend after a reconnect): for now, not for good."""
+
+
+def in_process(exc: APIError) -> bool:
+    """The stream is still storing a message with this id: the same publish may go again."""
+    return exc.err_code == DUPLICATE_IN_PROCESS or "in process" in (exc.description or "")
+
+
 def refused_for_good(exc: APIError, what: str, request_id: str | None = None) -> MeshError:
     """A refusal other than full or leaderless (the caller tells those apart first), typed:
     ``payload_too_large`` for a message over the stream's size limit, else ``unavailable``

@@ -30,7 +30,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
-from mesh.js_refused import CLUSTER_UNAVAILABLE, is_full, refused_for_good
+from mesh.js_refused import CLUSTER_UNAVAILABLE, in_process, is_full, refused_for_good
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.queue_watch import QueueWatch, queue_watch
@@ -172,9 +172,9 @@ async def publish_request(
                 retry_after=ELECTION_RETRY_S,
                 request_id=request.id,
             ) from None
-        if (exc.code or 0) >= 500:  # failed on its side: the request may go again
+        if (exc.code or 0) >= 500 or in_process(exc):  # for now: the request may go again
             raise UnavailableError(
-                f"JetStream failed: {exc.description}", request_id=request.id
+                f"JetStream cannot take the request now ({exc.description})", request_id=request.id
             ) from None
         raise refused_for_good(exc, "JetStream refused the request", request.id) from None
     except NoStreamResponseError:
