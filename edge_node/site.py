@@ -269,22 +269,17 @@ class SiteStore:
                     outbox_subject(model, self.scope), held, stream=OUTBOX_STREAM, headers=headers
                 ),
             )
-        except APIError as exc:
-            if is_full(exc):  # said as the hub's full queue says it (it said the class name)
+        except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            if isinstance(exc, APIError) and is_full(exc):  # as the hub's full queue says it
                 raise OverloadedError(
                     f"the site's outbox is full ({exc.description}): requests wait there while "
                     "the hub cannot take them",
                     request_id=req.id,
                     retry_after=OUTBOX_FULL_RETRY_S,
                 ) from None
+            why = exc.description if isinstance(exc, APIError) else type(exc).__name__
             raise UnavailableError(
-                f"the site could not hold the request: {exc.description}",
-                request_id=req.id,
-                retry_after=1.0,
-            ) from None
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            raise UnavailableError(
-                f"the site could not hold the request: {type(exc).__name__}",
+                f"the site could not hold the request: {why}",
                 request_id=req.id,
                 retry_after=1.0,
             ) from None

@@ -31,7 +31,7 @@ from edge_node.served import CloudModels
 from mesh import kept
 from mesh.config import EdgeSettings, StreamSettings
 from mesh.connection import Connection
-from mesh.js_refused import CLUSTER_UNAVAILABLE, in_process, is_full, refused_for_good
+from mesh.js_refused import for_now, refused_for_good
 from mesh.logs import get_logger
 from mesh.pull import Pull, PullLost, hand_back
 from mesh.queue import MSG_ID_HEADER
@@ -301,7 +301,7 @@ class SiteLinks:
                 log.debug("forward not answered (a link down); holding on", error=repr(exc))
                 pause = FORWARD_RETRY_S  # refused at once, by the leaf or our own client
             except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
-                if isinstance(exc, APIError) and not _for_now(exc):
+                if isinstance(exc, APIError) and not for_now(exc):
                     why = refused_for_good(exc, "the hub refused it")
                     await self._refused(msg, why)
                     return  # for good: answered with a typed error, not held forever
@@ -431,14 +431,6 @@ async def with_site_streams(conn: Connection, op: Callable[[], Awaitable[T]]) ->
         conn.recovery.again(SITE_STREAMS, f"a site stream is gone: {exc!r}")
         await conn.recovery.settled(SITE_STREAMS, STREAMS_BACK_S)
     return await op()
-
-
-def _for_now(exc: APIError) -> bool:
-    """The hub cannot take the request now (the request waits), not refusing it for good: its
-    queue is full, or it has no leader (JetStream's 503, "temporarily unavailable": an
-    election, a lost quorum), or it failed on its side (a 5xx). A 4xx refuses it."""
-    for_now = is_full(exc) or in_process(exc) or exc.err_code == CLUSTER_UNAVAILABLE
-    return for_now or (exc.code or 0) >= 500
 
 
 def _deadline_of(msg: Msg) -> float | None:

@@ -20,8 +20,9 @@ CLUSTER_UNAVAILABLE = 10008
 """JetStream's 503: no leader (an election, a lost quorum)."""
 MESSAGE_TOO_LARGE = 10054
 """The message is over the stream's ``max_msg_size``."""
-
-
+DUPLICATE_IN_PROCESS = 10158
+"""A publish with the message id of one the stream is still storing (a leaderless stream, a
+resend after a reconnect): for now, not for good."""
 TOO_MANY_REQUESTS = 10167
 """JetStream's 429: the stream's ingest queue is over its limit for now (a burst)."""
 
@@ -34,18 +35,22 @@ def is_full(exc: APIError) -> bool:
     return full or exc.err_code == TOO_MANY_REQUESTS or exc.code == 429
 
 
-DUPLICATE_IN_PROCESS = 10158
-"""A publish with the message id of one the stream is still storing (a leaderless stream, a
-resend after a reconnect): for now, not for good."""
-
-
 def in_process(exc: APIError) -> bool:
     """The stream is still storing a message with this id: the same publish may go again."""
     return exc.err_code == DUPLICATE_IN_PROCESS or "in process" in (exc.description or "")
 
 
+def for_now(exc: APIError) -> bool:
+    """The stream cannot take the message now, and the same publish may go again: it is full,
+    still storing the same id, has no leader (JetStream's 503, "temporarily unavailable": an
+    election, a lost quorum), or failed on its side (a 5xx). Anything else refuses it for good
+    (:func:`refused_for_good`)."""
+    busy = is_full(exc) or in_process(exc) or exc.err_code == CLUSTER_UNAVAILABLE
+    return busy or (exc.code or 0) >= 500
+
+
 def refused_for_good(exc: APIError, what: str, request_id: str | None = None) -> MeshError:
-    """A refusal other than full or leaderless (the caller tells those apart first), typed:
+    """A refusal not :func:`for_now` (the caller tells those apart first), typed:
     ``payload_too_large`` for a message over the stream's size limit, else ``unavailable``
     that says not to retry."""
     if exc.err_code == MESSAGE_TOO_LARGE or "message size exceeds" in (exc.description or ""):

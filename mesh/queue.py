@@ -30,7 +30,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
-from mesh.js_refused import CLUSTER_UNAVAILABLE, in_process, is_full, refused_for_good
+from mesh.js_refused import CLUSTER_UNAVAILABLE, for_now, is_full, refused_for_good
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.queue_watch import QueueWatch, queue_watch
@@ -172,7 +172,7 @@ async def publish_request(
                 retry_after=ELECTION_RETRY_S,
                 request_id=request.id,
             ) from None
-        if (exc.code or 0) >= 500 or in_process(exc):  # for now: the request may go again
+        if for_now(exc):  # still storing the same id, or a 5xx: the request may go again
             raise UnavailableError(
                 f"JetStream cannot take the request now ({exc.description})", request_id=request.id
             ) from None

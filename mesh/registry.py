@@ -320,12 +320,8 @@ async def claim_room(conn: Connection, pool: str, node_id: str, want: int) -> in
         return 0
     timeout = conn.settings.request_timeout
     try:
-        peers = []
-        for msg in await conn.while_linked(read_entries(conn, f"worker.{pool}.>"), timeout):
-            with contextlib.suppress(ValidationError):
-                info = None if is_deleted(msg) else NodeInfo.model_validate_json(msg.data)
-                if info is not None and info.node_id != node_id and not info.down:
-                    peers.append(info)
+        live = await conn.while_linked(live_workers(conn, pool), timeout)
+        peers = [info for info in live if info.node_id != node_id and not info.down]
     except (MeshError, nats.errors.Error, asyncio.TimeoutError) as exc:
         log.info("cannot tell whether another worker has room; draining", error=repr(exc))
         return 0

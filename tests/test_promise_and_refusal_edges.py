@@ -18,10 +18,10 @@ from nats.js.errors import APIError
 
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
-from edge_node.site_links import _for_now
 from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.connection import Connection
+from mesh.js_refused import for_now as _for_now
 from mesh.nats_server import NatsServer
 from mesh.provision import provision
 from mesh.queue import publish_request

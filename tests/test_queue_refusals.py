@@ -44,7 +44,7 @@ async def test_a_request_over_the_queues_message_size_limit_is_too_large_not_ful
 def test_a_duplicate_still_in_process_is_for_now() -> None:
     from nats.js.errors import APIError
 
-    from edge_node.site_links import _for_now
+    from mesh.js_refused import for_now as _for_now
     from mesh.js_refused import in_process
 
     busy = APIError(code=400, err_code=10158, description="duplicate message id is in process")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from nats.js.errors import APIError
 
-from edge_node.site_links import _for_now
+from mesh.js_refused import for_now as _for_now
 
 
 def _api_error(code: int, err_code: int, description: str) -> APIError:
