@@ -44,7 +44,7 @@ from edge_node.site_links import (
     with_site_streams,
 )
 from mesh import kept
-from mesh.js_refused import is_full
+from mesh.js_refused import no_room
 from mesh.logs import get_logger
 from mesh.provision import provisioned
 from mesh.queue import MSG_ID_HEADER
@@ -58,7 +58,6 @@ from protocol.errors import (
     DeadlineExceededError,
     DuplicateRequestError,
     MeshError,
-    OverloadedError,
     UnavailableError,
     UnknownModelError,
 )
@@ -270,13 +269,12 @@ class SiteStore:
                 ),
             )
         except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
-            if isinstance(exc, APIError) and is_full(exc):  # as the hub's full queue says it
-                raise OverloadedError(
-                    f"the site's outbox is full ({exc.description}): requests wait there while "
-                    "the hub cannot take them",
-                    request_id=req.id,
-                    retry_after=OUTBOX_FULL_RETRY_S,
-                ) from None
+            hint = ": requests wait there while the hub cannot take them"
+            full = isinstance(exc, APIError) and no_room(
+                exc, "the site's outbox", OUTBOX_FULL_RETRY_S, req.id, hint
+            )
+            if full:  # as the hub's full queue says it
+                raise full from None
             why = exc.description if isinstance(exc, APIError) else type(exc).__name__
             raise UnavailableError(
                 f"the site could not hold the request: {why}",

@@ -12,10 +12,16 @@ from __future__ import annotations
 
 from nats.js.errors import APIError
 
-from protocol.errors import MeshError, PayloadTooLargeError, UnavailableError
+from protocol.errors import MeshError, OverloadedError, PayloadTooLargeError, UnavailableError
 
-STORE_FULL_CODES = frozenset({10077, 10078, 10027, 10028})
-"""JetStream's refusals of a full stream: maximum messages, bytes, or per subject."""
+STORE_FAILED = 10077
+"""JetStream's "storing the message failed", with the store's reason: a full stream says
+"maximum messages exceeded", "maximum bytes exceeded" or "maximum messages per subject
+exceeded"; a store in trouble says something else (and is a 503: :func:`for_now`)."""
+STORAGE_EXCEEDED = 10047
+"""The server's JetStream store (``max_file_store``) is used up: full for now."""
+INSUFFICIENT_RESOURCES = 10023
+"""The server has no room for more JetStream data now (a 503): full for now."""
 CLUSTER_UNAVAILABLE = 10008
 """JetStream's 503: no leader (an election, a lost quorum)."""
 MESSAGE_TOO_LARGE = 10054
@@ -25,14 +31,46 @@ DUPLICATE_IN_PROCESS = 10158
 resend after a reconnect): for now, not for good."""
 TOO_MANY_REQUESTS = 10167
 """JetStream's 429: the stream's ingest queue is over its limit for now (a burst)."""
+BURST_RETRY_S = 1.0
+"""When to publish again after a 429: a burst's ingest queue drains in milliseconds."""
 
 
 def is_full(exc: APIError) -> bool:
-    """The stream is full (its limit of messages or bytes, in all or per subject), or takes no
-    more for now (a burst over its ingest queue, a 429: review S19d saw it told "for good")."""
+    """The stream is full (its limit of messages or bytes, in all or per subject), or the
+    server's store is. Read from the store's reason, not the code alone: 10077 is any failed
+    store, and the codes an earlier list held beside it (10078, 10027, 10028) are a consumer's
+    missing config, a limit of streams and of memory, none of them a full stream."""
     text = (exc.description or "").lower()
-    full = exc.err_code in STORE_FULL_CODES or "maximum messages" in text or "maximum bytes" in text
-    return full or exc.err_code == TOO_MANY_REQUESTS or exc.code == 429
+    by_limit = "maximum messages" in text or "maximum bytes" in text
+    return by_limit or exc.err_code in (STORAGE_EXCEEDED, INSUFFICIENT_RESOURCES)
+
+
+def is_burst(exc: APIError) -> bool:
+    """The stream takes no more for now: a burst over its ingest queue (a 429; review S19d saw
+    it told "for good"). Not a full stream: the same publish goes through a moment later."""
+    return exc.err_code == TOO_MANY_REQUESTS or exc.code == 429
+
+
+def no_room(
+    exc: APIError, where: str, retry_after: float, request_id: str | None, hint: str = ""
+) -> OverloadedError | None:
+    """A full stream or a burst, typed ``overloaded`` with when to try again (``retry_after``
+    for a full one, :data:`BURST_RETRY_S` for a burst), else None. ``where``: "the cloud queue",
+    "the site's outbox"; ``hint``: what the sender may want to know of a full one."""
+    if is_full(exc):
+        whose = "this sender's share of " if "per subject" in (exc.description or "") else ""
+        return OverloadedError(
+            f"{whose}{where} is full ({exc.description}){hint}",
+            retry_after=retry_after,
+            request_id=request_id,
+        )
+    if is_burst(exc):
+        return OverloadedError(
+            f"{where} takes no more for now: too many at once ({exc.description})",
+            retry_after=BURST_RETRY_S,
+            request_id=request_id,
+        )
+    return None
 
 
 def in_process(exc: APIError) -> bool:
@@ -42,10 +80,10 @@ def in_process(exc: APIError) -> bool:
 
 def for_now(exc: APIError) -> bool:
     """The stream cannot take the message now, and the same publish may go again: it is full,
-    still storing the same id, has no leader (JetStream's 503, "temporarily unavailable": an
-    election, a lost quorum), or failed on its side (a 5xx). Anything else refuses it for good
-    (:func:`refused_for_good`)."""
-    busy = is_full(exc) or in_process(exc) or exc.err_code == CLUSTER_UNAVAILABLE
+    in a burst, still storing the same id, has no leader (JetStream's 503, "temporarily
+    unavailable": an election, a lost quorum), or failed on its side (a 5xx). Anything else
+    refuses it for good (:func:`refused_for_good`)."""
+    busy = is_full(exc) or is_burst(exc) or in_process(exc) or exc.err_code == CLUSTER_UNAVAILABLE
     return busy or (exc.code or 0) >= 500
 
 

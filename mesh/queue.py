@@ -30,7 +30,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
-from mesh.js_refused import CLUSTER_UNAVAILABLE, for_now, is_full, refused_for_good
+from mesh.js_refused import CLUSTER_UNAVAILABLE, for_now, no_room, refused_for_good
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.queue_watch import QueueWatch, queue_watch
@@ -41,7 +41,6 @@ from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.errors import (
     MeshError,
     MeshTimeoutError,
-    OverloadedError,
     PayloadTooLargeError,
     UnavailableError,
 )
@@ -158,13 +157,9 @@ async def publish_request(
             raise PayloadTooLargeError(
                 f"the request's headers are too large ({exc.description})", request_id=request.id
             ) from None
-        if is_full(exc):
-            whose = "this sender's share of " if "per subject" in (exc.description or "") else ""
-            raise OverloadedError(
-                f"{whose}the cloud queue is full ({exc.description})",
-                retry_after=stream.retry_after,
-                request_id=request.id,
-            ) from None
+        full = no_room(exc, "the cloud queue", stream.retry_after, request.id)
+        if full is not None:
+            raise full from None
         if exc.err_code == CLUSTER_UNAVAILABLE:
             raise UnavailableError(
                 "the hub's JetStream cannot take requests now: it is electing a leader or short "

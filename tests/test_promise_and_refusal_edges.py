@@ -198,6 +198,8 @@ async def test_a_hub_ingest_burst_429_is_told_retryable_not_refused_for_good(
     print(f"told: {told}")
     # Both: the SDK/edge's publish, and the site's forwarder (which keeps the answer a week).
     assert (all(e.retryable for e in errors), _for_now(raw[0])) == (True, True), (told, raw[0])
+    # And it says what it is: a burst, not a full queue (the full queue's retry_after is longer).
+    assert all("too many at once" in e.message and "full" not in e.message for e in errors), told
 
 
 # Before the fix (heal: an upgraded site cannot start). 929492e gave the site's streams byte limits:

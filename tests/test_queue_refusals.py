@@ -51,3 +51,41 @@ def test_a_duplicate_still_in_process_is_for_now() -> None:
     too_big = APIError(code=400, err_code=10054, description="message size exceeds maximum allowed")
     assert in_process(busy) and _for_now(busy)
     assert not in_process(too_big) and not _for_now(too_big)
+
+
+# Before the fix (typed / error text): `is_full` took four codes as a full stream's, and three of
+# them are not (10078: a consumer's config is missing; 10027: the account's limit of streams;
+# 10028: of memory), while a store failing for another reason (10077 with its own text, a 503)
+# read "the cloud queue is full". And a 429 (a burst over the stream's ingest queue) said "the
+# cloud queue is full (too many requests)" with the full queue's retry_after.
+def test_only_a_full_stream_or_store_reads_full_and_a_burst_says_so() -> None:
+    from nats.js.errors import APIError
+
+    from mesh.js_refused import BURST_RETRY_S, for_now, is_full, no_room
+
+    def refused(code: int, err_code: int, text: str) -> APIError:
+        return APIError(code=code, err_code=err_code, description=text)
+
+    full = [
+        refused(503, 10077, "maximum messages exceeded"),
+        refused(503, 10077, "maximum bytes exceeded"),
+        refused(503, 10077, "maximum messages per subject exceeded"),
+        refused(503, 10047, "insufficient storage resources available"),
+    ]
+    not_full = [
+        refused(400, 10078, "consumer config required"),
+        refused(400, 10027, "maximum number of streams reached"),
+        refused(500, 10028, "insufficient memory resources available"),
+        refused(503, 10077, "error opening msg block file"),
+    ]
+    assert [is_full(e) for e in full] == [True] * 4
+    assert [is_full(e) for e in not_full] == [False] * 4
+    assert for_now(not_full[3])  # a store in trouble (503): the same publish may go again
+    share = no_room(full[2], "the cloud queue", 2.0, "r1")
+    assert share is not None and share.message.startswith("this sender's share of the cloud")
+    assert share.retry_after == 2.0 and share.retryable
+    burst = no_room(refused(429, 10167, "too many requests"), "the cloud queue", 2.0, "r1")
+    assert burst is not None and burst.code.value == "overloaded"
+    assert "too many at once" in burst.message and "full" not in burst.message
+    assert burst.retry_after == BURST_RETRY_S and burst.request_id == "r1"
+    assert no_room(not_full[3], "the cloud queue", 2.0, "r1") is None
