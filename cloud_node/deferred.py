@@ -26,16 +26,16 @@ from collections.abc import Awaitable, Callable
 from nats.aio.msg import Msg
 
 from cloud_node.counts import WorkerCounts
-from cloud_node.delivery import Ack, Delivery, Release
+from cloud_node.delivery import Ack, Delivery, Release, queued_id
 from cloud_node.keeper import Keeper
 from cloud_node.lease import OTHER_COPY, Holding, Lease, Leases
 from cloud_node.outcomes import Outcomes
 from cloud_node.publisher import AnswerPublisher
 from cloud_node.serve import Handler, Parts
-from cloud_node.takeover import Unread, too_late
+from cloud_node.takeover import Unread, is_duplicate, too_late
 from mesh.config import MeshSettings
 from mesh.logs import get_logger
-from protocol.codec import WireFormat, error_event
+from protocol.codec import NO_LIMITS, WireFormat, decode_request, error_event
 from protocol.errors import MeshError
 from protocol.fingerprint import request_fingerprint
 from protocol.messages import InferRequest
@@ -131,6 +131,11 @@ class DeferrableHandler(Handler):
             found = await self._history(request, fingerprint, publisher.subject)
             history = None if found is Unread.STORE else found
             if history is not None and history.done:
+                duplicate = history.outcome  # another request's answer under this id
+                if is_duplicate(duplicate) and not await self.outcomes.kept_or_nak(
+                    msg, scope, request, duplicate
+                ):
+                    return  # kept first (it was refused and kept nothing: review S20b)
                 if await self.takeover.already_done(
                     msg, publisher, history
                 ) and await self._keep_stored(msg, scope, request, publisher):
@@ -156,6 +161,22 @@ class DeferrableHandler(Handler):
             await self._generate(
                 delivery, request, publisher, writer, queued_ms, release, holding.renew
             )
+
+    async def refuse_undecoded(self, msg: Msg, err: MeshError, attempt: int) -> None:
+        """A request that can wait, refused as this worker decoded it (over its limits, a field
+        it does not know): its typed error is kept for its site first, as any refusal's. It was
+        not: the site's client waited, then heard "ask again" for ever (review S20b)."""
+        scope = scope_of(msg.subject)
+        try:  # read again without this worker's limits: what the site sent, to keep for it
+            request = decode_request(
+                msg.data, msg.headers, limits=NO_LIMITS, missing_id=queued_id(msg)
+            )
+        except MeshError:
+            request = None
+        if request is not None and request[0].deferrable and scope is not None:
+            await self.refuse(msg, scope, request[0], err, attempt)
+        else:
+            await self.outcomes.reject(msg, err, attempt)
 
     async def _history(
         self, request: InferRequest, fingerprint: str, subject: str

@@ -164,7 +164,8 @@ class Keeper:
         Raises a retryable :class:`MeshError` when it cannot: the request is then not acked."""
         request_id = request.id
         if outcome is None and publisher is not None:
-            outcome = kept.whole_answer(await self._events(publisher), request_id)
+            events = await self._events(publisher)
+            outcome = kept.whole_answer(events, request_id, request_fingerprint(request))
         if outcome is None:
             raise MeshError("the answer's stored events hold no outcome", retryable=True)
         data = kept.encode_outcome(outcome)

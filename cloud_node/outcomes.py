@@ -26,8 +26,9 @@ from mesh.config import StreamSettings
 from mesh.connection import Connection
 from mesh.logs import get_logger
 from mesh.tasks import TaskSet
-from protocol.codec import decode_request, error_event, reply_target, sniff
+from protocol.codec import NO_LIMITS, decode_request, error_event, reply_target, sniff
 from protocol.errors import ErrorCode, MaxDeliveriesError, MeshError
+from protocol.fingerprint import request_fingerprint
 from protocol.messages import Answer, ErrorEvent, InferRequest, queued_request_id
 from protocol.stream import AnswerState, AnswerWriter
 from protocol.subjects import is_token, scope_of, token_subject
@@ -203,61 +204,92 @@ class Outcomes:
             deliveries = int(advisory.get("deliveries", self.stream.max_deliver))
             jsm = self.conn.jsm()
             queued = await jsm.get_msg(self.stream.name, stream_seq)
-            missing_id = queued_request_id(stream_seq)
-            request_id, _ = reply_target(queued.data or b"", queued.headers, missing_id)
-            scope = scope_of(queued.subject or "")
-            state: AnswerState | None = None
-            if request_id is not None and scope is not None:
-                state = AnswerState(request_id)
-                try:
-                    state.feed_all(await self.store.replay(token_subject(scope, request_id)))
-                except MeshError as err:  # its readers hear the error all the same (below)
-                    log.warning("answer store not read; ending the request", error=err.message)
-                    state = AnswerState(request_id)
-            with contextlib.suppress(MeshError):  # a request that can wait: keep its outcome
-                held, _fmt = decode_request(
-                    queued.data or b"", queued.headers, missing_id=missing_id
-                )
-                if held.deferrable and scope is not None and held.id == request_id:
-                    # The last worker may have stored the whole answer (or a final error) and
-                    # died before keeping it: that outcome is the request's, not this one.
-                    stored = state.whole() if state is not None else None
-                    exhausted = MaxDeliveriesError(
-                        f"{deliveries} deliveries ended without an answer", request_id=held.id
-                    )
-                    outcome = stored or error_event(exhausted, held.id)
-                    await self._keep_patiently(scope, held, outcome)
-            if (
-                request_id is not None
-                and scope is not None
-                and state is not None
-                and not state.done
-            ):
-                fmt = sniff(queued.data or b"", queued.headers).reply_format
-                publisher = AnswerPublisher(
-                    self.conn,
-                    self.store,
-                    scope,
-                    request_id,
-                    fmt,
-                    timeout=self.publish_timeout,
-                )
-                # Above every attempt the store holds (a second copy of a request that can
-                # wait numbers after the first's), and above any a worker numbered unseen
-                # whose start a reader has and the store lost (its deliveries were these), so
-                # readers take it as the newest.
-                attempt = max(deliveries, state.attempt, unseen_attempt(deliveries + 1))
-                writer = AnswerWriter(request_id, attempt=attempt)
-                exhausted = MaxDeliveriesError(
-                    f"{deliveries} deliveries ended without an answer (workers stopped "
-                    "mid-request)",
-                    request_id=request_id,
-                    retryable=False,
-                )
-                if not await publisher.finish(writer.error(exhausted)):
-                    self.settle(publisher)  # the store gets it when it can
-                self.counts.max_deliveries()
-                log.warning("request exhausted its deliveries", request_id=request_id)
+            data, headers, subject = queued.data or b"", queued.headers, queued.subject or ""
+            await self._end_exhausted(stream_seq, deliveries, data, headers, subject)
             await jsm.delete_msg(self.stream.name, stream_seq)
         except Exception as exc:  # already gone, or the store cannot be read: nothing to do
             log.info("max-deliveries advisory not handled", error=repr(exc))
+
+    async def given_up(self, msg: Msg) -> None:
+        """A delivery past ``max_deliver`` (the consumer delivers without limit): the request's
+        deliveries ran out, each worker dying with it. It is ended here as the advisory's were,
+        and acked only then: a worker that dies meanwhile leaves it to the next delivery. The
+        advisory came once, to whichever worker listened: none did when the pool's last worker
+        died with the last delivery, and the request was never ended (review S20b)."""
+        seq, deliveries = msg.metadata.sequence.stream, msg.metadata.num_delivered - 1
+        try:
+            await self._end_exhausted(seq, deliveries, msg.data, msg.headers, msg.subject)
+        except Exception:
+            log.exception("a request given up on not ended; handing it back")
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return
+        with contextlib.suppress(nats.errors.Error):
+            await msg.ack()
+
+    async def _end_exhausted(
+        self,
+        stream_seq: int,
+        deliveries: int,
+        data: bytes,
+        headers: dict[str, str] | None,
+        subject: str,
+    ) -> None:
+        """End the queued request (``data``, ``headers``, on ``subject``) whose ``deliveries``
+        all ended without an answer: its stored outcome or ``max_deliveries``, kept for its site
+        when it can wait, told to its readers. Raises when that cannot be done."""
+        missing_id = queued_request_id(stream_seq)
+        request_id, _ = reply_target(data, headers, missing_id)
+        scope = scope_of(subject)
+        try:
+            held: InferRequest | None = decode_request(
+                data, headers, limits=NO_LIMITS, missing_id=missing_id
+            )[0]
+        except MeshError:
+            held = None
+        state: AnswerState | None = None
+        if request_id is not None and scope is not None:
+            # Read as the request's own: another request's answer under a reused id is a
+            # duplicate, never kept as this one's (review S20b).
+            fingerprint = request_fingerprint(held) if held is not None else None
+            state = AnswerState(request_id, fingerprint=fingerprint)
+            try:
+                state.feed_all(await self.store.replay(token_subject(scope, request_id)))
+            except MeshError as err:  # its readers hear the error all the same (below)
+                log.warning("answer store not read; ending the request", error=err.message)
+                state = AnswerState(request_id)
+        with contextlib.suppress(MeshError):  # a request that can wait: keep its outcome
+            if held is not None and held.deferrable and scope and held.id == request_id:
+                # The last worker may have stored the whole answer (or a final error) and
+                # died before keeping it: that outcome is the request's, not this one.
+                stored = state.whole() if state is not None else None
+                exhausted = MaxDeliveriesError(
+                    f"{deliveries} deliveries ended without an answer", request_id=held.id
+                )
+                outcome = stored or error_event(exhausted, held.id)
+                await self._keep_patiently(scope, held, outcome)
+        if request_id is not None and scope is not None and state is not None and not state.done:
+            fmt = sniff(data, headers).reply_format
+            publisher = AnswerPublisher(
+                self.conn,
+                self.store,
+                scope,
+                request_id,
+                fmt,
+                timeout=self.publish_timeout,
+            )
+            # Above every attempt the store holds (a second copy of a request that can
+            # wait numbers after the first's), and above any a worker numbered unseen
+            # whose start a reader has and the store lost (its deliveries were these), so
+            # readers take it as the newest.
+            attempt = max(deliveries, state.attempt, unseen_attempt(deliveries + 1))
+            writer = AnswerWriter(request_id, attempt=attempt)
+            exhausted = MaxDeliveriesError(
+                f"{deliveries} deliveries ended without an answer (workers stopped mid-request)",
+                request_id=request_id,
+                retryable=False,
+            )
+            if not await publisher.finish(writer.error(exhausted)):
+                self.settle(publisher)  # the store gets it when it can
+            self.counts.max_deliveries()
+            log.warning("request exhausted its deliveries", request_id=request_id)

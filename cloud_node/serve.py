@@ -34,14 +34,7 @@ from nats.aio.msg import Msg
 from cloud_node.admission import check
 from cloud_node.cancels import CancelBook
 from cloud_node.counts import WorkerCounts
-from cloud_node.delivery import (
-    Ack,
-    Delivery,
-    Release,
-    queued_id,
-    queued_once,
-    store_look_timeout,
-)
+from cloud_node.delivery import Ack, Delivery, Release, queued_id, queued_once, store_look_timeout
 from cloud_node.epoch import QueueEpoch
 from cloud_node.outcomes import Outcomes, ack
 from cloud_node.progress import KeepAlive, LoopStalls, Renew
@@ -144,6 +137,8 @@ class Handler(ABC):
         loop = asyncio.get_running_loop()
         delivery = Delivery(msg, attempt, loop.time(), self.conn.drops, self.stalls.count())
         request: InferRequest | None = None
+        if attempt > self._stream.max_deliver:  # its deliveries ran out: ended, not served
+            return await self.outcomes.given_up(msg)
         try:
             held = COPY_HEADER in (msg.headers or {}) or await self.epoch.predates(msg)
             delivery.maybe_held = held
@@ -159,8 +154,8 @@ class Handler(ABC):
                     missing_id=queued_id(msg),
                 )
             except MeshError as err:
-                await self.outcomes.reject(msg, err, delivery.number())
-                return
+                await self.refuse_undecoded(msg, err, delivery.number())
+                return None
             if request.deferrable:  # its own path: cloud_node.deferred
                 await self.serve_deferrable(delivery, request, fmt.reply_format)
             else:
@@ -192,6 +187,10 @@ class Handler(ABC):
         self, msg: Msg, scope: str | None, request: InferRequest, err: MeshError, attempt: int
     ) -> None:
         """Answer a request that will never run with its typed error, and drop it."""
+        await self.outcomes.reject(msg, err, attempt)
+
+    async def refuse_undecoded(self, msg: Msg, err: MeshError, attempt: int) -> None:
+        """A delivery refused as it was decoded here (see :mod:`cloud_node.deferred`)."""
         await self.outcomes.reject(msg, err, attempt)
 
     @abstractmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from enum import Enum
+from typing import TypeGuard
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -145,7 +146,7 @@ class Takeover:
         answer under this id: refused here, the message terminated."""
         self.counts.outcome("already_done")
         outcome = history.outcome
-        if isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value:
+        if is_duplicate(outcome):
             # Our own check: the store holds another request's answer under this id. Said on
             # the token subject only once that answer ended: until then its readers, who share
             # the subject, would take the error for their own (an error names no request).
@@ -158,6 +159,11 @@ class Takeover:
             return False
         log.info("outcome already stored; acking without generating")
         return True
+
+
+def is_duplicate(outcome: object) -> TypeGuard[ErrorEvent]:
+    """The outcome the store holds is our own check's: another request's answer under the id."""
+    return isinstance(outcome, ErrorEvent) and outcome.code == ErrorCode.DUPLICATE.value
 
 
 def too_late(request: InferRequest, history: AnswerState | Unread | None) -> MeshError | None:

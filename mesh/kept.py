@@ -199,10 +199,14 @@ MIN_BYTES = 1024 * 1024
 """The smallest byte limit :func:`ensure` falls back to before none at all."""
 
 
-def whole_answer(events: list[WireEvent], request_id: str) -> Answer | ErrorEvent | None:
+def whole_answer(
+    events: list[WireEvent], request_id: str, fingerprint: str
+) -> Answer | ErrorEvent | None:
     """The outcome of ``events`` (an answer's stored events, in order) as one message: the whole
-    verified text, or the typed error. None when the events hold no outcome yet."""
-    state = AnswerState(request_id)
+    verified text, or the typed error. None when the events hold no outcome yet. A start of
+    another request under the id (``fingerprint``: this one's) makes it ``duplicate``: before,
+    another request's text under a reused id was kept as this one's (review S20b)."""
+    state = AnswerState(request_id, fingerprint=fingerprint)
     state.feed_all(events)
     return state.whole()
 

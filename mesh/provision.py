@@ -63,7 +63,9 @@ def consumer_config(settings: StreamSettings, model: str) -> api.ConsumerConfig:
         deliver_policy=api.DeliverPolicy.ALL,
         ack_policy=api.AckPolicy.EXPLICIT,
         ack_wait=settings.ack_wait,
-        max_deliver=settings.max_deliver,
+        # Without limit: a worker ends a request delivered past ``max_deliver`` itself
+        # (cloud_node.outcomes.Outcomes.given_up), so no give-up goes unheard.
+        max_deliver=-1,
         max_ack_pending=settings.max_ack_pending,
         max_waiting=512,
     )

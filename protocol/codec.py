@@ -83,6 +83,9 @@ class RequestLimits:
     max_tokens: int = 4096
 
 
+NO_LIMITS = RequestLimits(max_payload_bytes=2**62, max_tokens=2**62)
+"""No node's limits: a request read again only to keep or tell its refusal."""
+
 UnknownFieldsHook = Callable[[str, frozenset[str]], None]
 MAX_NESTING = 64
 """Deepest nesting of maps and lists a request may have (a JSON schema included): deeper ones

@@ -355,7 +355,10 @@ class AnswerState:
             return "drop"
         if isinstance(event, StartEvent):
             if event.attempt == self.attempt:
-                return "drop"
+                # Another request's start at this attempt (an id reused at once): its tokens
+                # would mix into this answer, so it ends it as a duplicate (review S20b).
+                foreign = event.req and self._fingerprint and event.req != self.fingerprint
+                return "apply" if foreign else "drop"
             if event.seq > self.positions:
                 return "hold"
             if event.seq > 0 and self.digest_at(event.seq) != event.digest:
