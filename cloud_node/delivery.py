@@ -34,8 +34,8 @@ def delivery_of(ack_subject: str) -> tuple[str, int, int] | None:
         stream, delivered, sseq = tokens[4], tokens[6], tokens[7]
     else:
         return None
-    if not (delivered.isdigit() and sseq.isdigit()):
-        return None
+    if not (delivered.isascii() and delivered.isdigit() and sseq.isascii() and sseq.isdigit()):
+        return None  # "¹" is a digit to isdigit() and not to int() (a forged start: review S20a)
     return stream, int(delivered), int(sseq)
 
 

@@ -37,6 +37,11 @@ past that the worker settles the answer in the background (:meth:`AnswerPublishe
 so that a store that is away does not hold the request's slot."""
 MAX_SETTLING = 256
 """Answers whose store copy is made whole in the background at once, at most."""
+RESEND_GAP_S = 0.25
+"""An answer is published again at most this often, whoever asks: each reader's "are you
+there?" word may ask, and 500 words from one edge made a worker publish the answer 500 times
+over, queueing other edges' words behind it (review S20a). A reader asking again that soon
+has the first resend on its way."""
 CATCH_UPS_AT_ONCE = 8
 """Of those, how many read the store and publish again at one time: a store that comes back
 under many answers settling is not read by all of them in one burst, which would hold up the
@@ -62,6 +67,7 @@ class AnswerPublisher:
         self.timeout = timeout
         self._headers = {CONTENT_TYPE: fmt.content_type}
         self._sent: list[tuple[WireEvent, bytes]] = []
+        self._resent_at = -RESEND_GAP_S
         self._reconnects = conn.reconnects
         self._failures = conn.write_batch.failures
         self._losses = store.losses
@@ -101,8 +107,10 @@ class AnswerPublisher:
             wanted = [data for _event, data in self._sent]
         else:
             wanted = [data for event, data in self._sent if _lacks(event, seq, upto)]
-        if not wanted:
+        now = time.monotonic()
+        if not wanted or now - self._resent_at < RESEND_GAP_S:
             return 0
+        self._resent_at = now
         log.info("publishing again what a reader lacks", count=len(wanted), seq=seq, upto=upto)
         try:
             for data in wanted:

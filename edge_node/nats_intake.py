@@ -92,7 +92,7 @@ async def _send_quietly(sink: NatsSink, event: ErrorEvent) -> None:
 
 
 async def _respond_error(request: Request, exc: Exception) -> None:
-    if reply_of(request):
+    if reply_to(request):
         with contextlib.suppress(nats.errors.Error, ValueError):
             await request.respond_error("500", repr(exc)[:500])
 
@@ -101,6 +101,15 @@ def reply_of(request: Request) -> str:
     """The reply subject of a micro-service request (nats-py keeps it on the private message;
     the edge needs it to know where, and whether, it may answer)."""
     return request._msg.reply or ""
+
+
+def reply_to(request: Request) -> str:
+    """Where a cancel's, a resend's or an ask's answer may go: the reply subject when it is an
+    ordinary inbox, else nowhere (""). Only ``infer`` checked it: a client that may publish
+    only to its edge's endpoints had the edge answer into the work queue, a cancel or orphan
+    subject or the JetStream API, with the edge's rights (review S20a)."""
+    reply = reply_of(request)
+    return reply if is_reply_inbox(reply) else ""
 
 
 @dataclass
@@ -374,7 +383,7 @@ class NatsIntake:
                 record.task.cancel()
         elif record is None and inbox:
             self.parts.counts.inc("refused.cancel")  # not the sender's inbox, or an unknown id
-        if reply_of(request):
+        if reply_to(request):
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(json.dumps({"cancelled": cancelled}).encode())
 
@@ -429,9 +438,9 @@ class NatsIntake:
             data = dump(outcome, fmt)
         failed = isinstance(outcome, ErrorEvent)
         headers = {CONTENT_TYPE: fmt.content_type, **(error_headers(outcome) if failed else {})}
-        if reply_of(request):
+        if reply := reply_to(request):
             with contextlib.suppress(nats.errors.Error):
-                await nc.publish(reply_of(request), data, headers=headers)
+                await nc.publish(reply, data, headers=headers)
                 if failed:
                     self.errors["answer"].sent(outcome)
 
@@ -449,7 +458,7 @@ class NatsIntake:
                     await sink.send(event)
                     sent += 1
             self.parts.counts.inc("resent", sent)
-        if reply_of(request):
+        if reply_to(request):
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await request.respond(
                     json.dumps({"known": record is not None, "events": sent}).encode()

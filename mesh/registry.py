@@ -200,6 +200,9 @@ class Heartbeat:
                 await self.beat()
                 break
             except (asyncio.TimeoutError, nats.errors.Error) as exc:
+                # Refused (credentials made for another node id): said at once, not as a
+                # timeout after three tries (review S20a: 8 s, "TimeoutError()").
+                self._conn.refusals.raise_if_refused(f"$KV.{NODES_BUCKET}.{self._key}")
                 if time.monotonic() > deadline:
                     raise MeshTimeoutError(f"cannot announce this node: {exc!r}") from None
                 await asyncio.sleep(0.2)
