@@ -22,7 +22,13 @@ from edge_node.confidence import ConfidenceGate
 from edge_node.local_gate import LocalGate
 from edge_node.parts import EdgeCounts
 from edge_node.records import Record
-from edge_node.relay import CloudRelay, Fallback, RelayParts, estimate_prompt_tokens
+from edge_node.relay import (
+    TURN_TOKENS_LEAST,
+    CloudRelay,
+    Fallback,
+    RelayParts,
+    estimate_prompt_tokens,
+)
 from edge_node.router import CloudBudget, Router, budget_of, decide
 from edge_node.served import CloudModels
 from edge_node.site import SiteStore
@@ -122,9 +128,15 @@ class Paths:
             # Naming the local model lets the router choose, as over HTTP: escalated, the
             # request goes to the edge's cloud model, not to a pool named after the local one.
             req = req.model_copy(update={"model": None})
-        # A client that names a model other than the local one gets that model or nothing.
+        # A client that names a model other than the local one gets that model or nothing;
+        # with route "local" the local model answers whatever it named, as over HTTP (it was
+        # refused here when no pool served the name: review S20c).
         named = req.model
-        if named is not None and not await self.parts.models.deployed(named):
+        if (
+            named is not None
+            and req.route != "local"
+            and not await self.parts.models.deployed(named)
+        ):
             raise UnknownModelError(
                 f"no worker pool serves model {req.model!r} and it is not this edge's "
                 f"local model ({self.backend.model!r})",
@@ -300,8 +312,11 @@ class Paths:
 
     def _clearly_too_long(self, req: InferRequest) -> bool:
         """Too long for the local context even if the estimate is over by half: no local
-        fallback is tried (one that may fit is: the local model says if it does not)."""
-        return estimate_prompt_tokens(req) > 2 * self._es.model.n_ctx
+        fallback is tried (one that may fit is: the local model says if it does not). Counted
+        with the least a template adds a turn: at 16, a chat of 31 short turns that fits a 256
+        context read as twice too long, and was refused when the cloud could not take it
+        (review S20c)."""
+        return estimate_prompt_tokens(req, TURN_TOKENS_LEAST) > 2 * self._es.model.n_ctx
 
     def _too_near(self, req: InferRequest) -> float | None:
         """The seconds left before ``req``'s deadline when they are too few for the cloud

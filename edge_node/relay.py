@@ -69,7 +69,7 @@ from protocol.subjects import worker_of
 
 log = get_logger(__name__)
 
-# Cloud errors after which the edge answers locally (if it passed nothing on yet).
+# Cloud errors after which the edge answers locally (when the local model can).
 FALLBACK_CODES = {
     ErrorCode.OVERLOADED.value,
     ErrorCode.UNAVAILABLE.value,
@@ -120,7 +120,14 @@ def token_as(event: TokenEvent, request_id: str) -> TokenEvent:
     return token_event(request_id, event.seq, event.text, event.attempt, event.n, event.logprobs)
 
 
-def estimate_prompt_tokens(req: InferRequest) -> int:
+TURN_TOKENS = 16
+"""What a chat template adds a turn, at most, for the estimate that must not undercount."""
+TURN_TOKENS_LEAST = 4
+"""What it adds at least (SmolLM2's adds about 6): for the estimate that must not overcount
+(:meth:`edge_node.paths.Paths._clearly_too_long`)."""
+
+
+def estimate_prompt_tokens(req: InferRequest, turn_tokens: int = TURN_TOKENS) -> int:
     """A quick estimate of a request's prompt tokens: about 3 characters a token, each UTF-8
     byte past a character's first counted twice as a character. A Cyrillic letter (2 bytes)
     reads 1 token, a CJK character (3 bytes) 1.7, an emoji (4 bytes) 2.3; at 3 characters a
@@ -129,7 +136,7 @@ def estimate_prompt_tokens(req: InferRequest) -> int:
     (:class:`~protocol.errors.ContextTooLongError`), and the edge escalates then."""
     text = req.text()
     extra = 0 if text.isascii() else len(text.encode("utf-8", "surrogatepass")) - len(text)
-    return (len(text) + 2 * extra) // 3 + 16 * req.turns()
+    return (len(text) + 2 * extra) // 3 + turn_tokens * req.turns()
 
 
 @dataclass(frozen=True)
@@ -322,7 +329,10 @@ class CloudRelay:
                 elif (
                     isinstance(event, ErrorEvent)
                     and event.code in FALLBACK_CODES
-                    and self.record.state.positions == 0
+                    # Mid-answer too when the local model can answer, as for a stalled or
+                    # idle worker: a cloud engine failing after its first tokens ended in
+                    # its error while the local model sat idle (review S20c).
+                    and (self.record.state.positions == 0 or self.local_fits)
                 ):
                     raise self._give_up(
                         f"the cloud failed: {event.code}: {event.message}", "cloud_error"
