@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from cloud_node.counts import WorkerCounts
 from cloud_node.delivery import queued_id
@@ -83,6 +84,7 @@ class Outcomes:
         """Where rejections, failures (with their codes) and max_deliveries are counted."""
         self.stopping = False
         self.exhausted = TaskSet("worker-exhausted")
+        self._ending: set[int] = set()  # queue sequences being ended now (given up on)
         """The requests JetStream gave up on being answered, each in a task: one whose keep
         waits for the hub holds up no other (the advisories' callbacks run one at a time)."""
 
@@ -188,44 +190,50 @@ class Outcomes:
                 pause = min(pause * 2, KEEP_RETRY_MAX_S)
 
     async def on_max_deliveries(self, msg: Msg) -> None:
-        """The last delivery's worker died: tell the request's sender, typed, and drop it, in a
-        task of its own (at most ``MAX_EXHAUSTED`` at once: beyond, here)."""
+        """JetStream's advisory, heard on its subject (a worker whose credentials predate the
+        stream ``MESH_GIVEN_UP``: :mod:`cloud_node.given_up`): ended in a task of its own (at
+        most ``MAX_EXHAUSTED`` at once: beyond, here), trying for as long as the worker runs,
+        the advisory being the only word of it."""
         if self.stopping:
             return  # the worker stops: its tasks are closed (it leaves the group next)
         if len(self.exhausted) < MAX_EXHAUSTED:
-            self.exhausted.spawn(self._exhausted(msg), name="max-deliveries")
+            self.exhausted.spawn(self.end_given_up(msg, patient=True), name="max-deliveries")
         else:
-            await self._exhausted(msg)
+            await self.end_given_up(msg, patient=True)
 
-    async def _exhausted(self, msg: Msg) -> None:
+    async def end_given_up(self, msg: Msg, *, patient: bool = False) -> bool:
+        """The last delivery's worker died (``msg``: JetStream's advisory): tell the request's
+        sender, typed, keep its outcome when it can wait, and drop it. True when it is ended, or
+        nothing is left to end (its queued message gone); False when it cannot be now and
+        should be tried again (read from the stream: handed back, read again later)."""
         try:
             advisory = json.loads(msg.data)
             stream_seq = int(advisory["stream_seq"])
             deliveries = int(advisory.get("deliveries", self.stream.max_deliver))
-            jsm = self.conn.jsm()
-            queued = await jsm.get_msg(self.stream.name, stream_seq)
-            data, headers, subject = queued.data or b"", queued.headers, queued.subject or ""
-            await self._end_exhausted(stream_seq, deliveries, data, headers, subject)
-            await jsm.delete_msg(self.stream.name, stream_seq)
-        except Exception as exc:  # already gone, or the store cannot be read: nothing to do
-            log.info("max-deliveries advisory not handled", error=repr(exc))
-
-    async def given_up(self, msg: Msg) -> None:
-        """A delivery past ``max_deliver`` (the consumer delivers without limit): the request's
-        deliveries ran out, each worker dying with it. It is ended here as the advisory's were,
-        and acked only then: a worker that dies meanwhile leaves it to the next delivery. The
-        advisory came once, to whichever worker listened: none did when the pool's last worker
-        died with the last delivery, and the request was never ended (review S20b)."""
-        seq, deliveries = msg.metadata.sequence.stream, msg.metadata.num_delivered - 1
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("max-deliveries advisory unreadable; dropped", error=repr(exc))
+            return True
+        if stream_seq in self._ending:  # a second advisory of it: read again once this ends
+            return False
+        self._ending.add(stream_seq)
+        jsm = self.conn.jsm()
         try:
-            await self._end_exhausted(seq, deliveries, msg.data, msg.headers, msg.subject)
-        except Exception:
-            log.exception("a request given up on not ended; handing it back")
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak(delay=1.0)
-            return
-        with contextlib.suppress(nats.errors.Error):
-            await msg.ack()
+            try:
+                queued = await jsm.get_msg(self.stream.name, stream_seq)
+            except NotFoundError:
+                return True  # ended already (or expired from the queue): nothing to do
+            data, headers, subject = queued.data or b"", queued.headers, queued.subject or ""
+            await self._end_exhausted(
+                stream_seq, deliveries, data, headers, subject, patient=patient
+            )
+            with contextlib.suppress(NotFoundError):
+                await jsm.delete_msg(self.stream.name, stream_seq)
+        except Exception as exc:  # the store or the queue cannot be read now
+            log.info("max-deliveries advisory not handled", error=repr(exc))
+            return False
+        finally:
+            self._ending.discard(stream_seq)
+        return True
 
     async def _end_exhausted(
         self,
@@ -234,10 +242,13 @@ class Outcomes:
         data: bytes,
         headers: dict[str, str] | None,
         subject: str,
+        *,
+        patient: bool,
     ) -> None:
         """End the queued request (``data``, ``headers``, on ``subject``) whose ``deliveries``
         all ended without an answer: its stored outcome or ``max_deliveries``, kept for its site
-        when it can wait, told to its readers. Raises when that cannot be done."""
+        when it can wait (``patient``: trying until it is kept; else once, raising when it
+        cannot be), told to its readers."""
         missing_id = queued_request_id(stream_seq)
         request_id, _ = reply_target(data, headers, missing_id)
         scope = scope_of(subject)
@@ -258,16 +269,18 @@ class Outcomes:
             except MeshError as err:  # its readers hear the error all the same (below)
                 log.warning("answer store not read; ending the request", error=err.message)
                 state = AnswerState(request_id)
-        with contextlib.suppress(MeshError):  # a request that can wait: keep its outcome
-            if held is not None and held.deferrable and scope and held.id == request_id:
-                # The last worker may have stored the whole answer (or a final error) and
-                # died before keeping it: that outcome is the request's, not this one.
-                stored = state.whole() if state is not None else None
-                exhausted = MaxDeliveriesError(
-                    f"{deliveries} deliveries ended without an answer", request_id=held.id
-                )
-                outcome = stored or error_event(exhausted, held.id)
+        if held is not None and held.deferrable and scope and held.id == request_id:
+            # The last worker may have stored the whole answer (or a final error) and
+            # died before keeping it: that outcome is the request's, not this one.
+            stored = state.whole() if state is not None else None
+            exhausted = MaxDeliveriesError(
+                f"{deliveries} deliveries ended without an answer", request_id=held.id
+            )
+            outcome = stored or error_event(exhausted, held.id)
+            if patient:
                 await self._keep_patiently(scope, held, outcome)
+            else:
+                await self.keeper.keep(scope, held, None, outcome)
         if request_id is not None and scope is not None and state is not None and not state.done:
             fmt = sniff(data, headers).reply_format
             publisher = AnswerPublisher(

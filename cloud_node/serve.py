@@ -137,8 +137,6 @@ class Handler(ABC):
         loop = asyncio.get_running_loop()
         delivery = Delivery(msg, attempt, loop.time(), self.conn.drops, self.stalls.count())
         request: InferRequest | None = None
-        if attempt > self._stream.max_deliver:  # its deliveries ran out: ended, not served
-            return await self.outcomes.given_up(msg)
         try:
             held = COPY_HEADER in (msg.headers or {}) or await self.epoch.predates(msg)
             delivery.maybe_held = held
@@ -155,7 +153,7 @@ class Handler(ABC):
                 )
             except MeshError as err:
                 await self.refuse_undecoded(msg, err, delivery.number())
-                return None
+                return
             if request.deferrable:  # its own path: cloud_node.deferred
                 await self.serve_deferrable(delivery, request, fmt.reply_format)
             else:

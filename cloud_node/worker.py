@@ -31,6 +31,7 @@ from cloud_node.counts import WorkerCounts, WorkerStats
 from cloud_node.deferred import DeferrableHandler
 from cloud_node.delivery import store_look_timeout
 from cloud_node.engine_watch import EngineWatch
+from cloud_node.given_up import GivenUp
 from cloud_node.keeper import Keeper
 from cloud_node.lease import Leases
 from cloud_node.orphans import Orphans
@@ -164,6 +165,9 @@ class Worker(Lifecycle):
         )
         self.store_service = StoreService(conn, self.store)
         """Answers senders that may not read the answer store themselves (``mesh creds``)."""
+        ended, heard = self.outcomes.end_given_up, self.outcomes.on_max_deliveries
+        self.given_up = GivenUp(conn, self._stream.name, self.consumer, ended, heard)
+        self._given_up_read = True  # the hub's given-up stream is there (else: the advisory)
         self._stopping = False
         self.promises = Promises(self.free_slots)  # to stopping peers
         self._subs: list[Subscription] = []
@@ -229,15 +233,9 @@ class Worker(Lifecycle):
         subs = self._subs = []  # each as it is made: an undone start closes those it has
         subs.append(await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel))
         subs.append(await nc.subscribe(worker_cancels(self.node_id), cb=self._on_cancel))
-        # One worker of the pool answers each request whose last delivery died with its
-        # worker: the consumer gives up on it, and JetStream says so in this advisory.
-        subs.append(
-            await nc.subscribe(
-                f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self._stream.name}.{self.consumer}",
-                queue=f"mesh-advisories-{model_token(self.backend.model)}",
-                cb=self.outcomes.on_max_deliveries,
-            )
-        )
+        # One worker of the pool ends each request whose deliveries ran out (cloud_node.given_up).
+        group = f"mesh-advisories-{model_token(self.backend.model)}"
+        await self.given_up.start(read=self._given_up_read, group=group)
         subs += await self.orphans.subscribe()
         subs += await self.store_service.subscribe()
         self._service = await micro.add_service(
@@ -292,7 +290,7 @@ class Worker(Lifecycle):
                 self.conn.jsm(), self._stream, [self.backend.model], leases_required=False
             )
         )
-        self.leases.enabled = hub.leases
+        self.leases.enabled, self._given_up_read = hub.leases, hub.given_up
         self.store.back(since)
         await self.handler.epoch.look(self._stream.name, self.consumer)  # ahead of deliveries
         back = self._leases_back
@@ -368,6 +366,7 @@ class Worker(Lifecycle):
             log.info("draining in-flight requests", count=len(self.handler.inflight), grace_s=grace)
         await self._tasks.close(grace=grace)
         await cancel_and_wait([t for t in (self._lag_task,) if t is not None])
+        await self.given_up.stop()
         self.outcomes.stopping = True  # closed before the settler: none settles after it
         await self.outcomes.exhausted.close(grace=self._ws.publish_timeout)
         await self.settler.close()

@@ -18,10 +18,10 @@ from mesh import kept
 from mesh.answer_store import ensure_answer_stream
 from mesh.config import StreamSettings
 from mesh.logs import get_logger
-from mesh.provision import provision
+from mesh.provision import ensure_given_up, provision
 from mesh.stream_deleted import consumer_deleted, stream_deleted
 from protocol.errors import MeshError
-from protocol.subjects import ANSWERS_STREAM, LEASES_STREAM, NODES_STREAM
+from protocol.subjects import ANSWERS_STREAM, GIVEN_UP_STREAM, LEASES_STREAM, NODES_STREAM
 
 log = get_logger(__name__)
 
@@ -32,12 +32,14 @@ class Hub:
     """The streams in place, in the order they were provisioned."""
     leases: bool
     """Whether the lease stream is among them."""
+    given_up: bool = True
+    """Whether the given-up stream is among them (:mod:`cloud_node.given_up`)."""
 
 
 def hub_streams(settings: StreamSettings) -> list[str]:
     """The streams :func:`provision_hub` puts in place, lease stream last."""
     stored = [settings.answer_stream] if settings.answer_storage != "off" else []
-    return [settings.name, *stored, ANSWERS_STREAM, LEASES_STREAM]
+    return [settings.name, *stored, ANSWERS_STREAM, GIVEN_UP_STREAM, LEASES_STREAM]
 
 
 def hub_deletions(settings: StreamSettings, consumer: str) -> list[str]:
@@ -63,11 +65,19 @@ async def provision_hub(
     answers = kept.answers_config(settings)
     await kept.ensure(jsm, answers)
     streams = hub_streams(settings)
+    given_up = True
+    try:
+        await ensure_given_up(jsm, settings, models)
+    except (MeshError, nats.errors.Error, APIError) as exc:
+        # Credentials minted before the stream: the advisory is listened to as before.
+        log.warning("given-up stream unavailable; listening to the advisory", error=repr(exc))
+        streams.remove(GIVEN_UP_STREAM)
+        given_up = False
     try:
         await kept.ensure(jsm, kept.leases_config(settings))
     except (MeshError, nats.errors.Error, APIError) as exc:
         if leases_required:
             raise
         log.warning("lease stream unavailable; serving without leases", error=repr(exc))
-        return Hub(streams[:-1], leases=False)
-    return Hub(streams, leases=True)
+        return Hub(streams[:-1], leases=False, given_up=given_up)
+    return Hub(streams, leases=True, given_up=given_up)

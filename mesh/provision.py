@@ -18,7 +18,13 @@ from nats.js.manager import JetStreamManager
 from mesh.config import StreamSettings, WorkerSettings
 from mesh.logs import get_logger
 from protocol.errors import MeshError, MeshTimeoutError, UnavailableError
-from protocol.subjects import INFER_WILDCARD, consumer_name, model_infer_filter
+from protocol.subjects import (
+    GIVEN_UP_STREAM,
+    INFER_WILDCARD,
+    consumer_name,
+    given_up_subject,
+    model_infer_filter,
+)
 
 log = get_logger(__name__)
 
@@ -63,12 +69,62 @@ def consumer_config(settings: StreamSettings, model: str) -> api.ConsumerConfig:
         deliver_policy=api.DeliverPolicy.ALL,
         ack_policy=api.AckPolicy.EXPLICIT,
         ack_wait=settings.ack_wait,
-        # Without limit: a worker ends a request delivered past ``max_deliver`` itself
-        # (cloud_node.outcomes.Outcomes.given_up), so no give-up goes unheard.
-        max_deliver=-1,
+        max_deliver=settings.max_deliver,
         max_ack_pending=settings.max_ack_pending,
         max_waiting=512,
     )
+
+
+GIVEN_UP_ACK_WAIT_S = 30.0
+"""How long a worker has to end a given-up request before another is handed its advisory."""
+
+
+def given_up_config(settings: StreamSettings) -> api.StreamConfig:
+    """The stream keeping the queue's given-up advisories until a worker ends each
+    (:mod:`cloud_node.given_up`)."""
+    return api.StreamConfig(
+        name=GIVEN_UP_STREAM,
+        description="mesh: queued requests whose deliveries ran out, until a worker ends each",
+        subjects=[given_up_subject(settings.name, "*")],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE if settings.storage == "file" else api.StorageType.MEMORY,
+        max_msgs=settings.max_msgs,  # never more than the queue holds
+        max_age=settings.max_age,  # nor longer: its request is gone by then
+        discard=api.DiscardPolicy.OLD,
+        num_replicas=settings.replicas,
+        placement=placement(settings),
+    )
+
+
+def given_up_consumer_config(settings: StreamSettings, model: str) -> api.ConsumerConfig:
+    """One pool's given-up advisories (the durable named as its queue consumer)."""
+    name = consumer_name(model)
+    return api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        description=f"mesh: requests for {model} whose deliveries ran out",
+        filter_subject=given_up_subject(settings.name, name),
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=GIVEN_UP_ACK_WAIT_S,
+        max_deliver=-1,
+        max_waiting=512,
+    )
+
+
+async def ensure_given_up(
+    jsm: JetStreamManager, settings: StreamSettings, models: list[str]
+) -> None:
+    """The given-up stream and each pool's consumer on it (idempotent)."""
+    managed = ("subjects", "max_msgs", "max_age", "discard", "num_replicas")
+    await ensure_config(jsm, given_up_config(settings), managed)
+    for model in dict.fromkeys(models):
+        try:
+            await jsm.add_consumer(GIVEN_UP_STREAM, given_up_consumer_config(settings, model))
+        except asyncio.TimeoutError:
+            raise MeshTimeoutError("JetStream did not answer while provisioning") from None
+        except APIError as exc:
+            raise refused(f"the given-up consumer for {model}", exc) from None
 
 
 NOT_ANSWERING_RETRY_S = 0.5

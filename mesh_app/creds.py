@@ -41,6 +41,7 @@ from protocol.subjects import (
     ANSWER_WILDCARD,
     ANSWERS_STREAM,
     CANCEL_WILDCARD,
+    GIVEN_UP_STREAM,
     LEASE_WILDCARD,
     LEASES_STREAM,
     NODES_BUCKET,
@@ -130,7 +131,7 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
     """``stream``: the settings naming the work queue and the answer store."""
     inbox = inbox_prefix("worker", node)
     infer, tokens = stream.name, stream.answer_stream
-    streams = (infer, tokens, NODES_STREAM, ANSWERS_STREAM, LEASES_STREAM)
+    streams = (infer, tokens, NODES_STREAM, ANSWERS_STREAM, LEASES_STREAM, GIVEN_UP_STREAM)
     return Permissions(
         pub_allow=(
             TOKEN_WILDCARD,
@@ -139,6 +140,10 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             f"$JS.API.CONSUMER.DURABLE.CREATE.{infer}.>",
             f"$JS.API.CONSUMER.INFO.{infer}.*",
             f"$JS.API.CONSUMER.MSG.NEXT.{infer}.*",
+            # Each pool's given-up requests, read until a worker ends each (cloud_node.given_up).
+            *(f"$JS.API.CONSUMER.{op}.{GIVEN_UP_STREAM}.>" for op in ("CREATE", "DURABLE.CREATE")),
+            f"$JS.API.CONSUMER.MSG.NEXT.{GIVEN_UP_STREAM}.*",
+            f"$JS.ACK.{GIVEN_UP_STREAM}.>",
             # Each site's collector consumer on the kept answers, made before its first answer.
             f"$JS.API.CONSUMER.CREATE.{ANSWERS_STREAM}.>",
             f"$JS.ACK.{infer}.>",

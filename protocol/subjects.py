@@ -54,6 +54,9 @@ KEPT_WILDCARD = f"{PREFIX}.kept.*"
 CLAIMS_STREAM = "MESH_CLAIMS"
 CLAIM_WILDCARD = f"{PREFIX}.claim.*"
 LEASES_STREAM = "MESH_LEASES"
+GIVEN_UP_STREAM = "MESH_GIVEN_UP"
+"""JetStream's advisories of queued requests whose deliveries ran out, kept until a worker ends
+each (:mod:`cloud_node.given_up`)."""
 LEASE_WILDCARD = f"{PREFIX}.lease.*.*"
 DEFAULT_SCOPE = "anon"
 """The scope of a sender that names none (the SDK and CLI on an open server)."""
@@ -313,6 +316,11 @@ def worker_status_subject(node_id: str) -> str:
 def worker_reserve_subject(node_id: str) -> str:
     """Where a stopping worker asks a peer to promise it free slots (``mesh-worker``)."""
     return f"{PREFIX}.worker.{model_token(node_id)}.reserve"
+
+
+def given_up_subject(stream: str, consumer: str) -> str:
+    """Where JetStream says that ``consumer`` of ``stream`` gave up on a message (``*``: any)."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
 
 
 def consumer_name(model: str) -> str:

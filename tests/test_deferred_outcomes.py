@@ -292,9 +292,9 @@ async def test_collected_answers_never_push_out_an_answer_its_site_has_not_colle
 # Before the fix (first rule): JetStream gave up on a request (max_deliver) once, in a core
 # NATS advisory to whichever worker listened. When none did (the pool's only worker killed -9 on
 # the last delivery and not back yet), nothing ever looked at the request again: no outcome was
-# kept, and its site's client, asking by id, heard "ask again in 30 s" for ever. The consumer
-# now delivers without limit, and a worker ends a delivery past max_deliver itself
-# (Outcomes.given_up): the first worker to start after the death ends it.
+# kept, and its site's client, asking by id, heard "ask again in 30 s" for ever. The hub's
+# stream MESH_GIVEN_UP keeps the advisory (cloud_node.given_up): the first worker of the pool to
+# start after the death ends it.
 async def test_a_request_given_up_on_while_no_worker_listened_is_still_ended(
     settings: MeshSettings, conn: Connection
 ) -> None:

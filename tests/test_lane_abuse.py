@@ -232,3 +232,22 @@ async def test_a_worker_started_under_another_workers_credentials_is_told_unauth
 async def _start_and_stop(worker: Worker) -> None:
     async with worker:
         pass
+
+
+async def test_a_worker_under_its_own_credentials_reads_its_pools_given_up_requests(
+    hub: Hub,  # noqa: F811
+) -> None:
+    # A worker under `mesh creds` provisions and reads the hub's MESH_GIVEN_UP (the advisories
+    # of requests whose deliveries ran out, cloud_node.given_up), not the advisory subject alone:
+    # its credentials carry the stream's calls, and nothing is refused.
+    settings = hub.settings("worker-w1")
+    async with Connection(settings.nats, "w1") as conn:
+        worker = Worker(settings, conn, DeterministicBackend(settings.worker.model))
+        async with worker:
+            assert worker.given_up._task is not None  # read from the stream
+            await conn.subscribed()
+            assert not conn.refusals.publishes and not conn.refusals.subscriptions
+            operator = hub.settings("operator")
+            async with Connection(operator.nats, "op") as op:
+                info = await op.jsm().consumer_info("MESH_GIVEN_UP", worker.consumer)
+            assert info.num_waiting >= 1  # its pull waits there
