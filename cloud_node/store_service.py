@@ -18,16 +18,16 @@ Each request is answered with one message, a page (:class:`mesh.answer_store.Pag
 that fit, in stream order, where the last one is, and whether there are more. A long answer is
 read in several requests, each from where the last page ended, so a page that does not come is
 the reader's timeout, never a silent gap, and each request costs a worker one direct-get batch
-at most. A worker answers at most ``MAX_AT_ONCE`` requests at a time; past it, a retryable
-``overloaded`` (and past ``PER_SCOPE`` of one scope's). Failures are typed errors in place of
-the page.
+at most. A worker answers at most ``MAX_AT_ONCE`` requests at a time; the rest wait their
+turn, each scope's in its own line, and a scope with too many waiting is told a retryable
+``overloaded``. Failures are typed errors in place of the page.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
+from collections import Counter, deque
 from functools import partial
 
 import nats.errors
@@ -46,10 +46,12 @@ log = get_logger(__name__)
 QUEUE = "mesh-store"
 """The queue group of every worker's store service: one worker answers each request."""
 MAX_AT_ONCE = 64
-"""Requests one worker reads for at once; past it, the reader is told ``overloaded``."""
-PER_SCOPE = MAX_AT_ONCE // 4
-"""Of which one scope's, at most: one edge's flood of reads of its own answers refused every
-other edge's repairs (review S20a: 9 or 10 of 10 reads, while a flood of 2,000 went on)."""
+"""Requests one worker reads for at once; past it, they wait their turn."""
+WAITING_PER_SCOPE = 64
+"""Requests of one scope that wait their turn, at most; past it, ``overloaded``. Turns go to
+the waiting scope with the fewest reads in flight: one edge's flood of reads of its own answers
+refused every other edge's repairs (review S20a: 9 or 10 of 10 reads, while a flood of 2,000
+went on), and a share per scope refused one edge's own 50 repairs at once (review S20e)."""
 BUSY_RETRY_S = 0.2
 
 
@@ -64,6 +66,8 @@ class StoreService:
         """How long one page's read of the stream may take."""
         self._busy: set[asyncio.Task[None]] = set()
         self._of_scope: Counter[str] = Counter()  # reads in flight per scope
+        self._waiting: dict[str, deque[tuple[str, str, bytes]]] = {}  # per scope, in turn
+        self._closed = False
         self.pages = 0
         """Pages sent (typed errors not counted)."""
         self.errors = 0
@@ -79,14 +83,21 @@ class StoreService:
         if address is None or not (msg.reply and is_reply_inbox(msg.reply)):
             return  # nowhere it may answer, or not one answer's subject: nothing is read
         scope = address[0]
-        if len(self._busy) >= MAX_AT_ONCE or self._of_scope[scope] >= PER_SCOPE:
+        if len(self._busy) < MAX_AT_ONCE:
+            self._start(msg.reply, scope, address[1], msg.data)
+            return
+        waiting = self._waiting.setdefault(scope, deque())
+        if len(waiting) >= WAITING_PER_SCOPE:
             busy = OverloadedError(
                 "the answer store service is busy on this worker", retry_after=BUSY_RETRY_S
             )
             await self._send(msg.reply, error_reply(busy), page=False)
             return
+        waiting.append((msg.reply, address[1], msg.data))
+
+    def _start(self, reply: str, scope: str, request_id: str, data: bytes) -> None:
         task = asyncio.get_running_loop().create_task(
-            self._answer(msg.reply, *address, msg.data), name="store-read"
+            self._answer(reply, scope, request_id, data), name="store-read"
         )
         self._busy.add(task)
         self._of_scope[scope] += 1
@@ -97,6 +108,13 @@ class StoreService:
         self._of_scope[scope] -= 1
         if not self._of_scope[scope]:
             del self._of_scope[scope]
+        if self._waiting and not self._closed:  # the next turn: the scope with fewest reads
+            turn = min(self._waiting, key=lambda waiting: self._of_scope[waiting])
+            queue = self._waiting[turn]
+            reply, request_id, data = queue.popleft()
+            if not queue:
+                del self._waiting[turn]
+            self._start(reply, turn, request_id, data)
 
     async def _answer(self, reply: str, scope: str, request_id: str, data: bytes) -> None:
         own_limit = self.conn.nc.max_payload
@@ -128,4 +146,6 @@ class StoreService:
             await self.conn.nc.publish(reply, data)
 
     async def close(self) -> None:
+        self._closed = True
+        self._waiting.clear()
         await cancel_and_wait(list(self._busy))

@@ -100,6 +100,7 @@ class SSESink:
     answer that starts over after text went out ends this stream in a typed error."""
 
     streaming = True
+    takes_back = False
 
     def __init__(self, request: web.Request, req: InferRequest, shaper: Shaper, usage: bool):
         self._request = request

@@ -154,6 +154,7 @@ class Paths:
             "routed", decision=decision.decision, score=decision.score, reason=decision.reason
         )
         fallback: str | None = None
+        overflowed = False
         overflows = self._may_overflow(req, decision)
         try:
             if self._cascade_applies(req, decision):
@@ -168,7 +169,7 @@ class Paths:
             if not overflows:
                 raise
             # The estimate let it through; the local model's count did not (nothing was sent).
-            decision = self._overflowed(decision, err)
+            decision, overflowed = self._overflowed(decision, err), True
         if (
             decision.decision == "cloud"
             and req.deferrable
@@ -178,7 +179,9 @@ class Paths:
             await self.site.relay(req, decision, record)
             return
         if decision.decision == "cloud":
-            fallback = await self._cloud_chain(req, decision, record, received, trace, fingerprints)
+            fallback = await self._cloud_chain(  # refused by the local model: no restart there
+                req, decision, record, received, trace, fingerprints, restart=not overflowed
+            )
             if fallback is None:
                 return  # answered by the cloud
         await self._run_local(req, decision, record, received, fallback)
@@ -191,6 +194,8 @@ class Paths:
         received: float,
         trace: Mapping[str, str] | None,
         fingerprints: Fingerprints | None,
+        *,
+        restart: bool = True,
     ) -> str | None:
         """The cloud's answer: the request's pool, then (naming none) each fallback pool; None
         once one answered, else why none did (the local model answers then: one that found the
@@ -218,6 +223,7 @@ class Paths:
                     no_local=no_local,
                     tried="; ".join(failed) or None,
                     fingerprints=fingerprints,
+                    restart=restart or not last,
                 )
                 await relay.run()
                 return None

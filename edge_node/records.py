@@ -293,6 +293,11 @@ class Record:
             self.cancelled = True
             self.task.cancel()
 
+    def takes_back(self) -> bool:
+        """Whether every client of the answer can take text back (an answer starting over):
+        NATS clients and whole answers can, an SSE stream cannot (``takes_back`` False)."""
+        return all(getattr(s, "takes_back", True) for s in self.sinks)
+
     def _unread(self) -> bool:
         return bool(self.sinks) and all(getattr(s, "closed", False) for s in self.sinks)
 

@@ -178,7 +178,10 @@ class CloudRelay:
         no_local: str = "it is too long for the local model",
         tried: str | None = None,
         fingerprints: Fingerprints | None = None,
+        restart: bool = True,
     ) -> None:
+        """``restart``: whether a cloud error after tokens went out may start the answer over
+        elsewhere (not once the local model refused the prompt, and it is the last pool)."""
         self.parts = parts
         self.fingerprints = fingerprints
         self.req = req
@@ -187,6 +190,7 @@ class CloudRelay:
         self.received = received
         self.trace = trace
         self.local_fits, self.no_local = local_fits, no_local
+        self.restart = restart and local_fits
         self.tried = tried
         """Earlier cloud pools of the edge's fallback chain that could not serve it, and why."""
         self.after = record.state.attempt
@@ -329,10 +333,15 @@ class CloudRelay:
                 elif (
                     isinstance(event, ErrorEvent)
                     and event.code in FALLBACK_CODES
-                    # Mid-answer too when the local model can answer, as for a stalled or
-                    # idle worker: a cloud engine failing after its first tokens ended in
-                    # its error while the local model sat idle (review S20c).
-                    and (self.record.state.positions == 0 or self.local_fits)
+                    # Mid-answer too when the local model can answer and every client can
+                    # take text back, as for a stalled or idle worker: a cloud engine failing
+                    # after its first tokens ended in its error while the local model sat idle
+                    # (review S20c). An SSE stream cannot: it keeps the cloud's error, not an
+                    # "incomplete, retry" (review S20e).
+                    and (
+                        self.record.state.positions == 0
+                        or (self.restart and self.record.takes_back())
+                    )
                 ):
                     raise self._give_up(
                         f"the cloud failed: {event.code}: {event.message}", "cloud_error"

@@ -22,6 +22,9 @@ STORAGE_EXCEEDED = 10047
 """The server's JetStream store (``max_file_store``) is used up: full for now."""
 INSUFFICIENT_RESOURCES = 10023
 """The server has no room for more JetStream data now (a 503): full for now."""
+ACCOUNT_RESOURCES = 10002
+"""The account's JetStream storage is used up ("resource limits exceeded for account"): full
+for now, as a full stream is (it was told for good: review S20e)."""
 CLUSTER_UNAVAILABLE = 10008
 """JetStream's 503: no leader (an election, a lost quorum)."""
 MESSAGE_TOO_LARGE = 10054
@@ -42,7 +45,7 @@ def is_full(exc: APIError) -> bool:
     missing config, a limit of streams and of memory, none of them a full stream."""
     text = (exc.description or "").lower()
     by_limit = "maximum messages" in text or "maximum bytes" in text
-    return by_limit or exc.err_code in (STORAGE_EXCEEDED, INSUFFICIENT_RESOURCES)
+    return by_limit or exc.err_code in (STORAGE_EXCEEDED, INSUFFICIENT_RESOURCES, ACCOUNT_RESOURCES)
 
 
 def is_burst(exc: APIError) -> bool:

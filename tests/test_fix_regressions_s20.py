@@ -1,6 +1,9 @@
-"""Review S20e: regressions in e86041e (queue refusals), 294e56e (lanes: per-scope store share,
-resend gap, reply_to) and 07e73cc (mid-answer local fallback). Each test marked "Confirms"
-FAILS on the current code: that failure is the finding (see /tmp/review_S20e/report.md).
+"""What review S20e found in this stop's first fixes, each test failing on the code before its
+fix: a per-scope share of the store service refused one edge's own concurrent repairs (now
+each scope waits its turn in its own line); an account's full JetStream storage was refused
+for good (now full for now); the mid-answer local fallback told an SSE client "incomplete,
+retry" for a cloud failure for good, and took back a cloud answer for a local model that had
+refused the prompt (now neither restarts).
 
 Real nats-server everywhere; the deterministic backend; the operator-mode hub of
 ``tests/test_security.py`` where least privilege matters.
@@ -48,7 +51,7 @@ from tests.test_security import (  # noqa: F401 - fixtures
 
 
 # -- 1. heal (regression of 294e56e): one edge's own concurrent repairs are refused -----------
-# Confirms: StoreService.PER_SCOPE (16 of MAX_AT_ONCE 64) refuses a single, legitimate edge's
+# Before the fix: StoreService.PER_SCOPE (16 of MAX_AT_ONCE 64) refuses a single, legitimate edge's
 # 17th read at once, with a worker otherwise idle. A reconnect makes every reader of the edge
 # repair at once; the refused ones back off 0.2, 0.4, 0.8 s... (mesh/reader.py _repair_beside).
 async def test_one_edges_many_concurrent_repairs_are_not_refused(mesh: Hub) -> None:  # noqa: F811
@@ -67,7 +70,7 @@ async def test_one_edges_many_concurrent_repairs_are_not_refused(mesh: Hub) -> N
     assert not refused, f"{len(refused)} of 50 reads of one edge's own answers refused busy"
 
 
-# Confirms the user-visible cost of the above: 50 answers of one edge, each missing its tail
+# Before the fix, the user-visible cost of the above: 50 answers of one edge, each missing its tail
 # (as after a reconnect), all kept in the store; every reader repairs at once. Before 294e56e
 # the slowest was whole in ~0.04 s; now 1.4 s (100 answers: 4.5 s), the client's stream held
 # at the gap meanwhile.
@@ -113,11 +116,11 @@ async def test_many_readers_of_one_edge_repair_at_once_after_a_loss(mesh: Hub) -
 
 
 # -- 2. typed (not a regression: also before e86041e): an account's full store ---------------
-# Confirms: JetStream refuses a publish into an account whose JetStream storage is used up with
-# 10002 "resource limits exceeded for account" (400). mesh.js_refused reads it neither full nor
-# for now: the SDK (and an edge) get `unavailable`, retryable false ("refused for good"), and a
-# site's forwarder keeps that error for the request's id (site_links: not for_now). The queue
-# has room again as soon as anything in the account is consumed or ages out.
+# Before the fix: JetStream refuses a publish into an account whose JetStream storage is used
+# up with 10002 "resource limits exceeded for account" (400). mesh.js_refused read it neither
+# full nor for now: the SDK (and an edge) got `unavailable`, retryable false ("refused for
+# good"), and a site's forwarder kept that error for the request's id. The queue has room again
+# as soon as anything in the account is consumed or ages out.
 async def test_a_queue_refused_for_the_accounts_full_store_is_overloaded_not_for_good(
     tmp_path: Path,
 ) -> None:
@@ -151,7 +154,7 @@ async def test_a_queue_refused_for_the_accounts_full_store_is_overloaded_not_for
 
 
 # -- 3. typed (regression of 07e73cc): mid-answer fallback on streams that cannot take it ------
-# Confirms: an SSE stream (route=cloud) whose cloud engine fails the request on every delivery
+# Before the fix: an SSE stream (route=cloud) whose cloud engine fails the request on every delivery
 # after 2 tokens. Before 07e73cc it ended in the cloud's `max_deliveries` (retryable: false);
 # now the edge restarts it locally, which SSE cannot take, and it ends `incomplete`, retryable,
 # "...; retry": a client that retries meets the same failure each time (3 deliveries each).
@@ -208,7 +211,7 @@ class TooLongLocal(LocalEngine):
         return refuse()
 
 
-# Confirms: the local model found the prompt too long (the overflow to the cloud: nothing was
+# Before the fix: the local model found the prompt too long (the overflow to the cloud: nothing was
 # sent); the cloud's engine then fails after 2 tokens on every delivery. Before 07e73cc the
 # client got the cloud's `max_deliveries`; now its tokens are taken back (a restart), the local
 # model is asked again, and the client hears `context_too_long`: a prompt the cloud takes,
