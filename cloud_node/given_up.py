@@ -35,8 +35,12 @@ from protocol.subjects import GIVEN_UP_STREAM, given_up_subject
 
 log = get_logger(__name__)
 
-FETCH_S = 5.0
-"""How long one pull request waits for an advisory (a long poll: one request each 5 s idle)."""
+FETCH_S = 2.0
+"""How long one pull request waits for an advisory (a long poll: one request each 2 s idle)."""
+HANDED_BACK_S = FETCH_S + 0.5
+"""When an advisory a stopping worker was ending goes to another: once this worker's open
+pull request expired at the server (sooner, it would be delivered into it again, and wait out
+the stream's ack wait, 30 s)."""
 BATCH = 16
 AT_ONCE = 64
 """Advisories one worker ends at once, at most."""
@@ -52,7 +56,9 @@ LOST_PAUSE_MAX_S = 5.0
 class GivenUp:
     """The pool's given-up requests (``consumer`` of the queue ``stream``), each ended with
     ``end`` (True: ended, or nothing left to end; False: try again later): read from the
-    stream, or heard in the advisory (``hear``) where the stream cannot be had."""
+    stream, or heard in the advisory (``hear``) where the stream cannot be had. ``lost``: told
+    when the pool's consumer there is gone (the worker puts it back: its deletion's advisory
+    is watched too)."""
 
     def __init__(
         self,
@@ -61,22 +67,39 @@ class GivenUp:
         consumer: str,
         end: Callable[[Msg], Awaitable[bool]],
         hear: Callable[[Msg], Awaitable[None]],
+        *,
+        lost: Callable[[str], None] = lambda _why: None,
     ) -> None:
         self.conn = conn
         self.stream = stream
         self.consumer = consumer
         self.end = end
         self.hear = hear
+        self.lost = lost
+        self.readable = True
+        """Whether the hub's stream could be had (the worker's provisioning says)."""
         self._task: asyncio.Task[None] | None = None
         self._sub: Subscription | None = None
+        self._group = ""
 
-    async def start(self, *, read: bool, group: str) -> None:
-        """Read the stream (``read``), or listen to the advisory in queue group ``group``."""
-        if read:
+    async def start(self, *, group: str) -> None:
+        """Read the stream (:attr:`readable`), or listen to the advisory in queue group
+        ``group``."""
+        self._group = group
+        await self.use(read=self.readable)
+
+    async def use(self, *, read: bool) -> None:
+        """Read the stream from now on (once it can be had: a worker whose provisioning of it
+        failed once listened to the advisory for its whole life), or listen."""
+        if read and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self.run(), name="given-up")
-        else:
+            if self._sub is not None:
+                sub, self._sub = self._sub, None
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+        elif not read and self._task is None and self._sub is None:
             subject = given_up_subject(self.stream, self.consumer)
-            self._sub = await self.conn.nc.subscribe(subject, queue=group, cb=self.hear)
+            self._sub = await self.conn.nc.subscribe(subject, queue=self._group, cb=self.hear)
 
     async def stop(self) -> None:
         """Stop reading (an advisory being ended is read again by another worker) or
@@ -117,6 +140,8 @@ class GivenUp:
                     msgs = await pull.fetch(min(BATCH, AT_ONCE - len(busy)), FETCH_S)
                 except (PullLost, nats.errors.Error) as exc:
                     log.info("given-up requests not read now", why=repr(exc), pause=pause)
+                    if isinstance(exc, PullLost):
+                        self.lost(f"{GIVEN_UP_STREAM}'s consumer: {exc}")
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, LOST_PAUSE_MAX_S)
                     continue
@@ -132,6 +157,10 @@ class GivenUp:
     async def _one(self, msg: Msg) -> None:
         try:
             ended = await self.end(msg)
+        except asyncio.CancelledError:  # stopping: to the next worker soon, not after ack wait
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=HANDED_BACK_S)
+            raise
         except Exception:  # a fault: the advisory stays, and is read again
             log.exception("a given-up request not ended; reading it again later")
             ended = False

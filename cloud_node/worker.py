@@ -166,8 +166,9 @@ class Worker(Lifecycle):
         self.store_service = StoreService(conn, self.store)
         """Answers senders that may not read the answer store themselves (``mesh creds``)."""
         ended, heard = self.outcomes.end_given_up, self.outcomes.on_max_deliveries
-        self.given_up = GivenUp(conn, self._stream.name, self.consumer, ended, heard)
-        self._given_up_read = True  # the hub's given-up stream is there (else: the advisory)
+        self.given_up = GivenUp(
+            conn, self._stream.name, self.consumer, ended, heard, lost=self._lost
+        )
         self._stopping = False
         self.promises = Promises(self.free_slots)  # to stopping peers
         self._subs: list[Subscription] = []
@@ -234,8 +235,7 @@ class Worker(Lifecycle):
         subs.append(await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel))
         subs.append(await nc.subscribe(worker_cancels(self.node_id), cb=self._on_cancel))
         # One worker of the pool ends each request whose deliveries ran out (cloud_node.given_up).
-        group = f"mesh-advisories-{model_token(self.backend.model)}"
-        await self.given_up.start(read=self._given_up_read, group=group)
+        await self.given_up.start(group=f"mesh-advisories-{model_token(self.backend.model)}")
         subs += await self.orphans.subscribe()
         subs += await self.store_service.subscribe()
         self._service = await micro.add_service(
@@ -290,7 +290,9 @@ class Worker(Lifecycle):
                 self.conn.jsm(), self._stream, [self.backend.model], leases_required=False
             )
         )
-        self.leases.enabled, self._given_up_read = hub.leases, hub.given_up
+        self.leases.enabled, self.given_up.readable = hub.leases, hub.given_up
+        if hub.given_up and self._subs:  # it listened to the advisory so far: read from now on
+            await self.given_up.use(read=True)
         self.store.back(since)
         await self.handler.epoch.look(self._stream.name, self.consumer)  # ahead of deliveries
         back = self._leases_back

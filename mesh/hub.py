@@ -44,10 +44,11 @@ def hub_streams(settings: StreamSettings) -> list[str]:
 
 def hub_deletions(settings: StreamSettings, consumer: str) -> list[str]:
     """Where JetStream says a hub stream (the node registry's too), or the queue's ``consumer``
-    of ``settings.name``, was deleted: what a worker watches to put it back at once (``*``: any
-    consumer)."""
+    of ``settings.name`` (or of ``MESH_GIVEN_UP``), was deleted: what a worker watches to put it
+    back at once (``*``: any consumer)."""
     streams = [stream_deleted(name) for name in [*hub_streams(settings), NODES_STREAM]]
-    return [*streams, consumer_deleted(settings.name, consumer)]
+    consumers = [consumer_deleted(name, consumer) for name in (settings.name, GIVEN_UP_STREAM)]
+    return [*streams, *consumers]
 
 
 async def provision_hub(

@@ -210,7 +210,8 @@ async def test_bad_requests_and_a_busy_worker_get_typed_errors(
         reply = await nc.request(subject, body, timeout=2)
         with pytest.raises(error):
             Page.decode(reply.data)
-    monkeypatch.setattr(store_service, "MAX_AT_ONCE", 0)
+    monkeypatch.setattr(store_service, "MAX_AT_ONCE", 0)  # busy: reads wait their turn,
+    monkeypatch.setattr(store_service, "WAITING_PER_SCOPE", 0)  # and none may wait
     with pytest.raises(OverloadedError) as excinfo:
         await reader(conn, settings).replay(token_subject("anon", "x"))
     assert excinfo.value.retryable
