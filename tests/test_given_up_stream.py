@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
-from collections.abc import AsyncIterator
 
 from nats.js import api
 
@@ -21,9 +19,9 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.provision import consumer_config
-from protocol.codec import CONTENT_TYPE, WireFormat, decode_event, dump
+from protocol.codec import CONTENT_TYPE, WireFormat, dump
 from protocol.fingerprint import request_fingerprint
-from protocol.messages import Answer, EndEvent, ErrorEvent, InferRequest
+from protocol.messages import EndEvent, ErrorEvent, InferRequest
 from protocol.subjects import (
     ANSWERS_STREAM,
     answer_subject,
@@ -32,8 +30,7 @@ from protocol.subjects import (
     token_subject,
 )
 from tests.helpers import eventually, queue_drained
-
-MODEL = "s20d"
+from tests.test_deferred_outcomes import MODEL, _kept_soon, _queue, _worker
 
 
 def _backend(slots: int = 2, token_delay_ms: int = 5) -> DeterministicBackend:
@@ -44,55 +41,8 @@ def _backend(slots: int = 2, token_delay_ms: int = 5) -> DeterministicBackend:
     )
 
 
-@contextlib.asynccontextmanager
-async def _worker(
-    settings: MeshSettings, conn: Connection, name: str, backend: DeterministicBackend
-) -> AsyncIterator[Worker]:
-    own = settings.model_copy(deep=True)
-    own.worker.node_id = name
-    async with Worker(own, conn, backend) as running:
-        yield running
-
-
 def _scope() -> str:
     return f"s20d-{uuid.uuid4().hex[:8]}"
-
-
-async def _queue(
-    conn: Connection, settings: MeshSettings, scope: str, body: dict[str, object], msg_id: str
-) -> int:
-    ack = await conn.js.publish(
-        infer_subject(MODEL, scope),
-        json.dumps(body).encode(),
-        stream=settings.stream.name,
-        headers={"Nats-Msg-Id": msg_id},
-    )
-    return int(ack.seq)
-
-
-async def _kept(conn: Connection, scope: str, rid: str) -> Answer | ErrorEvent | None:
-    """What MESH_ANSWERS keeps for the request: what the site's collector will get."""
-    try:
-        msg = await conn.jsm().get_msg(
-            ANSWERS_STREAM, subject=answer_subject(scope, rid), direct=True
-        )
-    except Exception:  # nothing kept
-        return None
-    outcome = decode_event(msg.data or b"")
-    assert isinstance(outcome, Answer | ErrorEvent), outcome
-    return outcome
-
-
-async def _kept_soon(
-    conn: Connection, scope: str, rid: str, timeout: float = 3.0
-) -> Answer | ErrorEvent | None:
-    loop = asyncio.get_running_loop()
-    until = loop.time() + timeout
-    while loop.time() < until:
-        if (found := await _kept(conn, scope, rid)) is not None:
-            return found
-        await asyncio.sleep(0.1)
-    return None
 
 
 async def _answered(worker: Worker, scope: str, rid: str) -> bool:
