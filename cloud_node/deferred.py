@@ -168,13 +168,13 @@ class DeferrableHandler(Handler):
         not: the site's client waited, then heard "ask again" for ever (review S20b)."""
         scope = scope_of(msg.subject)
         try:  # read again without this worker's limits: what the site sent, to keep for it
-            request = decode_request(
+            request: InferRequest | None = decode_request(
                 msg.data, msg.headers, limits=NO_LIMITS, missing_id=queued_id(msg)
-            )
+            )[0]
         except MeshError:
             request = None
-        if request is not None and request[0].deferrable and scope is not None:
-            await self.refuse(msg, scope, request[0], err, attempt)
+        if request is not None and request.deferrable and scope is not None:
+            await self.refuse(msg, scope, request, err, attempt)
         else:
             await self.outcomes.reject(msg, err, attempt)
 

@@ -84,9 +84,9 @@ class Outcomes:
         """Where rejections, failures (with their codes) and max_deliveries are counted."""
         self.stopping = False
         self.exhausted = TaskSet("worker-exhausted")
-        self._ending: set[int] = set()  # queue sequences being ended now (given up on)
         """The requests JetStream gave up on being answered, each in a task: one whose keep
         waits for the hub holds up no other (the advisories' callbacks run one at a time)."""
+        self._ending: set[int] = set()  # queue sequences being ended now (given up on)
 
     async def reject(self, msg: Msg, err: MeshError, attempt: int) -> None:
         """Answer a request that will never run, where its sender listens, and drop it for good.

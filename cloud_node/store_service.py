@@ -86,14 +86,14 @@ class StoreService:
         if len(self._busy) < MAX_AT_ONCE:
             self._start(msg.reply, scope, address[1], msg.data)
             return
-        waiting = self._waiting.setdefault(scope, deque())
-        if len(waiting) >= WAITING_PER_SCOPE:
+        if len(self._waiting.get(scope, ())) >= WAITING_PER_SCOPE:
             busy = OverloadedError(
                 "the answer store service is busy on this worker", retry_after=BUSY_RETRY_S
             )
             await self._send(msg.reply, error_reply(busy), page=False)
             return
-        waiting.append((msg.reply, address[1], msg.data))
+        # Made only to hold a read: an empty line would be given the next turn.
+        self._waiting.setdefault(scope, deque()).append((msg.reply, address[1], msg.data))
 
     def _start(self, reply: str, scope: str, request_id: str, data: bytes) -> None:
         task = asyncio.get_running_loop().create_task(

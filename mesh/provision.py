@@ -119,12 +119,8 @@ async def ensure_given_up(
     managed = ("subjects", "max_msgs", "max_age", "discard", "num_replicas")
     await ensure_config(jsm, given_up_config(settings), managed)
     for model in dict.fromkeys(models):
-        try:
-            await jsm.add_consumer(GIVEN_UP_STREAM, given_up_consumer_config(settings, model))
-        except asyncio.TimeoutError:
-            raise MeshTimeoutError("JetStream did not answer while provisioning") from None
-        except APIError as exc:
-            raise refused(f"the given-up consumer for {model}", exc) from None
+        config = given_up_consumer_config(settings, model)
+        await _add_consumer(jsm, GIVEN_UP_STREAM, config, f"the given-up consumer for {model}")
 
 
 NOT_ANSWERING_RETRY_S = 0.5
@@ -257,12 +253,20 @@ async def ensure_consumer(
     jsm: JetStreamManager, settings: StreamSettings, model: str
 ) -> api.ConsumerInfo:
     """Create or update the model's durable pull consumer (create-or-update on servers >= 2.9)."""
+    config = consumer_config(settings, model)
+    return await _add_consumer(jsm, settings.name, config, f"the consumer for {model}")
+
+
+async def _add_consumer(
+    jsm: JetStreamManager, stream: str, config: api.ConsumerConfig, what: str
+) -> api.ConsumerInfo:
+    """Create or update a durable consumer, its failures typed (``what`` names it)."""
     try:
-        return await jsm.add_consumer(settings.name, consumer_config(settings, model))
+        return await jsm.add_consumer(stream, config)
     except asyncio.TimeoutError:
         raise MeshTimeoutError("JetStream did not answer while provisioning the consumer") from None
     except APIError as exc:
-        raise refused(f"the consumer for {model}", exc) from None
+        raise refused(what, exc) from None
 
 
 async def provision(jsm: JetStreamManager, settings: StreamSettings, models: list[str]) -> None:

@@ -53,6 +53,7 @@ from protocol.subjects import (
     STORE_WILDCARD,
     TOKEN_WILDCARD,
     edge_status_subject,
+    given_up_subject,
     is_token,
     site_consumer,
     worker_alives,
@@ -168,7 +169,7 @@ def worker_permissions(node: str, *, stream: StreamSettings) -> Permissions:
             worker_alives(node),
             f"{PREFIX}.worker.{node}.status",
             f"{PREFIX}.worker.{node}.reserve",
-            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{infer}.*",
+            given_up_subject(infer, "*"),  # heard where the stream cannot be had
             *hub_deletions(stream, "*"),  # put back at once
             f"{inbox}.>",
             *_micro("mesh-worker"),
