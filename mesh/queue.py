@@ -143,13 +143,14 @@ async def publish_request(
     }
     payload = dump(request, WireFormat.MSGPACK)
     try:
-        return await conn.publish_acked(
-            subject,
-            payload,
-            timeout=conn.settings.request_timeout,
-            stream=stream.name,
-            headers=headers,
-        )
+        with conn.refusals.until_refused(subject, request.id):  # refused: said at once
+            return await conn.publish_acked(
+                subject,
+                payload,
+                timeout=conn.settings.request_timeout,
+                stream=stream.name,
+                headers=headers,
+            )
     except nats.errors.MaxPayloadError:
         raise request_too_large(len(payload), conn.nc.max_payload, request.id) from None
     except APIError as exc:

@@ -24,6 +24,7 @@ from mesh.config import StreamSettings
 from mesh.logs import get_logger
 from mesh.stream_deleted import consumer_deleted, listen, models_named, unlisten
 from mesh.tasks import cancel_and_wait
+from protocol.errors import UnauthorizedError
 from protocol.subjects import consumer_name
 
 if TYPE_CHECKING:
@@ -51,10 +52,15 @@ async def model_is_served(
     :class:`ServedModels` is how the edge and the SDK ask it."""
     look = jsm.consumer_info(settings.name, consumer_name(model), timeout=LOOK_S)
     try:
-        await (look if conn is None else conn.while_linked(look, LOOK_S + 1))
+        if conn is None:
+            await look
+        else:  # credentials that may not look: the server's refusal ends it at once
+            asked = f"{conn.api_prefix}.CONSUMER.INFO.{settings.name}.{consumer_name(model)}"
+            with conn.refusals.until_refused(asked):
+                await conn.while_linked(look, LOOK_S + 1)
     except NotFoundError:
         return False
-    except (APIError, asyncio.TimeoutError, nats.errors.Error) as exc:
+    except (APIError, asyncio.TimeoutError, nats.errors.Error, UnauthorizedError) as exc:
         log.info("cannot tell whether a pool serves the model now", model=model, error=repr(exc))
         return None
     return True

@@ -187,19 +187,14 @@ async def test_one_edges_alive_words_cannot_have_a_worker_publish_its_answer_aga
         await spy.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left open: the SDK's publish via the cloud waits for its JetStream ack (5 s) before "
-    "it reads the server's refusal; a misconfigured client hears `unauthorized` after ~6 s",
-)
 async def test_a_client_that_may_only_call_its_edge_hears_at_once_that_it_may_not_queue(
     mesh: Hub,  # noqa: F811
 ) -> None:
-    # Left open (typed, minor): the SDK under a client's minted credentials (which may
-    # only call its edge) asked via="cloud" gets the right typed error, `unauthorized`, but
+    # Before the fix (typed, minor): the SDK under a client's minted credentials (which may
+    # only call its edge) asked via="cloud" got the right typed error, `unauthorized`, but
     # only after the JetStream look (1 s) and its publish's ack wait (request_timeout: 5 s by
-    # default) have run out, though the server refused its token subscription and its publish
-    # within one round trip (mesh/refusals.py hears both).
+    # default) had run out, though the server refused the look and the publish within one
+    # round trip each (mesh/refusals.py heard both, and nothing waiting listened).
     settings = mesh.settings("client-site-a", MESH_NATS_REQUEST_TIMEOUT="5")
     async with MeshClient(settings=settings) as client:
         began = time.monotonic()
@@ -207,6 +202,25 @@ async def test_a_client_that_may_only_call_its_edge_hears_at_once_that_it_may_no
             await client.complete("[tag:q] x", via="cloud", max_tokens=5)
         took = time.monotonic() - began
     assert took < 1.0, f"the refusal was said after {took:.1f}s"
+
+
+async def test_a_sender_queueing_outside_its_credentials_scope_hears_at_once_that_it_may_not(
+    mesh: Hub,  # noqa: F811
+) -> None:
+    # The same for a publish refused on its own: edge site-a's credentials may look up the
+    # model's pool (the look answers) but queue only as `site-a`. A sender under them set to
+    # queue as `site-b` (a copied .env) heard `unauthorized` only when its JetStream ack wait
+    # (request_timeout) ran out; now as soon as the server refuses the publish, each time.
+    settings = mesh.settings("edge-site-a", MESH_NATS_SCOPE="site-b", MESH_NATS_REQUEST_TIMEOUT="5")
+    async with MeshClient(settings=settings) as client:
+        for _ in range(2):
+            began = time.monotonic()
+            with pytest.raises(UnauthorizedError) as excinfo:
+                await client.complete("[tag:s] x", via="cloud", max_tokens=5)
+            took = time.monotonic() - began
+            assert "mesh.v1.infer." in str(excinfo.value) and ".site-b" in str(excinfo.value)
+            assert took < 1.0, f"the refusal was said after {took:.1f}s"
+        assert not [s for s in client.conn.refusals.publishes if s.startswith("$js.api")]
 
 
 async def test_a_worker_started_under_another_workers_credentials_is_told_unauthorized(
