@@ -145,7 +145,8 @@ class AnswerPublisher:
         could not be confirmed (the outcome still went out as a plain publish)."""
         data = dump_event(event, self.fmt)
         self._sent.append((event, data))
-        await self.conn.write_batch.flush()  # the events before it go first
+        # The events before it go first, in the same write as it (nats-py writes both).
+        self.conn.write_batch.hand_over()
         stored = await self._publish_stored(data)
         unbroken = (  # no burst of events dropped, no store lost meanwhile
             self.conn.write_batch.failures == self._failures and self.store.losses == self._losses

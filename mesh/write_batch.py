@@ -115,9 +115,10 @@ class WriteBatch:
             else loop.call_later(wait, self._write_queued)
         )
 
-    def _write_queued(self) -> bool:
-        """Hand everything queued to nats-py, in order, here and now (nothing waits); the
-        scheduled write's own callback too."""
+    def _write_queued(self, write: bool = True) -> bool:
+        """Hand everything queued to nats-py, in order, here and now (nothing waits), and
+        write it to the socket unless ``write`` is False (:meth:`hand_over`); the scheduled
+        write's own callback too."""
         if self._scheduled is not None:
             self._scheduled.cancel()
             self._scheduled = None
@@ -152,7 +153,8 @@ class WriteBatch:
             _pending(client, frames)
         except Exception as exc:  # closed, or the reconnect buffer is full: the rest too
             failed += self._drop([m[0] for m in queued[first:]], exc)
-        write_queued(client, at_least=1)
+        if write:
+            write_queued(client, at_least=1)
         if failed:
             self.failures += 1
             log.warning("answer events not published", count=failed, of=len(queued))
@@ -164,6 +166,12 @@ class WriteBatch:
         dropped. :attr:`failures` counts such bursts, and the next :meth:`put` on a subject
         that lost a message raises. Never raises a publish error."""
         return self._write_queued()
+
+    def hand_over(self) -> bool:
+        """:meth:`flush`, but left to nats-py to write: for a caller that publishes through
+        nats-py at once (an answer's end, through JetStream), whose message then goes out in
+        the same write as these (a system call less per answer, here and in nats-server)."""
+        return self._write_queued(write=False)
 
     def _drop(self, subjects: list[str], exc: Exception) -> int:
         """Remember why these subjects lost a message: the next put on each raises."""

@@ -336,3 +336,38 @@ async def test_a_workers_connection_waits_longer_between_writes_than_an_edges(
         Connection(given.nats, "edge") as edge,
     ):
         assert (worker.write_batch.gap, edge.write_batch.gap) == (0.0, 0.0)
+
+
+async def test_an_answers_last_tokens_leave_in_one_write_with_its_end(
+    conn: Connection, settings: MeshSettings
+) -> None:
+    """Tokens the write batch holds when the answer ends go out with the end, in order, in
+    one write to the socket (before: the tokens in one, the end through JetStream in
+    another), and the store holds the whole answer."""
+    store, publisher, writer = await _answer(conn, settings, "onewrite", timeout=5)
+    conn.write_batch.gap = 30.0  # a busy worker's write batch: tokens wait for the gap
+    await publisher.send(writer.start())
+    await publisher.send(writer.token("a"))
+    await conn.nc.flush(timeout=5)
+    transport = conn.nc._transport
+    assert transport is not None
+    writes: list[bytes] = []
+    real = transport.writelines
+
+    def counted(payload: list[bytes]) -> None:
+        writes.append(b"".join(payload))
+        real(payload)
+
+    transport.writelines = counted  # type: ignore[method-assign]
+    try:
+        for text in ("b", "c", "d"):
+            await publisher.send(writer.token(text))  # held: within the gap of the last write
+        assert not writes
+        assert await publisher.finish(writer.end(finish_reason="stop", usage=Usage()))
+    finally:
+        transport.writelines = real  # type: ignore[method-assign]
+    ended = [w for w in writes if publisher.subject.encode() in w]
+    assert len(ended) == 1, f"the last tokens and the end took {len(ended)} writes"
+    kept = await store.replay(publisher.subject, timeout=5)
+    assert _tokens(kept) == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+    assert [e.seq for e in kept if isinstance(e, EndEvent)] == [4]
