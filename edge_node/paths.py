@@ -32,7 +32,7 @@ from edge_node.relay import (
 from edge_node.router import CloudBudget, Router, budget_of, decide
 from edge_node.served import CloudModels
 from edge_node.site import SiteStore
-from mesh.backends.base import Backend, Chunk, ScoringBackend
+from mesh.backends.base import ANSWER_ROOM, ROOM_CHECKED, Backend, Chunk, ScoringBackend
 from mesh.config import EdgeSettings, WorkerSettings
 from mesh.generate import generate_into
 from mesh.logs import get_logger
@@ -52,10 +52,6 @@ log = get_logger(__name__)
 TEMPLATE_ROOM = 64
 """Tokens a prompt's chat template may add beyond the estimate: a prompt that leaves less room
 than this in the local context does not fit it."""
-ANSWER_ROOM = 256
-"""The least room a prompt must leave in the local context for a local answer (the whole
-``max_tokens`` where it is less): a client's generous ``max_tokens`` alone does not send a short
-prompt to the cloud, and a prompt that would leave less goes there."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +152,7 @@ class Paths:
         fallback: str | None = None
         overflowed = False
         overflows = self._may_overflow(req, decision)
+        counted = ROOM_CHECKED.set(overflows)  # the local model counts what the estimate let by
         try:
             if self._cascade_applies(req, decision):
                 escalated = await self._local_first(req, decision, record, received)
@@ -170,6 +167,8 @@ class Paths:
                 raise
             # The estimate let it through; the local model's count did not (nothing was sent).
             decision, overflowed = self._overflowed(decision, err), True
+        finally:
+            ROOM_CHECKED.reset(counted)
         if (
             decision.decision == "cloud"
             and req.deferrable

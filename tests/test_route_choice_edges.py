@@ -15,7 +15,6 @@ import json
 from collections.abc import AsyncGenerator
 
 import aiohttp
-import pytest
 
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
@@ -71,31 +70,26 @@ def client_of(settings: MeshSettings, conn: Connection) -> MeshClient:
 
 
 # -- 1. first rule (truncated): the prompt estimate is under, and the answer is cut short -------
-# Left open. paths._not_routed keeps a prompt local only when the local context leaves
+# Before the fix. paths._not_routed keeps a prompt local only when the local context leaves
 # room for its whole max_tokens (<= ANSWER_ROOM), but reads the prompt's size from
-# relay.estimate_prompt_tokens (3 characters a token). Digits apart are 2 characters a token
-# (the estimate's own docstring says so) and it relies on "the local model says so
-# (ContextTooLongError)". llama.cpp says so only for a prompt that does not fit at all; a prompt
-# that fits but leaves less than max_tokens has its max_tokens silently shortened
-# (llama-cpp-python trims it to the room left), and the client gets a short answer ending
-# `finish_reason: length`, as if it had asked for that many. The cloud was there to answer.
+# relay.estimate_prompt_tokens (3 characters a token). Digits apart are 2 characters a token,
+# and llama.cpp said so only for a prompt that did not fit at all: a prompt that fit but left
+# less than max_tokens had its max_tokens silently shortened (llama-cpp-python trims it to the
+# room left), and the client got a short answer ending `finish_reason: length`, as if it had
+# asked for that many, while the cloud was there to answer. Now the local model counts the
+# prompt and refuses it (context_too_long) when it leaves less than min(max_tokens,
+# ANSWER_ROOM), and the edge escalates.
 DIGITS = "Repeat: " + "7 " * 100  # estimated ~85 tokens; the bundled model counts 233
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left open: the prompt's size is estimated (3 characters a token); one the estimate "
-    "undercounts (digits apart) and that leaves less room than max_tokens is answered locally, "
-    "cut at the context's end; counting it with the local tokenizer first is not built",
-)
 async def test_a_prompt_of_digits_the_estimate_undercounts_is_not_answered_cut_short(
     settings: MeshSettings,
     conn: Connection,
     small_llama: LlamaCppBackend,  # noqa: F811
 ) -> None:
-    """Left open: path local, 23 of the 40 tokens asked for, finish_reason "length" (the
-    context's end, not max_tokens). Should: the cloud answers (the prompt leaves the local
-    model too little room), or the local model gives all 40."""
+    """Before the fix: path local, 23 of the 40 tokens asked for, finish_reason "length" (the
+    context's end, not max_tokens). Now the cloud answers: the prompt leaves the local model
+    too little room."""
     settings.edge.model.n_ctx = SMALL_CTX  # what the edge's check reads
     asked = 40
     assert estimate_prompt_tokens(InferRequest(prompt=DIGITS)) + asked + 64 < SMALL_CTX
@@ -112,6 +106,26 @@ async def test_a_prompt_of_digits_the_estimate_undercounts_is_not_answered_cut_s
         f"'length' (prompt: {end.usage.prompt_tokens} tokens, context {SMALL_CTX}; routing: "
         f"{end.routing.reason if end.routing else None})"
     )
+
+
+async def test_a_prompt_leaving_too_little_room_with_no_cloud_is_still_answered_locally(
+    settings: MeshSettings,
+    conn: Connection,
+    small_llama: LlamaCppBackend,  # noqa: F811
+) -> None:
+    """The local model's count sends such a prompt to the cloud only where the cloud can take
+    it: with no pool serving, the edge still answers what fits (its end's `fallback` says why),
+    and a client that insists on route=local gets what fits, not `context_too_long`."""
+    settings.edge.model.n_ctx = SMALL_CTX
+    async with (
+        EdgeNode(settings, conn, small_llama, HeuristicRouter(threshold=1.0)),
+        client_of(settings, conn) as client,
+    ):
+        got = await client.complete(DIGITS, max_tokens=40, temperature=0.0)
+        forced = await client.complete(DIGITS, max_tokens=40, temperature=0.0, route="local")
+    assert got.end.path == "local" and got.end.fallback, got.end
+    assert got.text and got.end.usage.completion_tokens > 0
+    assert forced.end.path == "local" and forced.text
 
 
 # -- 2. first rule (availability): many short turns, no cloud: refused though they fit --------

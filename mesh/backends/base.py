@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncGenerator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,6 +40,17 @@ class Capacity:
     """Of those, how many it can take now (may reflect engine load, e.g. KV-cache use)."""
 
 
+ANSWER_ROOM = 256
+"""The least room a prompt must leave in a local model's context for its answer (the whole
+``max_tokens`` where it is less): an edge sends a prompt that would leave less to the cloud. A
+client's generous ``max_tokens`` alone does not make a short prompt too long."""
+ROOM_CHECKED: ContextVar[bool] = ContextVar("mesh_room_checked", default=False)
+"""Set where the cloud would take a local answer the local model cannot give whole (an edge's
+router kept it local, the client did not insist): the local model then counts the prompt and
+refuses one that leaves less than :data:`ANSWER_ROOM` (or ``max_tokens``) with
+``context_too_long``, nothing generated, rather than end the answer where its context ends (a
+short answer that reads as one of ``max_tokens``). Elsewhere (no cloud to take it, a forced
+local route) it answers what fits, as before."""
 KV_CACHE_FULL = 0.95
 """An engine whose KV cache is at least this full takes no new work."""
 

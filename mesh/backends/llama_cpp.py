@@ -38,7 +38,14 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mesh.backends.base import Capacity, Chunk, Health, openai_logprobs
+from mesh.backends.base import (
+    ANSWER_ROOM,
+    ROOM_CHECKED,
+    Capacity,
+    Chunk,
+    Health,
+    openai_logprobs,
+)
 from mesh.backends.stop_text import StopText
 from mesh.config import ModelSettings
 from mesh.logs import get_logger
@@ -169,6 +176,8 @@ class LlamaCppBackend:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 stop.set()
 
+        if ROOM_CHECKED.get():  # counted, not estimated as the edge's route was (_run resets it)
+            llama.room = (min(max(1, request.max_tokens - prefix_tokens), ANSWER_ROOM), request.id)
         future = loop.run_in_executor(
             self._executor, _run, llama, request, emit, stop, prefix, prefix_tokens, probe
         )
@@ -233,9 +242,19 @@ def _llama_class() -> type[Any]:
         repeatable = False
         canonical: list[int] | None = None
         counted = (0, 0)  # the last completion's (prompt tokens, answer tokens)
+        room: tuple[int, str | None] = (0, None)
+        """The room the next prompt must leave for its answer, and its request's id (_run)."""
 
         def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Any:
             tokens = list(tokens)
+            needed, request_id = self.room
+            if len(tokens) + needed > self.n_ctx():  # llama-cpp-python would cut max_tokens
+                raise ContextTooLongError(
+                    f"the prompt is {len(tokens)} tokens: the local model's context "
+                    f"({self.n_ctx()}) leaves room for {max(0, self.n_ctx() - len(tokens))} of "
+                    f"the {needed} answer tokens it needs",
+                    request_id=request_id,
+                )
             self.counted = (len(tokens), 0)
             return self._counting(self._generate(tokens, *args, **kwargs))
 
@@ -474,4 +493,5 @@ def _run(  # noqa: PLR0917 - one call from generate(), positional for run_in_exe
     except Exception as exc:  # engine failure: typed, never a traceback on the wire
         emit(BackendError(f"llama.cpp failed: {type(exc).__name__}: {exc}", request_id=request.id))
     finally:
+        llama.room = (0, None)
         emit(_DONE)
