@@ -51,15 +51,21 @@ class Refusals:
                 self.subscriptions.add(subject)
                 return
             self.publishes.add(subject)
-            for wait in self._waiting.pop(subject, ()):
-                wait.refused()
+            waits = self._waiting.pop(subject, ())
+            # nats-py lower-cases the -ERR and subjects are case-sensitive: where the waits
+            # are for subjects that differ in case only, the refused one cannot be told, and
+            # their acks or timeouts decide (an accepted publish must not be told refused).
+            if len({wait.subject for wait in waits}) == 1:
+                for wait in waits:
+                    wait.refused()
 
     def until_refused(self, subject: str, request_id: str | None = None) -> _UntilRefused:
         """``with refusals.until_refused(subject):`` around a wait for the answer to a publish
         to ``subject`` (made in it or before): the wait ends :class:`UnauthorizedError` as soon
         as the server's refusal of a publish there is heard, not at its own timeout. It cancels
         the task waiting, as ``asyncio.timeout`` does (no task or future of its own: the
-        answered publish pays a dict entry)."""
+        answered publish pays a dict entry). Python 3.11 on: 3.10 cannot tell that cancel from
+        another (a client's, a shutdown's), so there the wait runs to its own end."""
         return _UntilRefused(self, subject, request_id)
 
     def clear(self) -> None:
@@ -101,21 +107,22 @@ class Refusals:
 class _UntilRefused:
     """:meth:`Refusals.until_refused`'s wait."""
 
-    __slots__ = ("_cancelling", "_cut", "_key", "_refusals", "_request_id", "_subject", "_task")
+    __slots__ = ("_cancelling", "_cut", "_key", "_refusals", "_request_id", "_task", "subject")
 
     def __init__(self, refusals: Refusals, subject: str, request_id: str | None) -> None:
-        self._refusals, self._subject, self._request_id = refusals, subject, request_id
+        self._refusals, self.subject, self._request_id = refusals, subject, request_id
         self._key = subject.lower()
         self._task: asyncio.Task[Any] | None = None
         self._cancelling = 0
         self._cut = False
 
     def __enter__(self) -> None:
+        if sys.version_info < (3, 11):  # no Task.cancelling: the wait runs to its own end
+            return
         self._task = asyncio.current_task()
         if self._task is None:
             return  # not in a task: nothing to end
-        if sys.version_info >= (3, 11):
-            self._cancelling = self._task.cancelling()
+        self._cancelling = self._task.cancelling()
         self._refusals._waiting.setdefault(self._key, set()).add(self)
 
     def refused(self) -> None:
@@ -140,4 +147,4 @@ class _UntilRefused:
         if sys.version_info >= (3, 11) and self._task.uncancel() > self._cancelling:
             return  # cancelled from outside as well: that cancel goes on
         if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
-            raise self._refusals.publish_refused(self._subject, self._request_id) from None
+            raise self._refusals.publish_refused(self.subject, self._request_id) from None
