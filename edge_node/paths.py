@@ -32,7 +32,14 @@ from edge_node.relay import (
 from edge_node.router import CloudBudget, Router, budget_of, decide
 from edge_node.served import CloudModels
 from edge_node.site import SiteStore
-from mesh.backends.base import ANSWER_ROOM, ROOM_CHECKED, Backend, Chunk, ScoringBackend
+from mesh.backends.base import (
+    ANSWER_ROOM,
+    ROOM_CHECKED,
+    Backend,
+    Chunk,
+    NoRoomError,
+    ScoringBackend,
+)
 from mesh.config import EdgeSettings, WorkerSettings
 from mesh.generate import generate_into
 from mesh.logs import get_logger
@@ -166,7 +173,10 @@ class Paths:
             if not overflows:
                 raise
             # The estimate let it through; the local model's count did not (nothing was sent).
-            decision, overflowed = self._overflowed(decision, err), True
+            # One that fits but leaves too little room can still be answered what fits, after a
+            # cloud that fails mid-answer too (review S21b); one that does not fit cannot.
+            decision = self._overflowed(decision, err)
+            overflowed = not isinstance(err, NoRoomError)
         finally:
             ROOM_CHECKED.reset(counted)
         if (

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from mesh.tasks import raise_if_cancelled
+from protocol.errors import ContextTooLongError
 from protocol.messages import InferRequest, TokenLogprob, Usage
 
 
@@ -51,6 +52,14 @@ refuses one that leaves less than :data:`ANSWER_ROOM` (or ``max_tokens``) with
 ``context_too_long``, nothing generated, rather than end the answer where its context ends (a
 short answer that reads as one of ``max_tokens``). Elsewhere (no cloud to take it, a forced
 local route) it answers what fits, as before."""
+
+
+class NoRoomError(ContextTooLongError):
+    """A prompt that fits the local context but leaves it too little room for its answer
+    (:data:`ROOM_CHECKED`): unlike one that does not fit, the local model can still answer
+    what fits, where nothing better can."""
+
+
 KV_CACHE_FULL = 0.95
 """An engine whose KV cache is at least this full takes no new work."""
 

@@ -44,6 +44,7 @@ from mesh.backends.base import (
     Capacity,
     Chunk,
     Health,
+    NoRoomError,
     openai_logprobs,
 )
 from mesh.backends.stop_text import StopText
@@ -249,7 +250,7 @@ def _llama_class() -> type[Any]:
             tokens = list(tokens)
             needed, request_id = self.room
             if len(tokens) + needed > self.n_ctx():  # llama-cpp-python would cut max_tokens
-                raise ContextTooLongError(
+                raise NoRoomError(
                     f"the prompt is {len(tokens)} tokens: the local model's context "
                     f"({self.n_ctx()}) leaves room for {max(0, self.n_ctx() - len(tokens))} of "
                     f"the {needed} answer tokens it needs",
