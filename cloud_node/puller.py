@@ -5,7 +5,8 @@ nats-py's ``fetch`` waits for a batch (or its end) before returning and spends a
 timeout on every message; a worker behind it picks up a burst of requests one batch at a time.
 Here each pull request has an inbox and a subscription of its own (JetStream delivers pulled
 messages under their stream subject, so only the subscription tells which request a message
-answers), and the puller knows how many messages each still owes; JetStream ends a request with
+answers; a filled request's subscription serves the next request), and the puller knows how
+many messages each still owes; JetStream ends a request with
 a status (408 when it expires, 409 when the consumer cannot serve it), and what it still owed
 goes back to the pool. Back-pressure is
 unchanged: the messages asked for never exceed the free slots.
@@ -37,7 +38,7 @@ from nats.aio.subscription import Subscription
 
 from mesh.connection import Connection
 from mesh.eager import run_now
-from mesh.inline_sub import subscribe_inline
+from mesh.inline_sub import retarget, subscribe_inline
 from mesh.logs import get_logger
 from mesh.round_trip import round_trip
 from mesh.write_now import write_queued
@@ -102,6 +103,11 @@ class Puller:
         self._server: ParseResult | None = None
         """The server the last request was asked of."""
         self._subs: dict[int, Subscription] = {}
+        self._spares: list[Subscription] = []
+        """Subscriptions of filled pull requests, for the next ones: JetStream sends nothing
+        more to a filled request's inbox, so the next request asked there costs no SUB, no
+        UNSUB (written alone, between a delivery's engine call and its first event) and no
+        interest change at the server."""
         self._next = 0
         self._stopped = True
         self._closing: set[asyncio.Task[None]] = set()
@@ -161,6 +167,8 @@ class Puller:
         S18f saw it, and saw such requests answered promptly all the same.)"""
         self._stopped = True
         subs, self._subs = list(self._subs.values()), {}
+        subs += self._spares
+        self._spares = []
         if subs and self.conn.connected:
             nc = self.conn.nc
             with contextlib.suppress(nats.errors.Error):
@@ -224,7 +232,8 @@ class Puller:
             return False  # asked once the link is back (the worker's reconnect step, its tick)
         self._next += 1
         token = self._next
-        inbox = nc.new_inbox()
+        spare = self._spares.pop() if self._spares else None
+        inbox = nc.new_inbox() if spare is None else spare.subject
         self._owed[token] = want
         self._server = nc.connected_url
         self._asked[token] = asyncio.get_running_loop().time()
@@ -233,7 +242,11 @@ class Puller:
             self._on_msg(token, msg)
 
         try:
-            self._subs[token] = await subscribe_inline(nc, inbox, on_msg)
+            if spare is None:
+                self._subs[token] = await subscribe_inline(nc, inbox, on_msg)
+            else:
+                retarget(spare, on_msg)
+                self._subs[token] = spare
             request = {"batch": want, "expires": int(self._expires * 1_000_000_000)}
             await nc.publish(self._api, json.dumps(request).encode(), reply=inbox)
         except nats.errors.Error as exc:  # disconnected: the tick tries again
@@ -264,7 +277,7 @@ class Puller:
         owed = self._owed.get(token)
         filled = owed is not None and owed <= 1
         if filled:
-            self._end(token)  # filled: JetStream sends nothing more for it
+            self._end(token, spare=True)  # filled: JetStream sends nothing more for it
         elif owed is not None:
             self._owed[token] = owed - 1
         if self._stopped:
@@ -281,11 +294,18 @@ class Puller:
         run_now(self.top_up(), self._renewing, name="pull")
         write_queued(self.conn.nc, at_least=1)
 
-    def _end(self, token: int) -> None:
-        """Request ``token`` is over: what it still owed goes back to the pool."""
+    def _end(self, token: int, *, spare: bool = False) -> None:
+        """Request ``token`` is over: what it still owed goes back to the pool. ``spare``: it
+        was filled, and its subscription is kept for the next request (up to
+        :data:`MAX_REQUESTS` of them)."""
         self._owed.pop(token, None)
         self._asked.pop(token, None)
         self._lingering.pop(token, None)
+        if spare and not self._stopped and len(self._spares) < MAX_REQUESTS:
+            sub = self._subs.pop(token, None)
+            if sub is not None:
+                self._spares.append(sub)
+            return
         self._later_close(token)
 
     def _give_up_expired(

@@ -91,6 +91,15 @@ def make_inline(sub: Subscription, handler: Handler) -> None:
         inline.put_nowait(waiting.get_nowait())
 
 
+def retarget(sub: Subscription, handler: Handler) -> None:
+    """Hand an inline subscription's messages to ``handler`` from now on (a subscription kept
+    for another use: a filled pull request's inbox, asked on again)."""
+    inline = sub._pending_queue
+    if not isinstance(inline, _Inline):
+        raise TypeError("not an inline subscription")
+    inline.handler = handler
+
+
 def _install(sub: Subscription, handler: Handler) -> _Inline:
     """Put ``handler`` in the place of ``sub``'s pending queue."""
     inline = _Inline(sub, handler)

@@ -306,3 +306,38 @@ async def test_a_consumer_made_anew_gives_up_only_the_requests_asked_before_it_w
     assert puller.outstanding == 0
     await puller.top_up()  # the worker's restore, its tick
     assert puller.outstanding == SLOTS
+
+
+async def test_answers_one_after_another_ask_without_a_subscription_each(
+    conn: Connection, queue: tuple[str, str]
+) -> None:
+    """A filled pull request's subscription serves the next request: a 1-slot worker answering
+    20 requests one after another makes no subscription and no unsubscription for them (before:
+    a SUB and an UNSUB each, the UNSUB written alone between a delivery's engine call and its
+    first event), every request comes, and the server holds one pull request, for the one slot."""
+    stream, subject = queue
+    jsm = conn.jsm()
+    await jsm.consumer_info(stream, "w")  # nats-py's inbox for its requests, made now
+    before = set(conn.nc._subs)
+    slots = Slots(total=1)
+    puller = _puller(conn, stream, slots, LONG)
+    await puller.start()
+    await conn.nc.flush()
+    made = conn.nc._sid  # the connection's subscription ids so far
+    try:
+        for i in range(20):
+            await _burst(conn, subject, 1)
+            await slots.wait_for(i + 1)
+            await _end_answers(puller, slots, 1)
+        assert [m.data for m in slots.delivered] == [b"request 0"] * 20
+        assert conn.nc._sid == made, f"{conn.nc._sid - made} subscriptions for 20 requests"
+        assert puller.outstanding == 1
+
+        async def one_waiting() -> bool:  # the server takes pull requests in their own time
+            info = await jsm.consumer_info(stream, "w")
+            return info.num_waiting == 1 and info.num_pending == 0
+
+        await eventually(one_waiting, what="one pull request, for the one slot")
+    finally:
+        await puller.stop()
+    assert set(conn.nc._subs) == before  # a stopped puller leaves no subscription behind
