@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from cloud_node.puller import Puller
@@ -71,6 +73,28 @@ async def _ticking(puller: Puller) -> None:
         await puller.tick()
 
 
+async def _ask_one(nc: Client, api: str, expires_s: float) -> tuple[Subscription, list[str | None]]:
+    """A 1-message pull request at ``api`` on a fresh inline inbox; what its inbox hears, each
+    message's Status header (None for a delivered message)."""
+    heard: list[str | None] = []
+    inbox = nc.new_inbox()
+    sub = await subscribe_inline(
+        nc, inbox, lambda m, h=heard: h.append((m.headers or {}).get("Status"))
+    )
+    request = {"batch": 1, "expires": int(expires_s * 1_000_000_000)}
+    await nc.publish(api, json.dumps(request).encode(), reply=inbox)
+    await nc.flush()
+    return sub, heard
+
+
+async def _take_left(nc: Client, api: str, timeout: float) -> None:
+    """Ack the message an expired request left queued, if any."""
+    with contextlib.suppress(Exception):
+        left = await nc.request(api, json.dumps({"batch": 1, "no_wait": True}).encode(), timeout)
+        if left.data:
+            await left.ack()
+
+
 # -- the premise, at the server -----------------------------------------------------------------
 
 
@@ -88,14 +112,7 @@ async def test_a_filled_requests_inbox_hears_nothing_more_when_its_expiry_races_
     filled_then_status = 0
     outcomes: dict[tuple[str | None, ...], int] = {}
     for i in range(40):
-        heard: list[str | None] = []
-        inbox = nc.new_inbox()
-        sub = await subscribe_inline(
-            nc, inbox, lambda m, h=heard: h.append((m.headers or {}).get("Status"))
-        )
-        request = {"batch": 1, "expires": 50_000_000}
-        await nc.publish(api, json.dumps(request).encode(), reply=inbox)
-        await nc.flush()
+        sub, heard = await _ask_one(nc, api, 0.05)
         await asyncio.sleep(0.05 + random.uniform(-0.01, 0.01))
         await js.publish(subject, f"m{i}".encode())
         await asyncio.sleep(0.1)
@@ -103,10 +120,7 @@ async def test_a_filled_requests_inbox_hears_nothing_more_when_its_expiry_races_
         outcomes[tuple(heard)] = outcomes.get(tuple(heard), 0) + 1
         if heard and heard[0] is None and len(heard) > 1:
             filled_then_status += 1
-        with contextlib.suppress(Exception):  # the message an expired request left queued
-            left = await nc.request(api, json.dumps({"batch": 1, "no_wait": True}).encode(), 0.2)
-            if left.data:
-                await left.ack()
+        await _take_left(nc, api, 0.2)
     assert filled_then_status == 0, outcomes
     assert outcomes.get((None,)) and outcomes.get(("408",)), f"the race was not run: {outcomes}"
 
@@ -137,14 +151,7 @@ async def test_a_leader_change_sends_nothing_to_a_filled_requests_inbox(tmp_path
             api = f"$JS.API.CONSUMER.MSG.NEXT.{name}.w"
             both = 0
             for i in range(6):
-                heard: list[str | None] = []
-                inbox = nc.new_inbox()
-                sub = await subscribe_inline(
-                    nc, inbox, lambda m, h=heard: h.append((m.headers or {}).get("Status"))
-                )
-                request = {"batch": 1, "expires": 1_000_000_000}
-                await nc.publish(api, json.dumps(request).encode(), reply=inbox)
-                await nc.flush()
+                sub, heard = await _ask_one(nc, api, 1.0)
                 published = asyncio.ensure_future(c3.js.publish(f"r3.{name}", f"m{i}".encode()))
                 await asyncio.sleep(random.uniform(0, 0.003))
                 with contextlib.suppress(Exception):
@@ -154,11 +161,7 @@ async def test_a_leader_change_sends_nothing_to_a_filled_requests_inbox(tmp_path
                 await sub.unsubscribe()
                 if None in heard and len(heard) > 1:
                     both += 1
-                with contextlib.suppress(Exception):
-                    ask = json.dumps({"batch": 1, "no_wait": True}).encode()
-                    left = await nc.request(api, ask, 1)
-                    if left.data:
-                        await left.ack()
+                await _take_left(nc, api, 1.0)
             assert both == 0
     finally:
         await cluster.stop()
