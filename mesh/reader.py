@@ -107,13 +107,11 @@ class AnswerReader:
         self._repair_at: float | None = None
         self._gap_retry = _GAP_RETRY_FIRST_S
         self._quiet = _QUIET_FIRST_S
-        self.last_event = time.monotonic()
-        """When the last message arrived (``time.monotonic()``)."""
+        self.last_event = time.monotonic()  # when the last message arrived
         self._last_probe = self.last_event
         self.repairs = 0
         self.repaired_events = 0
-        self.dropped = 0
-        """Messages dropped because the buffer was full (a slow consumer)."""
+        self.dropped = 0  # messages dropped because the buffer was full (a slow consumer)
         self._unserved = unserved
         self._unserved_until = time.monotonic() + unserved_for
         self._unserved_delay = _UNSERVED_FIRST_S
@@ -185,6 +183,8 @@ class AnswerReader:
         else:
             return
         self._wake()
+        if self._passer is not None:  # tokens it passed on go out after the woken task's step
+            self.conn.write_batch.behind()
 
     def _wake(self) -> None:
         """End :meth:`next`'s wait: a message came, or the connection says messages may have

@@ -173,6 +173,15 @@ class WriteBatch:
         the same write as these (a system call less per answer, here and in nats-server)."""
         return self._write_queued(write=False)
 
+    def behind(self) -> None:
+        """Let the tasks woken so far put first: a write due at the loop's next turn goes
+        after the callbacks scheduled meanwhile. An edge's relay woken by an answer's end that
+        came in the same read as its last tokens (passed on in the read, the end through the
+        relay's task) then puts the end into the same write as those tokens."""
+        if self._scheduled is not None and self._urgent:
+            self._scheduled.cancel()
+            self._scheduled = asyncio.get_running_loop().call_soon(self._write_queued)
+
     def _drop(self, subjects: list[str], exc: Exception) -> int:
         """Remember why these subjects lost a message: the next put on each raises."""
         for subject in subjects:
