@@ -295,7 +295,7 @@ class Paths:
         budget = self.budget
         if budget is not None:
             budget.record_forced(route)
-        return RouteDecision(
+        return RouteDecision.model_construct(
             decision=route,
             reason=reason,
             budget=budget.snapshot() if budget is not None else None,

@@ -305,7 +305,7 @@ def decide(router: Router, request: InferRequest) -> RouteDecision:
     if request.route != "auto":
         if budget is not None:
             budget.record_forced(request.route)
-        return RouteDecision(
+        return RouteDecision.model_construct(
             decision=request.route,
             forced=True,
             reason=f"client asked for route={request.route}",
@@ -329,7 +329,7 @@ def decide(router: Router, request: InferRequest) -> RouteDecision:
     else:
         detail = f"weak signals: {signals}" if signals else "no complexity signal"
         why = f"score {score:.2f} < {threshold:.2f} ({detail})"
-    return RouteDecision(
+    return RouteDecision.model_construct(
         decision=decision,
         score=round(score, 4),
         threshold=round(threshold, 4),
