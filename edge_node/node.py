@@ -45,7 +45,6 @@ from edge_node.site_links import SiteParts
 from mesh.backends.base import Backend, health_within
 from mesh.config import MeshSettings
 from mesh.connection import Connection, stop_service
-from mesh.inline_sub import Inboxes
 from mesh.lifecycle import Lifecycle, start_or_undo
 from mesh.logs import bound, get_logger, trace_id
 from mesh.loop_lag import LoopLag
@@ -71,7 +70,6 @@ from protocol.subjects import (
     edge_infer_subject,
     edge_status_subject,
     model_token,
-    tokens_of,
 )
 
 log = get_logger(__name__)
@@ -105,10 +103,6 @@ class EdgeNode(Lifecycle):
         """Requests in flight."""
         self._background = TaskSet("edge-background")
         self._withdrawals = TaskSet("edge-withdrawals")
-        self._answers = Inboxes(tokens_of(self.scope)) if self.scope == self.edge_id else None
-        """Every answer the edge escalated, read through one subscription: no SUB and UNSUB
-        per request. Only in a scope of its own (its id): in a scope set for several senders it
-        would read theirs too."""
         self._service: Service | None = None
         self._metadata: dict[str, str] = {}
         self._status_sub: Any = None
@@ -150,7 +144,6 @@ class EdgeNode(Lifecycle):
             tracing=self.tracing,
             counts=self.counts,
             withdrawals=self._withdrawals,
-            answers=self._answers,
         )
         self.paths = Paths(
             PathParts(
@@ -286,8 +279,6 @@ class EdgeNode(Lifecycle):
             await self.http.stop(max(0.0, ends - time.monotonic()))  # then a typed end
         await self.tasks.close(grace=max(0.0, ends - time.monotonic()))
         await self._withdrawals.close(grace=WITHDRAW_S)  # each is bounded
-        if self._answers is not None:
-            await self._answers.close()
         if self.site is not None:
             await self.site.stop()
         await stop_service(self.conn, self._service, self.conn.settings.request_timeout)

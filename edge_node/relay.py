@@ -41,7 +41,6 @@ from edge_node.records import Record
 from edge_node.served import CloudModels, RegistryView
 from mesh.config import EdgeSettings, StreamSettings, WorkerSettings
 from mesh.connection import Connection
-from mesh.inline_sub import Inboxes
 from mesh.logs import get_logger
 from mesh.queue import ALIVE_WAIT_S, CloudCall, new_cancel_key
 from mesh.reader import WATCH_QUIET_S, AnswerReader
@@ -159,8 +158,6 @@ class RelayParts:
     counts: EdgeCounts
     withdrawals: TaskSet
     """Where a relay's escalation is withdrawn, while its client is answered."""
-    answers: Inboxes | None = None
-    """Where the edge reads every answer of its scope, through one subscription."""
 
 
 class CloudRelay:
@@ -263,7 +260,6 @@ class CloudRelay:
             scope=parts.scope,
             headers=parts.tracing.inject(self.trace),
             fingerprints=self.fingerprints,
-            answers=parts.answers,
         )
         maybe_queued = True  # unless the queue said it took nothing
         try:

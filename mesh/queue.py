@@ -30,7 +30,6 @@ from nats.js.errors import APIError, NoStreamResponseError
 from mesh.answer_store import AnswerStore
 from mesh.config import StreamSettings
 from mesh.connection import Connection
-from mesh.inline_sub import Inboxes
 from mesh.js_refused import CLUSTER_UNAVAILABLE, for_now, no_room, refused_for_good
 from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
@@ -223,12 +222,8 @@ class CloudCall(Lifecycle):
         headers: Mapping[str, str] | None = None,
         pending_limit: int | None = None,
         fingerprints: Fingerprints | None = None,
-        answers: Inboxes | None = None,
     ) -> None:
-        """``answers``: where a sender alone in its scope reads all its answers through one
-        subscription (:func:`protocol.subjects.tokens_of`), not one of its own per request."""
         self.conn = conn
-        self._answers = answers
         self.headers = dict(headers or {})
         self.stream = stream
         # Queued without a reply subject, and under a cancel key: a copy only when it lacks
@@ -279,7 +274,7 @@ class CloudCall(Lifecycle):
         self._queued_at = 0.0
 
     async def open(self) -> CloudCall:
-        await self.reader.subscribe(self.subject, self._answers)
+        await self.reader.subscribe(self.subject)
         try:
             self.ack = await publish_request(
                 self.conn, self.stream, self.request, self.scope, self.headers

@@ -175,13 +175,6 @@ def token_subject(scope: str, request_id: str) -> str:
     return f"{PREFIX}.tok.{scope}.{request_id}"
 
 
-def tokens_of(scope: str) -> str:
-    """What :func:`token_subject` puts before a request id: ``<prefix>.*`` is every answer of
-    ``scope``, which one subscription of a sender that is alone in its scope reads."""
-    _check_token(scope, "scope")
-    return f"{PREFIX}.tok.{scope}"
-
-
 def store_read_subject(scope: str, request_id: str) -> str:
     """Where a sender asks the workers what the answer store kept of its answer: the scope is
     the subject's, so a server that lets a sender publish only ``mesh.v1.store.<own scope>.*``

@@ -1,6 +1,5 @@
-"""What an edge writes per answer: to its NATS client, the answer's last token and its end in
-one write when they reach the edge in one read (``WriteBatch.behind``); to the server, no
-subscription and no unsubscription per escalated request (one for all its answers).
+"""What an edge writes to a NATS client's inbox: an answer's last tokens and its end in one
+write when they reach the edge in one read (``WriteBatch.behind``).
 
 Real nats-server; a worker and an edge on the deterministic backend, each on its own
 connection; a plain nats-py client asks the edge as the ``nats`` CLI would (JSON, a reply
@@ -20,10 +19,8 @@ from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
-from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
-from protocol.subjects import tokens_of
 
 ROUNDS = 6
 
@@ -107,31 +104,3 @@ async def test_an_answers_last_token_and_its_end_leave_the_edge_in_one_write(
         finally:
             await nc.close()
         assert together, "the edge never read an answer's last token and its end in one read"
-
-
-async def test_an_edge_escalates_without_a_subscription_per_request(
-    settings: MeshSettings,
-) -> None:
-    """An edge alone in its scope (its id) reads every answer it escalated through one
-    subscription: 12 requests one after another make no SUB and no UNSUB each (before: both,
-    per request), every answer is whole and its own, and a stopped edge leaves no subscription
-    behind."""
-    async with (
-        Connection(settings.nats, "worker") as wconn,
-        Connection(settings.nats, "edge") as econn,
-        Worker(settings, wconn, _backend()),
-    ):
-        async with (
-            EdgeNode(settings, econn, _backend(), HeuristicRouter()),
-            MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as client,
-        ):
-            first = await client.complete("[tag:w] warm", max_tokens=3, route="cloud")
-            assert first.text == " w0 w1 w2" and first.end.path == "cloud"
-            made = econn.nc._sid
-            for i in range(12):
-                got = await client.complete(f"[tag:a{i}] hi", max_tokens=3, route="cloud")
-                assert (got.text, got.end.path) == (f" a{i}0 a{i}1 a{i}2", "cloud")
-            assert econn.nc._sid == made, f"{econn.nc._sid - made} subscriptions for 12 requests"
-            wildcard = f"{tokens_of(settings.edge.edge_id)}.*"
-            assert [s.subject for s in econn.nc._subs.values()].count(wildcard) == 1
-        assert wildcard not in [s.subject for s in econn.nc._subs.values()]
