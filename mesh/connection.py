@@ -112,6 +112,12 @@ class Connection(Lifecycle):
             raise RuntimeError(NOT_CONNECTED)
         return self._write_batch
 
+    def write_behind(self) -> None:
+        """:meth:`WriteBatch.behind`; nothing once the connection closed (a reader's message
+        may still come in the read loop while it drains)."""
+        if self._write_batch is not None:
+            self._write_batch.behind()
+
     async def publish_acked(
         self,
         subject: str,

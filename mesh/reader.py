@@ -184,7 +184,7 @@ class AnswerReader:
             return
         self._wake()
         if self._passer is not None:  # tokens it passed on go out after the woken task's step
-            self.conn.write_batch.behind()
+            self.conn.write_behind()
 
     def _wake(self) -> None:
         """End :meth:`next`'s wait: a message came, or the connection says messages may have

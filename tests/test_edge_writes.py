@@ -104,3 +104,14 @@ async def test_an_answers_last_token_and_its_end_leave_the_edge_in_one_write(
         finally:
             await nc.close()
         assert together, "the edge never read an answer's last token and its end in one read"
+
+
+async def test_a_closed_connection_moves_no_write(settings: MeshSettings) -> None:
+    """A relay's reader may still get a message in the read loop while its connection drains:
+    moving the write batch's write is then nothing to do, not an error in the read loop
+    (review S22: ``conn.write_batch`` raises once the connection closed)."""
+    conn = Connection(settings.nats, "edge")
+    await conn.connect()
+    conn.write_behind()  # connected: moves nothing that is not due
+    await conn.close()
+    conn.write_behind()
