@@ -10,11 +10,12 @@ entry or the peer's deliveries, reservations in the registry bucket changed name
 heartbeat or a delivery came, and a slot was promised again (review S19b).
 
 A promise is kept by the next redelivery the peer takes (the answer handed over, or another
-handed back) or lapses after :data:`PROMISE_S`. Promises do not change what the peer pulls: it
-keeps asking for every free slot, which is where the answer handed over comes in; so a new
-request arriving in the few milliseconds between the promise and the hand-over can take the
-slot, and the answer handed over then waits for the next one to free (left open: holding the
-new request back would spend one of its deliveries).
+handed back) or lapses after :data:`PROMISE_S`. The peer keeps asking for every free slot, and
+never for fewer messages than it has promises out (:meth:`cloud_node.worker.Worker._to_pull`):
+a new request arriving in the few milliseconds between the promise and the hand-over takes a
+slot, and the answer handed over is still taken, beside it, over the engine's slots. Before, it
+waited in the queue for the new request's whole answer to end; holding the new request back
+instead (a nak with a delay) would have spent one of its deliveries.
 """
 
 from __future__ import annotations
@@ -44,11 +45,16 @@ class Promises:
     def grant(self, want: int, now: float | None = None) -> int:
         """Promise up to ``want`` free slots not promised already; how many were."""
         now = time.monotonic() if now is None else now
-        while self._until and self._until[0] <= now:
-            self._until.popleft()
-        granted = max(0, min(want, self._free() - len(self._until)))
+        granted = max(0, min(want, self._free() - self.held(now)))
         self._until.extend([now + PROMISE_S] * granted)
         return granted
+
+    def held(self, now: float | None = None) -> int:
+        """The promises neither kept nor lapsed."""
+        now = time.monotonic() if now is None else now
+        while self._until and self._until[0] <= now:
+            self._until.popleft()
+        return len(self._until)
 
     def kept(self, msg: Msg) -> None:
         """A delivery came: a redelivery (an answer handed over is one) takes a promised slot.

@@ -187,7 +187,7 @@ class Worker(Lifecycle):
             conn,
             self._stream.name,
             self.consumer,
-            free_slots=self.free_slots,
+            free_slots=self._to_pull,
             total_slots=lambda: self.backend.capacity().total,
             deliver=self._accept,
             expires=self._ws.fetch_timeout,
@@ -445,6 +445,16 @@ class Worker(Lifecycle):
             return 0
         capacity = self.backend.capacity()
         return max(0, min(capacity.total - self._reserved, capacity.free))
+
+    def _to_pull(self) -> int:
+        """The messages to ask for: the free slots, and never fewer than the slots promised to
+        stopping peers and not yet taken. A new request that took a promised slot meanwhile is
+        then served beside the answer handed over, the engine's slots exceeded by it for at most
+        PROMISE_S, instead of that answer standing still in the queue until a slot frees."""
+        free = self.free_slots()
+        if self.engine.down or self._stopping:
+            return free
+        return max(free, self.promises.held())
 
     async def _tick(self) -> None:
         """Ask again for what free slots are not covered: slots freed by the engine itself,

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from nats.js.errors import APIError
 
 from edge_node.node import EdgeNode
@@ -86,18 +85,9 @@ async def test_a_stop_beside_silent_peers_is_not_delayed_half_a_second_per_peer(
 # a few ms under load). The client sees ~3 s of silence mid-answer (a whole answer of the other
 # request; with an SDK idle_timeout under that, a timeout instead of its answer), where draining it
 # here (no promise counted) had none.
-# Fix: cloud_node/worker.py:_accept + cloud_node/promises.py - only a redelivery
-# (num_delivered > 1: what a hand-over is) keeps a promise; a first delivery that would take the
-# last promised slot is nak'd with a short delay (it waits at most PROMISE_S), or hand the answer
-# to the promising peer directly.
-@pytest.mark.xfail(
-    strict=True,
-    reason="left open: a new request in the milliseconds between a peer's promise and the "
-    "hand-over takes the promised slot (the peer pulls for every free slot), and the answer "
-    "handed over waits for the next one to free; holding the new request back (a nak with a "
-    "delay) would spend one of its deliveries. Only redeliveries keep a promise now, so no "
-    "other stopping worker is promised the slot again",
-)
+# Fixed: a peer asks for at least as many messages as it has promises out
+# (cloud_node/worker.py:_to_pull, Promises.held): the newcomer and the answer handed over are both
+# served, one over the peer's slots for the promise's window (b's silence 2.65 s before, 0.03 s).
 async def test_a_new_request_does_not_take_the_slot_promised_to_a_stopping_worker(
     own_server: NatsServer,
 ) -> None:
