@@ -56,12 +56,17 @@ class Promises:
             self._until.popleft()
         return len(self._until)
 
+    def left(self, now: float | None = None) -> float:
+        """Seconds until the last promise out lapses (0 when none is out)."""
+        now = time.monotonic() if now is None else now
+        return max(0.0, self._until[-1] - now) if self.held(now) else 0.0
+
     def kept(self, msg: Msg) -> None:
         """A delivery came: a redelivery (an answer handed over is one) takes a promised slot.
         A request's first delivery does not keep a promise: it took a free slot, and the answer
         promised one still comes (review S19d: it kept it, and another stopping peer could be
         promised the slot again)."""
-        if self._until and msg.metadata.num_delivered > 1:
+        if msg.metadata.num_delivered > 1 and self.held():  # a live one, not one lapsed
             self._until.popleft()
 
     async def on_reserve(self, request: Request) -> None:

@@ -72,7 +72,10 @@ class Puller:
         expires: float,
         batch: int = 1_000_000,
         on_lost: Callable[[str], None] | None = None,
+        expiry: Callable[[], float] | None = None,
     ) -> None:
+        """``expiry``: the seconds a new pull request may stay open, when less than
+        ``expires`` (one asked only for slots promised to stopping peers lasts as they do)."""
         self.conn = conn
         self._batch = batch
         """The most messages one pull request asks for (``fetch_batch``; more where
@@ -87,6 +90,7 @@ class Puller:
         self._total = total_slots
         self._deliver = deliver
         self._expires = expires
+        self._expiry = expiry
         self._on_lost = on_lost
         """Told (in the read loop) when the server says the consumer is gone: a pull request
         ended with "Consumer Deleted" (its stream's too), or nobody answers a new one (503)."""
@@ -95,9 +99,10 @@ class Puller:
         self._probes: set[asyncio.Task[None]] = set()
         self._probe_at: float | None = None
         """When the probe on its way was sent (:meth:`measure`)."""
-        self._asked: dict[int, float] = {}
-        """When each open request was asked (``loop.time()``): it is over for sure its expiry,
-        :data:`EXPIRY_MARGIN_S` and a round trip (:attr:`rtt`, as now measured) later."""
+        self._asked: dict[int, tuple[float, float]] = {}
+        """When each open request was asked (``loop.time()``), and its expiry: it is over for
+        sure its expiry, :data:`EXPIRY_MARGIN_S` and a round trip (:attr:`rtt`, as now
+        measured) later."""
         self._lingering: dict[int, float] = {}
         """Requests given up at their expiry, their subscriptions kept until then."""
         self._server: ParseResult | None = None
@@ -234,9 +239,10 @@ class Puller:
         token = self._next
         spare = self._spares.pop() if self._spares else None
         inbox = nc.new_inbox() if spare is None else spare.subject
+        expires = self._expires if self._expiry is None else min(self._expires, self._expiry())
         self._owed[token] = want
         self._server = nc.connected_url
-        self._asked[token] = asyncio.get_running_loop().time()
+        self._asked[token] = (asyncio.get_running_loop().time(), expires)
 
         def on_msg(msg: Msg) -> None:
             self._on_msg(token, msg)
@@ -247,7 +253,7 @@ class Puller:
             else:
                 retarget(spare, on_msg)
                 self._subs[token] = spare
-            request = {"batch": want, "expires": int(self._expires * 1_000_000_000)}
+            request = {"batch": want, "expires": int(expires * 1_000_000_000)}
             await nc.publish(self._api, json.dumps(request).encode(), reply=inbox)
         except nats.errors.Error as exc:  # disconnected: the tick tries again
             self._end(token)
@@ -318,10 +324,10 @@ class Puller:
         reached the server late, and expires late): a message is never sent where nobody reads
         it."""
         now = asyncio.get_running_loop().time()
-        over = now - (self._expires + EXPIRY_MARGIN_S + self._round_trip(now))  # asked before
+        margin = EXPIRY_MARGIN_S + self._round_trip(now)
         before = -math.inf if asked_before is None else asked_before
-        for token, asked in list(self._asked.items()):
-            if asked <= over or everything or asked < before:
+        for token, (asked, expires) in list(self._asked.items()):
+            if asked <= now - (expires + margin) or everything or asked < before:
                 self._owed.pop(token, None)
                 del self._asked[token]
                 self._lingering[token] = now + LINGER_S

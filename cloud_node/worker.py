@@ -191,6 +191,7 @@ class Worker(Lifecycle):
             total_slots=lambda: self.backend.capacity().total,
             deliver=self._accept,
             expires=self._ws.fetch_timeout,
+            expiry=self._pull_expiry,
             batch=self._ws.fetch_batch,
             on_lost=self._lost,
         )  # its requests asked of a consumer made anew since are gone with the one before:
@@ -454,7 +455,16 @@ class Worker(Lifecycle):
         free = self.free_slots()
         if self.engine.down or self._stopping:
             return free
-        return max(free, self.promises.held())
+        over = max(0, self._reserved - self.backend.capacity().total)  # new ones took them
+        return max(free, self.promises.held() - over)
+
+    def _pull_expiry(self) -> float:
+        """How long the next pull request may stay open: while it is asked only for promised
+        slots, no longer than the promises last (a new request must not land over the engine's
+        slots after they lapsed, while an idle peer has room)."""
+        if self.free_slots() > self._puller.outstanding:
+            return self._ws.fetch_timeout
+        return max(0.01, self.promises.left())
 
     async def _tick(self) -> None:
         """Ask again for what free slots are not covered: slots freed by the engine itself,
