@@ -56,10 +56,22 @@ class Promises:
             self._until.popleft()
         return len(self._until)
 
-    def left(self, now: float | None = None) -> float:
-        """Seconds until the last promise out lapses (0 when none is out)."""
-        now = time.monotonic() if now is None else now
-        return max(0.0, self._until[-1] - now) if self.held(now) else 0.0
+    def to_pull(self, free: int, over: int, full: bool) -> int:
+        """The messages a worker asks for: its ``free`` slots, and never fewer than its promises
+        out less the requests it took ``over`` its slots since (each new one that took a
+        promised slot is served beside the answer handed over, one over the slots each, for at
+        most PROMISE_S). Only the free slots while its engine is ``full`` by its own word (a
+        429 with Retry-After: what it pulled would be refused), down, or the worker stops."""
+        return free if full else max(free, self.held() - max(0, over))
+
+    def expiry(self, covered: bool, usual: float) -> float:
+        """A pull request's expiry: ``usual``, or when the free slots are ``covered`` already
+        (it asks for promised slots only) no longer than the promises last: a new request must
+        not land over the slots after they lapsed, while an idle peer has room."""
+        if not covered:
+            return usual
+        now = time.monotonic()
+        return max(0.01, min(usual, self._until[-1] - now)) if self.held(now) else 0.01
 
     def kept(self, msg: Msg) -> None:
         """A delivery came: a redelivery (an answer handed over is one) takes a promised slot.

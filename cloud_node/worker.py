@@ -4,11 +4,10 @@ answer on its request's token subject, and acks a request only once its outcome 
 Back-pressure is the pull itself: a worker asks JetStream for no more requests than it has free
 slots (:mod:`cloud_node.puller`), and ``max_ack_pending`` on the consumer caps the whole fleet.
 
-Failover continues, not restarts: when a worker dies mid-answer, JetStream redelivers the
-request after ``ack_wait`` (workers report progress every second, so that is seconds, not
-half a minute). The next worker reads from the answer store how far the answer got and, when
-its backend can continue a text, continues it from there: the client sees one seamless answer.
-Otherwise it starts the answer over (``start`` with seq 0), which readers handle as a restart.
+Failover continues, not restarts: a worker that dies mid-answer has its request redelivered
+(``ack_wait``: seconds, as workers report progress every second). The next worker reads from
+the answer store how far the answer got and continues it where its backend can continue a text
+(one seamless answer), else starts it over (``start`` with seq 0, a restart to readers).
 """
 
 from __future__ import annotations
@@ -93,8 +92,7 @@ class Worker(Lifecycle):
         self.conn = conn
         self.backend = backend
         self.node_id = settings.worker.node_id
-        self.counts = WorkerCounts()
-        """Where everything this worker counts goes: its STATS and its Prometheus metrics."""
+        self.counts = WorkerCounts()  # all it counts: its STATS and its Prometheus metrics
         self._nats_metrics = NatsMetrics()
         self._nats_metrics.watch(conn)
         self._page = exposition if metrics_page is None else metrics_page
@@ -124,9 +122,9 @@ class Worker(Lifecycle):
         self.tracing = Tracing(settings.log.otel)
         self._ws = settings.worker
         self._stream = settings.stream
+        # Answers acked before their store copy was confirmed, made whole in the background for
+        # half as long as the store keeps answers (readers give up before that).
         self.settler = Settler(settings.stream.answer_max_age / 2, self.counts.republished)
-        """Answers acked before their store copy was confirmed, made whole in the background
-        (for half as long as the store keeps answers: readers give up before that)."""
         self.outcomes = Outcomes(
             conn,
             self.store,
@@ -163,19 +161,15 @@ class Worker(Lifecycle):
             request_limits=settings.limits.request_limits(),
             resend=self.handler.resend,
         )
-        self.store_service = StoreService(conn, self.store)
-        """Answers senders that may not read the answer store themselves (``mesh creds``)."""
-        ended, heard = self.outcomes.end_given_up, self.outcomes.on_max_deliveries
-        self.given_up = GivenUp(
-            conn, self._stream.name, self.consumer, ended, heard, lost=self._lost
-        )
+        self.store_service = StoreService(conn, self.store)  # for senders that may not read it
+        ended, heard, lost = self.outcomes.end_given_up, self.outcomes.on_max_deliveries, self._lost
+        self.given_up = GivenUp(conn, self._stream.name, self.consumer, ended, heard, lost=lost)
         self._stopping = False
         self.promises = Promises(self.free_slots)  # to stopping peers
         self._subs: list[Subscription] = []
         self._loop_task: asyncio.Task[Any] | None = None
         self._engine_task: asyncio.Task[Any] | None = None
-        self.engine = EngineWatch(backend, self._engine_changed, self.handler.moving)
-        """Whether the engine answers (it pulls nothing while it does not)."""
+        self.engine = EngineWatch(backend, self._engine_changed, self.handler.moving)  # it answers?
         self._lag_task: asyncio.Task[Any] | None = None
         self._leases_back: asyncio.Task[Any] | None = None
         self._undo_reconnect: Any = None
@@ -197,8 +191,8 @@ class Worker(Lifecycle):
         )  # its requests asked of a consumer made anew since are gone with the one before:
         self.handler.epoch.on_made_anew = lambda _c, began: self._puller.forget(asked_before=began)
         advice = "run another worker process for this engine (docs/performance.md)"
+        # How late its event loop runs: behind, it cannot keep up with its engine.
         self.loop_lag = LoopLag("worker", advice=advice, on_tick=self.handler.stalls.tick)
-        """How late the worker's event loop runs: behind, it cannot keep up with its engine."""
         self.metrics.loop_lag.set_function(lambda: self.loop_lag.lag)
         self.metrics.in_flight.set_function(lambda: len(self.handler.inflight))
         self.metrics.free_slots.set_function(self.free_slots)
@@ -319,10 +313,9 @@ class Worker(Lifecycle):
         for publisher in publishers:
             self.counts.republished(publisher)
         if publishers:
+            confirmed = sum(1 for r in results if r is True)
             log.info(
-                "caught up answers after a reconnect",
-                answers=len(publishers),
-                confirmed=sum(1 for r in results if r is True),
+                "caught up answers after a reconnect", answers=len(publishers), confirmed=confirmed
             )
 
     async def _restore(self) -> None:
@@ -334,8 +327,7 @@ class Worker(Lifecycle):
         await self._puller.top_up(whole=True)
 
     def _alive(self, address: str) -> dict[str, bool]:
-        """What this worker says to "are you there?" about the request on ``address``, and that
-        it is stopping when it is (an edge then counts it out: its registry delete may be lost)."""
+        """Its "are you there?" word on ``address``, and that it stops (an edge counts it out)."""
         word = self.handler.alive(address)
         return {**word, "stopping": True} if self._stopping else word
 
@@ -447,28 +439,17 @@ class Worker(Lifecycle):
         capacity = self.backend.capacity()
         return max(0, min(capacity.total - self._reserved, capacity.free))
 
-    def _to_pull(self) -> int:
-        """The messages to ask for: the free slots, and never fewer than the slots promised to
-        stopping peers and not yet taken. A new request that took a promised slot meanwhile is
-        then served beside the answer handed over, the engine's slots exceeded by it for at most
-        PROMISE_S, instead of that answer standing still in the queue until a slot frees."""
-        free = self.free_slots()
-        if self.engine.down or self._stopping:
-            return free
-        over = max(0, self._reserved - self.backend.capacity().total)  # new ones took them
-        return max(free, self.promises.held() - over)
+    def _to_pull(self) -> int:  # the free slots, and those promised (cloud_node.promises)
+        capacity = self.backend.capacity()
+        full = bool(self.engine.down) or self._stopping or capacity.saturated
+        return self.promises.to_pull(self.free_slots(), self._reserved - capacity.total, full)
 
-    def _pull_expiry(self) -> float:
-        """How long the next pull request may stay open: while it is asked only for promised
-        slots, no longer than the promises last (a new request must not land over the engine's
-        slots after they lapsed, while an idle peer has room)."""
-        if self.free_slots() > self._puller.outstanding:
-            return self._ws.fetch_timeout
-        return max(0.01, self.promises.left())
+    def _pull_expiry(self) -> float:  # the next pull request's (cloud_node.promises)
+        covered = self.free_slots() <= self._puller.outstanding
+        return self.promises.expiry(covered, self._ws.fetch_timeout)
 
     async def _tick(self) -> None:
-        """Ask again for what free slots are not covered: slots freed by the engine itself,
-        requests that expired or were refused, a connection that came back."""
+        """Cover free slots not covered: freed by the engine, expired, refused, a link back."""
         while not self._stopping:
             await asyncio.sleep(CAPACITY_POLL_S)
             await self._puller.tick()

@@ -39,6 +39,9 @@ class Capacity:
     """Requests the engine can generate at once."""
     free: int
     """Of those, how many it can take now (may reflect engine load, e.g. KV-cache use)."""
+    saturated: bool = False
+    """The engine itself said it takes no more now (its load figures, a 429 or 503 with
+    Retry-After), whatever its slots: a worker then pulls nothing beyond them either."""
 
 
 ANSWER_ROOM = 256

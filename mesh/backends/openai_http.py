@@ -162,7 +162,7 @@ class OpenAIHTTPBackend:
     def capacity(self) -> Capacity:
         full = engine_saturated(self.engine) or time.monotonic() < self._full_until
         free = 0 if full else max(0, self.settings.slots - self._busy)
-        return Capacity(total=self.settings.slots, free=free)
+        return Capacity(total=self.settings.slots, free=free, saturated=full)
 
     async def health(self) -> Health:
         if self._session is None:

@@ -128,8 +128,9 @@ class VLLMBackend:
     def capacity(self) -> Capacity:
         # vLLM batches continuously: every slot up to max_num_seqs is real concurrency, unless
         # the engine's own figures say it queues requests or its KV cache is nearly full.
-        free = 0 if engine_saturated(self.engine) else max(0, self.settings.slots - self._busy)
-        return Capacity(total=self.settings.slots, free=free)
+        full = engine_saturated(self.engine)
+        free = 0 if full else max(0, self.settings.slots - self._busy)
+        return Capacity(total=self.settings.slots, free=free, saturated=full)
 
     async def health(self) -> Health:
         if self._engine is None:
