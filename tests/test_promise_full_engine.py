@@ -26,14 +26,7 @@ from protocol.messages import InferRequest
 from protocol.subjects import DEFAULT_SCOPE, model_token
 from tests.conftest import make_settings
 from tests.helpers import chat_server, eventually, holds
-
-
-def _busy(retry_after: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": "busy", "type": "server_busy"}},
-        status=429,
-        headers={"Retry-After": retry_after},
-    )
+from tests.test_pull_edges import _busy
 
 
 async def _http_worker(
@@ -65,6 +58,27 @@ def _cfg(url: str, node: str) -> MeshSettings:
     return settings
 
 
+async def _promised_busy_peer(
+    stack: contextlib.AsyncExitStack, url: str
+) -> tuple[Worker, Connection, MeshSettings, list[float]]:
+    """A 1-slot worker P whose engine answers every request 429 "Retry-After: 5", having
+    promised its slot to a stopping worker (the claim made here, on the connection returned);
+    the times of its engine calls."""
+    calls: list[float] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        calls.append(time.monotonic())
+        return _busy("5")
+
+    settings = _cfg(url, "peer-p")
+    base = await stack.enter_async_context(chat_server(chat))  # closed after the worker stops
+    worker = await _http_worker(stack, settings, base)
+    ops = await stack.enter_async_context(Connection(make_settings(url).nats, "leaver"))
+    pool = model_token(settings.worker.model.name)
+    assert await claim_room(ops, pool, "leaver", 1) == 1  # a stopping worker's claim
+    return worker, ops, settings, calls
+
+
 # Before the fix (over capacity while the engine says it is full; deliveries burnt).
 # Worker._to_pull asks for max(free, promises held - over), with over = reserved - capacity.total:
 # requests taken over the slots count against the promises only once the worker holds more than
@@ -84,21 +98,10 @@ def _cfg(url: str, node: str) -> MeshSettings:
 async def test_a_promise_out_does_not_make_a_full_engines_worker_pull_work_to_burn(
     own_server: NatsServer,
 ) -> None:
-    url = own_server.url
-    calls: list[float] = []
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        calls.append(time.monotonic())
-        return _busy("5")
-
-    settings = _cfg(url, "peer-p")
-    pool = model_token(settings.worker.model.name)
-    async with chat_server(chat) as base, contextlib.AsyncExitStack() as stack:
-        worker = await _http_worker(stack, settings, base)
-        ops = await stack.enter_async_context(Connection(make_settings(url).nats, "leaver"))
-        # A stopping worker's claim (as Worker.stop makes it); its answer ends before the
-        # hand-over, so no redelivery keeps the promise.
-        assert await claim_room(ops, pool, "leaver", 1) == 1
+    async with contextlib.AsyncExitStack() as stack:
+        # The stopping worker's answer ends before the hand-over: no redelivery keeps the
+        # promise.
+        worker, ops, settings, calls = await _promised_busy_peer(stack, own_server.url)
         assert worker.promises.held() == 1
         for n in range(6):
             request = InferRequest(
@@ -128,18 +131,8 @@ async def test_a_promise_out_does_not_hold_new_requests_back_on_a_full_engine(
     own_server: NatsServer,
 ) -> None:
     url = own_server.url
-    calls: list[float] = []
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        calls.append(time.monotonic())
-        return _busy("5")
-
-    settings = _cfg(url, "peer-p")
-    pool = model_token(settings.worker.model.name)
-    async with chat_server(chat) as base, contextlib.AsyncExitStack() as stack:
-        p = await _http_worker(stack, settings, base)
-        ops = await stack.enter_async_context(Connection(make_settings(url).nats, "leaver"))
-        assert await claim_room(ops, pool, "leaver", 1) == 1  # a stopping worker's claim
+    async with contextlib.AsyncExitStack() as stack:
+        p, ops, settings, calls = await _promised_busy_peer(stack, url)
         warm = InferRequest(id="warm", prompt="hi", model=settings.worker.model.name, max_tokens=4)
         await publish_request(ops, settings.stream, warm, scope=DEFAULT_SCOPE)
         await eventually(lambda: holds(bool(calls)), 5, "P's engine call")
