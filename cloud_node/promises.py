@@ -11,11 +11,12 @@ heartbeat or a delivery came, and a slot was promised again (review S19b).
 
 A promise is kept by the next redelivery the peer takes (the answer handed over, or another
 handed back) or lapses after :data:`PROMISE_S`. The peer keeps asking for every free slot, and
-never for fewer messages than it has promises out (:meth:`cloud_node.worker.Worker._to_pull`):
-a new request arriving in the few milliseconds between the promise and the hand-over takes a
-slot, and the answer handed over is still taken, beside it, over the engine's slots. Before, it
-waited in the queue for the new request's whole answer to end; holding the new request back
-instead (a nak with a delay) would have spent one of its deliveries.
+for its promises out less the requests it took over its slots since, unless its engine says it
+is full (:meth:`Promises.to_pull`): a new request arriving in the few milliseconds between the
+promise and the hand-over takes a slot, and the answer handed over is still taken, beside it,
+over the engine's slots. Before, it waited in the queue for the new request's whole answer to
+end; holding the new request back instead (a nak with a delay) would have spent one of its
+deliveries.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from protocol.messages import InferRequest, RouteDecision
+from protocol.messages import InferRequest, RouteDecision, unicode_text
 
 BUDGET_FORMAT = "mesh-router-budget/1"
 BudgetValue = float | int | str | bool | None
@@ -312,6 +312,8 @@ def decide(router: Router, request: InferRequest) -> RouteDecision:
             budget=budget.snapshot() if budget is not None else None,
         )
     score, reasons = router.score(request)
+    if not 0.0 <= score <= 1.0:  # NaN too: a router's fault is told here, not at the client
+        raise ValueError(f"the router's score {score!r} is not a probability")
     if budget is None:
         threshold = router.threshold
         escalate, capped = score >= threshold, False
@@ -329,11 +331,11 @@ def decide(router: Router, request: InferRequest) -> RouteDecision:
     else:
         detail = f"weak signals: {signals}" if signals else "no complexity signal"
         why = f"score {score:.2f} < {threshold:.2f} ({detail})"
-    return RouteDecision.model_construct(
+    return RouteDecision.model_construct(  # not validated: the edge's own values, and checked
         decision=decision,
         score=round(score, 4),
         threshold=round(threshold, 4),
-        reason=why,
+        reason=unicode_text(why),
         budget=budget.snapshot(capped) if budget is not None else None,
     )
 

@@ -140,3 +140,34 @@ async def test_a_request_sent_during_a_reconnect_is_answered_as_the_link_is_back
         await proxy.stop()
     assert got.text == Script(tag="r").answer(3)
     assert took < 1.5, f"answered {took:.2f}s after it was sent (the link was cut for 0.4 s)"
+
+
+class _OffScale(HeuristicRouter):
+    """A router of one's own whose score is no probability (a bug in it)."""
+
+    def __init__(self, score: float) -> None:
+        super().__init__()
+        self._score = score
+
+    def score(self, request: InferRequest) -> tuple[float, list[str]]:
+        return self._score, ["off the scale"]
+
+
+@pytest.mark.parametrize("score", [1.5, float("nan")])
+async def test_a_router_scoring_off_the_scale_is_told_at_the_edge_as_a_typed_error(
+    settings: MeshSettings, conn: Connection, score: float
+) -> None:
+    """The edge builds its route decision without validating it (a80ec6f: its own values). A
+    router's score is the one value that is not the edge's own: one off [0, 1] ends its
+    request in the edge's typed ``internal`` error, as the decision's validation did before,
+    and never reaches the client inside an answer its strict decoding would refuse (review
+    S22)."""
+    async with (
+        EdgeNode(settings, conn, _det("local"), _OffScale(score)),
+        MeshClient(settings=settings, first_event_timeout=10, idle_timeout=10) as client,
+    ):
+        with pytest.raises(MeshError) as raised:
+            await client.complete("hi", max_tokens=2)
+        assert raised.value.code.value == "internal"
+        got = await client.complete("hi again", max_tokens=2, route="local")
+        assert got.text and got.end.path == "local"
