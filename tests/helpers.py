@@ -19,7 +19,8 @@ import aiohttp
 import nats.errors
 from aiohttp import web
 
-from mesh.config import MeshSettings
+from mesh.backends.openai_http import OpenAIHTTPBackend
+from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from protocol.subjects import consumer_name
 
@@ -127,6 +128,21 @@ def check_side_beside_floor(
     assert all(len(v) == rounds and min(v) > 0 for v in figures[key].values())
     assert figures["of_floor"] == figures["best"][side] / figures["best"][floor]
     assert f"{side} / {floor}" in run.stdout
+
+
+def chat_backend(model: str, base: str) -> OpenAIHTTPBackend:
+    """The HTTP backend of a 1-slot worker serving ``model`` from the engine at ``base`` (a
+    :func:`chat_server`), with continuation off and a 5 s timeout; not started."""
+    return OpenAIHTTPBackend(
+        ModelSettings(
+            backend="openai",
+            name=model,
+            base_url=base,
+            continuation="off",
+            slots=1,
+            http_timeout=5,
+        )
+    )
 
 
 @contextlib.asynccontextmanager

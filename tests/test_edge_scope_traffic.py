@@ -32,7 +32,8 @@ from mesh.connection import Connection
 from mesh.testing.chaos import expected_text
 from tests.conftest import make_settings
 from tests.test_edge_site import Topology, running_mesh, topology  # noqa: F401 - a fixture
-from tests.test_edge_writes import _backend, _recorded
+from tests.test_edge_writes import _recorded
+from tests.test_routing_edges import _det
 from tests.test_security import certs  # noqa: F401 - a fixture
 
 TOKENS = 40
@@ -73,8 +74,8 @@ async def test_an_sdk_in_the_edges_scope_does_not_send_its_answers_through_the_e
     async with (
         Connection(settings.nats, "worker") as wconn,
         Connection(settings.nats, "edge") as econn,
-        Worker(settings, wconn, _backend(token_delay_ms=5)),
-        EdgeNode(settings, econn, _backend(), HeuristicRouter()) as edge,
+        Worker(settings, wconn, _det("smollm2", 4, token_ms=5)),
+        EdgeNode(settings, econn, _det("smollm2", 4), HeuristicRouter()) as edge,
     ):
         assert edge.scope == edge_id
         async with MeshClient(settings=settings, first_event_timeout=30, idle_timeout=30) as sdk:
@@ -104,9 +105,9 @@ async def test_a_replica_of_an_edge_is_not_sent_the_answers_of_the_other(
         Connection(base.nats, "worker") as wconn,
         Connection(base.nats, "edge-1") as conn1,
         Connection(other.nats, "edge-2") as conn2,
-        Worker(base, wconn, _backend(token_delay_ms=5)),
-        EdgeNode(base, conn1, _backend(), HeuristicRouter()) as edge1,
-        EdgeNode(other, conn2, _backend(), HeuristicRouter()),
+        Worker(base, wconn, _det("smollm2", 4, token_ms=5)),
+        EdgeNode(base, conn1, _det("smollm2", 4), HeuristicRouter()) as edge1,
+        EdgeNode(other, conn2, _det("smollm2", 4), HeuristicRouter()),
     ):
         nc = await nats.connect(base.nats.url)
         try:

@@ -18,19 +18,11 @@ from nats.aio.msg import Msg
 from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
-from mesh.backends.deterministic import DeterministicBackend
-from mesh.config import MeshSettings, ModelSettings
+from mesh.config import MeshSettings
 from mesh.connection import Connection
+from tests.test_routing_edges import _det
 
 ROUNDS = 6
-
-
-def _backend(token_delay_ms: float = 0.0) -> DeterministicBackend:
-    return DeterministicBackend(
-        ModelSettings(
-            backend="deterministic", name="smollm2", slots=4, token_delay_ms=token_delay_ms
-        )
-    )
 
 
 def _recorded(transport: Any) -> tuple[list[bytes], list[bytes]]:
@@ -62,8 +54,8 @@ async def test_an_answers_last_token_and_its_end_leave_the_edge_in_one_write(
     async with (
         Connection(settings.nats, "worker") as wconn,
         Connection(settings.nats, "edge") as econn,
-        Worker(settings, wconn, _backend(token_delay_ms=20)),
-        EdgeNode(settings, econn, _backend(), HeuristicRouter()) as edge,
+        Worker(settings, wconn, _det("smollm2", 4, token_ms=20)),
+        EdgeNode(settings, econn, _det("smollm2", 4), HeuristicRouter()) as edge,
     ):
         nc = await nats.connect(settings.nats.url)
         reads, writes = _recorded(econn.nc._transport)

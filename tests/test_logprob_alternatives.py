@@ -12,8 +12,6 @@ from nats.aio.msg import Msg
 
 from cloud_node.worker import Worker
 from mesh.backends.base import openai_logprobs
-from mesh.backends.openai_http import OpenAIHTTPBackend
-from mesh.config import ModelSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.queue import publish_request
@@ -21,7 +19,7 @@ from protocol.codec import decode_event
 from protocol.messages import EndEvent, ErrorEvent, InferRequest, TokenEvent
 from protocol.subjects import DEFAULT_SCOPE, token_subject
 from tests.conftest import make_settings
-from tests.helpers import chat_server, eventually, holds
+from tests.helpers import chat_backend, chat_server, eventually, holds
 
 
 async def _got(events: list[object], msg: Msg) -> None:
@@ -83,16 +81,7 @@ async def test_a_top_alternative_that_is_half_an_emoji_does_not_fail_the_answer(
 
     settings = make_settings(nats_server.url)
     async with chat_server(chat) as base:
-        backend = OpenAIHTTPBackend(
-            ModelSettings(
-                backend="openai",
-                name=settings.worker.model.name,
-                base_url=base,
-                continuation="off",
-                slots=1,
-                http_timeout=5,
-            )
-        )
+        backend = chat_backend(settings.worker.model.name, base)
         await backend.start()
         try:
             events: list[object] = []

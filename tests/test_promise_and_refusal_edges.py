@@ -85,9 +85,9 @@ async def test_a_stop_beside_silent_peers_is_not_delayed_half_a_second_per_peer(
 # a few ms under load). The client sees ~3 s of silence mid-answer (a whole answer of the other
 # request; with an SDK idle_timeout under that, a timeout instead of its answer), where draining it
 # here (no promise counted) had none.
-# Fixed: a peer asks for at least as many messages as it has promises out
-# (cloud_node/worker.py:_to_pull, Promises.held): the newcomer and the answer handed over are both
-# served, one over the peer's slots for the promise's window (b's silence 2.65 s before, 0.03 s).
+# Fixed: a peer asks for its promises out as well as its free slots (Promises.to_pull, bounded
+# in tests/test_promise_pulls.py and tests/test_promise_full_engine.py): the newcomer and the
+# answer handed over are both served (b's silence 2.65 s before, 0.03 s).
 async def test_a_new_request_does_not_take_the_slot_promised_to_a_stopping_worker(
     own_server: NatsServer,
 ) -> None:

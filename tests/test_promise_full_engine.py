@@ -14,7 +14,6 @@ from aiohttp import web
 
 from cloud_node.worker import Worker
 from mesh.backends.deterministic import DeterministicBackend
-from mesh.backends.openai_http import OpenAIHTTPBackend
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
@@ -25,7 +24,7 @@ from mesh.testing.chaos import Tally, ask
 from protocol.messages import InferRequest
 from protocol.subjects import DEFAULT_SCOPE, model_token
 from tests.conftest import make_settings
-from tests.helpers import chat_server, eventually, holds
+from tests.helpers import chat_backend, chat_server, eventually, holds
 from tests.test_pull_edges import _busy
 
 
@@ -33,16 +32,7 @@ async def _http_worker(
     stack: contextlib.AsyncExitStack, settings: MeshSettings, base: str
 ) -> Worker:
     """A 1-slot worker on an OpenAI-compatible engine at ``base``."""
-    backend = OpenAIHTTPBackend(
-        ModelSettings(
-            backend="openai",
-            name=settings.worker.model.name,
-            base_url=base,
-            continuation="off",
-            slots=1,
-            http_timeout=5,
-        )
-    )
+    backend = chat_backend(settings.worker.model.name, base)
     await backend.start()
     stack.push_async_callback(backend.close)
     wconn = await stack.enter_async_context(Connection(settings.nats, settings.worker.node_id))

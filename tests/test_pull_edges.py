@@ -20,7 +20,6 @@ from nats.aio.msg import Msg
 from cloud_node.worker import Worker
 from mesh.backends.base import Chunk
 from mesh.backends.deterministic import DeterministicBackend
-from mesh.backends.openai_http import OpenAIHTTPBackend
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
@@ -34,7 +33,7 @@ from protocol.errors import MeshError
 from protocol.messages import EndEvent, ErrorEvent, InferRequest, TokenEvent
 from protocol.subjects import DEFAULT_SCOPE, consumer_name, token_subject
 from tests.conftest import linked_settings, make_settings
-from tests.helpers import chat_server, eventually, holds, queue_drained
+from tests.helpers import chat_backend, chat_server, eventually, holds, queue_drained
 
 
 class Counting(DeterministicBackend):
@@ -106,16 +105,7 @@ async def test_an_engine_busy_for_a_moment_does_not_use_up_the_requests_deliveri
 
     settings = make_settings(nats_server.url)
     async with chat_server(chat) as base:
-        backend = OpenAIHTTPBackend(
-            ModelSettings(
-                backend="openai",
-                name=settings.worker.model.name,
-                base_url=base,
-                continuation="off",
-                slots=1,
-                http_timeout=5,
-            )
-        )
+        backend = chat_backend(settings.worker.model.name, base)
         await backend.start()
         try:
             async with (
@@ -159,16 +149,7 @@ async def test_while_the_engine_says_retry_after_the_worker_pulls_no_more_work_t
 
     settings = make_settings(nats_server.url)
     async with chat_server(chat) as base:
-        backend = OpenAIHTTPBackend(
-            ModelSettings(
-                backend="openai",
-                name=settings.worker.model.name,
-                base_url=base,
-                continuation="off",
-                slots=1,
-                http_timeout=5,
-            )
-        )
+        backend = chat_backend(settings.worker.model.name, base)
         await backend.start()
         try:
             async with Connection(settings.nats, "ops") as conn:
