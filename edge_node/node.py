@@ -178,7 +178,12 @@ class EdgeNode(Lifecycle):
         )
         """The NATS micro-service endpoints."""
         self.http: EdgeHTTP | None = None
-        self.loop_lag = LoopLag("edge", advice="spread its clients over more edge processes")
+        self._serving = 0  # requests in serve(), each until its answer ended
+        self.loop_lag = LoopLag(
+            "edge",
+            advice="spread its clients over more edge processes",
+            busy=lambda: self._serving > 0,
+        )
         """How late the edge's event loop runs: behind, every answer it relays is late."""
         self.metrics.loop_lag.set_function(lambda: self.loop_lag.lag)
         self.metrics.in_flight.set_function(self.records.in_flight)
@@ -426,6 +431,8 @@ class EdgeNode(Lifecycle):
         with bound(
             request_id=req.id, node_id=self.node_name, **({"trace_id": traced} if traced else {})
         ):
+            self._serving += 1
+            self.loop_lag.wake()
             try:
                 with self.tracing.span(
                     "mesh.edge.request", trace, **{"mesh.request_id": req.id}
@@ -461,6 +468,7 @@ class EdgeNode(Lifecycle):
                 log.exception("request crashed")
                 await record.fail(MeshError("edge failure", code=ErrorCode.INTERNAL))
             finally:
+                self._serving -= 1
                 record.disarm()
                 record.task = None
                 self.records.finished(record)

@@ -4,7 +4,14 @@ A node does everything on one event loop. When the loop has more to do than one 
 (a worker relaying an engine faster than its CPU can publish, an edge with too many streams),
 every callback waits in line: tokens reach clients late, by as much as the loop is behind. A
 timer that asks to wake every ``interval`` and notes how much later it woke measures exactly
-that wait, for about 20 wakeups a second.
+that wait, for about 20 wakeups a second while the process has work.
+
+With nothing to do (``busy`` says so) it ticks once a second instead (:data:`IDLE_INTERVAL_S`), and
+:meth:`LoopLag.wake` brings the next tick back to ``interval`` as soon as work comes. An idle
+edge woke 23 times a second, 20 of them for this ticker; a wakeup costs little work, but an idle
+daemon on a laptop or a Jetson should let its core sleep (``docs/performance.md``). A process
+whose ticks count stand-stills (the worker's :class:`cloud_node.progress.LoopStalls`) passes no
+``busy``: a freeze while idle must still be seen, so it ticks every ``interval`` always.
 
 ``lag`` is the worst lateness in the last ``window`` seconds; ``behind`` says it is over
 ``behind_s``. It clears by itself once the loop catches up (within ``window``).
@@ -29,6 +36,9 @@ from mesh.logs import get_logger
 log = get_logger(__name__)
 
 INTERVAL_S = 0.05
+IDLE_INTERVAL_S = 1.0
+"""The ticker's interval while ``busy`` says there is no work: lateness is only measured to the
+second then, when there is nothing to be late for."""
 WINDOW_S = 5.0
 BEHIND_S = 0.05
 """Late by this much, tokens are visibly late: a stream at 20-50 tokens/s has 20-50 ms between
@@ -45,11 +55,17 @@ class LoopLag:
         behind_s: float = BEHIND_S,
         advice: str = "",
         on_tick: Callable[[float], None] | None = None,
+        busy: Callable[[], bool] | None = None,
+        idle_interval: float = IDLE_INTERVAL_S,
     ) -> None:
-        """``on_tick(now)``: called on each tick too (``now``: ``loop.time()``)."""
+        """``on_tick(now)``: called on each tick too (``now``: ``loop.time()``). ``busy``:
+        whether the process has work; while it has none, ticks come every ``idle_interval``
+        (None: always every ``interval``)."""
         self.what = what
         self.on_tick = on_tick
+        self.busy = busy
         self.interval = interval
+        self.idle_interval = max(interval, idle_interval)
         self.window = window
         self.behind_s = behind_s
         self.advice = advice
@@ -66,6 +82,23 @@ class LoopLag:
     @property
     def behind(self) -> bool:
         return self.lag >= self.behind_s
+
+    @property
+    def next_due(self) -> float | None:
+        """The loop time of the next tick (None: the ticker does not run)."""
+        return None if self._handle is None else self._handle.when()
+
+    def wake(self) -> None:
+        """Work came: the next tick comes within ``interval``, not at the idle interval (a
+        call per request; nothing to do while the ticker is at its usual pace)."""
+        handle = self._handle
+        if handle is None:
+            return
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.interval
+        if handle.when() > due:
+            handle.cancel()
+            self._handle = loop.call_at(due, self._tick, loop, due)
 
     def stats(self) -> dict[str, float | bool]:
         """What a node's STATS (and ``mesh status``) carry of it."""
@@ -105,13 +138,17 @@ class LoopLag:
         finally:
             if self._handle is not None:
                 self._handle.cancel()
+                self._handle = None  # a wake() after the stop sets nothing
 
     def _tick(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
         now = loop.time()
+        interval = self.interval
         try:
             self.note(max(0.0, now - due), now)
             if self.on_tick is not None:
                 self.on_tick(now)
+            if self.busy is not None and not self.busy():
+                interval = self.idle_interval
         finally:  # a listener that raises (the loop logs it) does not stop the ticks
-            due = now + self.interval
+            due = now + interval
             self._handle = loop.call_at(due, self._tick, loop, due)

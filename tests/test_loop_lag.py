@@ -8,6 +8,8 @@ micro service), its Prometheus page and the log say it; it clears once the loop 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import time
 
 from cloud_node.progress import LoopStalls
@@ -15,12 +17,13 @@ from cloud_node.worker import Worker
 from edge_node.node import EdgeNode
 from edge_node.router import HeuristicRouter
 from mesh.backends.deterministic import DeterministicBackend
+from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
 from mesh.loop_lag import LoopLag
 from mesh.metrics import exposition
 from mesh.status import collect_status, render
-from tests.helpers import eventually
+from tests.helpers import eventually, holds
 
 
 def _hog(seconds: float) -> None:
@@ -130,3 +133,78 @@ def test_a_gap_between_ticks_counts_as_a_stand_still() -> None:
     for now in (10.0, 10.05, 10.1, 10.6, 10.65):  # 0.5 s between 10.1 and 10.6
         stalls.tick(now)
     assert stalls.stalls == 1 and stood == [1]
+
+
+async def test_an_idle_ticker_waits_its_idle_interval_and_comes_back_at_once_with_work() -> None:
+    """With nothing to do (``busy`` False) the next tick is ``idle_interval`` away: an idle
+    edge woke 23 times a second, 20 of them for its ticker. ``wake`` (work came) brings the
+    next tick back within ``interval``; while busy the ticks keep that pace. Stopped, a wake
+    sets nothing. Before the change every tick came ``interval`` after the last."""
+    loop = asyncio.get_running_loop()
+    ticks: list[float] = []
+    busy = False
+    lag = LoopLag(
+        "test", interval=0.01, idle_interval=30.0, on_tick=ticks.append, busy=lambda: busy
+    )
+    ticking = loop.create_task(lag.run())
+    try:
+        await eventually(lambda: holds(len(ticks) >= 1), timeout=5, what="the first tick")
+        due = lag.next_due
+        assert due is not None and due - ticks[0] >= 29.0, (due, ticks)  # idle: 30 s on
+        busy = True
+        lag.wake()
+        assert lag.next_due is not None and lag.next_due - loop.time() <= 0.011
+        await eventually(lambda: holds(len(ticks) >= 6), timeout=5, what="ticks while busy")
+        assert max(b - a for a, b in itertools.pairwise(ticks)) < 5.0, ticks
+        busy = False
+        seen = len(ticks)
+        await eventually(lambda: holds(len(ticks) > seen), timeout=5, what="a tick once idle")
+        due = lag.next_due
+        assert due is not None and due - ticks[-1] >= 29.0, (due, ticks[-1])
+        lag.wake()
+        lag.wake()  # a second wake while one is near moves nothing
+        assert lag.next_due is not None and lag.next_due - loop.time() <= 0.011
+    finally:
+        ticking.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await ticking
+    assert lag.next_due is None
+    lag.wake()
+    assert lag.next_due is None
+
+
+async def test_an_idle_edge_ticks_once_a_second_and_every_50_ms_while_it_serves(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """The edge's ticker follows its requests: idle, one tick a second; from the moment a
+    request comes until its answer ends, every ``interval`` (its lag is measured while it
+    matters); idle again after."""
+    slow = DeterministicBackend(
+        ModelSettings(backend="deterministic", slots=2, token_delay_ms=50, faults=False)
+    )
+    async with EdgeNode(settings, conn, slow, HeuristicRouter(threshold=1.0)) as edge:
+        loop = asyncio.get_running_loop()
+        lag = edge.loop_lag
+
+        async def idle_pace() -> bool:
+            due = lag.next_due
+            return due is not None and due - loop.time() > 0.5
+
+        await eventually(idle_pace, timeout=5, what="the idle edge's ticks a second apart")
+        async with MeshClient(settings=settings, connection=conn) as client:
+            answer = asyncio.create_task(client.complete("[tag:idle] hi", max_tokens=20))
+            try:
+                await eventually(lambda: holds(edge._serving == 1), timeout=10, what="serving")
+                due = lag.next_due
+                assert due is not None and due - loop.time() <= lag.interval + 0.01
+                paces = []
+                while not answer.done():
+                    due = lag.next_due
+                    if due is not None:
+                        paces.append(due - loop.time())
+                    await asyncio.sleep(0.02)
+                assert (await answer).end.path == "local"
+                assert len(paces) >= 10 and max(paces) <= lag.interval + 0.01, paces
+            finally:
+                answer.cancel()
+        await eventually(idle_pace, timeout=5, what="the ticks a second apart again")
