@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 import time
 
 from cloud_node.progress import LoopStalls
@@ -20,7 +21,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
-from mesh.loop_lag import LoopLag
+from mesh.loop_lag import IDLE_INTERVAL_S, LoopLag
 from mesh.metrics import exposition
 from mesh.status import collect_status, render
 from tests.helpers import eventually, holds
@@ -173,10 +174,10 @@ async def test_an_idle_ticker_waits_its_idle_interval_and_comes_back_at_once_wit
     assert lag.next_due is None
 
 
-async def test_an_idle_edge_ticks_once_a_second_and_every_50_ms_while_it_serves(
+async def test_an_idle_edge_ticks_four_times_a_second_and_every_50_ms_while_it_serves(
     settings: MeshSettings, conn: Connection
 ) -> None:
-    """The edge's ticker follows its requests: idle, one tick a second; from the moment a
+    """The edge's ticker follows its requests: idle, a tick every 0.25 s; from the moment a
     request comes until its answer ends, every ``interval`` (its lag is measured while it
     matters); idle again after."""
     slow = DeterministicBackend(
@@ -185,12 +186,13 @@ async def test_an_idle_edge_ticks_once_a_second_and_every_50_ms_while_it_serves(
     async with EdgeNode(settings, conn, slow, HeuristicRouter(threshold=1.0)) as edge:
         loop = asyncio.get_running_loop()
         lag = edge.loop_lag
+        assert lag.idle_interval == IDLE_INTERVAL_S > lag.interval
 
         async def idle_pace() -> bool:
             due = lag.next_due
-            return due is not None and due - loop.time() > 0.5
+            return due is not None and due - loop.time() > lag.interval + 0.05
 
-        await eventually(idle_pace, timeout=5, what="the idle edge's ticks a second apart")
+        await eventually(idle_pace, timeout=5, what="the idle edge's ticks 0.25 s apart")
         async with MeshClient(settings=settings, connection=conn) as client:
             answer = asyncio.create_task(client.complete("[tag:idle] hi", max_tokens=20))
             try:
@@ -198,7 +200,7 @@ async def test_an_idle_edge_ticks_once_a_second_and_every_50_ms_while_it_serves(
                 due = lag.next_due
                 assert due is not None and due - loop.time() <= lag.interval + 0.01
                 paces = []
-                while not answer.done():
+                while edge._serving:  # until serve() ends (the client reads the end after)
                     due = lag.next_due
                     if due is not None:
                         paces.append(due - loop.time())
@@ -207,4 +209,73 @@ async def test_an_idle_edge_ticks_once_a_second_and_every_50_ms_while_it_serves(
                 assert len(paces) >= 10 and max(paces) <= lag.interval + 0.01, paces
             finally:
                 answer.cancel()
-        await eventually(idle_pace, timeout=5, what="the ticks a second apart again")
+        await eventually(idle_pace, timeout=5, what="the ticks 0.25 s apart again")
+
+
+def _hold(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+class _OtherClient:
+    """A client on an event loop (and connection) of its own, in a thread: it sends while the
+    edge's loop is held, and times its answer."""
+
+    def __init__(self, settings: MeshSettings) -> None:
+        self.settings = settings
+        self.ready = threading.Event()
+        self.go = threading.Event()
+        self.result: tuple[float, str] | BaseException | None = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        try:
+            async with MeshClient(settings=self.settings) as client:
+                await client.complete("[tag:warm] hi", max_tokens=2)  # connected, warm
+                self.ready.set()
+                await asyncio.to_thread(self.go.wait, 10)
+                began = time.monotonic()
+                answer = await client.complete("[tag:held] hi", max_tokens=2)
+                self.result = (time.monotonic() - began, answer.end.path)
+        except BaseException as exc:
+            self.result = exc
+            self.ready.set()
+
+
+async def test_a_request_that_waits_for_an_idle_edges_held_loop_shows_in_its_lag(
+    settings: MeshSettings, conn: Connection
+) -> None:
+    """A request that reaches an idle edge while its loop is held (work outside serve(): the
+    intake decoding a burst, a collection, a metrics scrape) waits for the loop, and nothing can
+    wake the ticker before the hold ends. The idle ticks must see the hold themselves: held 0.4 s
+    from just after a tick, the edge says it is behind. Before the fix (review S23a, idle ticks
+    1 s apart) the next tick came after the hold, and the edge said loop_lag_ms=0.1,
+    behind=False, for an answer 0.4 s late."""
+    backend = DeterministicBackend(ModelSettings(backend="deterministic", slots=2, faults=False))
+    async with EdgeNode(settings, conn, backend, HeuristicRouter(threshold=1.0)) as edge:
+        lag = edge.loop_lag
+        loop = asyncio.get_running_loop()
+        other = _OtherClient(settings)
+        other.thread.start()
+        await eventually(lambda: holds(other.ready.is_set()), timeout=10, what="the client")
+        assert not isinstance(other.result, BaseException), other.result
+
+        async def just_ticked_idle() -> bool:  # the whole idle interval ahead of the hold
+            due = lag.next_due
+            return due is not None and due - loop.time() >= lag.idle_interval - 0.1
+
+        await eventually(just_ticked_idle, timeout=5, what="an idle tick")
+        assert edge.stats_data()["behind"] is False
+        other.go.set()
+        _hold(0.4)  # the loop is held as the request comes in
+        await eventually(lambda: holds(other.result is not None), timeout=10, what="the answer")
+        assert not isinstance(other.result, BaseException), other.result
+        took, path = other.result  # type: ignore[misc]
+        assert path == "local" and took >= 0.25, took  # the answer was late by about the hold
+        stats = edge.stats_data()
+        assert stats["behind"] is True, (
+            f"the answer took {took * 1000:.0f} ms, yet the edge says "
+            f"loop_lag_ms={stats['loop_lag_ms']}, behind={stats['behind']}"
+        )
+        other.thread.join(timeout=5)
