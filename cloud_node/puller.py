@@ -269,9 +269,12 @@ class Puller:
                 return
             # The request is over (expired, or the consumer could not serve it): what it still
             # owed goes back to the pool. After an error the worker's tick asks again, not this
-            # callback, so a consumer that keeps refusing cannot spin us.
-            self._end(token)
-            if status in ("404", "408"):
+            # callback, so a consumer that keeps refusing cannot spin us. An expired request's
+            # inbox serves the next request, as a filled one's does: its status is the last
+            # thing JetStream sends there (an idle worker's requests expire twice a second each).
+            expired = status in ("404", "408")
+            self._end(token, spare=expired)
+            if expired:
                 self._renew()
             else:
                 reason = msg.headers.get("Description") if msg.headers else None

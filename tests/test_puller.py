@@ -341,3 +341,31 @@ async def test_answers_one_after_another_ask_without_a_subscription_each(
     finally:
         await puller.stop()
     assert set(conn.nc._subs) == before  # a stopped puller leaves no subscription behind
+
+
+async def test_an_idle_workers_expiring_requests_ask_again_without_a_subscription_each(
+    conn: Connection, queue: tuple[str, str]
+) -> None:
+    """Pull requests expire every ``expires`` (0.5 s for a worker) while nothing comes; each
+    expired one's inbox serves the request asked in its place: ten expiries cost no SUB and no
+    UNSUB (before: one of each per expiry, and an interest change at the server), and a request
+    published after them is still delivered, once."""
+    stream, subject = queue
+    slots = Slots(total=2)
+    puller = _puller(conn, stream, slots, 0.1)
+    await puller.start()
+    await conn.nc.flush()
+    made = conn.nc._sid  # the connection's subscription ids so far
+    asked = puller._next  # pull requests asked so far
+
+    async def expired_ten_times() -> bool:
+        return puller._next >= asked + 10
+
+    try:
+        await eventually(expired_ten_times, timeout=10, what="ten expiries and renewals")
+        assert conn.nc._sid == made, f"{conn.nc._sid - made} subscriptions for 10 expiries"
+        await _burst(conn, subject, 1)
+        await slots.wait_for(1)
+        assert [m.data for m in slots.delivered] == [b"request 0"]
+    finally:
+        await puller.stop()
