@@ -41,7 +41,8 @@ IDLE_INTERVAL_S = 0.25
 loop is held waits for it before anything can call :meth:`LoopLag.wake`, so the idle ticks must
 still see such a hold: any of 0.3 s or more is (review S23a: at 1 s, a 0.4 s hold that delayed
 a request by as much was seen in 7 of 12 trials). Shorter ones while idle are seen when a tick
-falls in them."""
+falls in them (a fraction (hold - 0.05 s) / 0.25 s of them, review S23c), and a hold's lag is
+read short by up to 0.2 s: a tick due 0.25 s into a 0.4 s hold reads 0.15 s."""
 WINDOW_S = 5.0
 BEHIND_S = 0.05
 """Late by this much, tokens are visibly late: a stream at 20-50 tokens/s has 20-50 ms between

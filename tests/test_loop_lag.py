@@ -21,7 +21,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.config import MeshSettings, ModelSettings
 from mesh.connection import Connection
-from mesh.loop_lag import IDLE_INTERVAL_S, LoopLag
+from mesh.loop_lag import BEHIND_S, IDLE_INTERVAL_S, LoopLag
 from mesh.metrics import exposition
 from mesh.status import collect_status, render
 from tests.helpers import eventually, holds
@@ -279,3 +279,48 @@ async def test_a_request_that_waits_for_an_idle_edges_held_loop_shows_in_its_lag
             f"loop_lag_ms={stats['loop_lag_ms']}, behind={stats['behind']}"
         )
         other.thread.join(timeout=5)
+
+
+async def _idle_trial(hold_s: float, phase: float, *, wake_after: bool = False) -> float:
+    """An idle ticker (ticks 0.05 s, idle 0.25 s); the loop held ``hold_s`` from ``phase``
+    after an idle tick (its second: the idle pace is in place). The lag it reports after."""
+    loop = asyncio.get_running_loop()
+    ticks: list[float] = []
+    lag: LoopLag
+
+    def held() -> None:
+        _hold(hold_s)
+        if wake_after:  # as serve() does for a request that waited out the hold
+            lag.wake()
+
+    def on_tick(now: float) -> None:
+        if len(ticks) == 1:
+            loop.call_later(phase, held)
+        ticks.append(now)
+
+    lag = LoopLag("test", interval=0.05, idle_interval=0.25, busy=lambda: False, on_tick=on_tick)
+    ticking = loop.create_task(lag.run())
+    try:
+        await asyncio.sleep(0.05 + 0.25 + phase + hold_s + 0.1)  # the trial's own span
+    finally:
+        ticking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticking
+    return lag.lag
+
+
+async def test_an_idle_hold_of_0_3_s_is_seen_at_every_phase_of_the_idle_schedule() -> None:
+    """Any hold of 0.3 s or more is seen while idle, whenever it begins. The worst is a hold
+    that begins just after a tick: the tick due 0.25 s later runs at the hold's end, 0.05 s
+    late (BEHIND_S). Review S23c."""
+    for phase in (0.0, 0.06, 0.12, 0.18, 0.24):
+        late = await _idle_trial(0.3, phase)
+        assert late >= BEHIND_S, (phase, late)
+
+
+async def test_a_wake_after_a_hold_keeps_the_overdue_ticks_lateness() -> None:
+    """The loop held past an idle tick's due time, then ``wake`` (a request's serve()) before
+    the overdue tick runs: only a tick due later than ``interval`` from now moves, so the
+    overdue one keeps its due time and its lateness is noted. Review S23c."""
+    late = await _idle_trial(0.4, 0.0, wake_after=True)
+    assert late >= 0.14, late
