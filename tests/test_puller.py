@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -85,8 +85,16 @@ class Pulling:
     subject: str
 
 
-def _puller(conn: Connection, stream: str, slots: Slots, expires: float) -> Puller:
-    """A puller of consumer ``w`` over ``slots``."""
+def _puller(
+    conn: Connection,
+    stream: str,
+    slots: Slots,
+    expires: float,
+    batch: int = 1_000_000,
+    expiry: Callable[[], float] | None = None,
+) -> Puller:
+    """A puller of consumer ``w`` over ``slots``, ``batch`` messages a pull request at most
+    (``expiry``: the puller's, a new request's shorter expiry)."""
     return Puller(
         conn,
         stream,
@@ -95,6 +103,8 @@ def _puller(conn: Connection, stream: str, slots: Slots, expires: float) -> Pull
         total_slots=lambda: slots.total,
         deliver=slots.deliver,
         expires=expires,
+        batch=batch,
+        expiry=expiry,
     )
 
 

@@ -21,7 +21,7 @@ import uuid
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
-from cloud_node.puller import MAX_REQUESTS, Puller
+from cloud_node.puller import MAX_REQUESTS
 from mesh.connection import Connection
 from mesh.inline_sub import subscribe_inline
 from mesh.nats_server import NatsServer
@@ -89,16 +89,7 @@ async def test_expiring_partial_batches_with_redeliveries_keep_back_pressure(
     (redelivered after 0.3 s): never more held than the slots; every message delivered."""
     stream, subject = await _stream(conn, max_ack_pending=2, ack_wait=0.3)
     slots = Answering(total=3)
-    puller = Puller(
-        conn,
-        stream,
-        "w",
-        free_slots=slots.free,
-        total_slots=lambda: slots.total,
-        deliver=slots.deliver,
-        expires=0.1,
-        batch=2,
-    )
+    puller = _puller(conn, stream, slots, 0.1, batch=2)
     slots.puller = puller
     await puller.start()
     tick = asyncio.get_running_loop().create_task(_ticking(puller))
@@ -136,16 +127,7 @@ async def test_expiry_spares_stay_bounded_and_stop_leaves_no_subscription(
     stream, subject = await _stream(conn)
     before = set(conn.nc._subs)
     slots = Answering(total=8, longest_s=0.05)
-    puller = Puller(
-        conn,
-        stream,
-        "w",
-        free_slots=slots.free,
-        total_slots=lambda: slots.total,
-        deliver=slots.deliver,
-        expires=0.1,
-        batch=1,
-    )
+    puller = _puller(conn, stream, slots, 0.1, batch=1)
     slots.puller = puller
     await puller.start()
     js = conn.nc.jetstream()
@@ -212,16 +194,7 @@ async def test_promise_short_expiries_cycle_on_spares_and_deliver_once(conn: Con
     subscription made per expiry."""
     stream, subject = await _stream(conn)
     slots = Answering(total=2, longest_s=0.03)
-    puller = Puller(
-        conn,
-        stream,
-        "w",
-        free_slots=slots.free,
-        total_slots=lambda: slots.total,
-        deliver=slots.deliver,
-        expires=0.5,
-        expiry=lambda: 0.01,
-    )
+    puller = _puller(conn, stream, slots, 0.5, expiry=lambda: 0.01)
     slots.puller = puller
     await puller.start()
     await conn.nc.flush()
