@@ -12,7 +12,6 @@ stepdowns for a guarantee of nats-server's own.)"""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -27,7 +26,7 @@ from mesh.inline_sub import subscribe_inline
 from mesh.nats_server import NatsServer
 from tests.helpers import eventually, holds
 from tests.test_puller import _cut_link, _puller
-from tests.test_puller_spares import Answering, _ticking
+from tests.test_puller_spares import Answering, _ticked
 
 pytestmark = pytest.mark.asyncio
 
@@ -90,12 +89,9 @@ async def test_expiring_partial_batches_with_redeliveries_keep_back_pressure(
     stream, subject = await _stream(conn, max_ack_pending=2, ack_wait=0.3)
     slots = Answering(total=3)
     puller = _puller(conn, stream, slots, 0.1, batch=2)
-    slots.puller = puller
-    await puller.start()
-    tick = asyncio.get_running_loop().create_task(_ticking(puller))
-    js = conn.nc.jetstream()
-    count = 60
-    try:
+    async with _ticked(puller, slots):
+        js = conn.nc.jetstream()
+        count = 60
         sent = 0
         while sent < count:
             for _ in range(min(random.choice([1, 2, 3]), count - sent)):
@@ -110,11 +106,6 @@ async def test_expiring_partial_batches_with_redeliveries_keep_back_pressure(
 
         await eventually(all_in, 15, "every request delivered")
         await eventually(lambda: holds(slots.busy == 0), 5, "every answer ended")
-    finally:
-        tick.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await tick
-        await puller.stop()
     assert slots.most <= slots.total, f"{slots.most} held at once on {slots.total} slots"
 
 
@@ -157,12 +148,9 @@ async def test_cuts_while_requests_expire_deliver_once_within_slots(
     async with _cut_link(nats_server) as (proxy, cut):
         before = set(cut.nc._subs)
         puller = _puller(cut, stream, slots, 0.2)
-        slots.puller = puller
-        await puller.start()
-        tick = asyncio.get_running_loop().create_task(_ticking(puller))
-        js = conn.nc.jetstream()
-        n = 0
-        try:
+        async with _ticked(puller, slots):
+            js = conn.nc.jetstream()
+            n = 0
             for _ in range(3):
                 await asyncio.sleep(random.uniform(0.25, 0.5))
                 reconnects = cut.reconnects
@@ -175,11 +163,6 @@ async def test_cuts_while_requests_expire_deliver_once_within_slots(
                     await js.publish(subject, data)
                     n += 1
                 await slots.wait_for(n, timeout=5)
-        finally:
-            tick.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await tick
-            await puller.stop()
         datas = [m.data for m in slots.delivered]
         assert len(datas) == len(set(datas)) == n
         assert slots.most <= 2

@@ -15,6 +15,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,21 @@ async def _ticking(puller: Puller) -> None:
     while True:
         await asyncio.sleep(0.1)
         await puller.tick()
+
+
+@contextlib.asynccontextmanager
+async def _ticked(puller: Puller, slots: Answering) -> AsyncIterator[Puller]:
+    """``puller`` started over ``slots`` and ticked as the worker ticks it; stopped after."""
+    slots.puller = puller
+    await puller.start()
+    tick = asyncio.get_running_loop().create_task(_ticking(puller))
+    try:
+        yield puller
+    finally:
+        tick.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tick
+        await puller.stop()
 
 
 async def _ask_one(nc: Client, api: str, expires_s: float) -> tuple[Subscription, list[str | None]]:
@@ -181,12 +197,9 @@ async def test_a_stream_of_requests_through_spares_keeps_back_pressure_and_loses
     stream, subject = queue
     slots = Answering(total=3)
     puller = _puller(conn, stream, slots, 0.1)
-    slots.puller = puller
-    await puller.start()
-    tick = asyncio.get_running_loop().create_task(_ticking(puller))
-    js = conn.nc.jetstream()
-    count = 150
-    try:
+    async with _ticked(puller, slots):
+        js = conn.nc.jetstream()
+        count = 150
         sent = 0
         while sent < count:
             for _ in range(min(random.choice([1, 1, 2, 3, 5]), count - sent)):
@@ -197,11 +210,6 @@ async def test_a_stream_of_requests_through_spares_keeps_back_pressure_and_loses
             await asyncio.sleep(random.choice([0.0, 0.005, 0.03, 0.09, 0.11]))
         await slots.wait_for(count, timeout=15)
         await eventually(lambda: holds(slots.busy == 0), 5, "every answer ended")
-    finally:
-        tick.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await tick
-        await puller.stop()
     datas = [m.data for m in slots.delivered]
     assert len(datas) == len(set(datas)) == count, "a request delivered twice (redelivered)"
     assert slots.most <= slots.total, f"{slots.most} held at once on {slots.total} slots"
