@@ -16,9 +16,8 @@ missing, it asks its *repair* for what was kept and feeds that too:
 A repair for a worker's events reads the answer store; for an edge's, it asks the edge to send
 again what the reader lacks. A gap the store cannot fill (the event went out as its leader died)
 is asked of the worker generating the answer (*resend*), where the reader was given a way to.
-The reader never passes on a gap; its caller decides, on its own deadlines, when waiting is
-over. Repairs and the checks on the generator (*watch*, *resend*) run beside the reading, at
-most one of each at a time (they wait on other processes); in-order tokens go on meanwhile.
+The reader never passes on a gap; its caller decides when waiting is over. Repairs and the
+checks on the generator (*watch*, *resend*) run beside the reading, one of each at a time.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from mesh.inline_sub import Inboxes, Listening, subscribe_inline
 from mesh.logs import get_logger
 from mesh.repair import Repair, SourceGone, Watch
 from mesh.tasks import raise_if_cancelled
+from mesh.timer_grid import call_coalesced, coalesced
 from protocol.codec import decode_event, message_token_fields
 from protocol.errors import MeshError, UnavailableError
 from protocol.messages import Answer, TokenEvent, WireEvent, token_event
@@ -324,21 +324,21 @@ class AnswerReader:
 
     async def _wait(self, deadline: float) -> None:
         """Until a message wakes the reader or something is due (:meth:`_due_in`): a future
-        and a timer. Tokens passed on in the callback (:meth:`pass_tokens`) move what is due
-        later (a watch after a quiet spell): the timer then sets itself again instead of waking
-        the task for nothing (an edge relaying 32 answers at 50 tokens/s: 8 of its 12 wakeups a
-        second each). The timer outlives the wait: the next wait keeps it when it is due no
-        later than what that wait waits for, so a reader read token by token sets a timer about
-        once per due time, not once per token."""
+        and a timer, on the process's timer grid (:mod:`mesh.timer_grid`). Tokens passed on in
+        the callback (:meth:`pass_tokens`) move what is due later (a watch after a quiet spell):
+        the timer then sets itself again instead of waking the task for nothing (an edge
+        relaying 32 answers at 50 tokens/s: 8 of its 12 wakeups a second each). The timer
+        outlives the wait: the next wait keeps it when it fires no later than this one would."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiter = waiter
         self._deadline = deadline
-        due_at = loop.time() + max(0.001, self._due_in(time.monotonic(), deadline))
-        if self._timer is None or self._timer.when() > due_at:
+        now = loop.time()  # time.monotonic()
+        fire_at = coalesced(now, now + max(0.001, self._due_in(now, deadline)))
+        if self._timer is None or self._timer.when() > fire_at:
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = loop.call_at(due_at, self._on_timer)
+            self._timer = loop.call_at(fire_at, self._on_timer)
         try:
             await waiter
         finally:
@@ -351,7 +351,7 @@ class AnswerReader:
             return  # nobody waits: the next wait sets a timer of its own
         left = self._due_in(time.monotonic(), self._deadline)
         if left > 0.001:  # it moved while tokens went on: nothing to do yet
-            self._timer = asyncio.get_running_loop().call_later(left, self._on_timer)
+            self._timer = call_coalesced(asyncio.get_running_loop(), left, self._on_timer)
         else:
             waiter.set_result(None)
 

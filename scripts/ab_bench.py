@@ -14,8 +14,10 @@ versions see the same server, backend, load and minute. Version A is the code in
 
 Each path runs ``--streams`` requests at once, at two answer lengths (``--lens``), round after
 round in rotating order; CPU per token is the slope between the two lengths, the fixed part
-what is left. Beside the CPU it prints each side's time to first token at the client (p50 and
-p99 over every request of the run; the worker and edge roles). Read one run with care: the
+what is left. Beside the CPU it prints each side's wakeups a token (voluntary context switches,
+the same split: a count the machine's load does not distort) and its time to first token at the
+client (p50 and p99 over every request of the run; the worker and edge roles). ``--token-ms``
+sets the backend's time between tokens. Read one run with care: the
 same code on both sides (``--a-tree`` this tree) read 0.84 and 1.09 here (worker, edge; 8
 rounds), and pinning processes to cores did not narrow it (1.13). Run it more than once.
 
@@ -121,13 +123,13 @@ async def serve_client(url: str, path: str) -> None:
             print("done", flush=True)
 
 
-async def run(
-    role: str, a_tree: str, streams: int, rounds: int, lens: tuple[int, int]
+async def run(  # noqa: PLR0917 - the command line's options
+    role: str, a_tree: str, streams: int, rounds: int, lens: tuple[int, int], token_ms: float
 ) -> dict[str, Any]:
     tree = _from_tree(a_tree)
     async with contextlib.AsyncExitStack() as stack:
         mesh = await stack.enter_async_context(
-            bench_mesh(prefill_ms=50, token_ms=20, slots=streams)
+            bench_mesh(prefill_ms=50, token_ms=token_ms, slots=streams)
         )
         url = mesh.server.url
         if role == "sdk":
@@ -198,7 +200,8 @@ async def run(
         def together(name: str) -> Callable[[int], Awaitable[Any]]:
             return lambda tokens: asyncio.gather(*(path(name)(tokens) for _ in range(streams)))
 
-        return await _rounds(pids, together, streams, rounds, lens) | {"role": role}
+        out = await _rounds(pids, together, streams, rounds, lens)
+        return out | {"role": role, "token_ms": token_ms}
 
 
 async def _rounds(
@@ -212,27 +215,43 @@ async def _rounds(
     CPU per token (the slope between the lengths) and the fixed part of each process."""
     names = ("floor", "A", "B")
     spent = {(name, n): 0.0 for name in names for n in lens}
+    woke = {(name, n): 0 for name in names for n in lens}
     ttfts: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for tokens in lens:
             for name in names[r % 3 :] + names[: r % 3]:
-                before = cpu_seconds(pids[name])
+                before, slept = cpu_seconds(pids[name]), wakeups(pids[name])
                 timed = await together(name)(tokens)
                 spent[(name, tokens)] += cpu_seconds(pids[name]) - before
+                woke[(name, tokens)] += wakeups(pids[name]) - slept
                 ttfts[name] += [t.ttft * 1000 for t in timed or [] if isinstance(t, Timed)]
     requests = rounds * streams
     out: dict[str, Any] = {"streams": streams, "rounds": rounds, "lens": lens}
     for name in names:
         short, long = (spent[(name, n)] / requests for n in lens)
         per_token, fixed = split_by_length(short, long, *lens)
+        w_short, w_long = (woke[(name, n)] / requests for n in lens)
         out[name] = {
             "per_token_us": per_token * 1e6,
             "fixed_ms": fixed * 1e3,
+            "wakeups_per_token": split_by_length(w_short, w_long, *lens)[0],
             f"ms_per_request_at_{lens[1]}": long * 1e3,
         }
         if ttfts[name]:  # the clients' time to first token (not measured by a client process)
             out[name]["ttft_ms"] = {"p50": pct(ttfts[name], 0.5), "p99": pct(ttfts[name], 0.99)}
     return out
+
+
+def wakeups(pid: int) -> int:
+    """How many times process ``pid`` went to sleep and was woken, all its threads together
+    (voluntary context switches): a count, which the other processes' load does not distort
+    as it does CPU time."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        for line in status.read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
 
 
 def render(out: dict[str, Any]) -> str:
@@ -246,6 +265,7 @@ def render(out: dict[str, Any]) -> str:
         ttft = r.get("ttft_ms")
         rows.append(
             f"{name:5}  CPU per token {r['per_token_us']:6.1f} us  fixed {r['fixed_ms']:6.3f} ms"
+            f"  wakeups per token {r['wakeups_per_token']:5.3f}"
             + (f"  TTFT p50 {ttft['p50']:6.2f} p99 {ttft['p99']:6.2f} ms" if ttft else "")
         )
     fa, fb, ff = out["A"]["per_token_us"], out["B"]["per_token_us"], out["floor"]["per_token_us"]
@@ -270,11 +290,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--lens", default="32,128", help="two answer lengths, in tokens")
+    parser.add_argument("--token-ms", type=float, default=20, help="the backend's time a token")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     short, long = (int(x) for x in args.lens.split(","))
     tree = str(Path(args.a_tree).resolve())
-    out = asyncio.run(run(args.role, tree, args.streams, args.rounds, (short, long)))
+    out = asyncio.run(run(args.role, tree, args.streams, args.rounds, (short, long), args.token_ms))
     print(render(out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
