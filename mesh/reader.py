@@ -27,7 +27,6 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -36,9 +35,9 @@ from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 from mesh.connection import Connection
 from mesh.inline_sub import Inboxes, Listening, subscribe_inline
 from mesh.logs import get_logger
-from mesh.repair import Repair, SourceGone, Watch
+from mesh.repair import Passer, Repair, SourceGone, Watch
 from mesh.tasks import raise_if_cancelled
-from mesh.timer_grid import call_coalesced, coalesced
+from mesh.timer_grid import coalesced
 from protocol.codec import decode_event, message_token_fields
 from protocol.errors import MeshError, UnavailableError
 from protocol.messages import Answer, TokenEvent, WireEvent, token_event
@@ -47,20 +46,6 @@ from protocol.stream import AnswerState
 log = get_logger(__name__)
 NO_RESPONDERS = "503"
 DEFAULT_PENDING = DEFAULT_SUB_PENDING_MSGS_LIMIT
-
-
-class Passer(Protocol):
-    """Takes tokens on at once, in the subscription's callback, while the reader's caller waits
-    in :meth:`AnswerReader.next`, all before them passed on (:meth:`AnswerReader.pass_tokens`)."""
-
-    def ready(self) -> bool:
-        """Whether tokens can be passed on now, without waiting for anything."""
-
-    def take(self, tokens: list[TokenEvent]) -> None:
-        """Pass these tokens on (in order, none seen before); never waits."""
-
-    def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
-        """:meth:`take` for the answer's next token, by its fields (no logprobs, no event)."""
 
 
 _QUIET_FIRST_S = 1.0
@@ -101,6 +86,7 @@ class AnswerReader:
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0  # the current wait's (see _wait)
+        self._exact: float | None = None  # the same, when no timer may fire after it
         self._sub: Subscription | Listening | None = None
         self._losses, self._drops = conn.losses, 0  # the link's, and ours, as a repair began
         self._unlisten: Callable[[], None] | None = None
@@ -243,11 +229,13 @@ class AnswerReader:
         """Fetch what was kept before waiting for the next message."""
         self._repair_at = time.monotonic()
 
-    async def next(self, timeout: float) -> list[WireEvent]:
+    async def next(self, timeout: float, *, tick: bool = False) -> list[WireEvent]:
         """Events to pass on, in order, as soon as there are some; an empty list when
         ``timeout`` seconds pass with nothing new (with a passer, also right after it checked
         on the answer's generator). Raises :class:`UnavailableError` when the connection is
-        closed or nobody serves the subject, and the error given to :meth:`end` once it was."""
+        closed or nobody serves the subject, and the error given to :meth:`end` once it was.
+        ``tick``: the timeout is the caller's own look every so often, which may come a little
+        late to share a wakeup (:mod:`mesh.timer_grid`), not a deadline, which never does."""
         if self._ended is not None:
             raise self._ended
         deadline = time.monotonic() + max(0.0, timeout)
@@ -289,7 +277,7 @@ class AnswerReader:
                 return []
             if self._ended is not None or self.conn.closed:
                 raise self._ended or UnavailableError(f"NATS connection closed reading {self.what}")
-            await self._wait(deadline)
+            await self._wait(deadline, tick)
         return []
 
     def _nothing_due(self) -> bool:
@@ -322,7 +310,7 @@ class AnswerReader:
             wait = min(wait, due)
         return wait
 
-    async def _wait(self, deadline: float) -> None:
+    async def _wait(self, deadline: float, tick: bool) -> None:
         """Until a message wakes the reader or something is due (:meth:`_due_in`): a future
         and a timer, on the process's timer grid (:mod:`mesh.timer_grid`). Tokens passed on in
         the callback (:meth:`pass_tokens`) move what is due later (a watch after a quiet spell):
@@ -332,9 +320,9 @@ class AnswerReader:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiter = waiter
-        self._deadline = deadline
+        self._deadline, self._exact = deadline, None if tick else deadline
         now = loop.time()  # time.monotonic()
-        fire_at = coalesced(now, now + max(0.001, self._due_in(now, deadline)))
+        fire_at = coalesced(now, now + max(0.001, self._due_in(now, deadline)), self._exact)
         if self._timer is None or self._timer.when() > fire_at:
             if self._timer is not None:
                 self._timer.cancel()
@@ -349,9 +337,10 @@ class AnswerReader:
         waiter = self._waiter
         if waiter is None or waiter.done():
             return  # nobody waits: the next wait sets a timer of its own
-        left = self._due_in(time.monotonic(), self._deadline)
+        left = self._due_in(now := time.monotonic(), self._deadline)
         if left > 0.001:  # it moved while tokens went on: nothing to do yet
-            self._timer = call_coalesced(asyncio.get_running_loop(), left, self._on_timer)
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_at(coalesced(now, now + left, self._exact), self._on_timer)
         else:
             waiter.set_result(None)
 

@@ -26,18 +26,24 @@ GRID_S = 0.05
 """The grid's step: the loop-lag ticker's interval while a node has work."""
 SLACK = 0.25
 """How late, as a share of its wait, a timer may fire to share a wakeup."""
+_HAIR = 1e-6
+"""A share of a step (50 ns) under which ``when`` counts as the grid point before it: more than
+the float error of ``when / GRID_S`` for loop times (seconds since boot) of years."""
 
 
 def on_grid(when: float) -> float:
-    """The first grid point at or after loop time ``when``."""
-    return math.ceil(when / GRID_S) * GRID_S
+    """The first grid point at or after loop time ``when`` (a grid point itself, as this
+    computes it, is its own: ``k * GRID_S`` divided by ``GRID_S`` may read a hair over ``k``)."""
+    return math.ceil(when / GRID_S - _HAIR) * GRID_S
 
 
-def coalesced(now: float, when: float) -> float:
+def coalesced(now: float, when: float, exact: float | None = None) -> float:
     """When a timer due at ``when`` (set at ``now``, loop times) fires: the grid point after it,
-    where that delays it by no more than :data:`SLACK` of its wait; else ``when`` itself."""
+    where that delays it by no more than :data:`SLACK` of its wait; else ``when`` itself. Never
+    after ``exact`` (a deadline), when given."""
     point = on_grid(when)
-    return point if point - when <= (when - now) * SLACK else when
+    fire = point if point - when <= (when - now) * SLACK else when
+    return fire if exact is None else min(fire, max(exact, when))
 
 
 def call_coalesced(
