@@ -10,9 +10,7 @@ them in one go:
 
 - after a quiet spell (nothing written for ``gap`` seconds) a message goes as soon as the loop
   comes round, as it did without the write batch;
-- a busy write batch writes at most once per ``gap``, each write taking everything queued:
-  with the first put after the gap is over (the loop is awake for it anyway), else at a timer
-  :data:`BACKSTOP` gaps later (an answer's last tokens, nothing after them);
+- a busy write batch writes at most once per ``gap``, each write taking everything queued;
 - ``now=True`` (an answer's first events) never waits for the gap: time to first token is not
   traded for throughput.
 
@@ -62,12 +60,6 @@ Its tokens come from many streams, each in a loop turn of its own; 4 ms instead 
 fifth to a third off what a token costs the edge, the SDK and nats-server downstream, at 32
 streams (``docs/performance.md``). It is under the worker's coalescing linger (5 ms), so one
 stream alone does not wait for it."""
-BACKSTOP = 1.0
-"""How many gaps after the gap is over a held message's timer fires, when no put wrote it
-first. A worker's timer fired at the gap's end; its loop woke for that alone 940 times in one
-A/B run (a quarter of its wakeups), which now take the next read's turn: wakeups a token 0.239
--> 0.130, CPU a token 55.3 -> 50.5 us (``docs/performance.md``). A held token waits at most
-two gaps (8 ms) instead of one."""
 RELAY_GAP_MS = 1.0
 """The gap of any other connection. An edge relays its reads: what one read brings goes out in
 one write anyway, and a longer gap there only delayed tokens (same runs)."""
@@ -110,15 +102,8 @@ class WriteBatch:
             if failure is not None:
                 raise MeshError(f"cannot publish events: {failure}", code=ErrorCode.UNAVAILABLE)
         self._queued.append((subject, data, headers))
-        scheduled = self._scheduled
-        if scheduled is not None and (self._urgent or not now):
-            if self._urgent or not isinstance(scheduled, asyncio.TimerHandle):
-                return
-            if scheduled.when() <= self._last + self.gap:
-                return  # goes at the loop's next turn, or at the gap's end
-            if asyncio.get_running_loop().time() < self._last + self.gap:
-                return
-            now = True  # the gap is over, and the loop awake: not waiting for the BACKSTOP
+        if self._scheduled is not None and (self._urgent or not now):
+            return
         loop = asyncio.get_running_loop()
         wait = 0.0 if now else self._last + self.gap - loop.time()
         if self._scheduled is not None:
@@ -127,7 +112,7 @@ class WriteBatch:
         self._scheduled = (
             loop.call_soon(self._write_queued)
             if wait <= 0
-            else loop.call_later(wait + self.gap * BACKSTOP, self._write_queued)
+            else loop.call_later(wait, self._write_queued)
         )
 
     def _write_queued(self, write: bool = True) -> bool:

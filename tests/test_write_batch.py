@@ -105,56 +105,6 @@ async def test_a_busy_write_batch_holds_events_but_never_a_first_one(
         await reader.close()
 
 
-async def test_a_held_event_goes_with_the_first_put_after_the_gap_without_a_timer(
-    nats_server: NatsServer,
-) -> None:
-    """A busy worker's loop wakes for its engines' reads about every millisecond: the first
-    put after the gap is over writes what was held, in that turn, instead of the loop waking
-    once more for a timer of its own. Nothing goes before the gap is over."""
-    reader, got, changed = await _reader(nats_server, "batch.late")
-    nc = await nats.connect(nats_server.url)
-    loop = asyncio.get_running_loop()
-    try:
-        box = WriteBatch(nc, gap=0.2)
-        box.put("batch.late", b"first", HEADERS)  # after a quiet spell: at once
-        await _until(got, changed, 1)
-        wrote = loop.time()
-        box.put("batch.late", b"held", HEADERS)  # within the gap: held
-        await asyncio.sleep(wrote + 0.2 - loop.time())  # the gap is over: nothing came meanwhile
-        assert got == [b"first"]
-        box.put("batch.late", b"next", HEADERS)
-        await _until(got, changed, 3)
-        assert got == [b"first", b"held", b"next"]
-        assert box.writes == 2
-        # At once, not at the timer set for the held one (a gap after the gap, at 0.4 s).
-        assert loop.time() - wrote < 0.35, loop.time() - wrote
-    finally:
-        await nc.close()
-        await reader.close()
-
-
-async def test_a_held_event_with_nothing_after_it_goes_within_two_gaps(
-    nats_server: NatsServer,
-) -> None:
-    """The timer is the backstop for an answer's last tokens when nothing else comes: held at
-    most two gaps (a worker's: 8 ms), never lost."""
-    reader, got, changed = await _reader(nats_server, "batch.backstop")
-    nc = await nats.connect(nats_server.url)
-    loop = asyncio.get_running_loop()
-    try:
-        box = WriteBatch(nc, gap=0.1)
-        box.put("batch.backstop", b"first", HEADERS)
-        await _until(got, changed, 1)
-        wrote = loop.time()
-        box.put("batch.backstop", b"last", HEADERS)
-        await _until(got, changed, 2)
-        assert got == [b"first", b"last"]
-        assert 0.1 <= loop.time() - wrote < 0.2 + 0.5, loop.time() - wrote
-    finally:
-        await nc.close()
-        await reader.close()
-
-
 async def test_a_burst_over_the_clients_buffer_still_goes_out_whole(
     nats_server: NatsServer,
 ) -> None:
