@@ -230,6 +230,9 @@ class ModelSettings(_Section):
     """deterministic backend: delay before the first token."""
     token_delay_ms: float = Field(default=0.0, ge=0)
     """deterministic backend: delay between tokens."""
+    token_lockstep: bool = False
+    """deterministic backend: every answer's tokens on one clock, ``token_delay_ms`` apart, as a
+    batching engine (vLLM) makes a token of each running answer per step; else each its own."""
     faults: bool = True
     """deterministic backend: act on fault directives ([hang], [fail-after:K]...) in prompts."""
 

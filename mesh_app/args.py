@@ -240,6 +240,12 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
             "CPU split into a part per token and a fixed part, beside its floor's",
         ),
         ("--rounds", int, "rounds at each concurrency (default 10)"),
+        (
+            "--pacing",
+            _pacing,
+            "stream: each answer's tokens on a clock of its own (default); lockstep: every "
+            "answer's on one, as a batching engine (vLLM) makes a token of each per step",
+        ),
     )
     options(
         "registry",
@@ -274,6 +280,12 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
             "arithmetic questions with gold by construction; 0: none (default 300)",
         ),
     )
+
+
+def _pacing(text: str) -> str:
+    if text not in {"stream", "lockstep"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: stream or lockstep")
+    return text
 
 
 def _sections(text: str) -> tuple[str, ...]:

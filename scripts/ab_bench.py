@@ -17,9 +17,10 @@ round in rotating order; CPU per token is the slope between the two lengths, the
 what is left. Beside the CPU it prints each side's wakeups a token (voluntary context switches,
 the same split: a count the machine's load does not distort) and its time to first token at the
 client (p50 and p99 over every request of the run; the worker and edge roles). ``--token-ms``
-sets the backend's time between tokens. Read one run with care: the
-same code on both sides (``--a-tree`` this tree) read 0.84 and 1.09 here (worker, edge; 8
-rounds), and pinning processes to cores did not narrow it (1.13). Run it more than once.
+sets the backend's time between tokens, ``--lockstep`` puts every answer's tokens on one clock.
+Read one run with care: the same code on both sides (``--a-tree`` this tree) read 0.84 and
+1.09 here (worker, edge; 8 rounds), and pinning processes to cores did not narrow it (1.13).
+Run it more than once.
 
 Compare time to first token only with the sides swapped too (run this script from the other
 tree, with ``--a-tree`` this one): a side's TTFT depends on its letter, whichever code runs there.
@@ -124,12 +125,18 @@ async def serve_client(url: str, path: str) -> None:
 
 
 async def run(  # noqa: PLR0917 - the command line's options
-    role: str, a_tree: str, streams: int, rounds: int, lens: tuple[int, int], token_ms: float
+    role: str,
+    a_tree: str,
+    streams: int,
+    rounds: int,
+    lens: tuple[int, int],
+    token_ms: float,
+    lockstep: bool = False,
 ) -> dict[str, Any]:
     tree = _from_tree(a_tree)
     async with contextlib.AsyncExitStack() as stack:
         mesh = await stack.enter_async_context(
-            bench_mesh(prefill_ms=50, token_ms=token_ms, slots=streams)
+            bench_mesh(prefill_ms=50, token_ms=token_ms, slots=streams, lockstep=lockstep)
         )
         url = mesh.server.url
         if role == "sdk":
@@ -291,11 +298,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--lens", default="32,128", help="two answer lengths, in tokens")
     parser.add_argument("--token-ms", type=float, default=20, help="the backend's time a token")
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="every answer's tokens on one clock (an engine's steps)",
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     short, long = (int(x) for x in args.lens.split(","))
     tree = str(Path(args.a_tree).resolve())
-    out = asyncio.run(run(args.role, tree, args.streams, args.rounds, (short, long), args.token_ms))
+    out = asyncio.run(
+        run(args.role, tree, args.streams, args.rounds, (short, long), args.token_ms, args.lockstep)
+    )
     print(render(out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -18,7 +18,8 @@ Directives in the prompt shape its behaviour, for fault tests:
 - ``[unsure]``: scored generation (:meth:`DeterministicBackend.generate_scored`) reports every
   token drawn with entropy 4.0 nats and top log-probability -2.0; otherwise 0.5 and -0.1.
 
-``prefill_delay_ms`` and ``token_delay_ms`` in the model settings pace it like an engine;
+``prefill_delay_ms`` and ``token_delay_ms`` in the model settings pace it like an engine
+(``token_lockstep``: like a batching engine, every answer's next token at the same step);
 ``faults=false`` makes it ignore the fault directives (an edge's local engine in fault tests).
 Asked for logprobs, token i gets log probability ``-(i % 10 + 1) / 10`` (alternatives: the
 same stem with a ``*``, each 1 lower). It ignores ``response_format``.
@@ -191,7 +192,10 @@ async def tokens(
         if script.fail_after is not None and index >= script.fail_after:
             raise BackendError(f"scripted engine failure after {index} tokens", retryable=True)
         if settings.token_delay_ms > 0 and index > start:
-            await asyncio.sleep(settings.token_delay_ms / 1000)
+            step = settings.token_delay_ms / 1000
+            if settings.token_lockstep:  # to the engine's next step, the same for every answer
+                step -= asyncio.get_running_loop().time() % step
+            await asyncio.sleep(step)
         elif index % 64 == 63:
             await asyncio.sleep(0)  # as fast as possible, but let the rest of the process run
         yield index

@@ -44,11 +44,17 @@ def _request(body: dict[str, Any], chat: bool) -> tuple[InferRequest, str]:
 
 class DeterministicServer:
     def __init__(
-        self, name: str, prefill_ms: float, token_ms: float, engine_slots: int = 0
+        self,
+        name: str,
+        prefill_ms: float,
+        token_ms: float,
+        engine_slots: int = 0,
+        *,
+        lockstep: bool = False,
     ) -> None:
         self.name = name
         self.settings = ModelSettings(
-            name=name, prefill_delay_ms=prefill_ms, token_delay_ms=token_ms
+            name=name, prefill_delay_ms=prefill_ms, token_delay_ms=token_ms, token_lockstep=lockstep
         )
         self.requests = 0
         self.running = 0
@@ -230,10 +236,15 @@ def _logprobs(token: str, index: int, top: int, chat: bool) -> dict[str, Any]:
     }
 
 
-async def serve(
-    port: int, name: str, prefill_ms: float, token_ms: float, engine_slots: int = 0
+async def serve(  # noqa: PLR0917 - the command line's options
+    port: int,
+    name: str,
+    prefill_ms: float,
+    token_ms: float,
+    engine_slots: int = 0,
+    lockstep: bool = False,
 ) -> None:
-    server = DeterministicServer(name, prefill_ms, token_ms, engine_slots)
+    server = DeterministicServer(name, prefill_ms, token_ms, engine_slots, lockstep=lockstep)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
@@ -255,8 +266,17 @@ def main() -> None:
     parser.add_argument(
         "--engine-slots", type=int, default=0, help="generate at most this many at once (0: any)"
     )
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="every answer's tokens on one clock, as a batching engine steps them all at once",
+    )
     args = parser.parse_args()
-    asyncio.run(serve(args.port, args.model, args.prefill_ms, args.token_ms, args.engine_slots))
+    asyncio.run(
+        serve(
+            args.port, args.model, args.prefill_ms, args.token_ms, args.engine_slots, args.lockstep
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -137,8 +137,11 @@ def bench_worker_env(nats_url: str, backend_url: str, slots: int, node_id: str) 
 
 
 @contextlib.asynccontextmanager
-async def openai_backend(*, prefill_ms: float, token_ms: float) -> AsyncIterator[str]:
-    """The deterministic OpenAI-compatible server as a process of its own; yields its base URL."""
+async def openai_backend(
+    *, prefill_ms: float, token_ms: float, lockstep: bool = False
+) -> AsyncIterator[str]:
+    """The deterministic OpenAI-compatible server as a process of its own; yields its base URL.
+    ``lockstep``: every answer's tokens on one clock, as a batching engine steps them."""
     backend = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -147,6 +150,7 @@ async def openai_backend(*, prefill_ms: float, token_ms: float) -> AsyncIterator
         str(prefill_ms),
         "--token-ms",
         str(token_ms),
+        *(["--lockstep"] if lockstep else []),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
     )
@@ -162,7 +166,12 @@ async def openai_backend(*, prefill_ms: float, token_ms: float) -> AsyncIterator
 
 @contextlib.asynccontextmanager
 async def bench_mesh(
-    *, prefill_ms: float, token_ms: float, slots: int, worker_env: dict[str, str] | None = None
+    *,
+    prefill_ms: float,
+    token_ms: float,
+    slots: int,
+    worker_env: dict[str, str] | None = None,
+    lockstep: bool = False,
 ) -> AsyncIterator[BenchMesh]:
     """Everything as separate processes, as deployed; the bench process only runs clients."""
     tmp = bench_dir("mesh-bench-")
@@ -170,7 +179,9 @@ async def bench_mesh(
     await server.start()
     processes: list[MeshProcess] = []
     try:
-        async with openai_backend(prefill_ms=prefill_ms, token_ms=token_ms) as url:
+        async with openai_backend(
+            prefill_ms=prefill_ms, token_ms=token_ms, lockstep=lockstep
+        ) as url:
             settings = load_settings(
                 {("nats", "url"): server.url, ("edge", "edge_id"): "bench"}, environ={}
             )

@@ -34,6 +34,10 @@ and a fixed part per request, beside the same split of its floor: a worker's aga
 relay process, an edge's against the bare middle process, the SDK's against the bench process
 reading the bare relay. Both lengths in one run see the same minutes of a shared machine; two
 runs minutes apart do not.
+
+``--pacing lockstep`` makes the server emit every answer's next token at the same moments, as a
+batching engine (vLLM) makes one token of each running answer per step; by default each answer
+keeps a clock of its own, from the moment its request reached the server.
 """
 
 from __future__ import annotations
@@ -112,12 +116,20 @@ async def run(
     split: int | None = None,
     prefill_ms: float = 50.0,
     token_ms: float = 20.0,
+    pacing: str = "stream",
 ) -> dict[str, Any]:
-    results: dict[str, Any] = {"backend": {"prefill_ms": prefill_ms, "token_ms": token_ms}}
+    results: dict[str, Any] = {
+        "backend": {"prefill_ms": prefill_ms, "token_ms": token_ms, "pacing": pacing}
+    }
     results["tokens"] = tokens
     lengths = (tokens,) if split is None or split == tokens else (tokens, split)
     async with (
-        bench_mesh(prefill_ms=prefill_ms, token_ms=token_ms, slots=max(concurrency)) as mesh,
+        bench_mesh(
+            prefill_ms=prefill_ms,
+            token_ms=token_ms,
+            slots=max(concurrency),
+            lockstep=pacing == "lockstep",
+        ) as mesh,
         bare_process("--bare", mesh.server.url, mesh.backend_url) as bare_pid,
         bare_process("--middle", mesh.server.url) as middle_pid,
         MeshClient(settings=mesh.settings, first_event_timeout=60, idle_timeout=60) as client,
@@ -285,7 +297,9 @@ def render(results: dict[str, Any]) -> str:
     b = results["backend"]
     head = (
         f"paths: deterministic backend, {b['prefill_ms']:g} ms prefill, "
-        f"{1000 / b['token_ms']:g} tokens/s per stream; milliseconds"
+        f"{1000 / b['token_ms']:g} tokens/s per stream"
+        + (", in lockstep" if b.get("pacing") == "lockstep" else "")
+        + "; milliseconds"
     )
     notes = [_over_floors(streams, by_path) for streams, by_path in _runs(results)]
     cpu_rows = [
