@@ -312,8 +312,7 @@ class CloudRelay:
             # While the answer flows nothing here is due: when it goes quiet, the reader's watch
             # asks the worker and wakes this loop with the verdict. The tick is a backstop then.
             flowing = state.positions > 0 and not _quiet(reader, now)
-            tick = _FLOWING_TICK_S if flowing else _TICK_S
-            events = await reader.next(min(tick, hard_end - now), tick=tick < hard_end - now)
+            events = await reader.next(min(_FLOWING_TICK_S if flowing else _TICK_S, hard_end - now))
             if reader.passed != taken:  # tokens went on meanwhile, from the callback (take)
                 # Not "moving": the reader may have learned, later in the same wait, that the
                 # worker stopped or stalled; the checks below see it this turn, not next.

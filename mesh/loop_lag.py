@@ -16,7 +16,7 @@ whose ticks count stand-stills (the worker's :class:`cloud_node.progress.LoopSta
 ``lag`` is the worst lateness in the last ``window`` seconds; ``behind`` says it is over
 ``behind_s``. It clears by itself once the loop catches up (within ``window``).
 
-The ticks fall on the process's timer grid (:mod:`mesh.timer_grid`), where its backstop timers
+The ticks fall on the process's timer grid (:mod:`mesh.timer_grid`), where its periodic timers
 fire too: one wakeup serves them all. The ticks are one timer callback each, not a task woken
 from ``asyncio.sleep`` (a future, a timer and a task step per tick), and other watches of the
 loop listen to the same ticks (``on_tick``) instead of keeping a ticker of their own: the
@@ -162,7 +162,7 @@ class LoopLag:
 
     def _next(self, now: float, interval: float) -> float:
         """The tick ``interval`` after ``now``: on the timer grid (:mod:`mesh.timer_grid`) when
-        the interval is a whole number of its steps, so that the backstop timers due meanwhile
+        the interval is a whole number of its steps, so that the periodic timers due meanwhile
         fire in the same wakeup (the nearest grid point: a tick a little late keeps its pace)."""
         steps = interval / GRID_S
         if abs(steps - round(steps)) > 1e-9:

@@ -16,8 +16,9 @@ missing, it asks its *repair* for what was kept and feeds that too:
 A repair for a worker's events reads the answer store; for an edge's, it asks the edge to send
 again what the reader lacks. A gap the store cannot fill (the event went out as its leader died)
 is asked of the worker generating the answer (*resend*), where the reader was given a way to.
-The reader never passes on a gap; its caller decides when waiting is over. Repairs and the
-checks on the generator (*watch*, *resend*) run beside the reading, one of each at a time.
+The reader never passes on a gap; its caller decides, on its own deadlines, when waiting is
+over. Repairs and the checks on the generator (*watch*, *resend*) run beside the reading, at
+most one of each at a time (they wait on other processes); in-order tokens go on meanwhile.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -35,9 +37,8 @@ from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 from mesh.connection import Connection
 from mesh.inline_sub import Inboxes, Listening, subscribe_inline
 from mesh.logs import get_logger
-from mesh.repair import Passer, Repair, SourceGone, Watch
+from mesh.repair import Repair, SourceGone, Watch
 from mesh.tasks import raise_if_cancelled
-from mesh.timer_grid import coalesced
 from protocol.codec import decode_event, message_token_fields
 from protocol.errors import MeshError, UnavailableError
 from protocol.messages import Answer, TokenEvent, WireEvent, token_event
@@ -46,6 +47,20 @@ from protocol.stream import AnswerState
 log = get_logger(__name__)
 NO_RESPONDERS = "503"
 DEFAULT_PENDING = DEFAULT_SUB_PENDING_MSGS_LIMIT
+
+
+class Passer(Protocol):
+    """Takes tokens on at once, in the subscription's callback, while the reader's caller waits
+    in :meth:`AnswerReader.next`, all before them passed on (:meth:`AnswerReader.pass_tokens`)."""
+
+    def ready(self) -> bool:
+        """Whether tokens can be passed on now, without waiting for anything."""
+
+    def take(self, tokens: list[TokenEvent]) -> None:
+        """Pass these tokens on (in order, none seen before); never waits."""
+
+    def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
+        """:meth:`take` for the answer's next token, by its fields (no logprobs, no event)."""
 
 
 _QUIET_FIRST_S = 1.0
@@ -86,7 +101,6 @@ class AnswerReader:
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0  # the current wait's (see _wait)
-        self._exact: float | None = None  # the same, when no timer may fire after it
         self._sub: Subscription | Listening | None = None
         self._losses, self._drops = conn.losses, 0  # the link's, and ours, as a repair began
         self._unlisten: Callable[[], None] | None = None
@@ -229,13 +243,11 @@ class AnswerReader:
         """Fetch what was kept before waiting for the next message."""
         self._repair_at = time.monotonic()
 
-    async def next(self, timeout: float, *, tick: bool = False) -> list[WireEvent]:
+    async def next(self, timeout: float) -> list[WireEvent]:
         """Events to pass on, in order, as soon as there are some; an empty list when
         ``timeout`` seconds pass with nothing new (with a passer, also right after it checked
         on the answer's generator). Raises :class:`UnavailableError` when the connection is
-        closed or nobody serves the subject, and the error given to :meth:`end` once it was.
-        ``tick``: the timeout is the caller's own look every so often, which may come a little
-        late to share a wakeup (:mod:`mesh.timer_grid`), not a deadline, which never does."""
+        closed or nobody serves the subject, and the error given to :meth:`end` once it was."""
         if self._ended is not None:
             raise self._ended
         deadline = time.monotonic() + max(0.0, timeout)
@@ -277,7 +289,7 @@ class AnswerReader:
                 return []
             if self._ended is not None or self.conn.closed:
                 raise self._ended or UnavailableError(f"NATS connection closed reading {self.what}")
-            await self._wait(deadline, tick)
+            await self._wait(deadline)
         return []
 
     def _nothing_due(self) -> bool:
@@ -310,23 +322,23 @@ class AnswerReader:
             wait = min(wait, due)
         return wait
 
-    async def _wait(self, deadline: float, tick: bool) -> None:
+    async def _wait(self, deadline: float) -> None:
         """Until a message wakes the reader or something is due (:meth:`_due_in`): a future
-        and a timer, on the process's timer grid (:mod:`mesh.timer_grid`). Tokens passed on in
-        the callback (:meth:`pass_tokens`) move what is due later (a watch after a quiet spell):
-        the timer then sets itself again instead of waking the task for nothing (an edge
-        relaying 32 answers at 50 tokens/s: 8 of its 12 wakeups a second each). The timer
-        outlives the wait: the next wait keeps it when it fires no later than this one would."""
+        and a timer. Tokens passed on in the callback (:meth:`pass_tokens`) move what is due
+        later (a watch after a quiet spell): the timer then sets itself again instead of waking
+        the task for nothing (an edge relaying 32 answers at 50 tokens/s: 8 of its 12 wakeups a
+        second each). The timer outlives the wait: the next wait keeps it when it is due no
+        later than what that wait waits for, so a reader read token by token sets a timer about
+        once per due time, not once per token."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiter = waiter
-        self._deadline, self._exact = deadline, None if tick else deadline
-        now = loop.time()  # time.monotonic()
-        fire_at = coalesced(now, now + max(0.001, self._due_in(now, deadline)), self._exact)
-        if self._timer is None or self._timer.when() > fire_at:
+        self._deadline = deadline
+        due_at = loop.time() + max(0.001, self._due_in(time.monotonic(), deadline))
+        if self._timer is None or self._timer.when() > due_at:
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = loop.call_at(fire_at, self._on_timer)
+            self._timer = loop.call_at(due_at, self._on_timer)
         try:
             await waiter
         finally:
@@ -337,10 +349,9 @@ class AnswerReader:
         waiter = self._waiter
         if waiter is None or waiter.done():
             return  # nobody waits: the next wait sets a timer of its own
-        left = self._due_in(now := time.monotonic(), self._deadline)
+        left = self._due_in(time.monotonic(), self._deadline)
         if left > 0.001:  # it moved while tokens went on: nothing to do yet
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_at(coalesced(now, now + left, self._exact), self._on_timer)
+            self._timer = asyncio.get_running_loop().call_later(left, self._on_timer)
         else:
             waiter.set_result(None)
 

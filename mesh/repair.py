@@ -1,17 +1,17 @@
-"""What an answer reader (:mod:`mesh.reader`) is given to fill its gaps, to check on its
-answer's source and to pass tokens on: the repair, check and passer types, the answer store's
-repair, and what a repair raises when what is missing is gone for good."""
+"""What an answer reader (:mod:`mesh.reader`) is given to fill its gaps and to check on its
+answer's source: the repair and check types, the answer store's repair, and what a repair
+raises when what is missing is gone for good."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import nats.errors
 
 from protocol.errors import MeshError, UnavailableError
-from protocol.messages import TokenEvent, WireEvent
+from protocol.messages import WireEvent
 from protocol.stream import AnswerState
 
 T = TypeVar("T")
@@ -20,20 +20,6 @@ Repair = Callable[[AnswerState], Awaitable[list[WireEvent]]]
 Watch = Callable[[AnswerState], Awaitable[None]]
 """Look after whoever is generating the answer, given what the reader has (see
 :meth:`mesh.queue.CloudCall.watch_worker`)."""
-
-
-class Passer(Protocol):
-    """Takes tokens on at once, in the subscription's callback, while the reader's caller waits
-    in :meth:`mesh.reader.AnswerReader.next`, all before them passed on (``pass_tokens``)."""
-
-    def ready(self) -> bool:
-        """Whether tokens can be passed on now, without waiting for anything."""
-
-    def take(self, tokens: list[TokenEvent]) -> None:
-        """Pass these tokens on (in order, none seen before); never waits."""
-
-    def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
-        """:meth:`take` for the answer's next token, by its fields (no logprobs, no event)."""
 
 
 ASK_S = 1.0

@@ -121,9 +121,9 @@ class _Waits:
         self.count = 0
         real_wait = reader._wait
 
-        async def counted(deadline: float, tick: bool) -> None:
+        async def counted(deadline: float) -> None:
             self.count += 1
-            await real_wait(deadline, tick)
+            await real_wait(deadline)
 
         reader._wait = counted  # type: ignore[method-assign]
 

@@ -89,10 +89,10 @@ async def test_a_relay_does_not_look_at_its_worker_while_the_answer_flows(
     looks: list[float] = []
     read = AnswerReader.next
 
-    async def counted(reader: AnswerReader, timeout: float, *, tick: bool = False) -> list[object]:
+    async def counted(reader: AnswerReader, timeout: float) -> list[object]:
         if reader.what == "the cloud":
             looks.append(time.monotonic())
-        return await read(reader, timeout, tick=tick)  # type: ignore[return-value]
+        return await read(reader, timeout)  # type: ignore[return-value]
 
     monkeypatch.setattr(AnswerReader, "next", counted)
     async with (
