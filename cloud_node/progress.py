@@ -20,7 +20,6 @@ from typing import Any
 import nats.errors
 from nats.aio.msg import Msg
 
-from mesh import timer_grid
 from mesh.logs import get_logger
 from mesh.tasks import TaskSet, raise_if_cancelled
 from protocol.errors import MeshError
@@ -71,7 +70,7 @@ async def keep_alive(
             if not await renew():
                 generating.cancel()  # not a client's cancel: the message is handed back
                 return
-        await timer_grid.sleep(interval)
+        await asyncio.sleep(interval)
 
 
 class KeepAlive:
@@ -130,7 +129,7 @@ class KeepAlive:
                 name="in-progress",
             )
 
-        self._timer = timer_grid.call_coalesced(loop, interval, begin)
+        self._timer = loop.call_later(interval, begin)
 
     def lapsed(self) -> bool:
         """Whether this worker went ack_wait x LAPSE_FRACTION without reporting progress: its

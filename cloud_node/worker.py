@@ -41,7 +41,7 @@ from cloud_node.puller import Puller, nak
 from cloud_node.serve import Parts
 from cloud_node.store_service import StoreService
 from cloud_node.takeover import Takeover
-from mesh import __version__, kept, timer_grid
+from mesh import __version__, kept
 from mesh.answer_store import AnswerStore
 from mesh.backends.base import Backend
 from mesh.config import MeshSettings
@@ -451,7 +451,7 @@ class Worker(Lifecycle):
     async def _tick(self) -> None:
         """Cover free slots not covered: freed by the engine, expired, refused, a link back."""
         while not self._stopping:
-            await timer_grid.sleep(CAPACITY_POLL_S)
+            await asyncio.sleep(CAPACITY_POLL_S)
             await self._puller.tick()
 
     def _accept(self, msg: Msg) -> None:

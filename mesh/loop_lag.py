@@ -16,13 +16,12 @@ whose ticks count stand-stills (the worker's :class:`cloud_node.progress.LoopSta
 ``lag`` is the worst lateness in the last ``window`` seconds; ``behind`` says it is over
 ``behind_s``. It clears by itself once the loop catches up (within ``window``).
 
-The ticks fall on the process's timer grid (:mod:`mesh.timer_grid`), where its periodic timers
-fire too: one wakeup serves them all. The ticks are one timer callback each, not a task woken
-from ``asyncio.sleep`` (a future, a timer and a task step per tick), and other watches of the
-loop listen to the same ticks (``on_tick``) instead of keeping a ticker of their own: the
-worker's stand-still count (:class:`cloud_node.progress.LoopStalls`) did. An idle edge's samples
-outside ``epoll_wait`` fell from 57 to 33 in 10 s (py-spy); an idle worker's CPU did not move
-beyond its spread, most of it being elsewhere (``docs/performance.md``).
+The ticks are one timer callback each, not a task woken from ``asyncio.sleep`` (a future, a
+timer and a task step per tick), and other watches of the loop listen to the same ticks
+(``on_tick``) instead of keeping a ticker of their own: the worker's stand-still count
+(:class:`cloud_node.progress.LoopStalls`) did. An idle edge's samples outside ``epoll_wait``
+fell from 57 to 33 in 10 s (py-spy); an idle worker's CPU did not move beyond its spread, most
+of it being elsewhere (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from collections import deque
 from collections.abc import Callable
 
 from mesh.logs import get_logger
-from mesh.timer_grid import GRID_S, on_grid
 
 log = get_logger(__name__)
 
@@ -95,14 +93,13 @@ class LoopLag:
         return None if self._handle is None else self._handle.when()
 
     def wake(self) -> None:
-        """Work came: the next tick comes within ``interval`` (and half a grid step, see
-        :meth:`_next`), not at the idle interval (a call per request; nothing to do while the
-        ticker is at its usual pace)."""
+        """Work came: the next tick comes within ``interval``, not at the idle interval (a
+        call per request; nothing to do while the ticker is at its usual pace)."""
         handle = self._handle
         if handle is None:
             return
         loop = asyncio.get_running_loop()
-        due = self._next(loop.time(), self.interval)
+        due = loop.time() + self.interval
         if handle.when() > due:
             handle.cancel()
             self._handle = loop.call_at(due, self._tick, loop, due)
@@ -138,7 +135,7 @@ class LoopLag:
     async def run(self) -> None:
         """Tick every ``interval`` until cancelled."""
         loop = asyncio.get_running_loop()
-        due = self._next(loop.time(), self.interval)
+        due = loop.time() + self.interval
         self._handle = loop.call_at(due, self._tick, loop, due)
         try:
             await loop.create_future()  # the ticks are timer callbacks: nothing to do here
@@ -157,14 +154,5 @@ class LoopLag:
             if self.busy is not None and not self.busy():
                 interval = self.idle_interval
         finally:  # a listener that raises (the loop logs it) does not stop the ticks
-            due = self._next(now, interval)
+            due = now + interval
             self._handle = loop.call_at(due, self._tick, loop, due)
-
-    def _next(self, now: float, interval: float) -> float:
-        """The tick ``interval`` after ``now``: on the timer grid (:mod:`mesh.timer_grid`) when
-        the interval is a whole number of its steps, so that the periodic timers due meanwhile
-        fire in the same wakeup (the nearest grid point: a tick a little late keeps its pace)."""
-        steps = interval / GRID_S
-        if abs(steps - round(steps)) > 1e-9:
-            return now + interval
-        return on_grid(now + interval - GRID_S / 2)
