@@ -58,6 +58,7 @@ from mesh_app.bench.common import (
     pct,
     split_by_length,
     timed_stream,
+    wakeups,
 )
 
 PROMPT = "[tag:b] benchmark"
@@ -152,7 +153,7 @@ async def run(  # noqa: PLR0917 - the command line's options
             pids = {name: await c.start() for name, c in clients.items()}
             return await _rounds(
                 pids, lambda name: lambda t: clients[name].round(t, streams), streams, rounds, lens
-            ) | {"role": role}
+            ) | {"role": role, "token_ms": token_ms}
         if role == "worker":
             env = {
                 **bench_worker_env(url, mesh.backend_url, streams, "bench-worker-a"),
@@ -247,18 +248,6 @@ async def _rounds(
         if ttfts[name]:  # the clients' time to first token (not measured by a client process)
             out[name]["ttft_ms"] = {"p50": pct(ttfts[name], 0.5), "p99": pct(ttfts[name], 0.99)}
     return out
-
-
-def wakeups(pid: int) -> int:
-    """How many times process ``pid`` went to sleep and was woken, all its threads together
-    (voluntary context switches): a count, which the other processes' load does not distort
-    as it does CPU time."""
-    total = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        for line in status.read_text().splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                total += int(line.split()[1])
-    return total
 
 
 def render(out: dict[str, Any]) -> str:

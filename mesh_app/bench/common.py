@@ -104,6 +104,22 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+def wakeups(pid: int) -> int:
+    """How many times process ``pid`` went to sleep and was woken, all its threads together
+    (voluntary context switches): a count, which the other processes' load does not distort
+    as CPU time is. A thread that ends while it is read counts no more."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in text.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
