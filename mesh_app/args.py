@@ -241,6 +241,12 @@ def _bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         ),
         ("--rounds", int, "rounds at each concurrency (default 10)"),
         (
+            "--concurrency",
+            _streams,
+            "requests at once, comma-separated (default 1,32); one level alone with many "
+            "rounds reads its percentiles from more requests in the same time",
+        ),
+        (
             "--pacing",
             _pacing,
             "stream: each answer's tokens on a clock of its own (default); lockstep: every "
@@ -286,6 +292,16 @@ def _pacing(text: str) -> str:
     if text not in {"stream", "lockstep"}:
         raise argparse.ArgumentTypeError(f"{text!r}: stream or lockstep")
     return text
+
+
+def _streams(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers of 1 or more, comma-separated")
+    return levels
 
 
 def _sections(text: str) -> tuple[str, ...]:

@@ -179,6 +179,20 @@ def test_mesh_bench_overload_loses_nothing_and_writes_json(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+def test_mesh_bench_paths_runs_the_concurrency_asked_for(tmp_path: Path) -> None:
+    """``--concurrency``: one level alone (the one-stream goals read from many requests)."""
+    bad = _mesh("bench", "paths", "--concurrency", "1,0", timeout=30)
+    assert bad.returncode == 2 and "whole numbers of 1 or more" in bad.stderr, bad.stderr
+    out = tmp_path / "figures.json"
+    args = ("--concurrency", "2", "--rounds", "1", "--tokens", "3", "--json", str(out))
+    result = _mesh("bench", "paths", *args, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())["paths"]
+    assert [key for key in figures if key.isdigit()] == ["2"], sorted(figures)
+    assert figures["2"]["via edge"]["n"] == 2 and figures["2"]["via edge"]["complete"] == 2
+
+
+@pytest.mark.slow
 async def test_bench_paths_compares_every_path_on_complete_answers() -> None:
     """Every path's answers arrive whole, so the TTFT figures compare like with like."""
     from mesh_app.bench import paths

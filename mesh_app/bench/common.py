@@ -43,7 +43,7 @@ def pct(values: list[float], q: float) -> float:
 def table(headers: list[str], rows: list[list[Any]]) -> str:
     """A plain text table (numbers right-aligned)."""
     cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     for row in cells:

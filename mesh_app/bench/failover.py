@@ -19,7 +19,8 @@ exactly. For each fault, the wait from the fault to the first token the client g
   requests are sent, and a cold start's first answer came late enough, once in a run, to read
   0.07 s instead of 2.05);
 - **the hub**, 3 nodes with R3 streams: the stream leader killed (an election), then every node
-  restarted in turn in lame duck mode; for these, each answer's longest silence.
+  restarted in turn in lame duck mode; for these, each answer's longest silence, and each
+  answer that stood still :data:`STILL_S` or longer named (the step, the way it came).
 
 ``ack_wait`` is the default (5 s): the timer path stays the backstop, so a figure near 5 s
 would mean the event path did not work.
@@ -64,6 +65,8 @@ EDGE_ONLY = ("fleet death", "fleet gone", "engine hang")
 """Faults only an edge can answer for (locally): every ask goes via it."""
 HUB_KILLS = 3
 """Stream-leader kills on the 3-node hub (each costs an election: 6 to 7 s here)."""
+STILL_S = 0.1
+"""A hub answer silent this long or longer is listed by name (a token comes every 20 ms)."""
 HANG = "[hang-after:30]"
 HANG_AFTER_S = 30 * 0.020 + 0.020
 """30 tokens at 20 ms after a 20 ms prefill: when the engine stops producing."""
@@ -190,6 +193,7 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
     kinds: dict[str, dict[str, int]] = {fault: {} for fault in silences}
     elections: list[float] = []
     edge_during: list[dict[str, Any]] = []
+    still: list[dict[str, Any]] = []
     try:
         async with (
             Connection(settings.nats, "bench") as conn,
@@ -219,10 +223,12 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
                 else:
                     await cluster.lame_duck(node)
                     await cluster.start(node)
-                for outcome in await asyncio.gather(*pending):
+                outcomes = await asyncio.gather(*pending)
+                for outcome in outcomes:
                     kinds[fault][outcome.kind] = kinds[fault].get(outcome.kind, 0) + 1
                     if outcome.longest_silence is not None:
                         silences[fault].append(outcome.longest_silence)
+                still += stood_still(outcomes, fault, n)
                 await _caught_up(conn, settings.stream.name)
     finally:
         await asyncio.gather(*(p.stop() for p in processes), return_exceptions=True)
@@ -238,7 +244,24 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
             "answers": kinds[fault],
         }
         for fault, s in silences.items()
-    } | {"election_s": elections, "edge_during_election": edge_during}
+    } | {"election_s": elections, "edge_during_election": edge_during, "stood_still": still}
+
+
+def stood_still(outcomes: list[Outcome], fault: str, step: int) -> list[dict[str, Any]]:
+    """The answers of one step (in :func:`_asks`' order: via the SDK, then via an edge) that
+    stood still :data:`STILL_S` or longer: which, how long, and how many attempts it took."""
+    half = REQUESTS // 2
+    return [
+        {
+            "fault": fault,
+            "step": step,
+            "via": "sdk" if i < half else "edge",
+            "s": round(silence, 3),
+            "attempts": outcome.attempts,
+        }
+        for i, outcome in enumerate(outcomes)
+        if (silence := outcome.longest_silence) is not None and silence >= STILL_S
+    ]
 
 
 async def _caught_up(conn: Connection, stream: str, timeout: float = 120.0) -> None:
@@ -336,5 +359,15 @@ def render(results: dict[str, Any]) -> str:
         if during:
             text += "\nleader kill: new work via an edge meanwhile answered in " + ", ".join(
                 f"{d['s']:.3f} s ({d['path']})" for d in during
+            )
+        still = hub.get("stood_still")
+        if still is not None:
+            text += f"\nstood still {STILL_S:g} s or longer: " + (
+                ", ".join(
+                    f"{e['fault']} (step {e['step']}) via {e['via']} {e['s']:.2f} s, "
+                    f"{e['attempts']} attempt(s)"
+                    for e in still
+                )
+                or "none"
             )
     return text
