@@ -14,8 +14,9 @@ missing, it asks its *repair* for what was kept and feeds that too:
 - its own buffer overflowing (the reader's consumer is slower than the stream).
 
 A repair for a worker's events reads the answer store; for an edge's, it asks the edge to send
-again what the reader lacks. A gap the store cannot fill (the event went out as its leader died)
-is asked of the worker generating the answer (*resend*), where the reader was given a way to.
+again what the reader lacks. A gap the store cannot fill (the event went out as its leader died),
+or a repair the store cannot answer (no leader), is asked of the worker generating the answer
+(*resend*), where the reader was given a way to.
 The reader never passes on a gap; its caller decides, on its own deadlines, when waiting is
 over. Repairs and the checks on the generator (*watch*, *resend*) run beside the reading, at
 most one of each at a time (they wait on other processes); in-order tokens go on meanwhile.
@@ -157,8 +158,7 @@ class AnswerReader:
     async def close(self) -> None:
         """Stop receiving. A closed reader calls nothing back: its owner's callbacks are let go
         here, so that the owner and the reader are freed at once, not as a cycle by the gc."""
-        self._watch = self._resend = self._unserved = None
-        self._passer = None
+        self._watch = self._resend = self._unserved = self._passer = None
         if self._timer is not None:
             self._timer.cancel()  # lets go of its callback (and so of this reader)
             self._timer = None
@@ -326,10 +326,8 @@ class AnswerReader:
         """Until a message wakes the reader or something is due (:meth:`_due_in`): a future
         and a timer. Tokens passed on in the callback (:meth:`pass_tokens`) move what is due
         later (a watch after a quiet spell): the timer then sets itself again instead of waking
-        the task for nothing (an edge relaying 32 answers at 50 tokens/s: 8 of its 12 wakeups a
-        second each). The timer outlives the wait: the next wait keeps it when it is due no
-        later than what that wait waits for, so a reader read token by token sets a timer about
-        once per due time, not once per token."""
+        the task for nothing. It outlives the wait: the next one keeps it when it is due no
+        later, so a reader read token by token sets a timer about once per due time."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiter = waiter
@@ -408,8 +406,7 @@ class AnswerReader:
 
     def _watch_due(self, now: float) -> bool:
         """The watch asks only over a live link."""
-        watch_at = self._watch_at()
-        return watch_at is not None and now >= watch_at and self.conn.connected
+        return (at := self._watch_at()) is not None and now >= at and self.conn.connected
 
     def _repair_due(self, now: float) -> bool:
         return "repair" not in self._checks and now >= self._next_check(now)
@@ -436,6 +433,9 @@ class AnswerReader:
             self._last_probe = time.monotonic()
             self._repair_at = self._last_probe + self._gap_retry
             self._gap_retry = min(self._gap_retry * 2, _QUIET_MAX_S)
+            # No store to read (an election takes seconds): ask the source now, not 0.2 s later.
+            if self._resend is not None and self.state.started and self.conn.connected:
+                self._check("resend", self._resend)
             return
         self._ready.extend(out)
 
