@@ -29,7 +29,6 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -38,7 +37,7 @@ from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT, Subscription
 from mesh.connection import Connection
 from mesh.inline_sub import Inboxes, Listening, subscribe_inline
 from mesh.logs import get_logger
-from mesh.repair import Repair, SourceGone, Watch
+from mesh.repair import Passer, Repair, SourceGone, Watch
 from mesh.tasks import raise_if_cancelled
 from protocol.codec import decode_event, message_token_fields
 from protocol.errors import MeshError, UnavailableError
@@ -50,24 +49,13 @@ NO_RESPONDERS = "503"
 DEFAULT_PENDING = DEFAULT_SUB_PENDING_MSGS_LIMIT
 
 
-class Passer(Protocol):
-    """Takes tokens on at once, in the subscription's callback, while the reader's caller waits
-    in :meth:`AnswerReader.next`, all before them passed on (:meth:`AnswerReader.pass_tokens`)."""
-
-    def ready(self) -> bool:
-        """Whether tokens can be passed on now, without waiting for anything."""
-
-    def take(self, tokens: list[TokenEvent]) -> None:
-        """Pass these tokens on (in order, none seen before); never waits."""
-
-    def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
-        """:meth:`take` for the answer's next token, by its fields (no logprobs, no event)."""
-
-
 _QUIET_FIRST_S = 1.0
 _QUIET_MAX_S = 8.0
 _GAP_RETRY_FIRST_S = 0.2
 _UNSERVED_FIRST_S = 0.05
+ASK_SOURCE_S = 0.1
+"""A store read unanswered this long (its server dying) while events wait behind a gap, or one
+that failed: the answer's source is asked for them too (``tests/test_reader_checks.py``)."""
 WATCH_QUIET_S = 0.25
 """After this long with nothing from a started answer, the reader checks on its generator (again
 each time as long): a round trip when it lives, a takeover when it died (tokens: ms apart)."""
@@ -107,11 +95,11 @@ class AnswerReader:
         self._unlisten: Callable[[], None] | None = None
         self._repair_at: float | None = None
         self._gap_retry = _GAP_RETRY_FIRST_S
+        self._store_down = False  # the last repair failed
         self._quiet = _QUIET_FIRST_S
         self.last_event = time.monotonic()  # when the last message arrived
         self._last_probe = self.last_event
-        self.repairs = 0
-        self.repaired_events = 0
+        self.repairs = self.repaired_events = 0
         self.dropped = 0  # messages dropped because the buffer was full (a slow consumer)
         self._unserved = unserved
         self._unserved_until = time.monotonic() + unserved_for
@@ -133,10 +121,8 @@ class AnswerReader:
 
     def pass_tokens(self, passer: Passer) -> None:
         """Let the subscription's callback pass in-order tokens straight to ``passer`` while
-        :meth:`next` waits with nothing buffered: the caller's task is not woken for each
-        token (an edge relaying to NATS clients: one task switch and a turn of its checks
-        less per token). Anything else (a start, an end, an error, a gap, a message that
-        does not decode) goes the usual way, through :meth:`next`, in order."""
+        :meth:`next` waits with nothing buffered: the caller's task is not woken for each token.
+        Anything else (a start, an end, a gap, what does not decode) goes through :meth:`next`."""
         self._passer = passer
 
     async def subscribe(self, subject: str, inboxes: Inboxes | None = None) -> None:
@@ -225,8 +211,8 @@ class AnswerReader:
         if step.gap or len(tokens) != len(step.out):
             # A gap to repair, or a held end released: next() takes it from here, in order.
             self._ready.extend(step.out)
-            if step.gap and self._repair_at is None:
-                self._repair_at = time.monotonic()
+            if step.gap:
+                self._on_gap()
             waiter.set_result(None)
             return True
         if tokens:
@@ -382,8 +368,8 @@ class AnswerReader:
             if isinstance(event, Answer):
                 continue  # a collected answer is not part of a stream
             step = self.state.feed(event)
-            if step.gap and self._repair_at is None:
-                self._repair_at = time.monotonic()  # at once: NATS does not reorder, it loses
+            if step.gap:
+                self._on_gap()
             out.extend(step.out)
         return out
 
@@ -423,6 +409,7 @@ class AnswerReader:
     async def _repair_beside(self, _state: AnswerState) -> None:
         """A repair beside the reading: what it releases is passed on next, in order (tokens
         that come meanwhile go on when nothing before them is missing)."""
+        late = asyncio.get_running_loop().call_later(ASK_SOURCE_S, self._ask_source, True)
         try:
             out = await self._run_repair()
         except (MeshError, nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
@@ -433,11 +420,28 @@ class AnswerReader:
             self._last_probe = time.monotonic()
             self._repair_at = self._last_probe + self._gap_retry
             self._gap_retry = min(self._gap_retry * 2, _QUIET_MAX_S)
-            # No store to read (an election takes seconds): ask the source now, not 0.2 s later.
-            if self._resend is not None and self.state.started and self.conn.connected:
-                self._check("resend", self._resend)
+            self._store_down = True  # an election takes seconds: ask the source now
+            self._ask_source()
             return
+        finally:
+            late.cancel()
+        self._store_down = False
         self._ready.extend(out)
+
+    def _on_gap(self) -> None:
+        """A gap: repaired at once; while the store cannot be read, asked of the source too."""
+        if self._repair_at is None:
+            self._repair_at = time.monotonic()
+        elif self._store_down:
+            self._ask_source()
+
+    def _ask_source(self, held: bool = False) -> None:
+        """Ask the source again for what this reader lacks (``held``: only behind a gap)."""
+        state = self.state
+        if self._resend is None or not state.started or state.done or self._ended is not None:
+            return
+        if self.conn.connected and (state.held or not held):
+            self._check("resend", self._resend)
 
     async def _run_repair(self) -> list[WireEvent]:
         assert self._repair is not None
@@ -461,20 +465,15 @@ class AnswerReader:
             # Still missing: the lost events may not be stored yet (a worker republishes after
             # its reconnect), or never will be until the store has a leader again: ask their
             # source for them, and look again soon, then less often.
-            if self._resend is not None and self.conn.connected:
-                self._check("resend", self._resend)
+            self._ask_source()
             self._repair_at = time.monotonic() + self._gap_retry
             self._gap_retry = min(self._gap_retry * 2, _QUIET_MAX_S)
         else:
             self._repair_at = None
             self._gap_retry = _GAP_RETRY_FIRST_S
         if step.out:
-            log.info(
-                "answer repaired",
-                source=self.what,
-                events=len(step.out),
-                positions=self.state.positions,
-            )
+            got, positions = len(step.out), self.state.positions
+            log.info("answer repaired", source=self.what, events=got, positions=positions)
         return step.out
 
     def _check(self, name: str, check: Watch) -> None:
@@ -495,6 +494,4 @@ class AnswerReader:
         if (exc := task.exception()) is not None:
             log.warning("a check on the answer failed", source=self.what, error=repr(exc))
         self._checked = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()

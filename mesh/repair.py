@@ -1,17 +1,17 @@
-"""What an answer reader (:mod:`mesh.reader`) is given to fill its gaps and to check on its
-answer's source: the repair and check types, the answer store's repair, and what a repair
-raises when what is missing is gone for good."""
+"""What an answer reader (:mod:`mesh.reader`) is given to fill its gaps, to check on its
+answer's source and to pass tokens on: the repair, check and passer types, the answer store's
+repair, and what a repair raises when what is missing is gone for good."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import nats.errors
 
 from protocol.errors import MeshError, UnavailableError
-from protocol.messages import WireEvent
+from protocol.messages import TokenEvent, WireEvent
 from protocol.stream import AnswerState
 
 T = TypeVar("T")
@@ -30,6 +30,20 @@ soon. Waiting the request timeout, a repair sent into a 2 s silence held the ans
 after it. Each try in a row that gets no word waits twice as long (:class:`Patience`), up to
 :data:`MOST_S`: over a link slower than that, a repair still ends."""
 MOST_S = 8.0
+
+
+class Passer(Protocol):
+    """Takes tokens on at once, in the subscription's callback, while the reader's caller waits
+    in ``AnswerReader.next``, all before them passed on (``AnswerReader.pass_tokens``)."""
+
+    def ready(self) -> bool:
+        """Whether tokens can be passed on now, without waiting for anything."""
+
+    def take(self, tokens: list[TokenEvent]) -> None:
+        """Pass these tokens on (in order, none seen before); never waits."""
+
+    def take_token(self, seq: int, text: str, attempt: int, n: int) -> None:
+        """:meth:`take` for the answer's next token, by its fields (no logprobs, no event)."""
 
 
 class Patience:
