@@ -11,13 +11,18 @@ store and the worker's resend are stand-ins (as in ``tests/test_reader_checks.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import nats
+from nats.aio.client import Client
 
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
 from mesh.reader import AnswerReader
+from mesh.repair import Repair, Watch
 from protocol.codec import WireFormat, dump_event
 from protocol.errors import UnavailableError
 from protocol.messages import EndEvent, TokenEvent, Usage, WireEvent
@@ -31,7 +36,7 @@ class _Worker:
     """A worker's side: publishes events (or loses them, as a dying server did) and publishes
     again what a reader lacks when asked (its tokens from the reader's positions on)."""
 
-    def __init__(self, nc: nats.NATS) -> None:
+    def __init__(self, nc: Client) -> None:
         self.nc = nc
         self.writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
         self.sent: list[WireEvent] = []
@@ -89,58 +94,101 @@ async def _down(_state: AnswerState) -> list[WireEvent]:
     raise UnavailableError("no responders: the answer store is not there")
 
 
-async def test_a_store_that_stays_down_asks_the_worker_once_per_store_retry_not_in_a_storm(
-    nats_server: NatsServer, conn: Connection
-) -> None:
-    """A gap nobody fills, the store down throughout: the worker is asked at most once per
-    failed store read (0.2, 0.4, 0.8 s apart), never twice at once, and the reading task
-    sleeps between them (no spin)."""
-    nc = await nats.connect(nats_server.url)
-    worker = _Worker(nc)
+def _failing_store() -> tuple[list[float], Repair]:
+    """A store that cannot be read (no leader), and when it was asked."""
     reads: list[float] = []
 
     async def store(state: AnswerState) -> list[WireEvent]:
         reads.append(time.monotonic())
         return await _down(state)
 
-    async def resend(state: AnswerState) -> None:  # the worker has nothing more either
-        worker.asked.append(time.monotonic())
-        worker.at_once += 1
-        worker.most_at_once = max(worker.most_at_once, worker.at_once)
-        await asyncio.sleep(0.3)  # slower than the store's first retry
-        worker.at_once -= 1
+    return reads, store
 
-    reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud", resend=resend)
-    waits = 0
-    real_wait = reader._wait
 
-    async def counted(deadline: float) -> None:
-        nonlocal waits
-        waits += 1
-        await real_wait(deadline)
+@dataclass
+class _Setup:
+    worker: _Worker
+    reader: AnswerReader
+    reading: _Reading | None = None
 
-    reader._wait = counted  # type: ignore[method-assign]
-    reading = None
+    def read(self) -> _Reading:
+        self.reading = _Reading(self.reader)
+        return self.reading
+
+    async def gap(self) -> float:
+        """Start, "a", "b" lost, "c": when the gap opened."""
+        w = self.worker.writer
+        for event in (w.start(), w.token("a")):
+            await self.worker.emit(event)
+        await self.worker.emit(w.token("b"), lost=True)
+        opened = time.monotonic()
+        await self.worker.emit(w.token("c"))
+        return opened
+
+
+@contextlib.asynccontextmanager
+async def _setup(
+    server: NatsServer, conn: Connection, store: Repair, resend: Watch | None = None
+) -> AsyncIterator[_Setup]:
+    """A worker's connection, and a reader of its subject with ``store`` (the worker's resend
+    unless another is given), subscribed; all closed at the end."""
+    nc = await nats.connect(server.url)
+    worker = _Worker(nc)
+    reader = AnswerReader(
+        conn, AnswerState("r1"), store, what="the cloud", resend=resend or worker.resend
+    )
+    setup = _Setup(worker, reader)
     try:
         await reader.subscribe(SUBJECT)
         await conn.nc.flush()
-        w = worker.writer
-        await worker.emit(w.start())
-        await worker.emit(w.token("a"))
-        await worker.emit(w.token("b"), lost=True)
-        await worker.emit(w.token("c"))
-        reading = _Reading(reader)
+        yield setup
+    finally:
+        if setup.reading is not None:
+            await setup.reading.stop()
+        await reader.close()
+        await nc.close()
+
+
+async def test_a_store_that_stays_down_asks_the_worker_once_per_store_retry_not_in_a_storm(
+    nats_server: NatsServer, conn: Connection
+) -> None:
+    """A gap nobody fills, the store down throughout: the worker is asked at most once per
+    failed store read (0.2, 0.4, 0.8 s apart), never twice at once, and the reading task
+    sleeps between them (no spin)."""
+    reads: list[float] = []
+    asked: list[float] = []
+    at_once = most_at_once = 0
+
+    async def store(state: AnswerState) -> list[WireEvent]:
+        reads.append(time.monotonic())
+        return await _down(state)
+
+    async def resend(_state: AnswerState) -> None:  # the worker has nothing more either
+        nonlocal at_once, most_at_once
+        asked.append(time.monotonic())
+        at_once += 1
+        most_at_once = max(most_at_once, at_once)
+        await asyncio.sleep(0.3)  # slower than the store's first retry
+        at_once -= 1
+
+    async with _setup(nats_server, conn, store, resend) as setup:
+        waits = 0
+        real_wait = setup.reader._wait
+
+        async def counted(deadline: float) -> None:
+            nonlocal waits
+            waits += 1
+            await real_wait(deadline)
+
+        setup.reader._wait = counted  # type: ignore[method-assign]
+        await setup.gap()
+        reading = setup.read()
         await asyncio.sleep(1.7)
         assert reading.texts == ["a"]
         assert 3 <= len(reads) <= 5, f"store reads at {[round(r - reads[0], 2) for r in reads]}"
-        assert 1 <= len(worker.asked) <= len(reads), (len(worker.asked), len(reads))
-        assert worker.most_at_once == 1
+        assert 1 <= len(asked) <= len(reads), (len(asked), len(reads))
+        assert most_at_once == 1
         assert waits < 60, f"the reading task woke {waits} times in 1.7 s"
-    finally:
-        if reading is not None:
-            await reading.stop()
-        await reader.close()
-        await nc.close()
 
 
 async def test_a_resend_and_the_stores_later_read_pass_each_event_once(
@@ -148,44 +196,31 @@ async def test_a_resend_and_the_stores_later_read_pass_each_event_once(
 ) -> None:
     """The worker's resend closes the gap, then the store, back, returns the whole answer, and
     the worker's own tail comes after it: every token and the end come out exactly once."""
-    nc = await nats.connect(nats_server.url)
-    worker = _Worker(nc)
-    w = worker.writer
-    start, a, b, c = w.start(), w.token("a"), w.token("b"), w.token("c")
-    d, end = w.token("d"), w.end(finish_reason="stop", usage=Usage(completion_tokens=4))
     reads: list[float] = []
+    kept: list[WireEvent] = []
 
     async def store(state: AnswerState) -> list[WireEvent]:
         reads.append(time.monotonic())
         if len(reads) == 1:
             return await _down(state)
-        return [start, a, b, c, d, end]
+        return kept
 
-    reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud", resend=worker.resend)
-    reading = None
-    try:
-        await reader.subscribe(SUBJECT)
-        await conn.nc.flush()
-        for event in (start, a):
-            await worker.emit(event)
-        await worker.emit(b, lost=True)
-        await worker.emit(c)
-        reading = _Reading(reader)
+    async with _setup(nats_server, conn, store) as setup:
+        worker, w = setup.worker, setup.worker.writer
+        await setup.gap()
+        reading = setup.read()
+        d, end = w.token("d"), w.end(finish_reason="stop", usage=Usage(completion_tokens=4))
+        kept.extend([*worker.sent, d, end])
         await eventually(lambda: holds(len(reads) >= 2), 5, "the store read again")
         for event in (d, end):
             await worker.emit(event)
         await asyncio.wait_for(reading.task, 5)
-        for event in (b, c, d, end):  # late copies of all of it
+        for event in kept[2:]:  # late copies of all of it from "b" on
             await worker.publish(event)
-        assert await reader.next(0.2) == []
+        assert await setup.reader.next(0.2) == []
         assert reading.texts == ["a", "b", "c", "d"]
         assert reading.ends == 1
         assert worker.asked, "the worker was never asked"
-    finally:
-        if reading is not None:
-            await reading.stop()
-        await reader.close()
-        await nc.close()
 
 
 async def test_a_reader_whose_answer_has_not_started_asks_no_worker(
@@ -193,39 +228,21 @@ async def test_a_reader_whose_answer_has_not_started_asks_no_worker(
 ) -> None:
     """The start was lost: nobody to ask (``worker_of`` needs the start's node), so the failed
     store reads ask no worker and the reader waits for the store, retrying with backoff."""
-    nc = await nats.connect(nats_server.url)
-    worker = _Worker(nc)
-    reads: list[float] = []
-
-    async def store(state: AnswerState) -> list[WireEvent]:
-        reads.append(time.monotonic())
-        return await _down(state)
-
-    reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud", resend=worker.resend)
-    reading = None
-    try:
-        await reader.subscribe(SUBJECT)
-        await conn.nc.flush()
-        w = worker.writer
+    reads, store = _failing_store()
+    async with _setup(nats_server, conn, store) as setup:
+        worker, w = setup.worker, setup.worker.writer
         await worker.emit(w.start(), lost=True)
         await worker.emit(w.token("a"))
-        reading = _Reading(reader)
+        reading = setup.read()
         await eventually(lambda: holds(len(reads) >= 2), 5, "two store reads")
         await asyncio.sleep(0.05)
         assert worker.asked == []
         assert reading.texts == []
-    finally:
-        if reading is not None:
-            await reading.stop()
-        await reader.close()
-        await nc.close()
 
 
 async def test_a_store_read_that_fails_after_the_answer_is_done_asks_no_worker(
     nats_server: NatsServer, conn: Connection
 ) -> None:
-    nc = await nats.connect(nats_server.url)
-    worker = _Worker(nc)
     began, fail = asyncio.Event(), asyncio.Event()
 
     async def store(state: AnswerState) -> list[WireEvent]:
@@ -233,11 +250,8 @@ async def test_a_store_read_that_fails_after_the_answer_is_done_asks_no_worker(
         await fail.wait()  # the store read is slow; the answer ends meanwhile
         return await _down(state)
 
-    reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud", resend=worker.resend)
-    try:
-        await reader.subscribe(SUBJECT)
-        await conn.nc.flush()
-        w = worker.writer
+    async with _setup(nats_server, conn, store) as setup:
+        worker, reader, w = setup.worker, setup.reader, setup.worker.writer
         await worker.emit(w.start())
         await worker.emit(w.token("a"))
         texts: list[str] = []
@@ -254,34 +268,16 @@ async def test_a_store_read_that_fails_after_the_answer_is_done_asks_no_worker(
         fail.set()
         await asyncio.sleep(0.2)
         assert worker.asked == [], "the worker was asked again for an answer that is whole"
-    finally:
-        await reader.close()
-        await nc.close()
 
 
 async def test_a_second_gap_in_a_long_store_outage_is_asked_of_the_worker_at_once(
     nats_server: NatsServer, conn: Connection
 ) -> None:
-    nc = await nats.connect(nats_server.url)
-    worker = _Worker(nc)
-    reads: list[float] = []
-
-    async def store(state: AnswerState) -> list[WireEvent]:
-        reads.append(time.monotonic())
-        return await _down(state)
-
-    reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud", resend=worker.resend)
-    reading = None
-    try:
-        await reader.subscribe(SUBJECT)
-        await conn.nc.flush()
-        w = worker.writer
-        reading = _Reading(reader)
-        await worker.emit(w.start())
-        await worker.emit(w.token("a"))
-        await worker.emit(w.token("b"), lost=True)
-        opened = time.monotonic()
-        await worker.emit(w.token("c"))
+    reads, store = _failing_store()
+    async with _setup(nats_server, conn, store) as setup:
+        worker, w = setup.worker, setup.worker.writer
+        reading = setup.read()
+        opened = await setup.gap()
         await eventually(lambda: holds("c" in reading.at), 5, "the first gap closed")
         assert reading.at["b"] - opened < 0.3, "the change's own case healed late"
         # The store stays down (an election of seconds): its retries back off, 0.2 s, 0.4, ...
@@ -299,40 +295,18 @@ async def test_a_second_gap_in_a_long_store_outage_is_asked_of_the_worker_at_onc
         await eventually(lambda: holds("e" in reading.at), 10, "the second gap closed")
         stood = reading.at["d"] - opened
         assert stood < 0.4, f"the second gap stood {stood:.2f} s; the worker had 'd' all along"
-    finally:
-        if reading is not None:
-            await reading.stop()
-        await reader.close()
-        await nc.close()
 
 
 async def test_a_gap_is_asked_of_the_worker_soon_even_while_the_store_read_hangs(
     nats_server: NatsServer, conn: Connection
 ) -> None:
-    nc = await nats.connect(nats_server.url)
-    worker = _Worker(nc)
-
     async def store(state: AnswerState) -> list[WireEvent]:
         await asyncio.sleep(1.0)  # store_repair's first wait (ASK_S), its ask unanswered
         return await _down(state)
 
-    reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud", resend=worker.resend)
-    reading = None
-    try:
-        await reader.subscribe(SUBJECT)
-        await conn.nc.flush()
-        w = worker.writer
-        reading = _Reading(reader)
-        await worker.emit(w.start())
-        await worker.emit(w.token("a"))
-        await worker.emit(w.token("b"), lost=True)
-        opened = time.monotonic()
-        await worker.emit(w.token("c"))
+    async with _setup(nats_server, conn, store) as setup:
+        reading = setup.read()
+        opened = await setup.gap()
         await eventually(lambda: holds("c" in reading.at), 5, "the gap closed")
         stood = reading.at["b"] - opened
         assert stood < 0.5, f"the gap stood {stood:.2f} s behind a store read that hung"
-    finally:
-        if reading is not None:
-            await reading.stop()
-        await reader.close()
-        await nc.close()
