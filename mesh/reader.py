@@ -55,7 +55,7 @@ _GAP_RETRY_FIRST_S = 0.2
 _UNSERVED_FIRST_S = 0.05
 ASK_SOURCE_S = 0.1
 """A store read unanswered this long (its server dying) while events wait behind a gap, or one
-that failed: the answer's source is asked for them too (``tests/test_reader_checks.py``)."""
+that failed: the answer's source is asked for them too (``tests/test_reader_store_down.py``)."""
 WATCH_QUIET_S = 0.25
 """After this long with nothing from a started answer, the reader checks on its generator (again
 each time as long): a round trip when it lives, a takeover when it died (tokens: ms apart)."""

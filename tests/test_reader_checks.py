@@ -22,7 +22,6 @@ from mesh.nats_server import NatsServer
 from mesh.reader import OFFLINE_LOOK_S, WATCH_QUIET_S, AnswerReader
 from mesh.testing.proxy import TcpProxy
 from protocol.codec import WireFormat, dump_event
-from protocol.errors import UnavailableError
 from protocol.messages import TokenEvent, Usage, WireEvent
 from protocol.stream import AnswerState, AnswerWriter
 from tests.conftest import make_settings
@@ -372,59 +371,6 @@ async def test_a_reader_read_token_by_token_keeps_one_timer_and_still_watches_on
         assert asked, "the watch never asked after the worker"
         assert WATCH_QUIET_S - 0.05 <= asked[0] - last < WATCH_QUIET_S + 0.5, (asked[0], last)
         assert all(b - a >= WATCH_QUIET_S - 0.05 for a, b in itertools.pairwise(asked)), asked
-    finally:
-        await worker.close()
-        await reader.close()
-
-
-async def test_a_gap_the_store_cannot_be_read_for_is_asked_of_the_worker_at_once(
-    nats_server: NatsServer, conn: Connection
-) -> None:
-    """A hub's stream leader killed: the answer store has no leader for the election (seconds),
-    and a reader whose server died with it lost a token. Its store read fails ("no responders");
-    the worker still has the token. The reader asks it now: it used to ask only once a store
-    read succeeded, after retries 0.2 and 0.4 s apart (`mesh bench failover`: a leader kill
-    left answers standing still 0.23 and 0.635 s, once in 6 and once in 7 runs)."""
-    writer = AnswerWriter("r1", attempt=1, node="cloud:w1")
-    start, first, lost, after = (
-        writer.start(),
-        writer.token("a"),
-        writer.token("b"),
-        writer.token("c"),
-    )
-    worker = await nats.connect(nats_server.url)
-    reads: list[float] = []
-    asked: list[int] = []
-
-    async def publish(event: WireEvent) -> None:
-        await worker.publish(SUBJECT, dump_event(event, WireFormat.MSGPACK))
-        await worker.flush()
-
-    async def store(_state: AnswerState) -> list[WireEvent]:
-        reads.append(time.monotonic())
-        raise UnavailableError("no responders: the answer store is not there")
-
-    async def resend(state: AnswerState) -> None:  # the worker publishes what the reader lacks
-        asked.append(len(reads))
-        if state.positions == 1:
-            await publish(lost)
-
-    reader = AnswerReader(conn, AnswerState("r1"), store, what="the cloud", resend=resend)
-    try:
-        await reader.subscribe(SUBJECT)
-        await conn.nc.flush()
-        texts: list[str] = []
-        for event in (start, first, after):  # "b" went with the dead server
-            await publish(event)
-
-        async def read() -> None:
-            while len(texts) < 3:
-                texts.extend(e.text for e in await reader.next(5.0) if isinstance(e, TokenEvent))
-
-        await asyncio.wait_for(read(), 5)
-        assert texts == ["a", "b", "c"]
-        assert asked and asked[0] == 1, f"asked the worker after store reads {asked}"
-        assert len(reads) == 1, f"the store was read {len(reads)} times before the gap closed"
     finally:
         await worker.close()
         await reader.close()

@@ -149,6 +149,25 @@ async def _setup(
         await nc.close()
 
 
+async def test_a_gap_the_store_cannot_be_read_for_is_asked_of_the_worker_at_once(
+    nats_server: NatsServer, conn: Connection
+) -> None:
+    """A hub's stream leader killed: the answer store has no leader for the election (seconds),
+    and a reader whose server died with it lost a token. Its store read fails ("no responders");
+    the worker still has the token. The reader asks it now: it used to ask only once a store
+    read succeeded, after retries 0.2 and 0.4 s apart (`mesh bench failover`: a leader kill
+    left answers standing still 0.23 and 0.635 s, once in 6 and once in 7 runs)."""
+    reads, store = _failing_store()
+    async with _setup(nats_server, conn, store) as setup:
+        reading = setup.read()
+        await setup.gap()  # "b" went with the dead server
+        await eventually(lambda: holds("c" in reading.at), 5, "the gap closed")
+        assert reading.texts == ["a", "b", "c"]
+        asked = setup.worker.asked
+        assert asked and sum(r <= asked[0] for r in reads) == 1, "asked after one store read"
+        assert len(reads) == 1, f"the store was read {len(reads)} times before the gap closed"
+
+
 async def test_a_store_that_stays_down_asks_the_worker_once_per_store_retry_not_in_a_storm(
     nats_server: NatsServer, conn: Connection
 ) -> None:
