@@ -40,8 +40,8 @@ MAX_SETTLING = 256
 RESEND_GAP_S = 0.25
 """An answer is published again at most this often, whoever asks: each reader's "are you
 there?" word may ask, and 500 words from one edge made a worker publish the answer 500 times
-over, queueing other edges' words behind it (review S20a). A reader asking again that soon
-has the first resend on its way."""
+over, queueing other edges' words behind it (review S20a). What is asked within the gap is
+published once at its end, for every reader that asked (:meth:`AnswerPublisher.resend`)."""
 CATCH_UPS_AT_ONCE = 8
 """Of those, how many read the store and publish again at one time: a store that comes back
 under many answers settling is not read by all of them in one burst, which would hold up the
@@ -68,6 +68,11 @@ class AnswerPublisher:
         self._headers = {CONTENT_TYPE: fmt.content_type}
         self._sent: list[tuple[WireEvent, bytes]] = []
         self._resent_at = -RESEND_GAP_S
+        self._asked: tuple[int, int, int | None] | None = None
+        """What readers asked for within RESEND_GAP_S of the last resend, all of it in one ask
+        (the oldest attempt, the lowest position, the widest hold), published at the gap's end."""
+        self._asked_timer: asyncio.TimerHandle | None = None
+        self._later = TaskSet("resend")
         self._reconnects = conn.reconnects
         self._failures = conn.write_batch.failures
         self._losses = store.losses
@@ -107,8 +112,12 @@ class AnswerPublisher:
             wanted = [data for _event, data in self._sent]
         else:
             wanted = [data for event, data in self._sent if _lacks(event, seq, upto)]
+        if not wanted:
+            return 0
         now = time.monotonic()
-        if not wanted or now - self._resent_at < RESEND_GAP_S:
+        wait = self._resent_at + RESEND_GAP_S - now
+        if wait > 0:  # a reader whose ask fell within the gap still gets what it lacks
+            self._ask_later(attempt, seq, upto, wait)
             return 0
         self._resent_at = now
         log.info("publishing again what a reader lacks", count=len(wanted), seq=seq, upto=upto)
@@ -119,6 +128,24 @@ class AnswerPublisher:
             log.warning("resend failed", error=repr(exc))
             return 0
         return len(wanted)
+
+    def _ask_later(self, attempt: int, seq: int, upto: int | None, wait: float) -> None:
+        """Keep an ask that came within the gap, with any kept before it, for its end: a
+        reader told nothing waited for its next failed store read (0.2 s or more) to ask
+        again, and that ask could fall within the gap too."""
+        if self._asked is not None:
+            before, low, held = self._asked
+            attempt, seq = min(before, attempt), min(low, seq)
+            upto = None if upto is None or held is None else max(held, upto)
+        self._asked = (attempt, seq, upto)
+        if self._asked_timer is None:
+            self._asked_timer = asyncio.get_running_loop().call_later(wait, self._resend_asked)
+
+    def _resend_asked(self) -> None:
+        self._asked_timer = None
+        asked, self._asked = self._asked, None
+        if asked is not None:
+            self._later.spawn(self.resend(*asked), name="resend")
 
     async def send(self, event: WireEvent) -> None:
         self.send_now(event)
