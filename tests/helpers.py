@@ -170,6 +170,8 @@ class ThreadWatcher:
 
     def __init__(self, url: str, *subjects: str) -> None:
         parsed = urlparse(url)
+        if parsed.port is None:
+            raise ValueError(f"{url!r} names no port")
         self.sock = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
         self.file = self.sock.makefile("rb")
         self.file.readline()  # INFO

@@ -15,7 +15,7 @@ def _answer(*gaps: float, attempts: int = 1) -> Outcome:
 
 
 def test_the_hub_part_names_each_answer_that_stood_still() -> None:
-    assert failover.REQUESTS == 4  # two via the SDK, then two via an edge (failover._asks)
+    assert [failover.via_of(i) for i in range(failover.REQUESTS)] == ["sdk", "sdk", "edge", "edge"]
     outcomes = [_answer(0.02, 0.02), _answer(0.02, 0.23, 0.02, attempts=2), _answer(0.099)]
     outcomes.append(_answer(0.02, 0.63))
     still = failover.stood_still(outcomes, "leader kill", 2)

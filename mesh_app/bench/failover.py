@@ -56,6 +56,9 @@ from mesh_app.bench.common import bench_dir, pct, table
 ROUNDS = 5
 """Faults of each kind; each round asks REQUESTS answers (half via an edge)."""
 REQUESTS = 4
+SDK_ASKS = REQUESTS // 2
+"""Of a step's answers, the first this many are asked via the SDK (the cloud), the rest via an
+edge (:func:`_asks`, :func:`via_of`)."""
 TOKENS = 100
 """Per answer: 2 s at 20 ms a token; the fault lands 0.6 s in."""
 FREEZE_S = 3.0
@@ -113,12 +116,17 @@ async def _mesh(tmp: Path) -> AsyncIterator[_Mesh]:
         await mesh.server.stop()
 
 
+def via_of(i: int) -> str:
+    """Who asks a step's ``i``-th answer: ``sdk`` or ``edge``."""
+    return "sdk" if i < SDK_ASKS else "edge"
+
+
 def _asks(client: MeshClient, tag: str, *directives: str) -> list[asyncio.Future[Outcome]]:
-    half = REQUESTS // 2
-    asks = [ask(client, f"{tag}c{i}", TOKENS, *directives, via="cloud") for i in range(half)]
-    asks += [
-        ask(client, f"{tag}e{i}", TOKENS, *directives, via="edge", route="cloud")
-        for i in range(REQUESTS - half)
+    asks = [
+        ask(client, f"{tag}c{i}", TOKENS, *directives, via="cloud")
+        if via_of(i) == "sdk"
+        else ask(client, f"{tag}e{i - SDK_ASKS}", TOKENS, *directives, via="edge", route="cloud")
+        for i in range(REQUESTS)
     ]
     return [asyncio.ensure_future(a) for a in asks]
 
@@ -248,14 +256,13 @@ async def _hub(tmp: Path, rounds: int) -> dict[str, Any]:
 
 
 def stood_still(outcomes: list[Outcome], fault: str, step: int) -> list[dict[str, Any]]:
-    """The answers of one step (in :func:`_asks`' order: via the SDK, then via an edge) that
-    stood still :data:`STILL_S` or longer: which, how long, and how many attempts it took."""
-    half = REQUESTS // 2
+    """The answers of one step (in :func:`_asks`' order) that stood still :data:`STILL_S` or
+    longer: which, how long, and how many attempts it took."""
     return [
         {
             "fault": fault,
             "step": step,
-            "via": "sdk" if i < half else "edge",
+            "via": via_of(i),
             "s": round(silence, 3),
             "attempts": outcome.attempts,
         }
@@ -299,7 +306,7 @@ async def run(rounds: int = ROUNDS) -> dict[str, Any]:
                 kinds[outcome.kind] = kinds.get(outcome.kind, 0) + 1
                 wait = _wait(outcome, struck)
                 alone = fault in EDGE_ONLY
-                via = "edge" if alone or i >= REQUESTS // 2 else "sdk"
+                via = "edge" if alone else via_of(i)
                 if wait is not None:
                     waits[via].append(wait)
         results[fault] = {
