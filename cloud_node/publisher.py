@@ -144,8 +144,17 @@ class AnswerPublisher:
     def _resend_asked(self) -> None:
         self._asked_timer = None
         asked, self._asked = self._asked, None
-        if asked is not None:
+        if asked is not None and not self.conn.closed:
             self._later.spawn(self.resend(*asked), name="resend")
+
+    def forget(self) -> None:
+        """Drop an ask kept for the gap's end: the worker no longer holds this answer (handed
+        back, lost, superseded, settled or stopped), and a resend then could carry a reader of
+        the next attempt past where that attempt resumes (review S26a)."""
+        if self._asked_timer is not None:
+            self._asked_timer.cancel()
+            self._asked_timer = None
+        self._asked = None
 
     async def send(self, event: WireEvent) -> None:
         self.send_now(event)
@@ -351,13 +360,14 @@ class Settler:
         if len(self._tasks) >= MAX_SETTLING:
             log.warning("answer store incomplete; too many answers settling already")
             return
+        self.publishers[publisher.subject] = publisher  # found by a reader's ask from now on
         self._tasks.spawn(self._settle(publisher), name="settle")
 
     async def _settle(self, publisher: AnswerPublisher) -> None:
-        self.publishers[publisher.subject] = publisher
         try:
             whole = await publisher.settle(self.within, self._gate)
         finally:
+            publisher.forget()
             if self.publishers.get(publisher.subject) is publisher:
                 del self.publishers[publisher.subject]
             self._counted(publisher)

@@ -446,6 +446,8 @@ class Handler(ABC):
             keepalive.stop()
             if self.publishers.get(address) is publisher:  # only its own (see _serving)
                 del self.publishers[address]
+            if self.settler.publishers.get(address) is not publisher:  # not settling: let go
+                publisher.forget()
             if self.keepalives.get(address) is keepalive:
                 del self.keepalives[address]
 

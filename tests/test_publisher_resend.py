@@ -13,12 +13,14 @@ import asyncio
 import time
 
 import pytest
+import structlog
 from nats.aio.msg import Msg
 
 from cloud_node.publisher import RESEND_GAP_S, AnswerPublisher
 from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.config import MeshSettings
 from mesh.connection import Connection
+from mesh.logs import merge_bound
 from protocol.codec import WireFormat, decode_event
 from protocol.messages import TokenEvent
 from protocol.stream import AnswerWriter
@@ -26,7 +28,8 @@ from tests.helpers import eventually
 
 
 async def _three_tokens(conn: Connection, settings: MeshSettings) -> AnswerPublisher:
-    """A worker's publisher that has published a start and tokens "a", "b", "c" (0 to 2)."""
+    """A worker's publisher (on ``conn``) that has published a start and tokens "a", "b", "c"
+    (0 to 2)."""
     await ensure_answer_stream(conn.jsm(), settings.stream)
     store = AnswerStore(conn, settings.stream, filtered=False)
     publisher = AnswerPublisher(conn, store, "resend", "req-1", WireFormat.MSGPACK, timeout=5)
@@ -104,3 +107,35 @@ async def test_an_ask_within_the_gap_for_nothing_this_worker_lacks_sends_nothing
     assert await publisher.resend(attempt, 3) == 0
     await asyncio.sleep(RESEND_GAP_S * 2)
     assert [seq for _at, seq in got] == [2]
+
+
+async def test_a_kept_ask_is_dropped_once_the_worker_lets_the_answer_go(
+    conn: Connection, settings: MeshSettings
+) -> None:
+    """Handed back, lost, superseded or settled (``forget``): what was asked within the gap is
+    not published at its end. A resend of the old attempt then could carry a reader that has
+    not seen the next attempt's start past where that attempt resumes (review S26a)."""
+    publisher = await _three_tokens(conn, settings)
+    got = await _listen(conn, publisher.subject)
+    assert await publisher.resend(1, 2) == 1
+    assert await publisher.resend(1, 0, upto=2) == 0
+    publisher.forget()
+    await asyncio.sleep(RESEND_GAP_S * 2)
+    assert [seq for _at, seq in got] == [2]
+
+
+async def test_a_kept_ask_after_the_connection_closed_logs_no_failure(
+    conn: Connection, settings: MeshSettings
+) -> None:
+    """Review S26a: a worker asked within the gap, then stopped and closed its connection (as
+    the CLI does right after ``Worker.stop``): the kept ask fired on the closed connection and
+    logged "background task failed" at ERROR, with a traceback, on such a shutdown."""
+    own = await Connection(settings.nats, "worker-s26a").connect()
+    publisher = await _three_tokens(own, settings)
+    with structlog.testing.capture_logs([merge_bound]) as logs:
+        assert await publisher.resend(1, 2) == 1
+        assert await publisher.resend(1, 0, upto=2) == 0  # kept for the gap's end
+        await own.close()
+        await asyncio.sleep(RESEND_GAP_S * 2)
+    failed = [e for e in logs if e.get("log_level") in ("error", "critical")]
+    assert not failed, failed
