@@ -51,7 +51,7 @@ from protocol.errors import (
     UnknownModelError,
 )
 from protocol.fingerprint import Fingerprints
-from protocol.messages import InferRequest, RouteDecision, TokenEvent
+from protocol.messages import InferRequest, RouteDecision, TokenEvent, route_decision
 from protocol.stream import AnswerWriter
 
 log = get_logger(__name__)
@@ -295,11 +295,7 @@ class Paths:
         budget = self.budget
         if budget is not None:
             budget.record_forced(route)
-        return RouteDecision.model_construct(
-            decision=route,
-            reason=reason,
-            budget=budget.snapshot() if budget is not None else None,
-        )
+        return route_decision(route, reason, budget.snapshot() if budget is not None else None)
 
     def _busy_local(self, req: InferRequest, decision: RouteDecision) -> RouteDecision | None:
         """A request the router kept local while the local model has no room for it (every

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from protocol.messages import InferRequest, RouteDecision, unicode_text
+from protocol.messages import InferRequest, RouteDecision, route_decision, unicode_text
 
 BUDGET_FORMAT = "mesh-router-budget/1"
 BudgetValue = float | int | str | bool | None
@@ -305,11 +305,11 @@ def decide(router: Router, request: InferRequest) -> RouteDecision:
     if request.route != "auto":
         if budget is not None:
             budget.record_forced(request.route)
-        return RouteDecision.model_construct(
-            decision=request.route,
+        return route_decision(
+            request.route,
+            f"client asked for route={request.route}",
+            budget.snapshot() if budget is not None else None,
             forced=True,
-            reason=f"client asked for route={request.route}",
-            budget=budget.snapshot() if budget is not None else None,
         )
     score, reasons = router.score(request)
     if not 0.0 <= score <= 1.0:  # NaN too: a router's fault is told here, not at the client
@@ -331,12 +331,12 @@ def decide(router: Router, request: InferRequest) -> RouteDecision:
     else:
         detail = f"weak signals: {signals}" if signals else "no complexity signal"
         why = f"score {score:.2f} < {threshold:.2f} ({detail})"
-    return RouteDecision.model_construct(  # not validated: the edge's own values, and checked
-        decision=decision,
+    return route_decision(  # not validated: the edge's own values, and checked
+        decision,
+        unicode_text(why),
+        budget.snapshot(capped) if budget is not None else None,
         score=round(score, 4),
         threshold=round(threshold, 4),
-        reason=unicode_text(why),
-        budget=budget.snapshot(capped) if budget is not None else None,
     )
 
 

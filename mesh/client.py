@@ -337,8 +337,9 @@ class MeshClient(Lifecycle):
         async def send() -> None:
             try:
                 subject = edge_infer_subject(self.edge_id)
-                headers = {CONTENT_TYPE: WireFormat.MSGPACK.content_type}
-                await nc.publish(subject, payload, reply=inbox, headers=headers)
+                # No headers: the map's first byte says msgpack (protocol.codec.sniff), and a
+                # header block cost the edge a parse per request on its way to the queue.
+                await nc.publish(subject, payload, reply=inbox)
                 write_queued(nc)  # a burst leaves in groups (mesh.write_now)
                 # A refused publish (credentials for another edge) is said at once.
                 await self.conn.refusals.check_publish(nc, subject, 2.0, request.id)

@@ -40,14 +40,20 @@ class Tracing:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    @contextlib.contextmanager
     def span(
         self, name: str, headers: Mapping[str, str] | None, **attributes: Any
-    ) -> Iterator[Any]:
-        """A span under the context in ``headers`` (W3C), current while the block runs."""
+    ) -> contextlib.AbstractContextManager[Any]:
+        """A span under the context in ``headers`` (W3C), current while the block runs; with
+        tracing off, a context that gives None (no generator made per request)."""
         if self._tracer is None:
-            yield None
-            return
+            return _NO_SPAN
+        return self._span(name, headers, attributes)
+
+    @contextlib.contextmanager
+    def _span(
+        self, name: str, headers: Mapping[str, str] | None, attributes: dict[str, Any]
+    ) -> Iterator[Any]:
+        assert self._tracer is not None
         from opentelemetry.propagate import extract
 
         parent = extract(dict(headers or {}))
@@ -64,6 +70,10 @@ class Tracing:
 
             inject(carrier)
         return carrier
+
+
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+"""What :meth:`Tracing.span` gives with tracing off (it holds nothing: one serves all)."""
 
 
 def install_provider(service: str) -> None:

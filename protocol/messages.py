@@ -156,6 +156,30 @@ class RouteDecision(_Wire):
     cloud and ``reason`` says why)."""
 
 
+def route_decision(
+    decision: Path,
+    reason: str,
+    budget: dict[str, float | int | str | bool | None] | None,
+    *,
+    forced: bool = False,
+    score: float | None = None,
+    threshold: float | None = None,
+) -> RouteDecision:
+    """A decision from the edge's own values, not validated: ``RouteDecision.model_construct``
+    with every field given, so that pydantic looks up no default (five calls a field left
+    out, on every request an edge routes). ``tests/test_protocol.py`` checks that it equals a
+    validated one."""
+    return RouteDecision.model_construct(
+        decision=decision,
+        score=score,
+        reason=reason,
+        forced=forced,
+        threshold=threshold,
+        budget=budget,
+        confidence=None,
+    )
+
+
 class ResponseFormat(_Wire):
     """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
 

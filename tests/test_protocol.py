@@ -36,10 +36,12 @@ from protocol.messages import (
     EndEvent,
     ErrorEvent,
     InferRequest,
+    RouteDecision,
     StartEvent,
     TokenEvent,
     TokenLogprob,
     queued_request_id,
+    route_decision,
     token_event,
 )
 from protocol.subjects import (
@@ -269,6 +271,32 @@ def test_the_fast_token_event_is_the_validated_one(logprobs: list[TokenLogprob] 
     assert copy.id == "r-2" and fast.id == "r-1"
     fast.attempt = 3  # events are mutable, as validated ones are
     assert fast.attempt == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        (("cloud", "client asked for route=cloud", None), {"forced": True}),
+        (("local", "deadline too near", {"policy": "share", "cap_used": None}), {}),
+        (("cloud", "score 0.81 >= 0.50: math", None), {"score": 0.81, "threshold": 0.5}),
+    ],
+)
+def test_the_fast_route_decision_is_the_validated_one(
+    args: tuple[str, str, dict[str, object] | None], kwargs: dict[str, object]
+) -> None:
+    """An edge builds each request's decision without validation; it must be the decision a
+    validated one is, on the wire too, and stay a model that copies as one does."""
+    decision, reason, budget = args
+    fast = route_decision(decision, reason, budget, **kwargs)  # type: ignore[arg-type]
+    slow = RouteDecision.model_validate(
+        {"decision": decision, "reason": reason, "budget": budget, **kwargs}
+    )
+    assert fast == slow
+    assert fast.model_dump() == slow.model_dump()
+    for fmt in (WireFormat.MSGPACK, WireFormat.JSON):
+        assert dump(fast, fmt) == dump(slow, fmt)
+    copy = fast.model_copy(update={"decision": "local"})
+    assert copy.decision == "local" and fast.decision == decision
 
 
 def test_json_nested_past_the_decoders_limit_is_a_bad_payload_without_recursion() -> None:
