@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 from protocol.codec import load, sniff
 from protocol.errors import MeshError
@@ -17,6 +18,9 @@ from protocol.messages import InferRequest
 from protocol.subjects import address_of
 
 NO_KEY = ""
+KEYS_KEPT = 4
+"""Of the keys the cancels of one id carry, the first this many and the latest this many are
+kept (a bound on what a flood of cancels can make a worker hold)."""
 
 
 def cancel_key_of(payload: bytes, headers: dict[str, str] | None = None) -> str:
@@ -35,6 +39,32 @@ def allows(request: InferRequest, key: str) -> bool:
     return request.cancel_key is None or key == request.cancel_key
 
 
+class _Keys:
+    """The keys the cancels of one id carried: the first :data:`KEYS_KEPT` and the latest
+    :data:`KEYS_KEPT`. Anyone who may cancel in a scope may send keys for an id; with the first
+    eight alone, eight guesses sent before the sender's own cancel voided it (review S27b), and
+    with the latest alone, eight sent after it would. A guesser now has to flood on both sides
+    of it before the request is fetched, and the sender's cancel sent again still acts."""
+
+    __slots__ = ("first", "latest")
+
+    def __init__(self) -> None:
+        self.first: list[str] = []
+        self.latest: deque[str] = deque(maxlen=KEYS_KEPT)
+
+    def add(self, key: str) -> None:
+        if key in self.first or key in self.latest:
+            return
+        if len(self.first) < KEYS_KEPT:
+            self.first.append(key)
+        else:
+            self.latest.append(key)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.first
+        yield from self.latest
+
+
 class CancelBook:
     """A bounded map of recently cancelled ids to the keys their cancels carried; each entry is
     forgotten ``ttl`` seconds after its last cancel.
@@ -47,15 +77,14 @@ class CancelBook:
         self._ttl = ttl
         self._max = max_size
         self._per_scope = min(per_scope, max_size)
-        self._ids: OrderedDict[str, tuple[float, set[str]]] = OrderedDict()
+        self._ids: OrderedDict[str, tuple[float, _Keys]] = OrderedDict()
         self._scopes: dict[str, OrderedDict[str, None]] = {}
         """Each scope's entries, oldest first (the addresses in ``_ids``)."""
 
     def add(self, address: str, key: str = NO_KEY) -> None:
         self._expire()
-        keys = self._forget(address)
-        if len(keys) < 8:
-            keys.add(key)
+        keys = self._forget(address) or _Keys()
+        keys.add(key)
         self._ids[address] = (time.monotonic() + self._ttl, keys)
         own = self._scopes.setdefault(address_of(address)[0], OrderedDict())
         own[address] = None
@@ -75,11 +104,11 @@ class CancelBook:
         self._expire()
         return address in self._ids
 
-    def _forget(self, address: str) -> set[str]:
-        """Drop ``address`` (its keys are returned; empty when it was not there)."""
+    def _forget(self, address: str) -> _Keys | None:
+        """Drop ``address`` (its keys are returned; None when it was not there)."""
         entry = self._ids.pop(address, None)
         if entry is None:
-            return set()
+            return None
         scope = address_of(address)[0]
         own = self._scopes.get(scope)
         if own is not None:

@@ -30,6 +30,7 @@ from mesh.lifecycle import Lifecycle
 from mesh.logs import get_logger
 from mesh.recovery import Recovery, Step
 from mesh.refusals import Refusals
+from mesh.safe_client import SafeClient
 from mesh.tasks import first_of
 from mesh.write_batch import WriteBatch, gap_s
 from protocol.errors import UnauthorizedError, UnavailableError
@@ -270,7 +271,7 @@ class Connection(Lifecycle):
         servers = self.settings.servers()
         if self.settings.creds_file:
             self.claims = check_creds_file(self.settings.creds_file)
-        client = Client()
+        client = SafeClient()  # a message it cannot read is dropped, not its connection
         refused: list[str] = []
         failures: list[str] = []
         turned_away = 0

@@ -1,0 +1,87 @@
+"""A nats-py client that drops a message it cannot read instead of stopping to read at all.
+
+nats-server passes on any bytes in a subject, a reply subject and a header block's status line.
+nats-py (2.16) decodes those as UTF-8 outside any ``try``: the ``UnicodeDecodeError`` ends its
+read loop, and no reconnect starts until the pings go stale (3 to 4 s here). Meanwhile the
+connection hears nothing, and whatever the server wrote to it is lost with the socket. One
+``PUB mesh.v1.cancel.\\xff.x`` reached every worker (they all listen to cancels), and one
+request to an edge with such a reply subject left that edge deaf: a request sent in those
+seconds was never answered (review S27b).
+
+:class:`SafeClient` reads such a message as nats-py would read nothing: it is dropped, counted
+(:data:`dropped`) and logged at most once every :data:`LOG_EVERY_S`. A header *value* that is
+not UTF-8 was never a problem: nats-py decodes those with ``errors="replace"``.
+
+This leans on two private methods of nats-py's ``Client`` (``_process_headers`` and
+``_build_message``), the ones its ``_process_msg`` calls for every message;
+``tests/test_safe_client.py`` sends such bytes through a real nats-server to the installed
+nats-py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nats.aio.client import Client
+
+from mesh.logs import get_logger
+
+log = get_logger(__name__)
+
+LOG_EVERY_S = 10.0
+"""At most one warning this often, whatever a sender floods the node with."""
+
+
+class _Unreadable(dict[str, str]):
+    """Headers whose status line could not be read: the message is dropped."""
+
+
+_UNREADABLE = _Unreadable()
+
+
+class _Dropped:
+    count = 0
+    logged_at = -LOG_EVERY_S
+
+
+dropped = _Dropped()
+"""Messages dropped so far in this process (``dropped.count``)."""
+
+
+class SafeClient(Client):
+    async def _process_headers(self, headers: Any) -> dict[str, str] | None:
+        try:
+            return await super()._process_headers(headers)
+        except UnicodeDecodeError:
+            return _UNREADABLE
+
+    def _build_message(
+        self,
+        sid: int,
+        subject: bytes,
+        reply: bytes,
+        data: bytes,
+        headers: dict[str, str] | None,
+    ) -> Any:
+        if headers is _UNREADABLE:
+            _drop(subject, "a header status line that is not UTF-8")
+            return None
+        try:
+            return super()._build_message(sid, subject, reply, data, headers)
+        except UnicodeDecodeError:
+            _drop(subject, "a subject or reply subject that is not UTF-8")
+            return None
+
+
+def _drop(subject: bytes, why: str) -> None:
+    dropped.count += 1
+    now = time.monotonic()
+    if now - dropped.logged_at >= LOG_EVERY_S:
+        dropped.logged_at = now
+        log.warning(
+            "dropped a message nats-py cannot read",
+            why=why,
+            subject=subject[:200].decode("utf-8", "replace"),
+            dropped=dropped.count,
+        )
