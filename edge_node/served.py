@@ -115,9 +115,12 @@ class CloudModels:
         A registry silent as a whole cannot tell: its workers are asked then (in the
         background, at most once a second), and those the server says nobody listens for are
         gone, so that a fleet that died says so within a round, whoever asks (a request, a
-        readiness probe)."""
+        readiness probe). So are they while the view cannot tell (for a ``node_ttl`` after a
+        reconnect it trusts only what it heard since): one that answers is there. Before, an
+        edge said "cannot tell" after every blip of its link until the workers' next
+        heartbeats, a whole heartbeat of ``degraded`` readiness (review S27a)."""
         serves = self._nodes.serves(model)
-        if serves is not True and self._nodes.quiet:
+        if serves is None or (serves is False and self._nodes.quiet):
             self.ask_workers(model)
         return serves
 

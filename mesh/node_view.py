@@ -296,6 +296,7 @@ class NodeView:
         for key, (info, seen) in list(self._nodes.items()):
             if info.node_id == node_id and seen < now:
                 self._nodes[key] = (info, now)
+                self._updated[key] = now  # heard from since a reconnect, as by an update
 
     def _undecided(self, node_ids: list[str]) -> bool:
         """While quiet: whether these aged-out workers may still be there. Yes while the

@@ -219,11 +219,20 @@ class Heartbeat:
                     self._kv.put(self._key, self._info().model_dump_json().encode()),
                     max(self._interval, 1.0),
                 )
+                self._announced()
                 return
             except nats.js.errors.NoStreamResponseError:
                 self._kv = None  # the bucket is gone: created again, now
                 if last:
                     raise
+
+    def _announced(self) -> None:
+        """An announcement went through, whoever made it: the loop's, or a restore's after a
+        reconnect (which announced the node again a heartbeat before the loop's next one, and
+        the node still said ``unannounced`` until then: review S27a)."""
+        if self.failing:
+            log.info("heartbeat restored")
+        self.failing = False
 
     async def _loop(self) -> None:
         while True:
@@ -232,9 +241,6 @@ class Heartbeat:
             try:
                 await self.beat()
                 raise_if_cancelled()
-                if self.failing:
-                    log.info("heartbeat restored")
-                self.failing = False
             except (asyncio.TimeoutError, nats.errors.Error, MeshError) as exc:
                 if not self.failing:  # once per outage, not every second
                     log.warning("heartbeat failed", error=repr(exc))

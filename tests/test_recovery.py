@@ -171,3 +171,32 @@ async def test_a_rerun_after_a_quiet_spell_waits_for_no_pause_left_from_before()
     await eventually(lambda: _true(len(runs) == 2), what="the step once more")
     assert runs[1] - released < 0.5, runs[1] - released
     await recovery.close()
+
+
+async def test_a_loss_heard_several_times_before_its_step_runs_counts_once() -> None:
+    """One deletion is heard several times (JetStream's advisory, then each open pull request
+    ended "Consumer Deleted", then 503s while it is gone). What is heard before the step's run
+    begins, that run finds: it runs once, and the pause before the next loss's run doubles once
+    per loss. Before, a word heard in the pause (or before the step's first turn) asked for a
+    rerun, paced again: the pause doubled per word, and a consumer deleted four times a second
+    apart came back 0.05, 0.10, 0.42 and 1.65 s later (review S27a)."""
+    recovery = Recovery("test")
+    runs: list[float] = []
+
+    async def step() -> None:
+        runs.append(time.monotonic())
+
+    recovery.add("consumer", step)
+    waits = []
+    for loss in range(4):
+        began = time.monotonic()
+        for word in ("409 Consumer Deleted", "advisory", "503"):
+            recovery.again("consumer", word)  # all before the step's first turn
+        await eventually(lambda n=loss: _true(len(runs) > n), what="the step")
+        waits.append(round(runs[-1] - began, 2))
+        await eventually(lambda: _true(recovery.pending == []), what="restored")
+        await asyncio.sleep(0.05)  # lost again soon after: a flap, paced
+    await asyncio.sleep(0.3)
+    assert len(runs) == 4, f"{len(runs)} runs for 4 losses (waits {waits})"  # no reruns
+    assert waits[1] < 0.15 and waits[2] < 0.3 and waits[3] < 0.6, waits  # 0.1, 0.2, 0.4 s
+    await recovery.close()
