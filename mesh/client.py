@@ -337,8 +337,7 @@ class MeshClient(Lifecycle):
         async def send() -> None:
             try:
                 subject = edge_infer_subject(self.edge_id)
-                # No headers: the map's first byte says msgpack (protocol.codec.sniff), and a
-                # header block cost the edge a parse per request on its way to the queue.
+                # No headers: its first byte says msgpack, and a header cost the edge a parse.
                 await nc.publish(subject, payload, reply=inbox)
                 write_queued(nc)  # a burst leaves in groups (mesh.write_now)
                 # A refused publish (credentials for another edge) is said at once.
