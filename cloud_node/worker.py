@@ -51,7 +51,7 @@ from mesh.lifecycle import Lifecycle, start_or_undo
 from mesh.logs import get_logger
 from mesh.loop_lag import LoopLag
 from mesh.metrics import Exposition, NatsMetrics, WorkerMetrics, exposition, watch_gc
-from mesh.provision import provisioned
+from mesh.provision import PROVISION_TRIES, provisioned
 from mesh.registry import Heartbeat, NodeInfo, claim_room
 from mesh.stream_deleted import stream_deleted, watch_deleted
 from mesh.tasks import TaskSet, cancel_and_wait
@@ -276,15 +276,13 @@ class Worker(Lifecycle):
             continues=self.backend.continues,
         )
 
-    async def _provision(self) -> None:
-        """Idempotent; asked again while JetStream answers slowly or not yet
-        (:func:`mesh.provision.provisioned`)."""
+    async def _provision(self, tries: int = PROVISION_TRIES) -> None:
+        """Idempotent; asked again while JetStream answers slowly (:func:`provisioned`); in a
+        restore once: its recovery retries sooner, where these held it 1 s more (review S27a)."""
         since = self.store.losses
-        hub = await provisioned(
-            lambda: provision_hub(
-                self.conn.jsm(), self._stream, [self.backend.model], leases_required=False
-            )
-        )
+        model = [self.backend.model]
+        step = partial(provision_hub, self.conn.jsm(), self._stream, model, leases_required=False)
+        hub = await provisioned(step, tries)
         self.leases.enabled, self.given_up.readable = hub.leases, hub.given_up
         if hub.given_up and self._subs:  # it listened to the advisory so far: read from now on
             await self.given_up.use(read=True)
@@ -322,7 +320,7 @@ class Worker(Lifecycle):
         """After a reconnect or a loss: put back what may be lost (idempotent), announce this
         worker, and cover its free slots (the pulls of a lost consumer ended with it)."""
         self.handler.epoch.forget()  # the consumer may have been made anew
-        await self._provision()
+        await self._provision(tries=1)
         await self._heartbeat.beat()
         await self._puller.top_up(whole=True)
 

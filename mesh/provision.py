@@ -145,11 +145,12 @@ PROVISION_TRIES = 4
 apart each time (0.5, 1, 1.5 s), while JetStream answers slowly or not yet."""
 
 
-async def provisioned(step: Callable[[], Awaitable[T]]) -> T:
+async def provisioned(step: Callable[[], Awaitable[T]], tries: int = PROVISION_TRIES) -> T:
     """``step()`` (idempotent provisioning), asked again while JetStream is slow to answer (a
     timeout: replicated streams created on a cluster, by several workers at once) or does not
-    answer yet (a 503: a server that just started); a refusal raises at once."""
-    for attempt in range(1, PROVISION_TRIES):
+    answer yet (a 503: a server that just started), ``tries`` times in all; a refusal raises
+    at once."""
+    for attempt in range(1, tries):
         try:
             return await step()
         except (MeshTimeoutError, UnavailableError) as err:

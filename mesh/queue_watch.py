@@ -110,7 +110,7 @@ class QueueWatch:
         self._undo_loss: Callable[[], None] | None = None
         self._hearing: asyncio.Task[None] | None = None
         """Subscribing to the queue's "consumer created" word, from the first request on (None
-        again after a try that got no answer: the next request tries again)."""
+        again after a try that got no answer: the next look tries again)."""
         self._heard: Subscription | None = None
         self._due: set[str] = set()
         """Pools whose consumer was made since the last look: looked at, at once."""
@@ -119,10 +119,7 @@ class QueueWatch:
     def add(self, call: Waiting) -> None:
         """Watch ``call``, queued just now, until :meth:`discard`."""
         self._calls.setdefault(call.model, set()).add(call)
-        if self._hearing is None:
-            self._hearing = asyncio.get_running_loop().create_task(
-                self._hear(), name="queue-watch-hear"
-            )
+        self._listen()
         if self._undo_loss is None:
             self._reconnects = self._conn.reconnects
             self._undo_loss = self._conn.on_loss(self._after_loss)
@@ -155,9 +152,20 @@ class QueueWatch:
             return  # messages dropped (a slow consumer), not a link that came back
         self._reconnects = self._conn.reconnects
         if self._heard is None and self._hearing is not None and self._hearing.done():
-            self._hearing = None  # refused before: the next request tries again (new rights)
+            self._hearing = None  # refused before: tried again now (new rights)
+        self._listen()
         self._every, self._pause = True, LOOK_S
         self._look_now()
+
+    def _listen(self) -> None:
+        """Subscribe to the word that the queue was put back, unless that is done or under
+        way. Tried again at each look while requests wait (and after a reconnect): a try that
+        got no answer in time was tried again only by the next request queued, and requests
+        that kept waiting had the looks alone, up to 4 s apart (review S27a)."""
+        if self._hearing is None and self._calls and not self._closed:
+            self._hearing = asyncio.get_running_loop().create_task(
+                self._hear(), name="queue-watch-hear"
+            )
 
     async def _hear(self) -> None:
         """Subscribe to the word that a consumer of the queue was made (a plain subscription:
@@ -166,7 +174,7 @@ class QueueWatch:
         subject = consumer_created(self._stream.name, "*")
         self._heard, again = await listen(self._conn, subject, self._made, "the queue put back")
         if again:
-            self._hearing = None  # the next request tries again
+            self._hearing = None  # the next look tries again
 
     async def _made(self, msg: Msg) -> None:
         """A consumer of the queue was made: look at once at its pool, if requests wait for it."""
@@ -190,6 +198,7 @@ class QueueWatch:
         self._looking = asyncio.get_running_loop().create_task(self._look(), name="queue-watch")
 
     async def _look(self) -> None:
+        self._listen()
         try:
             every, self._every = self._every, False
             made, self._due = self._due, set()

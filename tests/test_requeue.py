@@ -14,6 +14,7 @@ import itertools
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.js.errors import APIError
@@ -275,3 +276,34 @@ async def test_a_closed_connection_stops_its_watch(own_server: NatsServer) -> No
     assert watch._timer is None and watch._looking is None and watch._undo_loss is None
     await asyncio.sleep(LOOK_S + 0.2)
     assert watch._timer is None and watch._looking is None
+
+
+async def test_a_watch_whose_word_subscription_got_no_answer_tries_again_at_its_next_look(
+    own_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subscribing to the word that the queue was put back got no answer in time (an election,
+    a slow link): the watch tries again at its next look while its requests wait. Before, only
+    the next request queued tried again, and requests that kept waiting had the looks alone,
+    up to 4 s apart (review S27a)."""
+    settings = _settings(own_server.url)
+    real = mesh.queue_watch.listen
+    tries: list[float] = []
+
+    async def slow_first(*args: Any) -> tuple[Any, bool]:
+        tries.append(time.monotonic())
+        if len(tries) == 1:
+            return None, True  # as `listen` says when the server did not answer in time
+        return await real(*args)
+
+    monkeypatch.setattr(mesh.queue_watch, "listen", slow_first)
+    async with (
+        Connection(settings.nats, "sender") as conn,
+        Connection(settings.nats, "operator") as op,
+    ):
+        await provision(op.jsm(), settings.stream, ["m"])
+        watch = queue_watch(conn, settings.stream)
+        call = _Waiting("m")
+        watch.add(call)  # one request, and no other queued after it
+        await eventually(lambda: holds(watch._heard is not None), 3 * LOOK_S, "heard again")
+        assert len(tries) == 2, tries
+        watch.discard(call)
