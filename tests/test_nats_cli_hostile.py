@@ -15,6 +15,7 @@ Real nats-server; the edge and the worker run the deterministic backend (``[tag:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -47,14 +48,22 @@ async def det_edge(settings: MeshSettings, conn: Connection) -> AsyncIterator[Ed
         yield node
 
 
-@pytest.fixture
-async def det_worker(settings: MeshSettings, conn: Connection) -> AsyncIterator[Worker]:
-    """A worker on the deterministic backend, 10 ms a token, 4 slots."""
+@contextlib.asynccontextmanager
+async def _det_worker(
+    settings: MeshSettings, conn: Connection, slots: int
+) -> AsyncIterator[Worker]:
+    """A worker on the deterministic backend, 10 ms a token."""
     settings.worker.model.backend = "deterministic"
-    settings.worker.model.slots = 4
+    settings.worker.model.slots = slots
     settings.worker.model.token_delay_ms = 10.0
     backend = DeterministicBackend(settings.worker.model)
     async with Worker(settings, conn, backend) as running:
+        yield running
+
+
+@pytest.fixture
+async def det_worker(settings: MeshSettings, conn: Connection) -> AsyncIterator[Worker]:
+    async with _det_worker(settings, conn, 4) as running:
         yield running
 
 
@@ -167,12 +176,7 @@ async def test_one_cancel_with_a_subject_that_is_not_utf8_does_not_stall_every_w
 
 @pytest.fixture
 async def one_slot_worker(settings: MeshSettings, conn: Connection) -> AsyncIterator[Worker]:
-    """A 1-slot worker on the deterministic backend, 10 ms a token."""
-    settings.worker.model.backend = "deterministic"
-    settings.worker.model.slots = 1
-    settings.worker.model.token_delay_ms = 10.0
-    backend = DeterministicBackend(settings.worker.model)
-    async with Worker(settings, conn, backend) as running:
+    async with _det_worker(settings, conn, 1) as running:
         yield running
 
 
