@@ -263,7 +263,10 @@ class Puller:
 
     def _on_msg(self, token: int, msg: Msg) -> None:
         """A message of pull request ``token``, in the connection's read loop."""
-        status = msg.headers.get("Status") if msg.headers else None
+        # The server's word on the pull request comes with no reply subject; a delivery always
+        # has its ack subject, whatever headers its sender set (`nats pub ... -H Status:503`
+        # read as the server's 503: a restore for nothing, the message never settled).
+        status = msg.headers.get("Status") if msg.headers and not msg.reply else None
         if status is not None and not msg.data:
             if status == HEARTBEAT:
                 return

@@ -35,6 +35,7 @@ from mesh.connection import Connection
 from mesh.testing.chaos import expected_text
 from protocol.messages import InferRequest
 from protocol.subjects import infer_subject, token_subject
+from tests.helpers import eventually, queue_drained
 from tests.nats_wire import RawNatsClient
 
 
@@ -241,15 +242,22 @@ async def test_a_queued_message_with_a_status_header_is_not_taken_for_the_pulls_
     """`nats pub mesh.v1.infer.smollm2.ops '' -H 'Status:STATUS'`: JetStream keeps the
     message with its header and delivers it to a worker's pull inbox, where it reads like
     the server's own status for that pull request. Requests queued next must be answered
-    whole, each once, and the worker must stay at its one slot."""
+    whole, each once, and the worker must stay at its one slot; the message itself is settled
+    as any unreadable request is (an error on its token subject), not redelivered every
+    ``ack_wait``, and no restore runs for it. Before, a 503 read as "no consumer" made the
+    worker put its queue back for nothing, and the message came back until ``max_deliver``."""
     queue = infer_subject("smollm2", "ops")
     cli = await raw_client(settings)
+    restores: list[str] = []
+    again = one_slot_worker.conn.recovery.again
+    one_slot_worker.conn.recovery.again = lambda name, why: restores.append(why) or again(name, why)  # type: ignore[method-assign]
     try:
+        await cli.subscribe("mesh.v1.tok.ops.*")
         ack = await ask(settings, queue, b"", timeout=5, headers={"Status": status})
         assert ack.get("stream") == settings.stream.name, ack
-        names = [uid(f"st{n}") for n in range(3)]
-        for name in names:
-            await cli.subscribe(token_subject("ops", name))
+        told = (await cli.next_msg(timeout=5)).json()  # its error, under the id it was given
+        assert told["t"] == "err" and told["id"] == f"queued-{ack['seq']}", told
+        names = [uid(f"st{n}") for n in range(3)]  # their answers on the same subscription
         began = time.monotonic()
         for name in names:
             body = {"id": name, "prompt": f"[tag:{name}] x", "max_tokens": 20}
@@ -270,6 +278,8 @@ async def test_a_queued_message_with_a_status_header_is_not_taken_for_the_pulls_
             assert texts[name] == expected_text(name, 20), (name, texts[name])
         assert took < 5, f"three 20-token answers took {took:.1f}s"
         assert one_slot_worker.backend.capacity().total == 1
+        await eventually(lambda: queue_drained(one_slot_worker.conn, settings), 3, "settled")
+        assert restores == [], restores
     finally:
         await cli.close()
 
