@@ -1,7 +1,8 @@
 """A `nats` CLI user (or a raw socket writing what nats-py refuses) against the edge's and
 the cloud's request subjects. Each test says what an honest client sees.
 
-Review S27b wrote these. Two failed before their fixes:
+Review S27b wrote these (and review S27c the short header blocks and the guesses on both
+sides of a cancel). These failed before their fixes:
 
 - one message whose subject, reply subject or header status is not UTF-8 stopped nats-py's
   read loop: the node heard nothing for 3 to 4 s, and what was sent to it meanwhile was lost
@@ -123,6 +124,9 @@ NOT_UTF8 = [
     # an HPUB whose header block's status is not UTF-8 (nats-py decodes it outside its try)
     ("header status", lambda subject: hpub(subject, b"NATS/1.0 \xff\xfe\xfd\r\n\r\n", b"hi")),
     ("status text", lambda subject: hpub(subject, b"NATS/1.0 503 \xff\xfe\r\n\r\n", b"hi")),
+    # a header block nats-py indexes past (`NATS/1.0` alone) or that is none (review S27c)
+    ("version line only", lambda subject: hpub(subject, b"NATS/1.0", b"hi", b"_INBOX.x")),
+    ("not a version line", lambda subject: hpub(subject, b"XXXX", b"hi", b"_INBOX.x")),
 ]
 
 
@@ -142,8 +146,13 @@ async def test_one_message_with_bytes_that_are_not_utf8_does_not_deafen_the_edge
     assert answer["t"] == "answer" and answer["text"] == expected_text("next", 4), answer
 
 
+@pytest.mark.parametrize(
+    "cancel",
+    [b"PUB mesh.v1.cancel.\xff.x 2\r\nhi\r\n", hpub(b"mesh.v1.cancel.ops.x", b"NATS/1.0", b"hi")],
+    ids=["subject not utf8", "header block version line only"],
+)
 async def test_one_cancel_with_a_subject_that_is_not_utf8_does_not_stall_every_worker(
-    det_worker: Worker, settings: MeshSettings
+    det_worker: Worker, settings: MeshSettings, cancel: bytes
 ) -> None:
     """Every worker subscribes to ``mesh.v1.cancel.>``. A user publishes one `cancel` there
     whose subject token is not UTF-8 (``mesh.v1.cancel.\\xff.x``, no reply). A request queued
@@ -151,7 +160,7 @@ async def test_one_cancel_with_a_subject_that_is_not_utf8_does_not_stall_every_w
     second, as it does otherwise; every worker's read loop stopped instead, and nothing was
     pulled or cancelled, and no answer in flight moved, until its pings went stale."""
     url = settings.nats.url or ""
-    raw_send(url, b"PUB mesh.v1.cancel.\xff.x 2\r\nhi\r\n")
+    raw_send(url, cancel)
     cli = await raw_client(settings)
     try:
         name = uid("after")
@@ -191,15 +200,17 @@ async def read_answer(cli: RawNatsClient, subject: str, timeout: float) -> list[
     return events
 
 
+@pytest.mark.parametrize(("before", "after"), [(8, 0), (4, 4)])
 async def test_cancels_with_wrong_keys_do_not_void_the_senders_own_cancel(
-    one_slot_worker: Worker, settings: MeshSettings
+    one_slot_worker: Worker, settings: MeshSettings, before: int, after: int
 ) -> None:
     """A `nats` CLI user queues ``victim-1`` in scope ``ops`` with a ``cancel_key``; it waits
-    in the queue behind a busy worker. Someone else publishes 8 cancels for the same subject
-    with keys they guessed (`nats pub mesh.v1.cancel.ops.victim-1 '{"key": "guess-N"}'`), then
-    the user cancels with the right key. The user must get ``cancelled`` and no tokens; the
-    worker kept at most 8 keys per cancelled id (cloud_node/cancels.py ``len(keys) < 8``), so
-    the user's own key was never kept and the answer was generated whole."""
+    in the queue behind a busy worker. Someone else publishes cancels for the same subject
+    with keys they guessed (`nats pub mesh.v1.cancel.ops.victim-1 '{"key": "guess-N"}'`),
+    before and after the user's own cancel with the right key. The user must get
+    ``cancelled`` and no tokens. The worker kept at most 8 keys per cancelled id (the first 8:
+    review S27b), then the first 4 and the latest 4 (review S27c): the user's own key was
+    pushed out, and the answer was generated whole."""
     queue = infer_subject("smollm2", "ops")
     cli = await raw_client(settings)
     try:
@@ -214,9 +225,12 @@ async def test_cancels_with_wrong_keys_do_not_void_the_senders_own_cancel(
         body = {"id": victim_id, "prompt": "[tag:v] x", "max_tokens": 8}
         body["cancel_key"] = "victim-key-1"
         await ask(settings, queue, json.dumps(body).encode(), timeout=5)
-        for n in range(8):
-            await cli.publish(f"mesh.v1.cancel.ops.{victim_id}", b'{"key": "guess-%d-xx"}' % n)
-        await cli.publish(f"mesh.v1.cancel.ops.{victim_id}", b'{"key": "victim-key-1"}')
+        cancel = f"mesh.v1.cancel.ops.{victim_id}"
+        for n in range(before):
+            await cli.publish(cancel, b'{"key": "guess-%d-xx"}' % n)
+        await cli.publish(cancel, b'{"key": "victim-key-1"}')
+        for n in range(after):
+            await cli.publish(cancel, b'{"key": "late-%d-xxx"}' % n)
         events = await read_answer(cli, victim, timeout=10)
     finally:
         await cli.close()
@@ -339,21 +353,29 @@ async def test_an_absurd_deadline_queued_by_hand_is_answered_or_refused_typed(
         await cli.close()
 
 
-def test_a_cancel_book_keeps_the_first_and_the_latest_keys_of_an_id() -> None:
-    """Keys for one id, bounded: the first four and the latest four. The sender's key acts
-    whether guesses came before it (eight of them voided it before) or after it (four)."""
+def test_a_cancel_book_keeps_every_key_within_its_scopes_budget() -> None:
+    """Keys count one by one against their scope's budget, not a few per id: the sender's key
+    acts whatever number of guesses came before it or after it, within the scope's budget (8
+    before it voided it once, review S27b; 4 on each side after that, review S27c). Guesses
+    never cancel, and what a flood makes a worker hold stays bounded."""
     request = InferRequest(id="v-1", prompt="x", cancel_key="right-key-1")
-    for before, after in ((8, 0), (0, 4), (3, 3), (20, 0)):
-        book = CancelBook(ttl=60)
-        address = token_subject("ops", "v-1")
+    address = token_subject("ops", "v-1")
+    for before, after in ((8, 0), (0, 8), (4, 4), (40, 40)):
+        book = CancelBook(ttl=60, per_scope=100)
         for n in range(before):
             book.add(address, f"guess-{n}")
         book.add(address, "right-key-1")
         for n in range(after):
             book.add(address, f"late-{n}")
         assert book.cancels(address, request), (before, after)
-    flooded = CancelBook(ttl=60)
-    for n in range(100):
-        flooded.add(token_subject("ops", "v-1"), f"guess-{n}")
-    assert not flooded.cancels(token_subject("ops", "v-1"), request)  # guesses never act
-    assert len(list(flooded._ids[token_subject("ops", "v-1")][1])) == 8  # bounded
+    flooded = CancelBook(ttl=60, max_size=300, per_scope=100)
+    for n in range(1000):
+        flooded.add(address, f"guess-{n}")
+        flooded.add(token_subject(f"s{n % 7}", f"r{n}"), "k")
+    assert not flooded.cancels(address, request)  # guesses never act
+    assert len(flooded._heard) <= 300 and len(flooded._scopes["ops"]) <= 100
+    other = CancelBook(ttl=60, per_scope=100)
+    other.add(token_subject("mine", "v-1"), "right-key-1")
+    for n in range(1000):  # a flood in another scope leaves this one's cancel
+        other.add(token_subject("ops", f"r{n}"), "k")
+    assert other.cancels(token_subject("mine", "v-1"), request)
