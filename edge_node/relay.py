@@ -63,6 +63,7 @@ from protocol.messages import (
     TokenEvent,
     WireEvent,
     new_request_id,
+    route_decision,
     token_event,
 )
 from protocol.subjects import worker_of
@@ -244,7 +245,7 @@ class CloudRelay:
                 "id": new_request_id(),
                 "model": model,
                 "origin": parts.edge_id,
-                "routing": self.decision,
+                "routing": _for_the_worker(self.decision),
                 "start_by": now + start_timeout,
                 "deadline": deadline,
                 "reply": None,
@@ -444,3 +445,21 @@ class CloudRelay:
         if self.tried:
             update["fallback"] = f"served by the {self.req.model!r} pool after {self.tried}"
         return end.model_copy(update=update)
+
+
+def _for_the_worker(decision: RouteDecision) -> RouteDecision:
+    """The decision as the queued copy carries it: without the edge's budget (14 figures the
+    worker would validate one by one, and the client's end carries it from the edge anyway:
+    :meth:`CloudRelay` puts the edge's own decision on it)."""
+    if decision.budget is None:
+        return decision
+    d = decision
+    return route_decision(
+        d.decision,
+        d.reason,
+        None,
+        forced=d.forced,
+        score=d.score,
+        threshold=d.threshold,
+        confidence=d.confidence,
+    )

@@ -37,7 +37,7 @@ from mesh.queue_watch import QueueWatch, queue_watch
 from mesh.reader import AnswerReader
 from mesh.repair import store_repair
 from mesh.tasks import cancel_and_wait
-from protocol.codec import CONTENT_TYPE, WireFormat, dump
+from protocol.codec import WireFormat, dump
 from protocol.errors import (
     MeshError,
     MeshTimeoutError,
@@ -136,11 +136,9 @@ async def publish_request(
     if model is None:
         raise ValueError("request.model must be set before it is queued")
     subject = infer_subject(model, scope)
-    headers = {
-        **(extra_headers or {}),
-        MSG_ID_HEADER: f"{scope}.{request.id}",
-        CONTENT_TYPE: WireFormat.MSGPACK.content_type,
-    }
+    # No Content-Type: a msgpack map's first byte says what it is (protocol.codec.sniff), and
+    # each header is a parse for every worker that reads the request.
+    headers = {**(extra_headers or {}), MSG_ID_HEADER: f"{scope}.{request.id}"}
     payload = dump(request, WireFormat.MSGPACK)
     try:
         with conn.refusals.until_refused(subject, request.id):  # refused: said at once

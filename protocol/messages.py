@@ -164,6 +164,7 @@ def route_decision(
     forced: bool = False,
     score: float | None = None,
     threshold: float | None = None,
+    confidence: dict[str, float | int | bool] | None = None,
 ) -> RouteDecision:
     """A decision from the edge's own values, not validated: ``RouteDecision.model_construct``
     with every field given, so that pydantic looks up no default (five calls a field left
@@ -176,7 +177,7 @@ def route_decision(
         forced=forced,
         threshold=threshold,
         budget=budget,
-        confidence=None,
+        confidence=confidence,
     )
 
 

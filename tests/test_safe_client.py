@@ -5,6 +5,8 @@ The end-to-end cases (a real nats-server passing such bytes on) are in
 
 from __future__ import annotations
 
+import random
+
 from nats.aio.client import Client
 
 from mesh.safe_client import SafeClient, dropped
@@ -34,3 +36,35 @@ async def test_only_what_nats_py_cannot_read_is_dropped() -> None:
     assert status is not None and status.get("Status") == "408"
     value = await safe._process_headers(b"NATS/1.0\r\nKey: \xff\r\n\r\n")  # a value: replaced
     assert value is not None and safe._build_message(1, b"a.b", b"", b"x", value) is not None
+
+
+def test_header_lines_parse_as_nats_py_parses_them() -> None:
+    """Random header blocks, odd ones included (names with blanks, control characters or bytes
+    that are not ASCII, no colon, empty lines, values that are not UTF-8): the same headers as
+    the installed nats-py's parse."""
+    rng = random.Random(27)
+    pieces = [
+        b"Content-Type",
+        b"Nats-Msg-Id",
+        b"a b",
+        b"\tx",
+        b"\x1fk",
+        b"\xffn",
+        b"",
+        b":",
+        b": ",
+        b"value",
+        b"\xfe\xff",
+        b" v ",
+        b"\x0bz",
+        b"traceparent",
+    ]
+    for _ in range(3000):
+        lines = []
+        for _line in range(rng.randint(0, 5)):
+            name = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 3)))
+            sep = rng.choice([b":", b": ", b"", b":\t"])
+            value = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 2)))
+            lines.append(name + sep + value)
+        raw = b"\r\n".join(lines) + rng.choice([b"", b"\r\n", b"\r\n\r\n"])
+        assert SafeClient._parse_header_lines(raw) == Client._parse_header_lines(raw), raw
