@@ -120,7 +120,9 @@ class CloudModels:
         edge said "cannot tell" after every blip of its link until the workers' next
         heartbeats, a whole heartbeat of ``degraded`` readiness (review S27a)."""
         serves = self._nodes.serves(model)
-        if serves is None or (serves is False and self._nodes.quiet):
+        if (serves is None and self._nodes.follows(model)) or (
+            serves is False and self._nodes.quiet
+        ):
             self.ask_workers(model)
         return serves
 
