@@ -382,7 +382,9 @@ class Connection(Lifecycle):
         began = time.monotonic()  # the link's round trip: a slow one's acks come late
         with contextlib.suppress(asyncio.TimeoutError, nats.errors.Error):
             await client.flush(timeout=max(1, round(self.settings.connect_timeout)))
-        self._acks = Acks(client, round_trip=time.monotonic() - began)
+        self._acks = Acks(
+            client, round_trip=time.monotonic() - began, on_leaf=bool(self.settings.hub_domain)
+        )
         self._js = client.jetstream(
             timeout=self.settings.request_timeout, domain=self.settings.hub_domain
         )

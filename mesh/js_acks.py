@@ -24,8 +24,10 @@ longer: a slow link) its ack does not come in which the connection heard nothing
 a link that went silent for a moment carried is lost with no reconnect to tell (a client's link
 frozen without a reset, a quiet leaf whose uplink dropped and came back), and the request
 waited out the whole timeout. A connection that hears other messages is alive, its ack only
-late (a busy hub, an election): nothing is sent again. One without an id waits for its ack, as
-through nats-py: published twice, it might be stored twice.
+late (a busy hub, an election): nothing is sent again. On a leaf node's connection (an edge
+site's) what it hears says nothing of the hub (the leaf's own link stays busy while its uplink
+is silent): such a publish is sent again each time its ack is late. One without an id waits
+for its ack, as through nats-py: published twice, it might be stored twice.
 """
 
 from __future__ import annotations
@@ -58,8 +60,12 @@ Gone = Callable[[], Awaitable[bool]]
 class Acks:
     """The acks of one connection's JetStream publishes (see the module's docstring)."""
 
-    def __init__(self, nc: Client, round_trip: float = 0.0) -> None:
+    def __init__(self, nc: Client, round_trip: float = 0.0, *, on_leaf: bool = False) -> None:
+        """``on_leaf``: a connection to a leaf node (an edge site's), whose own link stays
+        busy while its uplink to the hub is silent: what it hears says nothing of the hub, and
+        a publish with an id is sent again each time its ack is late (:meth:`_due`)."""
         self._nc = nc
+        self._on_leaf = on_leaf
         self._prefix = nc.new_inbox()
         self._pending: dict[str, asyncio.Future[Msg]] = {}
         self._unacked: dict[str, tuple[str, bytes, dict[str, str]]] = {}
@@ -200,7 +206,11 @@ class Acks:
             self._expire(token)
             return
         now_heard = self._nc.stats["in_msgs"]
-        if self._nc.is_connected and now_heard == heard:
+        # A leaf's link hears the site (its pulls' heartbeats, registry updates, the site's own
+        # streams' acks) while the uplink is silent: a forward lost in 1.5 s of silence at a
+        # busy site was never sent again, and the site's outbox stood still for its whole
+        # timeout and a pause, 4.7 s (review S27d). Sent again, the hub drops the repeat.
+        if self._nc.is_connected and (self._on_leaf or now_heard == heard):
             task = loop.create_task(self._send_again(token))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
