@@ -22,6 +22,7 @@ from mesh.answer_store import AnswerStore, ensure_answer_stream
 from mesh.config import MeshSettings
 from mesh.connection import Connection
 from mesh.nats_server import NatsServer
+from mesh.provision import PROVISION_TRIES
 from mesh.testing.chaos import expected_text
 from protocol.codec import WireFormat
 from protocol.messages import Usage
@@ -47,9 +48,9 @@ async def test_an_answer_that_starts_while_the_store_is_put_back_is_stored_whole
         assert (await client.complete("[tag:a] x", via="cloud", max_tokens=4)).text
         provision = worker._provision
 
-        async def slow_provision() -> None:
+        async def slow_provision(tries: int = PROVISION_TRIES) -> None:
             await asyncio.sleep(0.5)
-            await provision()
+            await provision(tries)
 
         monkeypatch.setattr(worker, "_provision", slow_provision)
         await op.jsm().delete_stream(settings.stream.answer_stream)
