@@ -323,7 +323,7 @@ class EdgeNode(Lifecycle):
         """Whether the edge can answer, and how: ``status`` is ready, degraded (answers, but
         only locally: the cloud is unreachable) or not_ready, with the reason for each part."""
         health = await health_within(self.backend)  # a hung engine: not ready, said at once
-        serves = self.models.live(self._es.cloud_model)
+        serves = await self.models.live_now(self._es.cloud_model)
         cloud = {True: "reachable", False: "unreachable", None: "unknown"}[serves]
         checks = {
             "model": "loaded" if health.ok else f"not ready: {health.detail}",

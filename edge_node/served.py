@@ -41,6 +41,12 @@ from protocol.subjects import model_token, worker_alive_subject
 log = get_logger(__name__)
 ASK_EVERY_S = 1.0
 """The least time between two rounds of questions to a model's workers (see the module)."""
+RECHECK_EVERY_S = 0.1
+"""On an edge site's leaf: the least time between two rounds of questions a request or a
+readiness probe waits on (:meth:`CloudModels.live_now`)."""
+RECHECK_WAIT_S = 0.05
+"""How long a request or a readiness probe waits on such a round; it goes on beside them, for
+the next one, when slower (a hub far away, or an uplink gone silent)."""
 PROBE_ID = "anyone-there"
 """The request id the questions name: no answer has it, so a worker only says it is there."""
 
@@ -51,6 +57,8 @@ class RegistryView(Protocol):
     def live(self, role: str = "worker") -> list[NodeInfo]: ...
 
     def askable(self) -> list[NodeInfo]: ...
+
+    def known(self, model: str) -> list[str]: ...
 
     @property
     def quiet(self) -> bool: ...
@@ -89,6 +97,8 @@ class CloudModels:
         self._asked: dict[str, float] = {}
         """When each pool's workers were last asked whether they are there."""
         self._asking: set[asyncio.Task[None]] = set()
+        self._rechecks: dict[str, tuple[asyncio.Task[None], float]] = {}
+        """Each pool's last round of :meth:`live_now`, and when it began."""
 
     async def deployed(self, model: str) -> bool:
         """Whether a worker pool was deployed for ``model`` (yes when JetStream cannot tell).
@@ -126,19 +136,42 @@ class CloudModels:
             self.ask_workers(model)
         return serves
 
+    async def live_now(self, model: str) -> bool | None:
+        """:meth:`live`, but where the view shows no live worker for ``model`` from an edge
+        site's leaf, the workers it knew are asked first (one round each ``RECHECK_EVERY_S`` at
+        most, waited on ``RECHECK_WAIT_S``). There the view never goes quiet, and workers aged
+        out while the uplink was down came back only with their next heartbeats: the site
+        answered locally for up to a heartbeat after its uplink was back (review S27d). While
+        the uplink is down, the leaf itself says "no responders" at once."""
+        serves = self.live(model)
+        if serves is not False or not self._conn.settings.hub_domain:
+            return serves
+        token, now = model_token(model), time.monotonic()
+        task, began = self._rechecks.get(token, (None, -RECHECK_EVERY_S))
+        if (task is None or task.done()) and now - began >= RECHECK_EVERY_S:
+            nodes = self._nodes.known(model)
+            if not nodes or not self._conn.connected:
+                return serves
+            task = asyncio.get_running_loop().create_task(self._ask(nodes), name="recheck")
+            self._asking.add(task)
+            task.add_done_callback(self._asking.discard)
+            self._rechecks[token] = (task, now)
+        if task is not None and not task.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), RECHECK_WAIT_S)
+        return self._nodes.serves(model)
+
     async def cannot_serve(self, model: str) -> tuple[str, str] | None:
         """Why the cloud cannot take a request for ``model`` now, and a word for it (``no_pool``,
         ``no_worker``); None when it may."""
         if not await self.deployed(model):
             return f"no worker pool serves {model!r}", "no_pool"
-        return self.no_live_worker(model)
+        return _no_worker(model) if await self.live_now(model) is False else None
 
     def no_live_worker(self, model: str) -> tuple[str, str] | None:
         """``no_worker`` when the registry shows no live worker serving ``model`` (only then:
         not while it cannot tell)."""
-        if self.live(model) is False:
-            return f"no live worker serves {model!r}", "no_worker"
-        return None
+        return _no_worker(model) if self.live(model) is False else None
 
     def ask_workers(self, model: str) -> None:
         """Ask the workers the registry shows serving ``model`` whether they are there, in the
@@ -187,6 +220,10 @@ class CloudModels:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _no_worker(model: str) -> tuple[str, str]:
+    return f"no live worker serves {model!r}", "no_worker"
 
 
 def _stopping(word: bytes) -> bool:

@@ -315,6 +315,16 @@ class NodeView:
             return self.live()
         return [info for info, _seen in self._nodes.values() if info.role == "worker"]
 
+    def known(self, model: str) -> list[str]:
+        """The workers serving ``model`` that the view has an entry for, live or aged out (not
+        those found gone): whom to ask when it shows none live but cannot be sure."""
+        token = model_token(model)
+        return [
+            info.node_id
+            for info, _seen in self._nodes.values()
+            if info.role == "worker" and any(model_token(m) == token for m in info.models)
+        ]
+
     def _alive(self, role: str) -> Iterator[NodeInfo]:
         """The nodes of ``role`` heard from within ``ttl``, one at a time."""
         now = time.monotonic()
