@@ -144,14 +144,17 @@ class CloudModels:
         answered locally for up to a heartbeat after its uplink was back (review S27d). While
         the uplink is down, the leaf itself says "no responders" at once."""
         serves = self.live(model)
-        if serves is not False or not self._conn.settings.hub_domain:
-            return serves
+        if serves is False and self._conn.settings.hub_domain:
+            return await self._recheck(model)
+        return serves
+
+    async def _recheck(self, model: str) -> bool | None:
         token, now = model_token(model), time.monotonic()
         task, began = self._rechecks.get(token, (None, -RECHECK_EVERY_S))
         if (task is None or task.done()) and now - began >= RECHECK_EVERY_S:
             nodes = self._nodes.known(model)
             if not nodes or not self._conn.connected:
-                return serves
+                return False
             task = asyncio.get_running_loop().create_task(self._ask(nodes), name="recheck")
             self._asking.add(task)
             task.add_done_callback(self._asking.discard)
@@ -166,7 +169,10 @@ class CloudModels:
         ``no_worker``); None when it may."""
         if not await self.deployed(model):
             return f"no worker pool serves {model!r}", "no_pool"
-        return _no_worker(model) if await self.live_now(model) is False else None
+        live = self.live(model)
+        if live is False and self._conn.settings.hub_domain:
+            live = await self._recheck(model)  # see live_now
+        return _no_worker(model) if live is False else None
 
     def no_live_worker(self, model: str) -> tuple[str, str] | None:
         """``no_worker`` when the registry shows no live worker serving ``model`` (only then:

@@ -217,9 +217,11 @@ async def test_a_resend_and_the_stores_later_read_pass_each_event_once(
     the worker's own tail comes after it: every token and the end come out exactly once."""
     reads: list[float] = []
     kept: list[WireEvent] = []
+    seen: list[tuple[bool, int]] = []  # at each store read: started, positions (for a failure)
 
     async def store(state: AnswerState) -> list[WireEvent]:
         reads.append(time.monotonic())
+        seen.append((state.started, state.positions))
         if len(reads) == 1:
             return await _down(state)
         return kept
@@ -239,7 +241,11 @@ async def test_a_resend_and_the_stores_later_read_pass_each_event_once(
         assert await setup.reader.next(0.2) == []
         assert reading.texts == ["a", "b", "c", "d"]
         assert reading.ends == 1
-        assert worker.asked, "the worker was never asked"
+        assert worker.asked, (
+            f"the worker was never asked: store reads at {[round(r - reads[0], 3) for r in reads]}"
+            f" saw (started, positions) {seen}; tokens read at "
+            f"{ {t: round(at - reads[0], 3) for t, at in reading.at.items()} }"
+        )
 
 
 async def test_a_reader_whose_answer_has_not_started_asks_no_worker(
