@@ -58,7 +58,7 @@ class RegistryView(Protocol):
 
     def askable(self) -> list[NodeInfo]: ...
 
-    def known(self, model: str) -> list[str]: ...
+    def aged(self, model: str) -> list[str]: ...
 
     @property
     def quiet(self) -> bool: ...
@@ -96,9 +96,11 @@ class CloudModels:
         that differ only where a token does not, "org/m" and "org.m", are one pool)."""
         self._asked: dict[str, float] = {}
         """When each pool's workers were last asked whether they are there."""
-        self._asking: set[asyncio.Task[None]] = set()
-        self._rechecks: dict[str, tuple[asyncio.Task[None], float]] = {}
+        self._asking: set[asyncio.Task[bool]] = set()
+        self._rechecks: dict[str, tuple[asyncio.Task[bool], float]] = {}
         """Each pool's last round of :meth:`live_now`, and when it began."""
+        self._unsure: set[str] = set()
+        """The pools whose last round learnt nothing (see :meth:`_recheck`)."""
 
     async def deployed(self, model: str) -> bool:
         """Whether a worker pool was deployed for ``model`` (yes when JetStream cannot tell).
@@ -149,20 +151,39 @@ class CloudModels:
         return serves
 
     async def _recheck(self, model: str) -> bool | None:
+        """One round of :meth:`live_now`. A round that learnt nothing (no answer in time: a
+        worker hung, an uplink gone silent) is not waited on again: the next goes in the
+        background, ``ASK_EVERY_S`` after it, so that no answer given locally meanwhile waits."""
         token, now = model_token(model), time.monotonic()
-        task, began = self._rechecks.get(token, (None, -RECHECK_EVERY_S))
-        if (task is None or task.done()) and now - began >= RECHECK_EVERY_S:
-            nodes = self._nodes.known(model)
+        task, began = self._rechecks.get(token, (None, -ASK_EVERY_S))
+        undecided = token in self._unsure
+        every = ASK_EVERY_S if undecided else RECHECK_EVERY_S
+        if (task is None or task.done()) and now - began >= every:
+            nodes = self._nodes.aged(model)
             if not nodes or not self._conn.connected:
                 return False
-            task = asyncio.get_running_loop().create_task(self._ask(nodes), name="recheck")
+            round_ = self._round(token, nodes)
+            task = asyncio.get_running_loop().create_task(round_, name="recheck")
             self._asking.add(task)
             task.add_done_callback(self._asking.discard)
             self._rechecks[token] = (task, now)
-        if task is not None and not task.done():
+        if task is not None and not task.done() and not undecided:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), RECHECK_WAIT_S)
         return self._nodes.serves(model)
+
+    async def _round(self, token: str, nodes: list[str]) -> bool:
+        """Ask ``nodes`` whether they are there, once the hub answers at all (while the uplink
+        is down the leaf refuses that at once: nothing to ask); whether the round learnt what
+        it asked (False: a question went unanswered in time, and the pool's rounds are not
+        waited on until one learns again)."""
+        began = time.monotonic()
+        if await self._conn.hub_answers(ALIVE_WAIT_S):
+            learnt = await self._ask(nodes)
+        else:  # refused at once (the uplink down), or no word in time (a silent uplink)
+            learnt = time.monotonic() - began < ALIVE_WAIT_S
+        (self._unsure.discard if learnt else self._unsure.add)(token)
+        return learnt
 
     async def cannot_serve(self, model: str) -> tuple[str, str] | None:
         """Why the cloud cannot take a request for ``model`` now, and a word for it (``no_pool``,
@@ -194,18 +215,20 @@ class CloudModels:
         self._asking.add(task)
         task.add_done_callback(self._asking.discard)
 
-    async def _ask(self, nodes: list[str]) -> None:
+    async def _ask(self, nodes: list[str]) -> bool:
+        """Whether each of ``nodes`` is there; whether every one said (or the server did)."""
         gone = await asyncio.gather(*(self._is_gone(node) for node in nodes))
         for node, is_gone in zip(nodes, gone, strict=True):
             if is_gone:
                 log.warning("a worker the registry shows is gone", worker=node)
                 self._nodes.gone(node)
+        return None not in gone
 
-    async def _is_gone(self, node: str) -> bool:
+    async def _is_gone(self, node: str) -> bool | None:
         """True only on the server's word, twice, that nobody listens for ``node``, or on the
         worker's own that it is stopping. A worker that answers otherwise is there: the view
         hears from it, as from a heartbeat (its own may not land while the registry refuses
-        writes)."""
+        writes). None: no answer in time."""
         subject = worker_alive_subject(node, self._scope, PROBE_ID)
         try:
             reply = await request_or_nobody(self._conn.nc, subject, b"", ALIVE_WAIT_S)
@@ -217,7 +240,7 @@ class CloudModels:
             return await self._conn.hub_answers(ALIVE_WAIT_S)  # not the uplink's word
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             self._nodes.no_answer(node)  # busy or standing still: proven only if the registry works
-            return False
+            return None
         except nats.errors.Error:
             return False  # our own link is down: nothing proven
 

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError
 
+from edge_node.consumer_look import until_there
 from edge_node.lanes import lane_secret
 from edge_node.served import CloudModels
 from mesh import kept
@@ -80,10 +81,6 @@ FORWARD_ACK_S = 1.0
 so quick; an ack the leaf ignores (another edge of the site reset the consumer, see
 :meth:`mesh.pull.Pull.redeliver`) costs this, not the request timeout, before the next one
 goes (the request comes again and is forwarded again, dropped by the hub as a duplicate)."""
-LOOK_S = 0.5
-"""How long a look for a consumer goes unanswered before another goes beside it (each waits up
-to the request timeout); more on a slow uplink: four of the last look's round trips. A look is
-cheap and safe to send again."""
 FIRST_LOOK_S = 0.1
 """The first pause between looks for a consumer not there; it doubles up to :data:`RETRY_S`."""
 SITE_STREAMS = "site streams"
@@ -227,57 +224,16 @@ class SiteLinks:
         """Until ``stream`` has consumer ``name`` (the site's forwarder, made again by the
         edge; the site's consumer of answers, by a worker at each answer it keeps for it):
         whether it was there at the first look, and the seconds the look that found it took
-        (a round trip to its server). A look left unanswered a few of ``rtt`` (the last
-        look's) is not waited out: another goes beside it, and another at once when a forward
-        reaches the hub. A look lost in a silent uplink held the loop for a whole request
-        timeout after the uplink carried again; one the hub is slow to answer still counts."""
-        pause, first = FIRST_LOOK_S, True
-        every = max(LOOK_S, 4 * rtt)
-        looks: dict[asyncio.Future[Any], float] = {}
-        try:
-            while True:
-                raise_if_cancelled()
-                reached = self._reached_hub
-                looks[asyncio.ensure_future(jsm.consumer_info(stream, name))] = time.monotonic()
-                found, failed = await self._look_on(looks, reached, every, name)
-                if found is not None:
-                    return first, found
-                first = False
-                if not failed:
-                    continue  # unanswered so far, or outrun by a forward: look again now
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(reached.wait(), pause)
-                pause = FIRST_LOOK_S if reached.is_set() else min(pause * 2, RETRY_S)
-        finally:
-            for look in looks:
-                look.cancel()
-            await asyncio.gather(*looks, return_exceptions=True)
-
-    async def _look_on(
-        self,
-        looks: dict[asyncio.Future[Any], float],
-        reached: asyncio.Event,
-        every: float,
-        name: str,
-    ) -> tuple[float | None, bool]:
-        """Wait ``every`` seconds at most for one of ``looks`` (each with when it was sent) to
-        end, or for a forward to reach the hub: the round trip of one that found the consumer,
-        or None, and whether one failed outright (those that ended leave ``looks``)."""
-        outrun = asyncio.ensure_future(reached.wait())
-        try:
-            await asyncio.wait((*looks, outrun), timeout=every, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            outrun.cancel()
-        failed = False
-        for look in [look for look in looks if look.done()]:
-            began = looks.pop(look)
-            if (exc := look.exception()) is None:
-                return time.monotonic() - began, False
-            if not isinstance(exc, (APIError, asyncio.TimeoutError, nats.errors.Error)):
-                raise exc
-            log.debug("consumer not there yet", consumer=name, error=repr(exc))
-            failed = True
-        return None, failed
+        (a round trip to its server). Looks lost in a silent uplink are not waited out
+        (:mod:`edge_node.consumer_look`; ``rtt``: the last look's)."""
+        return await until_there(
+            lambda: jsm.consumer_info(stream, name),
+            name,
+            rtt=rtt,
+            timeout=self.conn.settings.request_timeout,
+            reached=lambda: self._reached_hub,
+            most_pause=RETRY_S,
+        )
 
     # -- forwarder -----------------------------------------------------------------------------
     async def _forward_loop(self) -> None:

@@ -315,14 +315,19 @@ class NodeView:
             return self.live()
         return [info for info, _seen in self._nodes.values() if info.role == "worker"]
 
-    def known(self, model: str) -> list[str]:
-        """The workers serving ``model`` that the view has an entry for, live or aged out (not
-        those found gone): whom to ask when it shows none live but cannot be sure."""
-        token = model_token(model)
+    def aged(self, model: str) -> list[str]:
+        """The workers serving ``model`` whose entries aged out (not those found gone, nor
+        those whose engine was down): whom to ask when the view shows none live but cannot be
+        sure (an edge site's uplink was down). An answer from a worker shown down changes
+        nothing: it is not asked."""
+        token, now = model_token(model), time.monotonic()
         return [
             info.node_id
-            for info, _seen in self._nodes.values()
-            if info.role == "worker" and any(model_token(m) == token for m in info.models)
+            for info, seen in self._nodes.values()
+            if info.role == "worker"
+            and not info.down
+            and now - seen >= self._ttl
+            and any(model_token(m) == token for m in info.models)
         ]
 
     def _alive(self, role: str) -> Iterator[NodeInfo]:
