@@ -325,9 +325,12 @@ class Worker(Lifecycle):
         await self._puller.top_up(whole=True)
 
     def _alive(self, address: str) -> dict[str, bool]:
-        """Its "are you there?" word on ``address``, and that it stops (an edge counts it out)."""
+        """Its "are you there?" word on ``address``, and that it stops (an edge counts it out)
+        or its engine is down (there, serving nothing: an edge does not count it in)."""
         word = self.handler.alive(address)
-        return {**word, "stopping": True} if self._stopping else word
+        if self._stopping:
+            word = {**word, "stopping": True}
+        return {**word, "down": True} if self.engine.down else word
 
     def _lost(self, why: str) -> None:
         """The server says a stream or the queue's consumer is gone (its deletion's advisory, a

@@ -83,10 +83,11 @@ async def until_there(
 
 def _add(looks: dict[asyncio.Future[Any], float], task: asyncio.Future[Any]) -> None:
     looks[task] = time.monotonic()
-    if len(looks) > MAX_LOOKS:
-        spare = list(looks)[1]  # the first stays: a slow hub's answer still counts
-        del looks[spare]
-        spare.cancel()
+    if len(looks) > MAX_LOOKS:  # the first stays: a slow hub's answer still counts
+        spare = next((t for t in list(looks)[1:] if not t.done()), None)  # an ended one is read
+        if spare is not None:
+            del looks[spare]
+            spare.cancel()
 
 
 async def _look_on(
@@ -109,7 +110,9 @@ async def _look_on(
         if (exc := task.exception()) is None:
             found = now - began if found is None else min(found, now - began)
             continue
-        if not isinstance(exc, (APIError, asyncio.TimeoutError, nats.errors.Error)):
+        if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError)):
+            continue  # unanswered: the looks beside it are paced by ``every``, not paused
+        if not isinstance(exc, (APIError, nats.errors.Error)):
             raise exc
         log.debug("consumer not there yet", consumer=name, error=repr(exc))
         refused = isinstance(exc, (ServiceUnavailableError, nats.errors.NoRespondersError))

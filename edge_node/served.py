@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from typing import Protocol
 
@@ -47,6 +48,8 @@ readiness probe waits on (:meth:`CloudModels.live_now`)."""
 RECHECK_WAIT_S = 0.05
 """How long a request or a readiness probe waits on such a round; it goes on beside them, for
 the next one, when slower (a hub far away, or an uplink gone silent)."""
+UNSURE_S = 2 * ASK_EVERY_S
+"""How long a pool's round that learnt nothing keeps the next rounds in the background."""
 PROBE_ID = "anyone-there"
 """The request id the questions name: no answer has it, so a worker only says it is there."""
 
@@ -99,8 +102,10 @@ class CloudModels:
         self._asking: set[asyncio.Task[bool]] = set()
         self._rechecks: dict[str, tuple[asyncio.Task[bool], float]] = {}
         """Each pool's last round of :meth:`live_now`, and when it began."""
-        self._unsure: set[str] = set()
-        """The pools whose last round learnt nothing (see :meth:`_recheck`)."""
+        self._unsure: dict[str, float] = {}
+        """The pools whose last round learnt nothing, and when it ended (see :meth:`_recheck`):
+        the mark holds ``UNSURE_S``, renewed by each such round, so that it ends with its
+        cause (a worker that stopped hanging is live again, and no round runs to clear it)."""
 
     async def deployed(self, model: str) -> bool:
         """Whether a worker pool was deployed for ``model`` (yes when JetStream cannot tell).
@@ -156,7 +161,7 @@ class CloudModels:
         background, ``ASK_EVERY_S`` after it, so that no answer given locally meanwhile waits."""
         token, now = model_token(model), time.monotonic()
         task, began = self._rechecks.get(token, (None, -ASK_EVERY_S))
-        undecided = token in self._unsure
+        undecided = now - self._unsure.get(token, -math.inf) < UNSURE_S
         every = ASK_EVERY_S if undecided else RECHECK_EVERY_S
         if (task is None or task.done()) and now - began >= every:
             nodes = self._nodes.aged(model)
@@ -182,7 +187,10 @@ class CloudModels:
             learnt = await self._ask(nodes)
         else:  # refused at once (the uplink down), or no word in time (a silent uplink)
             learnt = time.monotonic() - began < ALIVE_WAIT_S
-        (self._unsure.discard if learnt else self._unsure.add)(token)
+        if learnt:
+            self._unsure.pop(token, None)
+        else:
+            self._unsure[token] = time.monotonic()
         return learnt
 
     async def cannot_serve(self, model: str) -> tuple[str, str] | None:
@@ -233,9 +241,11 @@ class CloudModels:
         try:
             reply = await request_or_nobody(self._conn.nc, subject, b"", ALIVE_WAIT_S)
             if reply is not None:
-                if _stopping(reply.data):  # there, and taking no more work
+                said = _said(reply.data)
+                if said.get("stopping") is True:  # there, and taking no more work
                     return True
-                self._nodes.heard_from(node)
+                if said.get("down") is not True:  # its engine down: there, serving nothing
+                    self._nodes.heard_from(node)
                 return False
             return await self._conn.hub_answers(ALIVE_WAIT_S)  # not the uplink's word
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -255,10 +265,10 @@ def _no_worker(model: str) -> tuple[str, str]:
     return f"no live worker serves {model!r}", "no_worker"
 
 
-def _stopping(word: bytes) -> bool:
-    """Whether a worker's answer to "are you there?" says it is stopping."""
+def _said(word: bytes) -> dict[str, object]:
+    """A worker's answer to "are you there?" (``stopping``, ``down``: its engine is)."""
     try:
         said = json.loads(word)
     except ValueError:
-        return False
-    return isinstance(said, dict) and said.get("stopping") is True
+        return {}
+    return said if isinstance(said, dict) else {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import statistics
 import time
 
@@ -22,7 +23,7 @@ from mesh.backends.deterministic import DeterministicBackend
 from mesh.client import MeshClient
 from mesh.connection import Connection
 from mesh.testing.chaos import MeshProcess, expected_text, paused
-from protocol.subjects import ANSWERS_STREAM
+from protocol.subjects import ANSWERS_STREAM, REGISTRY_UPDATES
 from tests.helpers import eventually, holds
 from tests.test_edge_site import (  # noqa: F401 - topology is a fixture
     Topology,
@@ -251,3 +252,61 @@ async def test_a_pool_whose_engines_are_down_is_not_asked_ten_times_a_second_by_
             await op.nc.flush()
         print(f"\nengine down: the worker was asked {len(asked)} times in 2 s by one site")
         assert len(asked) <= 4, len(asked)
+
+
+async def test_an_engine_that_went_down_during_a_cut_is_not_taken_for_a_live_worker_at_relink(
+    topology: Topology,  # noqa: F811 - the fixture
+) -> None:
+    """The uplink is down past the node ttl; meanwhile the pool's only worker's engine goes down
+    (the worker announces ``down`` at the hub; the site hears none of it). When the uplink
+    links again, the site's recheck asks the aged-out worker whether it is there. Were its
+    answer taken as a heartbeat, it would refresh the view's stale entry, which still says the
+    engine is up: /ready would say "ready" (cloud reachable) and a cloud request would be
+    escalated to a pool that pulls nothing, until the
+    worker's next heartbeat (``down``) reaches the site. Without the recheck the site said
+    "degraded" and answered locally at once. So a worker's answer now says when its engine is
+    down, and such an answer does not count it in (review S28b: the request went local only
+    after 1.77 s, and /ready said ready)."""
+    uplink, leaf = topology.uplinks[SITE], topology.leaves[SITE]
+    async with site_mesh(topology, heartbeat=2.0) as (backend, edge, client):
+        model = edge.settings.edge.cloud_model
+        down_beat = asyncio.Event()
+        operator = topology.hub_settings("operator")
+        async with Connection(operator.nats, "op-beats") as op:
+
+            async def on_beat(msg: object) -> None:
+                try:
+                    info = json.loads(msg.data)  # type: ignore[attr-defined]
+                except ValueError:
+                    return
+                if isinstance(info, dict) and info.get("down"):
+                    down_beat.set()
+
+            await op.nc.subscribe(f"{REGISTRY_UPDATES}.worker.>", cb=on_beat)
+            uplink.cut(3600)
+            await eventually(
+                lambda: holds(edge.nodes.serves(model) is False), timeout=15, what="cloud gone"
+            )
+
+            async def engine_down() -> Health:
+                return Health(ok=False, detail="engine stopped")
+
+            backend.health = engine_down  # type: ignore[method-assign] - the engine, not NATS
+            await asyncio.wait_for(down_beat.wait(), 10)  # the hub knows: engine down
+            down_beat.clear()
+            await asyncio.wait_for(down_beat.wait(), 5)  # just after a heartbeat: ~2 s to the next
+            async with watching(leaf) as relinked:
+                uplink.restore()
+                linked = await relinked
+        await asyncio.sleep(0.3)
+        ready = await edge.readiness()
+        began = time.monotonic()
+        answer = await client.complete("[tag:e] x", route="cloud", max_tokens=2)
+        took = time.monotonic() - began
+        print(
+            f"\nengine down during the cut: /ready {ready['status']} ({ready.get('checks')}) "
+            f"{time.monotonic() - linked:.2f} s after the relink; a cloud request went "
+            f"{answer.path} in {took:.2f} s ({answer.end.fallback})"
+        )
+        assert ready["status"] == "degraded", ready
+        assert answer.path == "local" and took < 0.5, (answer.path, took, answer.end.fallback)
