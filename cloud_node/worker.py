@@ -325,11 +325,10 @@ class Worker(Lifecycle):
         await self._puller.top_up(whole=True)
 
     def _alive(self, address: str) -> dict[str, bool]:
-        """Its "are you there?" word on ``address``, and that it stops (an edge counts it out)
-        or its engine is down (there, serving nothing: an edge does not count it in)."""
+        """Its "are you there?" word on ``address``; an edge counts it out when it stops or its
+        engine is down."""
         word = self.handler.alive(address)
-        if self._stopping:
-            word = {**word, "stopping": True}
+        word = {**word, "stopping": True} if self._stopping else word
         return {**word, "down": True} if self.engine.down else word
 
     def _lost(self, why: str) -> None:
