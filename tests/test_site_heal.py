@@ -121,7 +121,7 @@ async def test_an_answer_kept_at_the_hub_during_a_long_cut_reaches_its_client_so
             await eventually(lambda i=i: holds(backend.started > i), what="generating")
             uplink.cut(3600)
             await eventually(lambda i=i: _answers_at_hub(topology, i + 1), what="kept at the hub")
-            await asyncio.sleep(3.0)  # a long cut: the collector's looks are 1 s apart by now
+            await asyncio.sleep(3.0)  # a long cut: the pull is lost and the leaf refuses the looks
             async with watching(leaf) as relinked:
                 uplink.restore()
                 answer = await asyncio.wait_for(asking, 30)
